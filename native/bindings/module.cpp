@@ -1,0 +1,8 @@
+#include "bindings/registry.h"
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "offload native core: CPU Adam kernels, asynchronous I/O engine";
+  offload::bindings::register_common(m);
+  offload::bindings::register_adam(m);
+  offload::bindings::register_io(m);
+}

@@ -1,0 +1,16 @@
+"""What the native build provides on this machine."""
+from __future__ import annotations
+
+from offload import _native
+
+
+def native_info() -> dict:
+    """Report the native build: the Adam instruction set chosen at load time, the ones this
+    CPU can run, the threads the kernels use, and the I/O backends compiled in (which of
+    them work in a given directory is probed by ``offload.io.IOEngine``)."""
+    return {
+        "adam_isa": _native.adam_selected_isa(),
+        "adam_isas_available": list(_native.adam_available_isas()),
+        "num_threads": _native.num_threads(),
+        "io_backends": list(_native.io_available_backends()),
+    }
