@@ -1,0 +1,132 @@
+// The asynchronous I/O engine: requests of any size, split into blocks kept in flight on a
+// Backend by one driver thread.
+//
+// [Note: request lifecycle]
+// submit() opens the file in the calling thread (O_DIRECT unless the filesystem cannot honor
+// it) and queues a Request; an open failure completes the request at once with that error,
+// so every error, whatever its stage, is observed through Request::wait(). The driver thread
+// takes blocks of at most block_bytes from the queue head while fewer than queue_depth are in
+// flight, hands them to the backend, reaps completions, continues short transfers, and
+// finishes a request when its last block is back: on an error it stops issuing that request's
+// blocks but still reaps the ones in flight, so no buffer is ever written after its request
+// is reported done. A request whose buffer, offset or length is not 4 KiB aligned (O_DIRECT
+// files only) is a barrier: the driver waits for everything in flight, moves it synchronously
+// through an aligned bounce buffer (read-modify-write for partial blocks of writes), and only
+// then continues, so its read-modify-write never races with this engine's other requests.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "io/backend.h"
+
+namespace offload::io {
+
+constexpr std::size_t kAlignBytes = 4096;
+
+class Request {
+ public:
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  // Blocks until the request is finished. Returns the bytes moved, or -1 after an error
+  // (then error_code() and error_message() say what happened).
+  long long wait();
+  int error_code() const { return error_code_; }
+  const std::string& error_message() const { return error_message_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  friend class Engine;
+  void fail(int err, const std::string& what);
+
+  // Set once in submit().
+  std::string path_;
+  bool is_write_ = false;
+  char* buf_ = nullptr;
+  std::size_t nbytes_ = 0;
+  std::uint64_t offset_ = 0;
+  int fd_ = -1;
+  bool direct_ = false;
+  bool bounced_ = false;
+  // Progress, touched only by the driver thread.
+  std::size_t issued_bytes_ = 0;
+  unsigned blocks_in_flight_ = 0;
+  bool failed_ = false;
+  // Result, published by done_.
+  int error_code_ = 0;
+  std::string error_message_;
+  std::atomic<bool> done_{false};
+  std::mutex mutex_;
+  std::condition_variable finished_;
+};
+
+class Engine {
+ public:
+  // Throws std::invalid_argument for bad arguments and std::system_error when the backend
+  // cannot be created on this kernel.
+  Engine(const std::string& backend, std::size_t block_bytes, unsigned queue_depth);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // buf must stay valid until the returned request is done.
+  std::shared_ptr<Request> submit(bool is_write, void* buf, std::size_t nbytes,
+                                  const std::string& path, std::uint64_t offset);
+  // Blocks until every submitted request is finished (errors stay in the requests).
+  void wait_all();
+  // Waits for everything and stops the driver; idempotent. Later submits throw.
+  void close();
+
+  const std::string& backend_name() const { return backend_name_; }
+  // Files opened without O_DIRECT because their filesystem cannot honor it.
+  std::uint64_t num_buffered_opens() const { return num_buffered_opens_.load(); }
+
+ private:
+  struct Block {
+    std::shared_ptr<Request> request;
+    std::size_t request_offset = 0;  // where the block starts inside the request
+    std::size_t nbytes = 0;
+    std::size_t done_bytes = 0;
+  };
+
+  void drive();
+  BlockOp op_for(std::uint64_t slot) const;
+  // Returns true when the block is finished (fully moved or failed), false to resubmit.
+  bool on_completion(Block& block, long result);
+  void finish(const std::shared_ptr<Request>& request);
+  void run_bounced(Request& request);
+  void open_file(Request& request);
+
+  std::string backend_name_;
+  std::size_t block_bytes_;
+  unsigned queue_depth_;
+  std::unique_ptr<Backend> backend_;
+  std::atomic<std::uint64_t> num_buffered_opens_{0};
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable idle_;
+  std::deque<std::shared_ptr<Request>> queue_;
+  std::size_t num_unfinished_ = 0;
+  bool stopping_ = false;
+  bool closed_ = false;
+
+  // Driver-thread state.
+  std::vector<Block> blocks_;
+  std::vector<std::uint64_t> free_slots_;
+  unsigned in_flight_ = 0;
+  int broken_errno_ = 0;  // the backend itself failed; every later request fails with it
+
+  std::thread driver_;
+};
+
+}  // namespace offload::io

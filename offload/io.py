@@ -1,0 +1,288 @@
+"""Asynchronous O_DIRECT file I/O for tensors, and the swap space that holds offloaded state.
+
+``IOEngine`` moves the bytes of contiguous CPU tensors to and from files with many blocks in
+flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Semantics:
+
+- ``write_from(t, path, offset)`` writes exactly ``t.nbytes`` bytes at ``offset``, creating
+  the file (mode 0600) if needed; bytes outside that range are left as they were and the file
+  grows only to ``offset + t.nbytes``, as with ``os.pwrite``.
+- ``read_into(t, path, offset)`` reads exactly ``t.nbytes`` bytes; a file that ends before
+  ``offset + t.nbytes`` is an ``OSError`` (errno ENODATA) naming the file.
+- Errors of any stage (open, submission, completion) surface from ``handle.wait()`` (and
+  from ``wait_all()``) as ``OSError`` with ``errno`` set and a message naming the operation,
+  file, offset, length and errno. The engine stays usable afterwards.
+- A buffer, offset or length that is not 4 KiB aligned is moved correctly through an aligned
+  bounce buffer the size of the request, synchronously inside the engine and after every
+  earlier request has finished; use ``aligned_empty`` and aligned offsets for full speed.
+- Requests in flight at the same time that overlap in the file are not ordered against each
+  other (as with any asynchronous I/O): wait for one before issuing the other.
+- Filesystems that cannot bypass the page cache (tmpfs, or any that refuses O_DIRECT) are
+  written buffered with ``fdatasync`` at each write's completion, after one warning.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+from offload import _native
+
+__all__ = ["IOEngine", "IOHandle", "aligned_empty", "probe_directory", "SwapSpace", "Extent",
+           "ALIGN_BYTES"]
+
+ALIGN_BYTES = 4096
+BACKENDS = ("io_uring", "libaio", "threads")
+# Size of the auto probe's write+read; large enough to see queueing, small enough for startup.
+_PROBE_BYTES = 8 << 20
+_auto_choice_by_dir: Dict[str, str] = {}
+
+
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialized 1-D tensor of ``nbytes`` bytes whose data starts on a 4 KiB boundary
+    (pinned when CUDA is present, so device copies from it are asynchronous)."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes % itemsize:
+        raise ValueError(f"nbytes={nbytes} is not a multiple of {dtype}'s size {itemsize}")
+    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8,
+                      pin_memory=torch.cuda.is_available())
+    skip = (-raw.data_ptr()) % ALIGN_BYTES
+    return raw[skip:skip + nbytes].view(dtype)
+
+
+def _check_tensor(tensor, name: str = "tensor") -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_offset(offset) -> int:
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    return offset
+
+
+def _check_path(path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+class IOHandle:
+    """Completion of one request. Keeps its tensor alive until the request is finished."""
+
+    __slots__ = ("_request", "_tensor", "_result")
+
+    def __init__(self, request, tensor: torch.Tensor):
+        self._request = request
+        self._tensor = tensor
+        self._result: Optional[int] = None
+
+    def done(self) -> bool:
+        return self._request.done()
+
+    def wait(self) -> int:
+        """Blocks until finished; returns the bytes moved or raises ``OSError``."""
+        if self._result is None:
+            try:
+                self._result = self._request.wait()
+            finally:
+                self._tensor = None  # finished either way: the engine no longer touches it
+        return self._result
+
+
+class IOEngine:
+    """Asynchronous reads and writes of tensor bytes; see the module docstring.
+
+    backend: "auto" (probe which backends work and pick the fastest, see ``probe_directory``),
+        or one of "io_uring", "libaio", "threads".
+    block_bytes: largest single kernel request; larger requests are split. Multiple of 4096.
+    queue_depth: blocks kept in flight at once.
+    probe_dir: where "auto" probes (default: the temp directory); pass the swap directory so
+        the choice reflects the device that will be used.
+    """
+
+    def __init__(self, backend: str = "auto", block_bytes: int = 1 << 20, queue_depth: int = 32,
+                 probe_dir: Optional[str] = None):
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        for name, value in (("block_bytes", block_bytes), ("queue_depth", queue_depth)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if block_bytes <= 0 or block_bytes % ALIGN_BYTES or block_bytes > (1 << 30):
+            raise ValueError(
+                f"block_bytes must be a positive multiple of {ALIGN_BYTES} up to 1 GiB, "
+                f"got {block_bytes}")
+        if not 1 <= queue_depth <= 4096:
+            raise ValueError(f"queue_depth must be in [1, 4096], got {queue_depth}")
+        if backend == "auto":
+            backend = _auto_backend(probe_dir or tempfile.gettempdir())
+        self._core = _native.IOEngineCore(backend, block_bytes, queue_depth)
+        self.backend: str = backend
+        self.block_bytes = block_bytes
+        self.queue_depth = queue_depth
+        self._pending: List[IOHandle] = []
+        self._warned_buffered = False
+        self._closed = False
+
+    def read_into(self, tensor: torch.Tensor, path, offset: int = 0) -> IOHandle:
+        """Starts reading ``tensor.nbytes`` bytes of ``path`` at ``offset`` into ``tensor``."""
+        return self._submit(False, tensor, path, offset)
+
+    def write_from(self, tensor: torch.Tensor, path, offset: int = 0) -> IOHandle:
+        """Starts writing the bytes of ``tensor`` to ``path`` at ``offset``."""
+        return self._submit(True, tensor, path, offset)
+
+    def _submit(self, is_write: bool, tensor, path, offset) -> IOHandle:
+        _check_tensor(tensor)
+        path = _check_path(path)
+        offset = _check_offset(offset)
+        if self._closed:
+            raise ValueError("I/O engine is closed")
+        nbytes = tensor.numel() * tensor.element_size()
+        request = self._core.submit(is_write, tensor.data_ptr(), nbytes, path, offset)
+        handle = IOHandle(request, tensor)
+        self._pending.append(handle)
+        if len(self._pending) > 4096:
+            self._pending = [h for h in self._pending if not h.done()]
+        if not self._warned_buffered and self._core.num_buffered_opens:
+            self._warned_buffered = True
+            warnings.warn(
+                f"{path}: the filesystem does not honor O_DIRECT; this engine falls back to "
+                "buffered I/O with fdatasync on write completion there (slower, uses page cache)",
+                RuntimeWarning, stacklevel=3)
+        return handle
+
+    def wait_all(self) -> None:
+        """Waits for every request; raises the first ``OSError`` not yet seen via ``wait()``.
+
+        Requests dropped from tracking after finishing (see _submit) had their errors
+        observable only through their handles."""
+        pending, self._pending = self._pending, []
+        self._core.wait_all()
+        first_error = None
+        for handle in pending:
+            if handle._result is not None:
+                continue
+            try:
+                handle.wait()
+            except OSError as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def close(self) -> None:
+        """Waits for everything in flight (errors are not raised here) and stops the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self._core.close()
+        self._pending = []
+
+    def __enter__(self) -> "IOEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close()
+
+
+def _o_direct_works(directory: str) -> Dict[str, object]:
+    """Whether files in ``directory`` can be opened with O_DIRECT and bypass the page cache."""
+    fd, path = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
+    os.close(fd)
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        except OSError as error:
+            return {"o_direct": False, "o_direct_error": f"{error.strerror} (errno {error.errno})"}
+        try:
+            # A filesystem that accepts an unaligned O_DIRECT write is serving it from the page
+            # cache (tmpfs does since Linux 6.6): it does not really honor O_DIRECT.
+            try:
+                os.pwrite(fd, b"x", 1)
+            except OSError:
+                return {"o_direct": True, "o_direct_error": None}
+            return {"o_direct": False, "o_direct_error": "accepted but not honored (page cache)"}
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+
+
+def _time_backend(backend: str, directory: str) -> float:
+    """Seconds for an aligned write then read of _PROBE_BYTES; raises if the data differs."""
+    data = aligned_empty(_PROBE_BYTES)
+    data.copy_(torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8))
+    back = aligned_empty(_PROBE_BYTES)
+    fd, path = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with IOEngine(backend, block_bytes=1 << 20, queue_depth=8) as engine:
+                start = time.perf_counter()
+                engine.write_from(data, path, 0).wait()
+                engine.read_into(back, path, 0).wait()
+                seconds = time.perf_counter() - start
+    finally:
+        os.unlink(path)
+    if not torch.equal(data, back):
+        raise OSError(f"backend {backend}: data read back differs from data written")
+    return seconds
+
+
+def probe_directory(path) -> dict:
+    """Which I/O backends work in ``path`` (a real aligned write+read each, timed) and whether
+    O_DIRECT works there. Used by ``IOEngine(backend="auto")`` and ``offload doctor``.
+
+    Returns {"path", "o_direct", "o_direct_error", "backends": {name: {"ok", "seconds",
+    "error"}}, "best": name or None}.
+    """
+    path = os.path.abspath(_check_path(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"path {path!r} is not a directory")
+    report: dict = {"path": path}
+    report.update(_o_direct_works(path))
+    report["backends"] = {}
+    for backend in _native.io_available_backends():
+        try:
+            seconds = _time_backend(backend, path)
+            report["backends"][backend] = {"ok": True, "seconds": seconds, "error": None}
+        except (OSError, RuntimeError) as error:
+            report["backends"][backend] = {"ok": False, "seconds": None, "error": str(error)}
+    working = [(r["seconds"], name) for name, r in report["backends"].items() if r["ok"]]
+    report["best"] = min(working)[1] if working else None
+    return report
+
+
+def _auto_backend(directory: str) -> str:
+    """Fastest working backend in ``directory``, probed once per directory per process."""
+    directory = os.path.abspath(directory)
+    if directory not in _auto_choice_by_dir:
+        best = probe_directory(directory)["best"]
+        if best is None:
+            raise OSError(f"no I/O backend works in {directory}")
+        _auto_choice_by_dir[directory] = best
+    return _auto_choice_by_dir[directory]
+
+
+from offload.swap import Extent, SwapSpace  # noqa: E402  (swap.py imports probe helpers)
