@@ -66,7 +66,7 @@ inline void store(float* p, __m512 x, __mmask16 mask, bool tail) {
   }
 }
 
-template <DType G, bool kCopyOut, DType C, bool kTail>
+template <DType G, bool kCopyOut, DType C, bool kTail, bool kStream = false>
 inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mmask16 mask) {
   __m512 g = _mm512_mul_ps(load_grad<G, kTail>(b.grad, i, mask), _mm512_set1_ps(k.grad_scale));
   __m512 p = load(b.param + i, mask, kTail);
@@ -91,6 +91,9 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mma
     const __m256i h = narrow<C>(p);
     if (kTail) {
       _mm256_mask_storeu_epi16(out, mask, h);
+    } else if (kStream) {
+      // copy_out is only written: a streaming store skips reading its lines first.
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
     }
@@ -100,6 +103,11 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mma
 template <DType G, bool kCopyOut, DType C>
 void run(const Buffers& b, const Coefficients& k) {
   std::size_t i = 0;
+  const bool stream = kCopyOut && reinterpret_cast<std::uintptr_t>(b.copy_out) % 32 == 0;
+  if (stream) {
+    for (; i + 16 <= b.numel; i += 16) update<G, kCopyOut, C, false, true>(b, k, i, 0xFFFF);
+    _mm_sfence();
+  }
   for (; i + 16 <= b.numel; i += 16) update<G, kCopyOut, C, false>(b, k, i, 0xFFFF);
   if (i < b.numel) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (b.numel - i)) - 1u);
