@@ -3,7 +3,18 @@
 Public API (see ARCHITECTURE.md): ``wrap``, ``OffloadConfig``, ``CPUAdam``, ``native_info``
 and the ``offload.io`` module (``IOEngine``, ``aligned_empty``).
 """
-from offload._info import native_info
+import os as _os
 
-__all__ = ["native_info"]
+import torch as _torch
+
+from offload import _native
+from offload._info import native_info
+from offload.optim import CPUAdam
+
+# Native kernels use their own thread pool: size it like torch's intra-op pool unless
+# OFFLOAD_NUM_THREADS says otherwise, so the two never oversubscribe the cores differently.
+if not _os.environ.get("OFFLOAD_NUM_THREADS"):
+    _native.set_num_threads(_torch.get_num_threads())
+
+__all__ = ["CPUAdam", "native_info"]
 __version__ = "0.1.0"

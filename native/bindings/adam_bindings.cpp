@@ -1,13 +1,69 @@
+// Python face of native/adam. Buffers cross as integer addresses (tensor.data_ptr()) with
+// element counts and dtype codes; offload/optim.py checks the tensors before calling here.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <pybind11/stl.h>
+
+#include "adam/adam.h"
 #include "bindings/registry.h"
 
 namespace py = pybind11;
 
 namespace offload::bindings {
+namespace {
 
-// Placeholder until the Adam kernels land (issue 2).
+adam::DType dtype_from_code(int code, const char* what) {
+  if (code < 0 || code > 2) {
+    throw std::invalid_argument(std::string(what) + ": unknown dtype code " +
+                                std::to_string(code));
+  }
+  return static_cast<adam::DType>(code);
+}
+
+void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype,
+               std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t numel,
+               double step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw, double grad_scale, std::uintptr_t copy_out,
+               int copy_out_dtype) {
+  adam::Buffers buffers;
+  buffers.param = reinterpret_cast<float*>(param);
+  buffers.grad = reinterpret_cast<const void*>(grad);
+  buffers.grad_dtype = dtype_from_code(grad_dtype, "grad_dtype");
+  buffers.exp_avg = reinterpret_cast<float*>(exp_avg);
+  buffers.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  buffers.copy_out = reinterpret_cast<void*>(copy_out);
+  buffers.copy_out_dtype = dtype_from_code(copy_out_dtype, "copy_out_dtype");
+  buffers.numel = numel;
+  adam::Hyperparameters hyper{lr, beta1, beta2, eps, weight_decay, step, adamw, grad_scale};
+  adam::step(buffers, hyper);
+}
+
+}  // namespace
+
 void register_adam(py::module_& m) {
-  m.def("adam_selected_isa", [] { return std::string("none"); });
-  m.def("adam_available_isas", [] { return py::list(); });
+  m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>(), py::arg("param"),
+        py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("numel"), py::kw_only(), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("grad_scale"), py::arg("copy_out") = 0, py::arg("copy_out_dtype") = 0,
+        "One Adam/AdamW step over flat buffers given by address (dtype codes: 0 float32, "
+        "1 bfloat16, 2 float16). Releases the GIL. Callers must pass valid, non-overlapping "
+        "buffers of numel elements: use offload.optim.adam_step_flat, which checks them.");
+  m.def("adam_selected_isa", [] { return std::string(adam::isa_name(adam::selected_isa())); },
+        "Instruction set the Adam kernel runs on; raises if OFFLOAD_FORCE_ISA was invalid.");
+  m.def("adam_available_isas",
+        [] {
+          py::list names;
+          for (adam::Isa isa : adam::available_isas()) names.append(adam::isa_name(isa));
+          return names;
+        },
+        "Instruction sets this CPU can run the Adam kernel on, slowest first.");
+  m.def("adam_set_isa", [](const std::string& name) { adam::set_isa(adam::parse_isa(name)); },
+        py::arg("name"),
+        "Run later Adam steps on this instruction set (for tests and benchmarks); raises "
+        "ValueError for an unknown name, RuntimeError if this CPU lacks it.");
 }
 
 }  // namespace offload::bindings

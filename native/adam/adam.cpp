@@ -1,0 +1,202 @@
+// Dispatch for the Adam kernels: ISA choice (once, at load time), per-step coefficients,
+// and splitting a step across the native thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "adam/adam.h"
+#include "adam/adam_kernels.h"
+#include "common/thread_pool.h"
+
+namespace offload::adam {
+namespace {
+
+// Work is cut into chunks of a multiple of this many elements (a multiple of every vector
+// width, so a chunk starts as aligned as the buffer does); 64 Ki elements move ~1.8 MB, large
+// enough that the pool's hand-off is noise.
+constexpr std::size_t kChunkNumel = std::size_t{1} << 16;
+// Below this a step runs on the calling thread: waking the pool costs more than it saves.
+constexpr std::size_t kParallelMinNumel = 2 * kChunkNumel;
+
+bool cpu_has(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+  return false;
+}
+
+// The load-time choice. An invalid OFFLOAD_FORCE_ISA is remembered, not thrown here (a
+// static initializer must not throw); every use reports it.
+struct Selection {
+  std::atomic<int> isa{static_cast<int>(Isa::kScalar)};
+  std::string error;
+
+  Selection() {
+    Isa best = Isa::kScalar;
+    for (Isa candidate : available_isas()) best = candidate;
+    isa = static_cast<int>(best);
+    const char* forced = std::getenv("OFFLOAD_FORCE_ISA");
+    if (forced == nullptr || *forced == '\0') return;
+    try {
+      const Isa wanted = parse_isa(forced);
+      if (cpu_has(wanted)) {
+        isa = static_cast<int>(wanted);
+      } else {
+        error = std::string("OFFLOAD_FORCE_ISA=") + forced + ": this CPU cannot run the '" +
+                forced + "' Adam kernel";
+      }
+    } catch (const std::invalid_argument& e) {
+      error = std::string("OFFLOAD_FORCE_ISA: ") + e.what();
+    }
+  }
+};
+
+Selection& selection() {
+  static Selection s;
+  return s;
+}
+
+// Make the choice when the library loads, not at the first step.
+[[maybe_unused]] const bool kSelectedAtLoad = (selection(), true);
+
+detail::Coefficients coefficients(const Hyperparameters& h) {
+  // Double arithmetic mirrors torch's Python-float arithmetic in _single_tensor_adam,
+  // including `bias_correction2 ** 0.5` (pow, not sqrt); each result is then rounded to
+  // float as ATen does with a Python scalar operand.
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, h.step);
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, h.step);
+  const double step_size = h.lr / bias_correction1;
+  const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
+  const bool decay = h.weight_decay != 0.0;
+
+  detail::Coefficients k;
+  k.grad_scale = static_cast<float>(h.grad_scale);
+  k.l2 = decay && !h.adamw;
+  k.l2_decay = static_cast<float>(h.weight_decay);
+  k.param_decay = decay && h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  k.lerp_weight = static_cast<float>(1.0 - h.beta1);
+  k.lerp_small = std::fabs(k.lerp_weight) < 0.5f;
+  k.lerp_weight_minus_one = k.lerp_weight - 1.0f;
+  k.beta2 = static_cast<float>(h.beta2);
+  k.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  k.bias_correction2_sqrt = static_cast<float>(bias_correction2_sqrt);
+  k.eps = static_cast<float>(h.eps);
+  k.neg_step_size = static_cast<float>(-step_size);
+  return k;
+}
+
+using Kernel = void (*)(const Buffers&, const detail::Coefficients&);
+
+Kernel kernel_for(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return &detail::step_scalar;
+    case Isa::kAvx2: return &detail::step_avx2;
+    case Isa::kAvx512: return &detail::step_avx512;
+  }
+  throw std::logic_error("unknown Isa");
+}
+
+std::size_t element_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+void check(const Buffers& b) {
+  auto valid = [](DType d) {
+    return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16;
+  };
+  if (!valid(b.grad_dtype)) throw std::invalid_argument("adam: unknown grad dtype code");
+  if (b.copy_out != nullptr && b.copy_out_dtype != DType::kBFloat16 &&
+      b.copy_out_dtype != DType::kFloat16) {
+    throw std::invalid_argument("adam: copy_out must be bfloat16 or float16");
+  }
+  if (b.numel > 0 && (b.param == nullptr || b.grad == nullptr || b.exp_avg == nullptr ||
+                      b.exp_avg_sq == nullptr)) {
+    throw std::invalid_argument("adam: null buffer pointer");
+  }
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (name == isa_name(isa)) return isa;
+  }
+  throw std::invalid_argument("unknown Adam ISA '" + name +
+                              "'; expected one of: scalar, avx2, avx512");
+}
+
+std::vector<Isa> available_isas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (cpu_has(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+Isa selected_isa() {
+  Selection& s = selection();
+  if (!s.error.empty()) throw std::runtime_error(s.error);
+  return static_cast<Isa>(s.isa.load());
+}
+
+void set_isa(Isa isa) {
+  if (!cpu_has(isa)) {
+    throw std::runtime_error(std::string("this CPU cannot run the '") + isa_name(isa) +
+                             "' Adam kernel");
+  }
+  Selection& s = selection();
+  s.isa = static_cast<int>(isa);
+  s.error.clear();
+}
+
+void step(const Buffers& buffers, const Hyperparameters& hyper) {
+  check(buffers);
+  const Kernel kernel = kernel_for(selected_isa());
+  const detail::Coefficients k = coefficients(hyper);
+  const std::size_t n = buffers.numel;
+  if (n == 0) return;
+  if (n < kParallelMinNumel || offload::num_threads() == 1) {
+    kernel(buffers, k);
+    return;
+  }
+  // A few long contiguous chunks per thread rather than many short ones: each thread's
+  // streams stay sequential for the hardware prefetcher, and 4 chunks per thread still
+  // balance a thread that is slowed by others.
+  const std::size_t per_thread = 4 * static_cast<std::size_t>(offload::num_threads());
+  const std::size_t chunk_numel =
+      std::max(kChunkNumel, (n / per_thread + kChunkNumel - 1) / kChunkNumel * kChunkNumel);
+  const std::size_t num_chunks = (n + chunk_numel - 1) / chunk_numel;
+  const std::size_t grad_bytes = element_bytes(buffers.grad_dtype);
+  offload::parallel_for(num_chunks, [&](std::size_t chunk) {
+    const std::size_t begin = chunk * chunk_numel;
+    Buffers part = buffers;
+    part.numel = std::min(chunk_numel, n - begin);
+    part.param += begin;
+    part.grad = static_cast<const char*>(buffers.grad) + begin * grad_bytes;
+    part.exp_avg += begin;
+    part.exp_avg_sq += begin;
+    if (buffers.copy_out != nullptr) {
+      part.copy_out = static_cast<char*>(buffers.copy_out) + begin * 2;
+    }
+    kernel(part, k);
+  });
+}
+
+}  // namespace offload::adam

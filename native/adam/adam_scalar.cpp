@@ -1,0 +1,121 @@
+// Scalar reference kernel: portable C++, always built, the definition the vector kernels
+// must match bit for bit. See [Note: Adam numerics] in adam.h.
+#pragma GCC optimize("fp-contract=off")
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "adam/adam_kernels.h"
+
+namespace offload::adam::detail {
+namespace {
+
+inline std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float float_of(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float bf16_to_float(std::uint16_t h) { return float_of(std::uint32_t{h} << 16); }
+
+// Round to nearest even, as c10::BFloat16 does; NaN becomes the canonical quiet NaN.
+inline std::uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  std::uint32_t u = bits_of(f);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+// IEEE half <-> float without hardware support (the algorithm of the FP16 library that
+// c10::Half also uses): exact widening, round-to-nearest-even narrowing.
+inline float fp16_to_float(std::uint16_t h) {
+  const std::uint32_t w = std::uint32_t{h} << 16;
+  const std::uint32_t sign = w & 0x80000000u;
+  const std::uint32_t two_w = w + w;
+  const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+  const std::uint32_t result =
+      sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized));
+  return float_of(result);
+}
+
+inline std::uint16_t float_to_fp16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const std::uint32_t w = bits_of(f);
+  const std::uint32_t shl1_w = w + w;
+  const std::uint32_t sign = w & 0x80000000u;
+  std::uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const std::uint32_t bits = bits_of(base);
+  const std::uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const std::uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const std::uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<std::uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+template <DType G>
+inline float load_grad(const void* grad, std::size_t i) {
+  if constexpr (G == DType::kFloat32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (G == DType::kBFloat16) {
+    return bf16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
+  } else {
+    return fp16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
+  }
+}
+
+template <DType G, bool kCopyOut, DType C>
+void run(const Buffers& b, const Coefficients& k) {
+  float* __restrict param = b.param;
+  float* __restrict exp_avg = b.exp_avg;
+  float* __restrict exp_avg_sq = b.exp_avg_sq;
+  std::uint16_t* __restrict copy_out = static_cast<std::uint16_t*>(b.copy_out);
+  for (std::size_t i = 0; i < b.numel; ++i) {
+    float g = load_grad<G>(b.grad, i) * k.grad_scale;
+    float p = param[i];
+    float m = exp_avg[i];
+    float v = exp_avg_sq[i];
+    if (k.l2) g = std::fma(p, k.l2_decay, g);
+    p = p * k.param_decay;
+    const float diff = g - m;
+    m = k.lerp_small ? std::fma(k.lerp_weight, diff, m)
+                     : std::fma(k.lerp_weight_minus_one, diff, g);
+    v = v * k.beta2;
+    v = std::fma(k.one_minus_beta2 * g, g, v);
+    const float denom = std::sqrt(v) / k.bias_correction2_sqrt + k.eps;
+    p = p + (k.neg_step_size * m) / denom;
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if constexpr (kCopyOut) {
+      copy_out[i] = C == DType::kBFloat16 ? float_to_bf16(p) : float_to_fp16(p);
+    }
+  }
+}
+
+template <DType G>
+void run_grad(const Buffers& b, const Coefficients& k) {
+  if (b.copy_out == nullptr) return run<G, false, DType::kFloat32>(b, k);
+  if (b.copy_out_dtype == DType::kBFloat16) return run<G, true, DType::kBFloat16>(b, k);
+  return run<G, true, DType::kFloat16>(b, k);
+}
+
+}  // namespace
+
+void step_scalar(const Buffers& b, const Coefficients& k) {
+  switch (b.grad_dtype) {
+    case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
+    case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);
+    case DType::kFloat16: return run_grad<DType::kFloat16>(b, k);
+  }
+}
+
+}  // namespace offload::adam::detail

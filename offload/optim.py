@@ -1,0 +1,292 @@
+"""CPU Adam: the native vectorized kernel and a ``torch.optim.Optimizer`` around it.
+
+``adam_step_flat`` runs one Adam/AdamW step over flat CPU buffers in one pass over memory
+(the training engine calls it on slices of its flat state buffers). ``CPUAdam`` is a drop-in
+``torch.optim.AdamW``/``Adam`` for CPU fp32 parameters built on it.
+
+Numerics: with fp32 gradients, both reproduce ``torch.optim.AdamW``/``Adam`` with
+``foreach=False`` bit for bit on CPUs where torch's kernels use FMA (AVX2/AVX-512); see
+[Note: Adam numerics] in native/adam/adam.h for the exact order of operations.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+
+from offload import _native
+
+__all__ = ["CPUAdam", "adam_step_flat"]
+
+# Dtype codes understood by the native kernel (native/adam/adam.h, enum DType).
+_GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_COPY_OUT_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+
+# Fail at import, with the native message, when OFFLOAD_FORCE_ISA names an unknown
+# instruction set or one this CPU lacks; better than failing at the first optimizer step.
+_native.adam_selected_isa()
+
+
+def _check_flat(name: str, tensor: Any, dtypes: Iterable[torch.dtype], numel: int | None) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {tensor.device}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if tensor.dtype not in dtypes:
+        accepted = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {tensor.dtype}; expected one of: {accepted}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements; param has {numel}")
+
+
+def adam_step_flat(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    copy_out: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW step, in place, over flat CPU buffers, in a single pass over memory.
+
+    Args:
+        param: fp32 master weights, updated in place.
+        grad: gradient, fp32, bf16 or fp16; read only. It is multiplied by ``grad_scale``
+            before anything else (fold loss-scale unscaling and clipping in here).
+        exp_avg, exp_avg_sq: fp32 Adam moments, updated in place.
+        step: the 1-based number of this step (already incremented), for bias correction.
+        lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW``.
+        adamw: decoupled weight decay (AdamW) if True, else L2 decay added to the grad (Adam).
+        copy_out: optional bf16/fp16 buffer that receives the updated param, rounded to
+            nearest even, in the same pass.
+
+    All tensors must be contiguous CPU tensors with ``param.numel()`` elements and must not
+    overlap. Runs on the native thread pool with the GIL released.
+
+    Raises:
+        TypeError: an argument is not a tensor or has an unsupported dtype.
+        ValueError: an argument is not on the CPU, not contiguous, has the wrong number of
+            elements, or ``step`` < 1.
+    """
+    _check_flat("param", param, (torch.float32,), None)
+    numel = param.numel()
+    _check_flat("grad", grad, tuple(_GRAD_DTYPE_CODES), numel)
+    _check_flat("exp_avg", exp_avg, (torch.float32,), numel)
+    _check_flat("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
+    if copy_out is not None:
+        _check_flat("copy_out", copy_out, tuple(_COPY_OUT_DTYPE_CODES), numel)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count after this step), got {step}")
+    _native.adam_step(
+        param.data_ptr(),
+        grad.data_ptr(),
+        _GRAD_DTYPE_CODES[grad.dtype],
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        numel,
+        step=float(step),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        adamw=bool(adamw),
+        grad_scale=float(grad_scale),
+        copy_out=0 if copy_out is None else copy_out.data_ptr(),
+        copy_out_dtype=0 if copy_out is None else _COPY_OUT_DTYPE_CODES[copy_out.dtype],
+    )
+
+
+# Group options torch.optim.Adam/AdamW keep that this optimizer cannot honour, with the
+# value it requires. They are kept in every group so state dicts interchange with torch.
+_FIXED_GROUP_OPTIONS = {
+    "amsgrad": False,
+    "maximize": False,
+    "capturable": False,
+    "differentiable": False,
+}
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW for fp32 CPU parameters, on the native vectorized kernel.
+
+    A drop-in for ``torch.optim.AdamW`` (``adamw=True``) or ``torch.optim.Adam``
+    (``adamw=False``) on CPU: the same results (see the module docstring), the same
+    per-parameter state (``step``: a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``) and
+    the same param-group keys, so ``state_dict()`` / ``load_state_dict()`` interchange with
+    torch's optimizers both ways. ``adamw`` is stored in each group under torch's name,
+    ``decoupled_weight_decay``; a group added as a dict may give either key.
+
+    Param groups may differ in every hyperparameter; ``group['lr']`` is read at every step,
+    so lr schedulers work. A parameter whose ``grad`` is None is skipped as torch skips it:
+    no decay, no moment update, its step count unchanged.
+
+    Not supported, each a ``ValueError``/``TypeError`` naming the parameter
+    (``param_groups[g]['params'][i]``): amsgrad, maximize, sparse gradients, non-CPU
+    tensors, non-contiguous params/grads/states, params other than float32, grads other than
+    float32/bfloat16/float16, and a grad whose shape differs from its param's.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw: bool = True,
+        *,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor):
+            raise TypeError("lr must be a float; CPUAdam reads it on the host every step")
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=adamw,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group = dict(param_group)
+        if "adamw" in param_group:
+            param_group["decoupled_weight_decay"] = bool(param_group.pop("adamw"))
+        super().add_param_group(param_group)
+        self._check_group_options(len(self.param_groups) - 1)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # A state dict saved by torch.optim.Adam before it had these keys.
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("foreach", None)
+            group.setdefault("fused", None)
+            for key, value in _FIXED_GROUP_OPTIONS.items():
+                group.setdefault(key, value)
+
+    def _check_group_options(self, group_index: int) -> None:
+        group = self.param_groups[group_index]
+        for key, required in _FIXED_GROUP_OPTIONS.items():
+            if group.get(key, required) != required:
+                raise ValueError(
+                    f"param_groups[{group_index}]: {key}={group[key]!r} is not supported by "
+                    f"CPUAdam (only {key}={required!r})"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs one optimization step; ``closure`` re-evaluates the model and returns
+        the loss, as in every torch optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for group_index, group in enumerate(self.param_groups):
+            self._check_group_options(group_index)
+            lr = group["lr"]
+            lr = lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+            beta1, beta2 = group["betas"]
+            for param_index, param in enumerate(group["params"]):
+                if param.grad is None:
+                    continue
+                name = f"param_groups[{group_index}]['params'][{param_index}]"
+                self._check_param(name, param)
+                state = self.state[param]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+                self._check_state(name, param, state)
+                state["step"] += 1
+                adam_step_flat(
+                    param.view(-1),
+                    param.grad.view(-1),
+                    state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1),
+                    step=state["step"].item(),
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw=group["decoupled_weight_decay"],
+                )
+        return loss
+
+    @staticmethod
+    def _check_param(name: str, param: torch.Tensor) -> None:
+        grad = param.grad
+        if param.device.type != "cpu" or grad.device.type != "cpu":
+            raise ValueError(
+                f"{name}: CPUAdam needs CPU tensors; param is on {param.device}, "
+                f"grad on {grad.device}"
+            )
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise ValueError(f"{name}: sparse gradients are not supported (layout {grad.layout})")
+        if param.dtype != torch.float32:
+            raise TypeError(f"{name}: param dtype {param.dtype} is not supported (float32 only)")
+        if grad.dtype not in _GRAD_DTYPE_CODES:
+            raise TypeError(
+                f"{name}: grad dtype {grad.dtype} is not supported "
+                "(float32, bfloat16 or float16)"
+            )
+        if grad.shape != param.shape:
+            raise ValueError(
+                f"{name}: grad shape {tuple(grad.shape)} differs from param shape "
+                f"{tuple(param.shape)}"
+            )
+        if not param.is_contiguous():
+            raise ValueError(f"{name}: param is not contiguous")
+        if not grad.is_contiguous():
+            raise ValueError(f"{name}: grad is not contiguous")
+
+    @staticmethod
+    def _check_state(name: str, param: torch.Tensor, state: dict[str, Any]) -> None:
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state[key]
+            if (
+                moment.device.type != "cpu"
+                or moment.dtype != torch.float32
+                or moment.shape != param.shape
+                or not moment.is_contiguous()
+            ):
+                raise ValueError(
+                    f"{name}: state['{key}'] must be a contiguous float32 CPU tensor shaped "
+                    f"like the param, got {moment.dtype} {tuple(moment.shape)} on "
+                    f"{moment.device}"
+                )

@@ -1,0 +1,444 @@
+"""CPU Adam: the native kernel per ISA, adam_step_flat and CPUAdam.
+
+[Note: how exact the tests are] The kernel performs torch's _single_tensor_adam operations
+in torch's order with torch's FMA placement (see [Note: Adam numerics] in
+native/adam/adam.h), so against a reference that runs those same torch ops it is compared
+with torch.equal: bit-exact, on every ISA. The one op the reference does not take from
+torch is sqrt: torch's CPU sqrt calls MKL's vsSqrt, which is not correctly rounded (about
+0.6% of results are one ulp off), while the kernel uses IEEE sqrt (correctly rounded, the
+same on every ISA). So:
+  * kernel vs reference-with-IEEE-sqrt: exact equality;
+  * CPUAdam vs torch.optim.AdamW/Adam itself: the moments of AdamW are bit-exact (they do
+    not depend on sqrt or the param); params may differ where a one-ulp sqrt difference
+    changed an update by one rounding: at most one ulp of the param's scale per step, so
+    over 20 steps |diff| <= 20 * 2**-24 * max(|p|, 1) ~= 1.2e-6 * max(|p|, 1); we assert
+    1e-6 * max(|p|, 1) (observed: <= 2.4e-7 on 2**20+3 elements).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import offload
+from offload import _native
+from offload.optim import CPUAdam, adam_step_flat
+
+ISAS = list(_native.adam_available_isas())
+SIZES = [1, 7, 17, 1023, 4097, 2**20 + 3]
+STEPS = 20
+
+
+@contextlib.contextmanager
+def forced_isa(name: str):
+    previous = _native.adam_selected_isa()
+    _native.adam_set_isa(name)
+    try:
+        yield
+    finally:
+        _native.adam_set_isa(previous)
+
+
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    # numpy's float32 sqrt is the correctly rounded SQRTPS.
+    return torch.from_numpy(np.sqrt(x.numpy()))
+
+
+def reference_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                   grad_scale=1.0):
+    """torch's _single_tensor_adam (foreach=False) op for op, with IEEE sqrt."""
+    g = g.float() * grad_scale
+    if weight_decay != 0:
+        if adamw:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (ieee_sqrt(v) / bias_correction2**0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+
+
+def run_flat(isa, numel, *, grad_dtype=torch.float32, copy_dtype=None, seed=0, **hyper):
+    """20 steps of the kernel and of the reference on the same data; returns both states
+    and, with copy_dtype, whether every copy_out equalled the reference param cast."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(numel, generator=gen)
+    ours = [p.clone(), torch.zeros(numel), torch.zeros(numel)]
+    ref = [p.clone(), torch.zeros(numel), torch.zeros(numel)]
+    copy_out = None if copy_dtype is None else torch.empty(numel, dtype=copy_dtype)
+    copies_equal = True
+    with forced_isa(isa):
+        for step in range(1, STEPS + 1):
+            g = torch.randn(numel, generator=gen).to(grad_dtype)
+            adam_step_flat(ours[0], g, ours[1], ours[2], step=step, copy_out=copy_out, **hyper)
+            reference_step(ref[0], g, ref[1], ref[2], step=step, **hyper)
+            if copy_out is not None:
+                copies_equal &= torch.equal(copy_out, ref[0].to(copy_dtype))
+    return ours, ref, copies_equal
+
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+DECAY_VARIANTS = {
+    "adamw_no_decay": dict(weight_decay=0.0, adamw=True),
+    "adamw_decay": dict(weight_decay=0.1, adamw=True),
+    "adam_l2": dict(weight_decay=0.1, adamw=False),
+}
+
+
+def assert_states_equal(ours, ref):
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, ref):
+        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("variant", list(DECAY_VARIANTS))
+def test_kernel_bit_exact_fp32_grad(isa, numel, variant):
+    ours, ref, _ = run_flat(isa, numel, **HYPER, **DECAY_VARIANTS[variant])
+    assert_states_equal(ours, ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("numel", [1, 17, 4097, 2**20 + 3])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_kernel_bit_exact_16bit_grad(isa, numel, grad_dtype):
+    # The grad is widened exactly; the rest is the fp32 path.
+    ours, ref, _ = run_flat(isa, numel, grad_dtype=grad_dtype, **HYPER,
+                            **DECAY_VARIANTS["adamw_decay"])
+    assert_states_equal(ours, ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("numel", [1, 7, 17, 1023, 4097, 2**20 + 3])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_copy_out_is_param_rounded_to_nearest_even(isa, numel, copy_dtype):
+    ours, ref, copies_equal = run_flat(isa, numel, copy_dtype=copy_dtype, **HYPER,
+                                       **DECAY_VARIANTS["adamw_decay"])
+    assert_states_equal(ours, ref)
+    assert copies_equal
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_copy_out_special_values(isa, copy_dtype):
+    # Denormals (VCVTNEPS2BF16 would flush them), ties, overflow to inf, signed zeros.
+    # With lr=0 the param is unchanged, so copy_out must equal torch's cast of it.
+    values = torch.tensor([0.0, -0.0, 1e-40, -3e-39, 1e-45, 6e-8, 1.00390625, 1.01171875,
+                           65520.0, -70000.0, 3.0e38, float("inf"), float("-inf"), 1.5e-5,
+                           2.0**-24, 2.0**-25, 3 * 2.0**-26] * 3)
+    param = values.clone()
+    copy_out = torch.empty_like(values, dtype=copy_dtype)
+    with forced_isa(isa):
+        adam_step_flat(param, torch.zeros_like(values), torch.zeros_like(values),
+                       torch.zeros_like(values), step=1, lr=0.0, beta1=0.9, beta2=0.999,
+                       eps=1e-8, weight_decay=0.0, copy_out=copy_out)
+    assert torch.equal(param, values)
+    assert torch.equal(copy_out.view(torch.int16), values.to(copy_dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_grad_scale_multiplies_grad_first(isa):
+    ours, ref, _ = run_flat(isa, 4097, grad_scale=0.37, **HYPER, **DECAY_VARIANTS["adam_l2"])
+    assert_states_equal(ours, ref)
+    # And it really is applied: a different scale gives a different result.
+    other, _, _ = run_flat(isa, 4097, grad_scale=0.5, **HYPER, **DECAY_VARIANTS["adam_l2"])
+    assert not torch.equal(ours[2], other[2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_small_beta1_takes_torch_other_lerp_branch(isa):
+    # 1 - beta1 >= 0.5 switches ATen's lerp to end - (end - start) * (1 - w).
+    hyper = dict(lr=1e-3, beta1=0.3, beta2=0.99, eps=1e-6)
+    ours, ref, _ = run_flat(isa, 1023, **hyper, **DECAY_VARIANTS["adamw_decay"])
+    assert_states_equal(ours, ref)
+
+
+# ---- CPUAdam against torch.optim itself -------------------------------------------------
+
+def close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    # See [Note: how exact the tests are] for the bound.
+    return bool(((ours - theirs).abs() <= 1e-6 * theirs.abs().clamp(min=1.0)).all())
+
+
+def make_groups(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(n, generator=gen) for n in SIZES]
+    return tensors, [
+        dict(indices=[0, 1, 2], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+        dict(indices=[3, 4], lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+        dict(indices=[5], lr=5e-2, betas=(0.95, 0.9999), eps=1e-7, weight_decay=0.01),
+    ]
+
+
+def build_pair(torch_cls, adamw, seed=0):
+    tensors, groups = make_groups(seed)
+    ours = [torch.nn.Parameter(t.clone()) for t in tensors]
+    theirs = [torch.nn.Parameter(t.clone()) for t in tensors]
+
+    def group_list(params):
+        return [dict(params=[params[i] for i in g["indices"]],
+                     **{k: v for k, v in g.items() if k != "indices"}) for g in groups]
+
+    return (ours, CPUAdam(group_list(ours), adamw=adamw),
+            theirs, torch_cls(group_list(theirs), foreach=False))
+
+
+def set_grads(ours, theirs, gen, skip=()):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if i in skip:
+            a.grad = b.grad = None
+        else:
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g.clone(), g.clone()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("torch_cls,adamw", [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
+def test_cpuadam_matches_torch_with_param_groups(isa, torch_cls, adamw):
+    ours, opt, theirs, ref = build_pair(torch_cls, adamw)
+    gen = torch.Generator().manual_seed(1)
+    with forced_isa(isa):
+        for _ in range(STEPS):
+            set_grads(ours, theirs, gen)
+            opt.step()
+            ref.step()
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert close_to_torch(a.detach(), b.detach()), f"param {i}"
+        sa, sb = opt.state[a], ref.state[b]
+        assert sa["step"].dtype == torch.float32 and sa["step"].item() == STEPS
+        if adamw:  # moments do not depend on the param or on sqrt: bit-exact
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+            assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def test_state_dict_round_trip_with_torch_adamw():
+    ours, opt, theirs, ref = build_pair(torch.optim.AdamW, adamw=True)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        set_grads(ours, theirs, gen)
+        opt.step()
+        ref.step()
+
+    # CPUAdam -> torch AdamW: a fresh AdamW loaded from CPUAdam continues like CPUAdam.
+    saved = opt.state_dict()
+    assert set(saved["param_groups"][0]) == set(ref.state_dict()["param_groups"][0])
+    loaded_params = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    tensors, groups = make_groups()
+    loaded = torch.optim.AdamW(
+        [dict(params=[loaded_params[i] for i in g["indices"]]) for g in groups], foreach=False)
+    # deepcopy as a save/load to disk would: load_state_dict may alias the given tensors.
+    loaded.load_state_dict(copy.deepcopy(saved))
+    # torch AdamW -> CPUAdam: a fresh CPUAdam loaded from torch's state continues like it.
+    back_params = [torch.nn.Parameter(p.detach().clone()) for p in loaded_params]
+    back = CPUAdam([dict(params=[back_params[i] for i in g["indices"]]) for g in groups],
+                   adamw=False)  # overwritten by the loaded groups
+    back.load_state_dict(copy.deepcopy(loaded.state_dict()))
+    assert all(g["decoupled_weight_decay"] for g in back.param_groups)
+    for a, b in zip(opt.state.values(), back.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["step"].item() == b["step"].item()
+
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in ours]
+        for params in (ours, loaded_params, back_params):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        opt.step()
+        loaded.step()
+        back.step()
+    for a, b, c in zip(ours, loaded_params, back_params):
+        assert torch.equal(a, c)  # CPUAdam continued from torch's state: identical
+        assert close_to_torch(a.detach(), b.detach())
+    for p_ours, p_loaded in zip(ours, loaded_params):
+        assert loaded.state[p_loaded]["step"].item() == 6
+
+
+def test_lr_scheduler_changes_lr_each_step():
+    ours, opt, theirs, ref = build_pair(torch.optim.AdamW, adamw=True)
+    sched_ours = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    sched_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        set_grads(ours, theirs, gen)
+        opt.step()
+        ref.step()
+        sched_ours.step()
+        sched_ref.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
+    for a, b in zip(ours, theirs):
+        assert close_to_torch(a.detach(), b.detach())
+    # A schedule that zeroes lr freezes params without decay (AdamW decay is lr * wd).
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in ours]
+    set_grads(ours, theirs, gen)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ours))
+
+
+def test_params_without_grad_are_skipped():
+    ours, opt, theirs, ref = build_pair(torch.optim.AdamW, adamw=True)
+    gen = torch.Generator().manual_seed(4)
+    set_grads(ours, theirs, gen)
+    opt.step()
+    ref.step()
+    before = [p.detach().clone() for p in ours]
+    states_before = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ours)}
+    skip = {0, 3}  # param 0 has weight decay 0.1: still must not decay
+    for _ in range(2):
+        set_grads(ours, theirs, gen, skip=skip)
+        opt.step()
+        ref.step()
+    for i in skip:
+        assert torch.equal(ours[i], before[i])
+        for k, v in states_before[i].items():
+            assert torch.equal(opt.state[ours[i]][k], v)
+    assert opt.state[ours[1]]["step"].item() == 3
+    for a, b in zip(ours, theirs):
+        assert close_to_torch(a.detach(), b.detach())
+    # A param that never had a grad gets no state at all, as in torch.
+    lonely = torch.nn.Parameter(torch.ones(3))
+    opt2 = CPUAdam([lonely], weight_decay=0.5)
+    opt2.step()
+    assert len(opt2.state) == 0 and torch.equal(lonely, torch.ones(3))
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def flat_args(numel=8):
+    return [torch.zeros(numel), torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)]
+
+
+FLAT_HYPER = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("index,name,bad,error", [
+    (0, "param", torch.zeros(8, dtype=torch.float64), TypeError),
+    (0, "param", torch.zeros(16)[::2], ValueError),
+    (0, "param", [0.0] * 8, TypeError),
+    (1, "grad", torch.zeros(8, dtype=torch.int32), TypeError),
+    (1, "grad", torch.zeros(9), ValueError),
+    (1, "grad", torch.zeros(16)[::2], ValueError),
+    (2, "exp_avg", torch.zeros(8, dtype=torch.bfloat16), TypeError),
+    (2, "exp_avg", torch.zeros(7), ValueError),
+    (3, "exp_avg_sq", torch.zeros(16)[::2], ValueError),
+    (3, "exp_avg_sq", torch.zeros(8, device="meta"), ValueError),
+])
+def test_adam_step_flat_rejects_bad_tensors(index, name, bad, error):
+    args = flat_args()
+    args[index] = bad
+    with pytest.raises(error, match=name):
+        adam_step_flat(*args, **FLAT_HYPER)
+
+
+def test_adam_step_flat_rejects_bad_copy_out_and_step():
+    with pytest.raises(TypeError, match="copy_out"):
+        adam_step_flat(*flat_args(), **FLAT_HYPER, copy_out=torch.zeros(8))
+    with pytest.raises(ValueError, match="copy_out"):
+        adam_step_flat(*flat_args(), **FLAT_HYPER, copy_out=torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="step"):
+        adam_step_flat(*flat_args(), **{**FLAT_HYPER, "step": 0})
+
+
+def one_param_optimizer(param, grad, **kwargs):
+    params = [torch.nn.Parameter(torch.zeros(2)), param]
+    params[0].grad = torch.zeros(2)
+    param.grad = grad
+    return CPUAdam([dict(params=[params[0]]), dict(params=[torch.nn.Parameter(torch.zeros(1)), param])],
+                   **kwargs)
+
+
+@pytest.mark.parametrize("param,grad,error", [
+    (torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), TypeError),
+    (torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16), TypeError),
+    (torch.zeros(4), torch.zeros(4).to_sparse(), ValueError),
+    (torch.zeros(4, 4).t(), torch.zeros(4, 4).t(), ValueError),  # non-contiguous param
+    (torch.zeros(4, 4), torch.zeros(4, 4).t(), ValueError),      # non-contiguous grad
+    (torch.zeros(4, device="meta"), torch.zeros(4, device="meta"), ValueError),  # not CPU
+])
+def test_cpuadam_rejects_bad_params_naming_them(param, grad, error):
+    param = torch.nn.Parameter(param) if param.dtype.is_floating_point else param
+    opt = one_param_optimizer(param, None)
+    param.grad = grad
+    with pytest.raises(error, match=r"param_groups\[1\]\['params'\]\[1\]"):
+        opt.step()
+
+
+def test_cpuadam_rejects_mismatched_grad_shape():
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = one_param_optimizer(param, None)
+    param.grad = torch.zeros(4)
+    with torch.no_grad():
+        param.grad.set_(torch.zeros(2, 2))  # torch's assignment check does not see this
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\].*shape"):
+        opt.step()
+
+
+def test_cpuadam_rejects_amsgrad_and_maximize():
+    with pytest.raises(ValueError, match="amsgrad"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+    with pytest.raises(ValueError, match="maximize"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(2))], maximize=True)
+    # The same options arriving through a torch state dict are refused at step().
+    p = torch.nn.Parameter(torch.zeros(2))
+    torch_opt = torch.optim.AdamW([p], amsgrad=True)
+    opt = CPUAdam([p])
+    opt.load_state_dict(torch_opt.state_dict())
+    p.grad = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*amsgrad"):
+        opt.step()
+
+
+# ---- ISA selection and threads -----------------------------------------------------------
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_force_isa_unknown_name_fails_clearly_at_import():
+    result = run_python("import offload", OFFLOAD_FORCE_ISA="avx9000")
+    assert result.returncode != 0
+    assert "avx9000" in result.stderr and "scalar, avx2, avx512" in result.stderr
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_force_isa_selects_it(isa):
+    result = run_python("import offload; print(offload.native_info()['adam_isa'])",
+                        OFFLOAD_FORCE_ISA=isa)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == isa
+
+
+def test_set_isa_rejects_unknown_name():
+    with pytest.raises(ValueError, match="avx9000"):
+        _native.adam_set_isa("avx9000")
+
+
+def test_best_isa_is_selected_by_default():
+    if os.environ.get("OFFLOAD_FORCE_ISA"):
+        pytest.skip("OFFLOAD_FORCE_ISA is set")
+    result = run_python("import offload; print(offload.native_info()['adam_isa'])")
+    assert result.stdout.strip() == ISAS[-1]
+
+
+def test_native_threads_follow_env_else_torch():
+    code = "import offload, torch; print(offload.native_info()['num_threads'], torch.get_num_threads())"
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120)
+    native, torch_threads = result.stdout.split()
+    assert native == torch_threads
+    result = run_python(code, OFFLOAD_NUM_THREADS="1")
+    assert result.stdout.split()[0] == "1"
+    assert offload.CPUAdam is CPUAdam

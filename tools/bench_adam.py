@@ -1,0 +1,147 @@
+"""Benchmark of the CPU Adam step: offload's native kernel per ISA against its peers.
+
+For each size it times, on the same random fp32 data (allocated once, touched first):
+  * offload adam_step_flat, every ISA this CPU runs, fp32 only and with a bf16 copy-out;
+  * torch.optim.AdamW(fused=True) and AdamW(foreach=True) on one flat parameter;
+  * deepspeed.ops.adam.DeepSpeedCPUAdam when importable (DS_ACCELERATOR=cpu);
+  * a STREAM triad, a = b + s * c (torch.add(b, c, alpha=s, out=a)) on arrays of the same
+    element count, counted as 3 arrays x 4 B x size (reads of b and c, the write of a;
+    write-allocate reads of a are not counted), with the same threads.
+Each figure is the median of --steps timed runs after one warm-up. GB/s counts the useful
+traffic of an Adam step for every implementation: 28 B/param (read param, grad, exp_avg,
+exp_avg_sq; write param, exp_avg, exp_avg_sq), 30 B/param with a 16-bit copy-out.
+"vs peer" is the best peer's time over this row's time (> 1: faster than every peer);
+"of triad" is this row's GB/s over the triad's.
+
+    python tools/bench_adam.py --quick          # 10M params only
+    python tools/bench_adam.py --sizes 100M 400M
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Run from a source checkout (in-place build) without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from offload import _native  # noqa: E402
+from offload.optim import adam_step_flat  # noqa: E402
+
+BYTES_PER_PARAM = 28
+BYTES_PER_PARAM_COPY_OUT = 30
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def parse_size(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
+    if text[-1].upper() in scale:
+        return int(float(text[:-1]) * scale[text[-1].upper()])
+    return int(text)
+
+
+def median_seconds(fn, steps: int) -> float:
+    fn()  # warm-up: first-touch of lazily created state, caches, thread wake-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_like(numel: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(numel, generator=gen).mul_(scale)
+
+
+def bench_size(numel: int, steps: int) -> list[tuple[str, float, int]]:
+    """Returns (name, seconds, bytes per param) rows; the triad row counts 12 B/element."""
+    gen = torch.Generator().manual_seed(0)
+    param = random_like(numel, gen)
+    grad = random_like(numel, gen, 1e-2)
+    exp_avg = random_like(numel, gen, 1e-3)
+    exp_avg_sq = random_like(numel, gen, 1e-3).abs_()
+    copy_out = torch.empty(numel, dtype=torch.bfloat16).fill_(0)
+    rows = []
+
+    a = torch.empty(numel).fill_(0)
+    rows.append(("stream triad (3 x 4 B)", median_seconds(
+        lambda: torch.add(grad, exp_avg, alpha=0.5, out=a), steps), 12))
+    del a
+
+    previous_isa = _native.adam_selected_isa()
+    for isa in _native.adam_available_isas():
+        _native.adam_set_isa(isa)
+        counter = iter(range(1, 10**9))
+        rows.append((f"offload {isa} fp32", median_seconds(
+            lambda: adam_step_flat(param, grad, exp_avg, exp_avg_sq, step=next(counter),
+                                   **HYPER), steps), BYTES_PER_PARAM))
+        rows.append((f"offload {isa} +bf16 copy", median_seconds(
+            lambda: adam_step_flat(param, grad, exp_avg, exp_avg_sq, step=next(counter),
+                                   copy_out=copy_out, **HYPER), steps),
+            BYTES_PER_PARAM_COPY_OUT))
+    _native.adam_set_isa(previous_isa)
+    del exp_avg, exp_avg_sq, copy_out
+
+    flat = torch.nn.Parameter(param)
+    flat.grad = grad
+    torch_hyper = dict(lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                       weight_decay=HYPER["weight_decay"])
+    for label, kwargs in (("torch AdamW fused", dict(fused=True)),
+                          ("torch AdamW foreach", dict(foreach=True))):
+        opt = torch.optim.AdamW([flat], **torch_hyper, **kwargs)
+        rows.append((label, median_seconds(opt.step, steps), BYTES_PER_PARAM))
+        del opt
+
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as exc:  # not installed, or its JIT build failed
+        print(f"  (DeepSpeedCPUAdam unavailable: {type(exc).__name__}: {exc})")
+    else:
+        opt = DeepSpeedCPUAdam([flat], **torch_hyper, adamw_mode=True)
+        rows.append(("deepspeed DeepSpeedCPUAdam", median_seconds(opt.step, steps),
+                     BYTES_PER_PARAM))
+        del opt
+    return rows
+
+
+def print_table(numel: int, rows: list[tuple[str, float, int]]) -> None:
+    triad_gbps = next(numel * b / s / 1e9 for name, s, b in rows if name.startswith("stream"))
+    peers = [s for name, s, _ in rows if name.startswith(("torch", "deepspeed"))]
+    best_peer = min(peers) if peers else float("nan")
+    print(f"\n{numel / 1e6:g}M params, {offload.native_info()['num_threads']} native threads, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"{'implementation':30} {'ms':>9} {'Mparam/s':>9} {'GB/s':>7} {'vs peer':>8} "
+          f"{'of triad':>8}")
+    for name, seconds, bytes_per in rows:
+        gbps = numel * bytes_per / seconds / 1e9
+        is_triad = name.startswith("stream")
+        mparams = "" if is_triad else f"{numel / seconds / 1e6:9.0f}"
+        vs_peer = "" if is_triad else f"{best_peer / seconds:8.2f}"
+        print(f"{name:30} {seconds * 1e3:9.2f} {mparams:>9} {gbps:7.2f} {vs_peer:>8} "
+              f"{gbps / triad_gbps:8.0%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10M params only (< 30 s)")
+    parser.add_argument("--sizes", nargs="+", default=["10M", "100M", "400M"],
+                        help="param counts, e.g. 10M 100M 400M")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per figure (>= 5)")
+    args = parser.parse_args()
+    sizes = ["10M"] if args.quick else args.sizes
+    print(f"offload {offload.native_info()}")
+    for size in sizes:
+        numel = parse_size(size)
+        print_table(numel, bench_size(numel, max(args.steps, 5)))
+
+
+if __name__ == "__main__":
+    main()
