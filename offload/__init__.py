@@ -1,7 +1,7 @@
 """offload: train PyTorch models whose state does not fit on the device.
 
-Public API (see ARCHITECTURE.md): ``wrap``, ``OffloadConfig``, ``CPUAdam``, ``native_info``
-and the ``offload.io`` module (``IOEngine``, ``aligned_empty``).
+Public API (see ARCHITECTURE.md): ``wrap``, ``Engine``, ``OffloadConfig``, ``CPUAdam``,
+``native_info`` and the ``offload.io`` module (``IOEngine``, ``aligned_empty``).
 """
 import os as _os
 
@@ -9,6 +9,8 @@ import torch as _torch
 
 from offload import _native
 from offload._info import native_info
+from offload.config import OffloadConfig
+from offload.engine import Engine, wrap
 from offload.optim import CPUAdam
 
 # Native kernels use their own thread pool: size it like torch's intra-op pool unless
@@ -16,5 +18,5 @@ from offload.optim import CPUAdam
 if not _os.environ.get("OFFLOAD_NUM_THREADS"):
     _native.set_num_threads(_torch.get_num_threads())
 
-__all__ = ["CPUAdam", "native_info"]
+__all__ = ["wrap", "Engine", "OffloadConfig", "CPUAdam", "native_info"]
 __version__ = "0.1.0"

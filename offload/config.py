@@ -1,0 +1,246 @@
+"""OffloadConfig: every user-facing setting, checked when it is built.
+
+A config is a frozen dataclass. It can also be given as a plain dict or as the path of a
+JSON file with the same field names (``OffloadConfig.from_any``). Sizes are ints (bytes) or
+strings such as ``"2GiB"``, ``"512MB"``, ``"1.5GiB"``; they are normalized to ints. Every bad
+value raises ``ValueError`` naming the field and what it accepts, before any file or buffer
+exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+
+Size = Union[int, str, None]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, field_name: str) -> Optional[int]:
+    """Bytes from an int or a string like "2GiB"; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}: expected a size in bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{field_name}: a size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise ValueError(
+        f"{field_name}: expected a size in bytes or a string like '2GiB' / '512MB', got {value!r}")
+
+
+def format_size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _one_of(name: str, value: Any, accepted: Tuple[Any, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}: got {value!r}; accepted values are {', '.join(map(repr, accepted))}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where training state lives and how it moves. See ARCHITECTURE.md for the model."""
+
+    device: str = "auto"
+    """Compute device: "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N"."""
+
+    device_budget: Size = None
+    """Bytes of managed state (compute copies and gradients of units in flight) allowed on
+    the device at once. None: no limit beyond the model's own size. Activations are not
+    counted."""
+
+    host_budget: Size = None
+    """Bytes of host RAM the runtime may hold: fp32 gradients, staging buffers and whatever
+    state has its home on the host. None: no limit."""
+
+    param_tier: str = "host"
+    """Home of the compute copy of the parameters: "device", "host" or "nvme"."""
+
+    optimizer_tier: str = "host"
+    """Home of the fp32 master weights and Adam's moments: "host" or "nvme"."""
+
+    swap_dir: Optional[str] = None
+    """Directory for swap files; required when a tier is "nvme". A private run directory is
+    created inside it and removed on close."""
+
+    dtype: str = "fp32"
+    """Compute dtype: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling). The master
+    weights and moments are always fp32. With fp32 the compute copy is the master."""
+
+    stage: int = 0
+    """ZeRO stage (0-3) when several ranks train together; 0 on a single process."""
+
+    gradient_accumulation_steps: int = 1
+    """engine.backward() divides the loss by this; engine.step() applies the optimizer on
+    every gradient_accumulation_steps-th call."""
+
+    max_grad_norm: Optional[float] = None
+    """Clip the global gradient norm (over all units) to this; None: no clipping."""
+
+    unit_classes: Tuple[str, ...] = ()
+    """Names of module classes that form units (e.g. ("Block",)). Empty: each child of every
+    nn.ModuleList is a unit. The parameters left over form the root unit."""
+
+    unit_predicate: Optional[Callable[[str, torch.nn.Module], bool]] = field(default=None, compare=False)
+    """Alternative to unit_classes: predicate(qualified_name, module) -> True for modules
+    that form units. Not available from JSON."""
+
+    io_backend: str = "auto"
+    """Backend of the native I/O engine: "auto" (probed), "io_uring", "threads"."""
+
+    io_block_bytes: Size = 1 << 20
+    """Requests larger than this are split into blocks of this size, many in flight."""
+
+    io_queue_depth: int = 32
+    """Blocks in flight per I/O engine."""
+
+    prefetch: bool = True
+    """Replay the recorded unit order to fetch ahead of use."""
+
+    prefetch_units: int = 2
+    """How many units ahead the prefetcher may bring compute copies (within device_budget)."""
+
+    optimizer_pipeline_depth: int = 3
+    """Host staging slots of the optimizer step pipeline (read ahead, update, write back)."""
+
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: starting dynamic loss scale."""
+
+    loss_scale_window: int = 1000
+    """fp16 only: steps without overflow before the scale doubles."""
+
+    min_loss_scale: float = 1.0
+    """fp16 only: the scale never falls below this."""
+
+    skip_nonfinite_steps: bool = False
+    """fp32/bf16: skip the optimizer step when a gradient is NaN/Inf (fp16 always skips)."""
+
+    def __post_init__(self) -> None:
+        device = self.device
+        if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"device: got {device!r}; accepted values are 'auto', 'cpu', 'cuda', 'cuda:N'")
+        for name in ("device_budget", "host_budget", "io_block_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        _one_of("param_tier", self.param_tier, ("device", "host", "nvme"))
+        _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme"))
+        _one_of("dtype", self.dtype, ("fp32", "bf16", "fp16"))
+        _one_of("stage", self.stage, (0, 1, 2, 3))
+        _one_of("io_backend", self.io_backend, ("auto", "io_uring", "threads"))
+        if "nvme" in (self.param_tier, self.optimizer_tier):
+            if not self.swap_dir:
+                raise ValueError(
+                    "swap_dir: required when param_tier or optimizer_tier is 'nvme' "
+                    f"(param_tier={self.param_tier!r}, optimizer_tier={self.optimizer_tier!r})")
+        if self.swap_dir is not None:
+            if not isinstance(self.swap_dir, (str, os.PathLike)):
+                raise ValueError(f"swap_dir: expected a directory path, got {self.swap_dir!r}")
+            object.__setattr__(self, "swap_dir", os.fspath(self.swap_dir))
+        for name in ("gradient_accumulation_steps", "io_queue_depth", "optimizer_pipeline_depth",
+                     "loss_scale_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if isinstance(self.prefetch_units, bool) or not isinstance(self.prefetch_units, int) \
+                or self.prefetch_units < 0:
+            raise ValueError(f"prefetch_units: expected an int >= 0, got {self.prefetch_units!r}")
+        if self.optimizer_pipeline_depth < 2:
+            raise ValueError(
+                f"optimizer_pipeline_depth: expected an int >= 2 (one slot updating, one in flight), "
+                f"got {self.optimizer_pipeline_depth}")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
+                    or not self.max_grad_norm > 0:
+                raise ValueError(f"max_grad_norm: expected a number > 0 or None, got {self.max_grad_norm!r}")
+        if self.io_block_bytes is None or self.io_block_bytes < 4096 or self.io_block_bytes % 4096:
+            raise ValueError(f"io_block_bytes: expected a multiple of 4096 bytes, got {self.io_block_bytes!r}")
+        if self.device_budget is not None and self.device_budget == 0:
+            raise ValueError("device_budget: must be > 0 (or None for no limit)")
+        if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
+            raise ValueError(f"unit_classes: expected a list of module class names, got {self.unit_classes!r}")
+        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        if self.unit_predicate is not None:
+            if not callable(self.unit_predicate):
+                raise ValueError(f"unit_predicate: expected a callable(name, module) -> bool, got {self.unit_predicate!r}")
+            if self.unit_classes:
+                raise ValueError("unit_predicate: give either unit_classes or unit_predicate, not both")
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+        for name in ("prefetch", "skip_nonfinite_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "OffloadConfig":
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown config field(s) {', '.join(map(repr, unknown))}; "
+                f"valid fields are: {', '.join(cls.field_names())}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: Union[str, os.PathLike]) -> "OffloadConfig":
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config: JSON file {os.fspath(path)!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config: {os.fspath(path)!r} is not valid JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"config: {os.fspath(path)!r} must hold a JSON object of config fields")
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_any(cls, config: Union["OffloadConfig", dict, str, os.PathLike, None]) -> "OffloadConfig":
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if isinstance(config, (str, os.PathLike)):
+            return cls.from_json(config)
+        raise ValueError(f"config: expected an OffloadConfig, a dict or a JSON file path, got {type(config).__name__}")
+
+    def to_dict(self) -> dict:
+        """JSON-able view (the predicate, if any, is left out)."""
+        values = dataclasses.asdict(self)
+        values.pop("unit_predicate")
+        values["unit_classes"] = list(self.unit_classes)
+        return values
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r} was asked for but CUDA is not available")
+        return device

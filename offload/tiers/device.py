@@ -1,0 +1,95 @@
+"""The device tier: one arena allocated once and carved into unit slots.
+
+On a machine without CUDA the device is the CPU and the arena is ordinary RAM; the budget is
+enforced by this accounting alone. Allocating the arena once matters there too: memory
+touched for the first time is several times slower than memory reused (the VM hands freed
+pages back to its host), so the runtime never allocates per fetch.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import List, Optional, Tuple
+
+import torch
+
+
+class DeviceTier:
+    """Byte-accounted slots inside one preallocated arena of the compute dtype.
+
+    ``used_bytes`` counts slots handed out plus gradient bytes passing through the
+    runtime (``hold_transient``); ``peak_bytes`` is its maximum, never above ``budget_bytes``.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, capacity_numel: int,
+                 budget_bytes: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.element_bytes = torch.empty(0, dtype=dtype).element_size()
+        self.budget_bytes = budget_bytes
+        self.arena = torch.zeros(capacity_numel, dtype=dtype, device=device)  # touched once here
+        self.arena_storage_ptr = self.arena.untyped_storage().data_ptr()
+        self._free: List[Tuple[int, int]] = [(0, capacity_numel)] if capacity_numel else []
+        self.slot_bytes = 0
+        self.transient_bytes = 0
+        self.peak_bytes = 0
+        # Copies to the device run on their own stream so that they overlap the compute on
+        # the default stream; every hand-off carries an event (see fetch in engine.py).
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slot_bytes + self.transient_bytes
+
+    def _note_peak(self) -> None:
+        assert self.used_bytes <= self.budget_bytes, \
+            f"device budget exceeded: {self.used_bytes} > {self.budget_bytes} bytes"
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def allocate(self, numel: int) -> Optional[int]:
+        """Element offset of a free slot of ``numel`` elements (first fit), or None."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= numel:
+                if length == numel:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + numel, length - numel)
+                self.slot_bytes += numel * self.element_bytes
+                self._note_peak()
+                return start
+        return None
+
+    def free(self, offset: int, numel: int) -> None:
+        """Return a slot; neighbours coalesce."""
+        self.slot_bytes -= numel * self.element_bytes
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, numel))
+        if i + 1 < len(self._free) and offset + numel == self._free[i + 1][0]:
+            self._free[i] = (offset, numel + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+    def view(self, offset: int, numel: int) -> torch.Tensor:
+        return self.arena[offset:offset + numel]
+
+    def hold_transient(self, num_bytes: int) -> None:
+        """Count bytes the runtime holds on the device briefly (a gradient on its way out)."""
+        self.transient_bytes += num_bytes
+        self._note_peak()
+
+    def drop_transient(self, num_bytes: int) -> None:
+        self.transient_bytes -= num_bytes
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Copy host ``src`` into device ``dst``. On CUDA the copy runs on the copy stream and
+        the returned event must be waited on by the consumer's stream; on the CPU the copy is
+        done when this returns."""
+        if self.copy_stream is None:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event

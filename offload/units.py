@@ -1,0 +1,210 @@
+"""Cutting a model into units, the flat layout of a unit's tensors, and residency states.
+
+A *unit* is the group of parameters that moves together: by default each child of every
+``nn.ModuleList`` (a transformer block), plus one *root* unit holding every parameter left
+over (embeddings, final norm, head). A unit's tensors live in flat buffers, one per role:
+
+  compute copy   all parameters, compute dtype          home: param_tier
+  master         trainable parameters, fp32              home: optimizer_tier (with fp32
+                                                          compute the compute copy is the
+                                                          master: one buffer serves both)
+  moments        exp_avg then exp_avg_sq, fp32           home: optimizer_tier
+  grad           trainable parameters, fp32              host (accumulates micro-steps)
+
+Inside every flat buffer the parameters sit at the same element offsets: trainable ones
+first, ordered by optimizer param group so that one kernel call covers a group, then the
+frozen ones. Buffers are padded to whole 4 KiB pages so that O_DIRECT can move them.
+
+[Note: shared parameters] A parameter reachable from two units (tied embeddings used by a
+block and the head, say) cannot belong to either: the unit that does not own it would run
+without it. Such parameters move to the root unit, which stays on the device from the start
+of forward to the end of backward.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+PAGE_BYTES = 4096
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def padded_numel(numel: int, element_bytes: int) -> int:
+    """Elements in a buffer of at least ``numel`` elements that fills whole pages."""
+    return round_up(numel * element_bytes, PAGE_BYTES) // element_bytes
+
+
+class Residency(enum.Enum):
+    """Where a buffer's working copy stands relative to its home copy.
+
+    A buffer whose home is the tier it is used on (optimizer states on the host, say) sits in
+    LOADED or IN_USE for its whole life.
+    """
+
+    HOME = "home"          # only the home copy is valid; nothing on the working tier
+    LOADING = "loading"    # a copy to the working tier is in flight
+    LOADED = "loaded"      # the working copy is valid and equals the home copy
+    IN_USE = "in_use"      # pinned: compute or Adam is reading or changing the working copy
+    STORING = "storing"    # the working copy changed and is being written back home
+
+
+LEGAL_TRANSITIONS: Dict[Residency, Tuple[Residency, ...]] = {
+    Residency.HOME: (Residency.LOADING,),
+    Residency.LOADING: (Residency.LOADED,),
+    Residency.LOADED: (Residency.IN_USE, Residency.HOME, Residency.STORING),
+    Residency.IN_USE: (Residency.LOADED, Residency.STORING),
+    Residency.STORING: (Residency.HOME, Residency.LOADED),
+}
+
+
+class ResidencyState:
+    """A residency value that only moves along LEGAL_TRANSITIONS."""
+
+    __slots__ = ("what", "value")
+
+    def __init__(self, what: str, value: Residency) -> None:
+        self.what = what
+        self.value = value
+
+    def to(self, new: Residency) -> None:
+        assert new in LEGAL_TRANSITIONS[self.value], \
+            f"{self.what}: illegal residency transition {self.value.name} -> {new.name}"
+        self.value = new
+
+    def __eq__(self, other: object) -> bool:
+        return self.value == other
+
+    def __repr__(self) -> str:
+        return f"{self.what}:{self.value.name}"
+
+
+@dataclass
+class ParamEntry:
+    """One parameter's place inside its unit's flat buffers."""
+
+    fqn: str                       # first qualified name in model.named_parameters()
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int                    # element offset inside the unit's flat buffers
+    numel: int
+    trainable: bool
+    group_index: Optional[int]     # optimizer param group (None when frozen)
+
+
+@dataclass
+class UnitSpec:
+    """What a unit is made of; no buffers yet."""
+
+    index: int
+    name: str                      # qualified module name; "<root>" for the root unit
+    module: Optional[nn.Module]    # None for the root unit
+    entries: List[ParamEntry]
+    trainable_numel: int           # entries[:k] are trainable, k = number of trainable ones
+    total_numel: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.module is None
+
+    @property
+    def trainable_entries(self) -> List[ParamEntry]:
+        return [e for e in self.entries if e.trainable]
+
+
+UnitPredicate = Callable[[str, nn.Module], bool]
+
+
+def _unit_modules(model: nn.Module, unit_classes: Sequence[str],
+                  predicate: Optional[UnitPredicate]) -> List[Tuple[str, nn.Module]]:
+    """Modules that form units, outermost first; a module inside a unit is not a unit."""
+    if predicate is None and unit_classes:
+        names = set(unit_classes)
+        found = {type(m).__name__ for m in model.modules()}
+        missing = names - found
+        if missing:
+            raise ValueError(
+                f"unit_classes: no module of class {', '.join(sorted(missing))} in the model "
+                f"(classes present: {', '.join(sorted(found))})")
+        predicate = lambda _name, module: type(module).__name__ in names  # noqa: E731
+    chosen: List[Tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            qualified = f"{prefix}.{child_name}" if prefix else child_name
+            if predicate is None:
+                is_unit = isinstance(module, nn.ModuleList)
+            else:
+                is_unit = bool(predicate(qualified, child))
+            if is_unit:
+                chosen.append((qualified, child))
+            else:
+                visit(qualified, child)
+
+    visit("", model)
+    return chosen
+
+
+def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
+                     compute_element_bytes: int, unit_classes: Sequence[str] = (),
+                     predicate: Optional[UnitPredicate] = None) -> List[UnitSpec]:
+    """Cut ``model`` into units. ``group_of`` maps each trainable parameter to its optimizer
+    param group; a trainable parameter the optimizer does not know is an error (it would
+    silently never train). Frozen parameters start on a page boundary of the compute copy,
+    so the trainable prefix of every buffer can be read and written on its own."""
+    fqn_of: Dict[nn.Parameter, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=True):
+        fqn_of[p] = fqn
+
+    owners: Dict[nn.Parameter, List[int]] = {}
+    unit_modules = _unit_modules(model, unit_classes, predicate)
+    for index, (_name, module) in enumerate(unit_modules):
+        for p in module.parameters():
+            owners.setdefault(p, [])
+            if index not in owners[p]:
+                owners[p].append(index)
+
+    members: List[List[nn.Parameter]] = [[] for _ in unit_modules]
+    root_members: List[nn.Parameter] = []
+    for p, fqn in fqn_of.items():
+        units_of_p = owners.get(p, [])
+        if len(units_of_p) == 1:
+            members[units_of_p[0]].append(p)
+        else:  # [Note: shared parameters]: shared or outside every unit
+            root_members.append(p)
+
+    for p, fqn in fqn_of.items():
+        if p.requires_grad and p not in group_of:
+            raise ValueError(
+                f"optimizer: trainable parameter {fqn!r} is in no param group of the optimizer "
+                "given to wrap(); add it or set requires_grad=False")
+
+    specs: List[UnitSpec] = []
+
+    def make(name: str, module: Optional[nn.Module], params: List[nn.Parameter]) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        trainable.sort(key=lambda p: group_of[p])  # stable: model order inside a group
+        entries, offset = [], 0
+        for p in trainable + frozen:
+            if p is (frozen[0] if frozen else None):
+                offset = padded_numel(offset, compute_element_bytes)
+            entries.append(ParamEntry(
+                fqn=fqn_of[p], param=p, shape=p.shape, offset=offset, numel=p.numel(),
+                trainable=p.requires_grad, group_index=group_of.get(p) if p.requires_grad else None))
+            offset += p.numel()
+        specs.append(UnitSpec(index=len(specs), name=name, module=module, entries=entries,
+                              trainable_numel=sum(p.numel() for p in trainable), total_numel=offset))
+
+    # The root unit first: it is fetched first in forward and pinned until backward ends.
+    make("<root>", None, root_members)
+    for (name, module), params in zip(unit_modules, members):
+        if params:
+            make(name, module, params)
+    return specs
