@@ -623,6 +623,9 @@ class Engine:
             return
         start = time.perf_counter()
         self._optimizer_step()
+        # The user's optimizer never runs its own step(); tell torch's LR schedulers that a
+        # step happened so they do not warn about calling scheduler.step() first.
+        self.optimizer._opt_called = True
         end = time.perf_counter()
         self._last_optimizer_seconds = end - start
         if self._last_step_end is not None:

@@ -21,13 +21,20 @@ class GPTConfig:
     num_heads: int = 4
     num_layers: int = 4
     mlp_ratio: int = 4
+    qkv_bias: bool = False
+    """Off by default: the gradient of the key bias is exactly zero in exact arithmetic
+    (softmax ignores a constant added to every key), so what autograd computes for it is
+    rounding noise, which Adam normalizes into full-size steps. Any two implementations
+    then disagree on those parameters; parity tests need them gone."""
+    tie_embeddings: bool = True
 
     @property
     def num_params(self) -> int:
-        """Parameters, the tied head counted once."""
-        d = self.d_model
-        block = 4 * d * d + 4 * d + 2 * self.mlp_ratio * d * d + self.mlp_ratio * d + d + 4 * d
-        return self.vocab_size * d + self.seq_len * d + self.num_layers * block + 2 * d
+        """Parameters, a tied head counted once."""
+        d, r = self.d_model, self.mlp_ratio
+        block = (4 + 2 * r) * d * d + (r + 6) * d + (3 * d if self.qkv_bias else 0)
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.seq_len * d + self.num_layers * block + 2 * d + head
 
 
 class Block(nn.Module):
@@ -36,7 +43,7 @@ class Block(nn.Module):
         d = cfg.d_model
         self.num_heads = cfg.num_heads
         self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
+        self.qkv = nn.Linear(d, 3 * d, bias=cfg.qkv_bias)
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, cfg.mlp_ratio * d)
@@ -61,7 +68,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied
+        if cfg.tie_embeddings:
+            self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]

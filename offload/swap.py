@@ -126,13 +126,25 @@ def _read_pid(path: str) -> Optional[int]:
 
 
 def _lock_file(path: str) -> Optional[int]:
-    """Opens and flock()s path (exclusive, non-blocking); returns the fd or None if held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    """Opens and flock()s path (exclusive, non-blocking); returns the fd or None if held.
+
+    The holder unlinks the lock file when it closes (the swap directory is left as it was
+    found), so after winning the lock we check that the path still names the inode we
+    locked; if not, another run removed it meanwhile and we try again on the new file."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
         os.close(fd)
-        return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -283,6 +295,10 @@ class SwapSpace:
             return
         self._closed = True
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        try:  # unlink while still holding the lock; see _lock_file
+            os.unlink(os.path.join(self.swap_dir, _LOCK_NAME))
+        except FileNotFoundError:
+            pass
         for fd in (self._run_lock_fd, self._dir_lock_fd):
             if fd is not None:
                 os.close(fd)

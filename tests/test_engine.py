@@ -227,8 +227,10 @@ class Quirky(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
+        self.inp = nn.Linear(8, 16, bias=False)  # its bias, too, would only shift the BN input
+        # bias=False before BatchNorm: such a bias has an exactly-zero true gradient (BN
+        # removes the mean), so its computed gradient is rounding noise that Adam amplifies.
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh())
                                      for _ in range(3)])
         self.frozen = nn.Linear(16, 16)
         self.frozen.requires_grad_(False)
