@@ -18,8 +18,10 @@ optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to r
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -29,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat
+from offload.prefetch import NEVER, Prefetcher
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
@@ -57,6 +60,14 @@ class _ExtentView:
     nbytes: int
 
 
+def _prefix(home: Any, num_bytes: int) -> _ExtentView:
+    return _ExtentView(home.path, home.offset, num_bytes)
+
+
+def _on_nvme(home: Any) -> bool:
+    return not isinstance(home, torch.Tensor)
+
+
 class _Unit:
     """Runtime state of one unit: where each of its buffers lives and what is on the device."""
 
@@ -77,7 +88,13 @@ class _Unit:
         self.device_offset: Optional[int] = None
         self.compute_state = ResidencyState(f"{spec.name}.compute", Residency.HOME)
         self.ready_event: Optional[torch.cuda.Event] = None
+        self.pending: Optional[Callable[[], Optional[torch.cuda.Event]]] = None  # fetch in flight
+        self.fetch_started = 0.0
+        self.compute_started = 0.0
         self.last_use = 0
+        self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
+        self.updated = False         # Adam already ran on it in this optimizer step
+        self.stale = False           # its device copy predates its last update
 
 
 class _StagingSlot:
@@ -186,7 +203,35 @@ class Engine:
             self._close_tiers()
             raise
 
-        # 6. Hooks.
+        # 6. Prefetch, the workers that move and update units, hooks.
+        self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
+        self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units)
+        self._last_needed: Optional[_Unit] = None
+        self._last_train_key: Optional[Tuple[Any, ...]] = None
+        self._backward_unit: Optional[_Unit] = None
+        self._backward_started = 0.0
+        # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
+        # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
+        self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+        self._fetch_staging: List[torch.Tensor] = [
+            self._host.allocate(max(u.compute_numel for u in self.units),
+                                torch.float32 if self._merged else self.compute_dtype)
+            for _ in range(config.prefetch_units + 1)
+        ] if self._param_tier == "nvme" and self.device.type == "cuda" else []
+        # Early optimizer updates (a unit's Adam as soon as its gradients are final in
+        # backward) run on this worker, overlapping the rest of backward. Not with global
+        # clipping or fp16 overflow checks: those need every gradient first.
+        self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
+        self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
+                               and not config.skip_nonfinite_steps)
+        self._early_updates = False
+        self._early_candidates: set = set()
+        self._early_futures: List[Any] = []
+        self._stale_units: List[_Unit] = []
+        self._root_prestaged: Optional[List[Any]] = None
+        self._next_slot = 0
+        self._timeline: List[Tuple[str, str, float, float]] = []
+        self._timeline_origin = time.perf_counter()
         self._tick = 0
         self._micro_step = 0
         self._loss_scale = config.initial_loss_scale if config.dtype == "fp16" else 1.0
@@ -440,35 +485,85 @@ class Engine:
         for e in u.spec.entries:
             e.param.data = self._placeholder
 
+    def _need(self, u: _Unit) -> None:
+        """u is about to be used: record it in the trace, have it on the device, and let the
+        prefetcher move what comes next."""
+        if u is not self._root:
+            new_use = self._last_needed is not u
+            self._last_needed = u
+            if new_use:
+                self._prefetcher.need(u.index)
+                u.grads_since_use = 0
+                self._prefetcher.count(hit=u.compute_state.value != Residency.HOME)
+                self._release_stale()
+        self._fetch(u)
+        self._prefetch()
+
     def _fetch(self, u: _Unit) -> None:
-        """Bring u's compute copy to the device (no-op when it is there)."""
+        """Have u's compute copy on the device: wait for its transfer when one is in flight,
+        else move it now."""
         self._tick += 1
         u.last_use = self._tick
-        if u.compute_state.value in (Residency.LOADED, Residency.IN_USE):
+        state = u.compute_state.value
+        if state in (Residency.LOADED, Residency.IN_USE):
             return
-        with self.stats_counters.timed("fetch"):
-            if u.device_offset is None:
-                u.device_offset = self._allocate_slot(u)
-            u.compute_state.to(Residency.LOADING)
-            dst = self._device.view(u.device_offset, u.compute_numel)
-            if self._param_tier == "nvme" and self.device.type == "cpu":
-                # The CPU "device" is RAM: read from the swap file straight into the slot.
-                with self.stats_counters.timed("io_wait"):
-                    self._nvme.read(dst, u.compute_home).wait()
-                self.stats_counters.add_bytes("nvme_to_device", u.compute_home.nbytes)
-            elif self._param_tier == "nvme":
-                staging = self._slots[0].compute
-                with self.stats_counters.timed("io_wait"):
-                    self._nvme.read(staging[:u.compute_numel], u.compute_home).wait()
-                u.ready_event = self._device.copy_in(dst, staging[:u.compute_numel])
-                self.stats_counters.add_bytes("host_to_device", u.compute_numel * dst.element_size())
-            else:
-                u.ready_event = self._device.copy_in(dst, u.compute_home)
-                self.stats_counters.add_bytes("host_to_device", u.compute_numel * dst.element_size())
-            u.compute_state.to(Residency.LOADED)
-            self._bind(u)
+        if state == Residency.HOME:
+            self._start_fetch(u, evict=True)
+        with self.stats_counters.timed("fetch_wait"):
+            self._finish_fetch(u)
+
+    def _start_fetch(self, u: _Unit, evict: bool) -> bool:
+        """Begin moving u's compute copy into a device slot; False when no slot is free and
+        ``evict`` is off."""
+        if u.device_offset is None:
+            offset = self._allocate_slot(u) if evict else self._device.allocate(u.compute_numel)
+            if offset is None:
+                return False
+            u.device_offset = offset
+        u.compute_state.to(Residency.LOADING)
+        dst = self._device.view(u.device_offset, u.compute_numel)
+        num_bytes = u.compute_numel * dst.element_size()
+        u.fetch_started = time.perf_counter()
+        if self._param_tier == "nvme" and self.device.type == "cpu":
+            # The CPU "device" is RAM: read from the swap file straight into the slot.
+            handle = self._nvme.read(dst, u.compute_home)
+            u.pending = lambda: (handle.wait(), None)[1]
+            self.stats_counters.add_bytes("nvme_to_device", num_bytes)
+        elif self._param_tier == "nvme":
+            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home)
+            u.pending = future.result
+            self.stats_counters.add_bytes("host_to_device", num_bytes)
+        elif self.device.type == "cpu":
+            future = self._copy_worker.submit(dst.copy_, u.compute_home)
+            u.pending = lambda: (future.result(), None)[1]
+            self.stats_counters.add_bytes("host_to_device", num_bytes)
+        else:
+            event = self._device.copy_in(dst, u.compute_home)
+            u.pending = lambda: event
+            self.stats_counters.add_bytes("host_to_device", num_bytes)
+        return True
+
+    def _nvme_to_device(self, dst: torch.Tensor, home: Any) -> None:
+        """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
+        staging = self._fetch_staging.pop()
+        try:
+            view = staging[:dst.numel()]
+            self._nvme.read(view, home).wait()
+            event = self._device.copy_in(dst, view)
+            event.synchronize()  # the staging buffer is reused as soon as this returns
+        finally:
+            self._fetch_staging.append(staging)
+
+    def _finish_fetch(self, u: _Unit) -> None:
+        pending, u.pending = u.pending, None
+        u.ready_event = pending()
+        u.compute_state.to(Residency.LOADED)
+        self._trace_span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
+        self._bind(u)
 
     def _allocate_slot(self, u: _Unit) -> int:
+        """A device slot for u, evicting resident units whose next use is farthest (least
+        recently used among those the trace does not know)."""
         while True:
             offset = self._device.allocate(u.compute_numel)
             if offset is not None:
@@ -476,21 +571,55 @@ class Engine:
             victims = [v for v in self.units
                        if v is not u and v is not self._root and v.compute_state == Residency.LOADED]
             if not victims:
-                in_use = [v.name for v in self.units if v.compute_state == Residency.IN_USE]
+                busy = [v.name for v in self.units
+                        if v.compute_state.value in (Residency.IN_USE, Residency.LOADING)]
                 raise RuntimeError(
-                    f"device budget exhausted fetching unit {u.name!r}: units in use "
-                    f"{in_use}; raise device_budget")
-            self._release(min(victims, key=lambda v: v.last_use))
+                    f"device budget exhausted fetching unit {u.name!r}: units in use or in "
+                    f"flight {busy}; raise device_budget")
+            self._release(max(victims, key=lambda v: (self._prefetcher.next_use(v.index), -v.last_use)))
 
     def _release(self, u: _Unit) -> None:
         """Drop u's device copy (its home copy is current)."""
         if self._param_tier == "device" or u.compute_state != Residency.LOADED:
             return
         u.compute_state.to(Residency.HOME)
+        u.stale = False
         self._unbind(u)
         if u is not self._root:
             self._device.free(u.device_offset, u.compute_numel)
             u.device_offset = None
+
+    def _release_stale(self) -> None:
+        """Drop device copies that an early optimizer update made stale (main thread only:
+        it changes parameters)."""
+        if self._stale_units:
+            for u in self._stale_units:
+                self._release(u)
+            self._stale_units.clear()
+
+    def _drain_fetches(self) -> None:
+        for u in self.units:
+            if u.compute_state == Residency.LOADING:
+                self._finish_fetch(u)
+
+    def _prefetch(self) -> None:
+        """Start the transfers the trace says come next (see offload/prefetch.py)."""
+        if not self._prefetcher.replaying:
+            return
+        others = self.units[1:]
+        current = self._last_needed.index if self._last_needed is not None else -1
+        plan = self._prefetcher.plan(
+            unit_bytes=self._unit_bytes,
+            resident=frozenset(u.index for u in others
+                               if u.compute_state.value in (Residency.LOADED, Residency.IN_USE)),
+            in_flight=frozenset(u.index for u in others if u.compute_state == Residency.LOADING),
+            pinned=frozenset(u.index for u in others if u.compute_state == Residency.IN_USE) | {current},
+            free_bytes=self._device.free_bytes)
+        for v in plan.evict:
+            self._release(self.units[v])
+        for f in plan.fetch:
+            if not self._start_fetch(self.units[f], evict=False):
+                break  # the free space is in pieces: the rest comes on demand
 
     def _wait_ready(self, u: _Unit) -> None:
         if u.ready_event is not None:
@@ -500,7 +629,7 @@ class Engine:
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
         handles = self._hook_handles
-        handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
+        handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         handles.append(self.module.register_forward_hook(self._root_post_forward, always_call=True))
         for u in self.units[1:]:
             handles.append(u.spec.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
@@ -511,18 +640,30 @@ class Engine:
                 handles.append(e.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad_ready, u, k)))
 
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._forward_depth += 1
         if self._forward_depth > 1:
             return
+        self._wait_optimizer()
+        key = self._pass_key(args, kwargs)
+        if key[0] and key[1]:
+            self._last_train_key = key
+        self._prefetcher.begin_pass(key)
+        self._last_needed = None
         if torch.is_grad_enabled():  # [Note: saved parameters]
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             ctx.__enter__()
             self._saved_hooks.append(ctx)
-        self._fetch(self._root)
+        self._need(self._root)
         self._wait_ready(self._root)
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
+
+    def _pass_key(self, args: Any, kwargs: Any) -> Tuple[Any, ...]:
+        """Passes of one kind share a trace: same mode, grad mode and argument shapes."""
+        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+                          for x in tree_flatten((args, kwargs))[0])
+        return (self.module.training, torch.is_grad_enabled(), signature)
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
@@ -534,7 +675,8 @@ class Engine:
             self._root.compute_state.to(Residency.LOADED)
 
     def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> None:
-        self._fetch(u)
+        u.compute_started = time.perf_counter()
+        self._need(u)
         self._wait_ready(u)
         if u.compute_state == Residency.LOADED:
             u.compute_state.to(Residency.IN_USE)
@@ -542,6 +684,7 @@ class Engine:
     def _unit_post_forward(self, u: _Unit, module: nn.Module, args: Any, output: Any) -> None:
         if u.compute_state == Residency.IN_USE:
             u.compute_state.to(Residency.LOADED)
+        self._trace_span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -549,8 +692,13 @@ class Engine:
 
     def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
         """The gradient of u's output has arrived: u's backward is next. Bring it back."""
-        self._fetch(u)
+        now = time.perf_counter()
+        if self._backward_unit is not None and self._backward_unit is not u:
+            self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
+        self._backward_unit, self._backward_started = u, now
+        self._need(u)
         self._wait_ready(u)
+        self._maybe_update_early()
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
         if (t.device == self.device and t.dtype == self.compute_dtype
@@ -566,7 +714,7 @@ class Engine:
     def _unpack_saved(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _SavedParamRef):
             u = self.units[saved.unit_index]
-            self._fetch(u)
+            self._need(u)
             self._wait_ready(u)
             return self._device.arena.as_strided(saved.size, saved.stride,
                                                  u.device_offset + saved.relative_offset)
@@ -594,6 +742,10 @@ class Engine:
         param.grad = None
         self._device.drop_transient(num_bytes)
         self.stats_counters.add_bytes("device_to_host", num_bytes)
+        u.grads_since_use += 1
+        if self._early_updates and u.grads_since_use >= len(u.trainable):
+            self._early_candidates.add(u)
+            self._maybe_update_early()
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -613,8 +765,28 @@ class Engine:
         scaled = loss / self._accumulation_steps
         if self._loss_scale != 1.0:
             scaled = scaled * self._loss_scale
-        with self.stats_counters.timed("backward"):
-            scaled.backward()
+        # The backward before an update may start Adam on units whose gradients are final.
+        self._early_updates = self._early_allowed and self._prefetcher.enabled and \
+            (self._micro_step + 1) % self._accumulation_steps == 0
+        self._backward_unit = None
+        if self._early_updates and self._staged_step and self._root.trainable \
+                and not self._root.updated and self._root_prestaged is None:
+            # The root unit is updated last (its embedding gradients come last); its states
+            # cannot change before then, so read them now, under backward. Slot 0 is the one
+            # _staged_update gives the first unit, the root (early updates use the others).
+            self._wait_all(self._slots[0].pending_writes)
+            self._root_prestaged = self._issue_reads(self._root, self._slots[0])
+        start = time.perf_counter()
+        try:
+            with self.stats_counters.timed("backward"):
+                scaled.backward()
+        finally:
+            self._early_updates = False
+            self._early_candidates.clear()
+        if self._backward_unit is not None:
+            self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started,
+                             time.perf_counter())
+        self._trace_span("phase", "backward", start, time.perf_counter())
 
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
@@ -627,14 +799,17 @@ class Engine:
         # step happened so they do not warn about calling scheduler.step() first.
         self.optimizer._opt_called = True
         end = time.perf_counter()
+        self._trace_span("phase", "optimizer step", start, end)
         self._last_optimizer_seconds = end - start
         if self._last_step_end is not None:
             self._last_step_seconds = end - self._last_step_end
         self._last_step_end = end
+        self._prefetch_next_pass()
 
     def zero_grad(self) -> None:
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
+            u.updated = False
 
     # ------------------------------------------------------------------ optimizer step
     def _grad_scale_and_skip(self) -> Tuple[float, bool]:
@@ -673,25 +848,86 @@ class Engine:
         return factor, False
 
     def _optimizer_step(self) -> None:
+        self._wait_optimizer()
         grad_factor, skip = self._grad_scale_and_skip()
         if skip:
             self.stats_counters.count("skipped_steps")
+            if self._root_prestaged is not None:
+                self._wait_all(self._root_prestaged)
+                self._root_prestaged = None
             self.zero_grad()
             return
-        units = [u for u in self.units if any(u.has_grad)]
+        units = [u for u in self.units if any(u.has_grad) and not u.updated]
         with self.stats_counters.timed("optimizer"):
             if self._staged_step:
                 self._staged_update(units, grad_factor)
             else:
                 for u in units:
-                    self._update_unit(u, u.compute_home if self._merged else u.master_home,
-                                      u.moments_home, None, grad_factor)
+                    self._update_unit(u, self._master_home(u), u.moments_home, None, grad_factor)
+        if self._root_prestaged is not None:  # the root got no gradient this step
+            self._wait_all(self._root_prestaged)
+            self._root_prestaged = None
         self.zero_grad()
         # Device copies are stale now, except those the update wrote in place.
+        self._drain_fetches()
+        self._stale_units.clear()
         if self._param_tier != "device":
             for u in self.units:
                 if u.compute_state == Residency.LOADED:
                     self._release(u)
+
+    # [Note: early updates] In the backward that precedes an update, a unit whose gradients
+    # are all in (every trainable parameter's hook fired since the unit was last needed) and
+    # that the trace does not need again in this pass is updated right away on the optimizer
+    # worker, so its state I/O and Adam overlap the rest of backward. Its device copy is then
+    # stale and is dropped on the main thread. Without a trace (first pass, divergence) units
+    # wait for step(), which is always correct.
+    def _maybe_update_early(self) -> None:
+        if not self._early_updates:
+            return
+        for u in list(self._early_candidates):
+            if self._prefetcher.used_later(u.index) is False and u is not self._root:
+                self._early_candidates.discard(u)
+                u.updated = True
+                self._early_futures.append(self._optimizer_worker.submit(self._update_early, u))
+                if self._param_tier != "device":
+                    self._stale_units.append(u)
+
+    def _update_early(self, u: _Unit) -> None:
+        start = time.perf_counter()
+        if self._staged_step:
+            # slot 0 is reserved for the root unit's states (see backward)
+            slot = self._slots[1 + self._next_slot % (len(self._slots) - 1)]
+            self._next_slot += 1
+            self._wait_all(slot.pending_writes)
+            self._wait_all(self._issue_reads(u, slot))
+            self._update_staged(u, slot, 1.0)
+            self._issue_writes(u, slot)
+        else:
+            self._update_unit(u, self._master_home(u), u.moments_home, None, 1.0)
+        self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
+
+    def _wait_optimizer(self) -> None:
+        """Wait for early updates and their write-backs (raises what they raised)."""
+        futures, self._early_futures = self._early_futures, []
+        with self.stats_counters.timed("optimizer_wait"):
+            for f in futures:
+                f.result()
+            for slot in self._slots:
+                self._wait_all(slot.pending_writes)
+
+    def _prefetch_next_pass(self) -> None:
+        """After an update every device copy is gone: start bringing back the root and the
+        first units of the next training pass while the caller prepares its batch."""
+        if not self._prefetcher.enabled or self._last_train_key is None:
+            return
+        budget = self.config.prefetch_units
+        for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
+            u = self.units[index]
+            if u.compute_state == Residency.HOME and not self._start_fetch(u, evict=False):
+                break
+        if self._root.compute_state == Residency.HOME:
+            self._start_fetch(self._root, evict=False)
 
     def _update_unit(self, u: _Unit, master: torch.Tensor, moments: torch.Tensor,
                      compute_staging: Optional[torch.Tensor], grad_factor: float) -> None:
@@ -730,58 +966,64 @@ class Engine:
             if event is not None:
                 event.synchronize()
 
+    def _master_home(self, u: _Unit) -> Any:
+        return u.compute_home if self._merged else u.master_home
+
+    def _issue_reads(self, u: _Unit, slot: _StagingSlot) -> List[Any]:
+        """Start reading u's NVMe-homed master and moments into ``slot``."""
+        handles = []
+        home = self._master_home(u)
+        if _on_nvme(home):
+            handles.append(self._nvme.read(slot.master[:u.master_numel],
+                                           _prefix(home, u.master_numel * _FP32_BYTES)))
+        if _on_nvme(u.moments_home):
+            handles.append(self._nvme.read(slot.moments[:2 * u.master_numel], u.moments_home))
+        return handles
+
+    def _update_staged(self, u: _Unit, slot: _StagingSlot, grad_factor: float) -> None:
+        staging = slot.compute[:u.compute_numel] if slot.compute is not None else None
+        master = slot.master if _on_nvme(self._master_home(u)) else self._master_home(u)
+        moments = slot.moments if _on_nvme(u.moments_home) else u.moments_home
+        start = time.perf_counter()
+        self._update_unit(u, master, moments, staging, grad_factor)
+        self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
+
+    def _issue_writes(self, u: _Unit, slot: _StagingSlot) -> None:
+        """Start writing u's updated states from ``slot`` back to NVMe."""
+        home = self._master_home(u)
+        writes = []
+        if _on_nvme(home):
+            writes.append(self._nvme.write(slot.master[:u.master_numel],
+                                           _prefix(home, u.master_numel * _FP32_BYTES)))
+        if _on_nvme(u.moments_home):
+            writes.append(self._nvme.write(slot.moments[:2 * u.master_numel], u.moments_home))
+        if slot.compute is not None and self._param_tier == "nvme":
+            n = padded_numel(u.spec.trainable_numel, slot.compute.element_size())
+            writes.append(self._nvme.write(
+                slot.compute[:n], _prefix(u.compute_home, n * slot.compute.element_size())))
+        slot.pending_writes = writes
+
     def _staged_update(self, units: List[_Unit], grad_factor: float) -> None:
         """The pipeline over units: unit i+1's states are read while Adam updates unit i and
         unit i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring."""
         depth = len(self._slots)
         reads: Dict[int, List[Any]] = {}
 
-        def master_home(u: _Unit) -> Any:
-            return u.compute_home if self._merged else u.master_home
-
-        def prefix(home: Any, num_bytes: int) -> _ExtentView:
-            return _ExtentView(home.path, home.offset, num_bytes)
-
-        def on_nvme(home: Any) -> bool:
-            return not isinstance(home, torch.Tensor)
-
         def issue_reads(i: int) -> None:
-            u, slot = units[i], self._slots[i % depth]
+            slot = self._slots[i % depth]
+            if i == 0 and units[0] is self._root and self._root_prestaged is not None:
+                reads[0], self._root_prestaged = self._root_prestaged, None
+                return
             self._wait_all(slot.pending_writes)
-            handles = []
-            home = master_home(u)
-            if on_nvme(home):
-                handles.append(self._nvme.read(slot.master[:u.master_numel],
-                                               prefix(home, u.master_numel * _FP32_BYTES)))
-            if on_nvme(u.moments_home):
-                handles.append(self._nvme.read(slot.moments[:2 * u.master_numel], u.moments_home))
-            reads[i] = handles
-
-        def issue_writes(i: int) -> None:
-            u, slot = units[i], self._slots[i % depth]
-            home = master_home(u)
-            writes = []
-            if on_nvme(home):
-                writes.append(self._nvme.write(slot.master[:u.master_numel],
-                                               prefix(home, u.master_numel * _FP32_BYTES)))
-            if on_nvme(u.moments_home):
-                writes.append(self._nvme.write(slot.moments[:2 * u.master_numel], u.moments_home))
-            if slot.compute is not None and self._param_tier == "nvme":
-                n = padded_numel(u.spec.trainable_numel, slot.compute.element_size())
-                writes.append(self._nvme.write(
-                    slot.compute[:n], prefix(u.compute_home, n * slot.compute.element_size())))
-            slot.pending_writes = writes
+            reads[i] = self._issue_reads(units[i], slot)
 
         for i in range(min(depth - 1, len(units))):
             issue_reads(i)
         for i, u in enumerate(units):
             self._wait_all(reads.pop(i))
             slot = self._slots[i % depth]
-            staging = slot.compute[:u.compute_numel] if slot.compute is not None else None
-            master = slot.master if on_nvme(master_home(u)) else master_home(u)
-            moments = slot.moments if on_nvme(u.moments_home) else u.moments_home
-            self._update_unit(u, master, moments, staging, grad_factor)
-            issue_writes(i)
+            self._update_staged(u, slot, grad_factor)
+            self._issue_writes(u, slot)
             if i + depth - 1 < len(units):
                 issue_reads(i + depth - 1)
         for slot in self._slots:
@@ -846,8 +1088,11 @@ class Engine:
             "bytes_device_to_host": s.bytes["device_to_host"],
             "step_seconds": self._last_step_seconds,
             "optimizer_seconds": self._last_optimizer_seconds,
-            "io_wait_seconds": s.seconds["io_wait"],
-            "fetch_seconds": s.seconds["fetch"],
+            "io_wait_seconds": s.seconds["io_wait"] + s.seconds["fetch_wait"],
+            "fetch_wait_seconds": s.seconds["fetch_wait"],
+            "optimizer_wait_seconds": s.seconds["optimizer_wait"],
+            "prefetch_hits": self._prefetcher.hits,
+            "prefetch_misses": self._prefetcher.misses,
             "backward_seconds": s.seconds["backward"],
             "total_optimizer_seconds": s.seconds["optimizer"],
             "skipped_steps": s.counts["skipped_steps"],
@@ -855,6 +1100,28 @@ class Engine:
             "loss_scale": self._loss_scale,
             "num_units": len(self.units),
         }
+
+    # ------------------------------------------------------------------ timeline
+    def _trace_span(self, lane: str, name: str, start: float, end: float) -> None:
+        self._timeline.append((lane, name, start, end))
+
+    def export_trace(self, path: str) -> None:
+        """Write the timeline as Chrome/Perfetto trace-event JSON: one lane each for compute
+        per unit, copies to the device, NVMe reads and writes, and Adam per unit.
+
+        Spans of transfers end when the engine observed them complete (a wait returned),
+        which can be later than the bytes arrived; compute spans of backward run from one
+        unit's backward start to the next's."""
+        import json
+
+        lanes = {"phase": 0, "compute": 1, "copy": 2, "nvme read": 3, "nvme write": 4, "adam": 5}
+        events = [{"name": name, "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+                  for lane, tid in lanes.items() for name in ("thread_name",)]
+        for lane, name, start, end in list(self._timeline):
+            events.append({"name": name, "cat": lane, "ph": "X", "pid": 1, "tid": lanes[lane],
+                           "ts": (start - self._timeline_origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     # ------------------------------------------------------------------ lifecycle
     def _close_tiers(self) -> None:
@@ -867,6 +1134,12 @@ class Engine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        try:
+            self._wait_optimizer()
+            self._drain_fetches()
+        finally:
+            self._copy_worker.shutdown(wait=True)
+            self._optimizer_worker.shutdown(wait=True)
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()

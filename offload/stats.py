@@ -1,6 +1,7 @@
 """Counters and phase timers of one engine."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -15,12 +16,15 @@ class Stats:
         self.bytes: Dict[str, int] = defaultdict(int)
         self.seconds: Dict[str, float] = defaultdict(float)
         self.counts: Dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()  # the copy and optimizer workers count too
 
     def add_bytes(self, link: str, num_bytes: int) -> None:
-        self.bytes[link] += num_bytes
+        with self._lock:
+            self.bytes[link] += num_bytes
 
     def count(self, what: str, n: int = 1) -> None:
-        self.counts[what] += n
+        with self._lock:
+            self.counts[what] += n
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -28,4 +32,6 @@ class Stats:
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.seconds[phase] += elapsed

@@ -70,6 +70,11 @@ class DeviceTier:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
             del self._free[i]
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the arena not handed out (possibly in several pieces)."""
+        return sum(length for _, length in self._free) * self.element_bytes
+
     def view(self, offset: int, numel: int) -> torch.Tensor:
         return self.arena[offset:offset + numel]
 

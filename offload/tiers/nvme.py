@@ -1,6 +1,8 @@
 """The NVMe tier: extents of swap files, moved by the native I/O engine."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from offload.io import IOEngine, SwapSpace
@@ -20,6 +22,7 @@ class NvmeTier:
             raise
         self.bytes_read = 0
         self.bytes_written = 0
+        self._count_lock = threading.Lock()  # the fetch path and the optimizer worker both move bytes
 
     def allocate(self, num_bytes: int):
         return self.space.allocate(num_bytes)
@@ -27,12 +30,14 @@ class NvmeTier:
     def read(self, dst: torch.Tensor, extent):
         """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``."""
         assert dst.numel() * dst.element_size() == extent.nbytes
-        self.bytes_read += extent.nbytes
+        with self._count_lock:
+            self.bytes_read += extent.nbytes
         return self.io.read_into(dst, extent.path, extent.offset)
 
     def write(self, src: torch.Tensor, extent):
         assert src.numel() * src.element_size() == extent.nbytes
-        self.bytes_written += extent.nbytes
+        with self._count_lock:
+            self.bytes_written += extent.nbytes
         return self.io.write_from(src, extent.path, extent.offset)
 
     @property
