@@ -39,6 +39,27 @@ from offload.units import (
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
+# The optimizer pipeline moves states in pieces of at most this many elements (a multiple of
+# 4096, so that every piece starts on a page in fp32 and 16-bit buffers alike): staging
+# memory is then a few pieces, not a few of the largest unit (an embedding can be huge).
+_PIECE_NUMEL = 1 << 22
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the engine that one call of the unit
+    has finished its backward (the gradient with respect to its inputs is complete)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        outputs = tuple(t.view_as(t) for t in tensors)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,10 @@ class _ExtentView:
     nbytes: int
 
 
-def _prefix(home: Any, num_bytes: int) -> _ExtentView:
-    return _ExtentView(home.path, home.offset, num_bytes)
+def _sub(home: Any, offset: int, num_bytes: int) -> _ExtentView:
+    """Bytes [offset, offset + num_bytes) of a swap extent; page aligned by construction."""
+    assert offset + num_bytes <= home.nbytes
+    return _ExtentView(home.path, home.offset + offset, num_bytes)
 
 
 def _on_nvme(home: Any) -> bool:
@@ -93,6 +116,8 @@ class _Unit:
         self.compute_started = 0.0
         self.last_use = 0
         self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
+        self.calls = 0               # forward calls in this pass
+        self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         self.updated = False         # Adam already ran on it in this optimizer step
         self.stale = False           # its device copy predates its last update
 
@@ -225,10 +250,11 @@ class Engine:
         self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
                                and not config.skip_nonfinite_steps)
         self._early_updates = False
-        self._early_candidates: set = set()
         self._early_futures: List[Any] = []
         self._stale_units: List[_Unit] = []
         self._root_prestaged: Optional[List[Any]] = None
+        self._grad_pool: Dict[int, List[torch.Tensor]] = {}
+        self._grad_pool_lock = threading.Lock()
         self._next_slot = 0
         self._timeline: List[Tuple[str, str, float, float]] = []
         self._timeline_origin = time.perf_counter()
@@ -302,11 +328,12 @@ class Engine:
                 "Adam moments": moments, "optimizer staging buffers": staging}
 
     def _slot_shape(self) -> Tuple[int, int]:
-        """(master elements, compute elements) of one staging slot."""
-        master = max((u.master_numel for u in self.units), default=0)
+        """(master elements, compute elements) of one staging slot: one pipeline piece."""
+        master = min(max((u.master_numel for u in self.units), default=0), _PIECE_NUMEL)
         needs_compute = self._param_tier == "nvme" and not self._merged or \
             (self._param_tier == "device" and self.device.type == "cuda")
-        compute = max((u.compute_numel for u in self.units), default=0) if needs_compute else 0
+        # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
+        compute = master + 2048 if needs_compute else 0
         return master, compute
 
     def _slot_bytes(self, element_bytes: int) -> int:
@@ -340,7 +367,6 @@ class Engine:
                 if not self._merged:
                     u.master_home = self._allocate_home(self._optimizer_tier, u.master_numel, torch.float32)
                 u.moments_home = self._allocate_home(self._optimizer_tier, 2 * u.master_numel, torch.float32)
-                u.grad = self._host.allocate(u.spec.trainable_numel, torch.float32)
         if self._param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.
@@ -650,6 +676,8 @@ class Engine:
             self._last_train_key = key
         self._prefetcher.begin_pass(key)
         self._last_needed = None
+        for u in self.units:
+            u.calls = u.backward_done = 0
         if torch.is_grad_enabled():  # [Note: saved parameters]
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             ctx.__enter__()
@@ -674,12 +702,25 @@ class Engine:
         if self._root.compute_state == Residency.IN_USE:
             self._root.compute_state.to(Residency.LOADED)
 
-    def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> None:
+    def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> Any:
         u.compute_started = time.perf_counter()
+        u.calls += 1
         self._need(u)
         self._wait_ready(u)
         if u.compute_state == Residency.LOADED:
             u.compute_state.to(Residency.IN_USE)
+        if not torch.is_grad_enabled():
+            return None
+        wrap_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not wrap_at:
+            return None
+        wrapped = _PostBackward.apply(functools.partial(self._on_unit_backward_done, u),
+                                      *(args[i] for i in wrap_at))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        args = list(args)
+        for i, t in zip(wrap_at, wrapped):
+            args[i] = t
+        return tuple(args)
 
     def _unit_post_forward(self, u: _Unit, module: nn.Module, args: Any, output: Any) -> None:
         if u.compute_state == Residency.IN_USE:
@@ -730,7 +771,7 @@ class Engine:
         num_bytes = grad.numel() * grad.element_size()
         self._device.hold_transient(num_bytes)
         e = u.trainable[k]
-        dst = u.grad[e.offset:e.offset + e.numel]
+        dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
         src = grad.reshape(-1)
         if src.device != dst.device:
             src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
@@ -744,7 +785,30 @@ class Engine:
         self.stats_counters.add_bytes("device_to_host", num_bytes)
         u.grads_since_use += 1
         if self._early_updates and u.grads_since_use >= len(u.trainable):
-            self._early_candidates.add(u)
+            self._maybe_update_early()
+
+    def _grad_buffer(self, u: _Unit) -> torch.Tensor:
+        """u's fp32 gradient buffer, taken from the pool when its first gradient arrives.
+        [Note: gradient pool] Buffers go back to the pool as soon as the unit is updated,
+        so with early updates only the units between backward and update hold one; they
+        are reused, never freed (memory touched again is fast, fresh memory is not)."""
+        if u.grad is None:
+            with self._grad_pool_lock:
+                pool = self._grad_pool.setdefault(u.spec.trainable_numel, [])
+                u.grad = pool.pop() if pool else None
+            if u.grad is None:
+                u.grad = self._host.allocate(u.spec.trainable_numel, torch.float32)
+        return u.grad
+
+    def _release_grad(self, u: _Unit) -> None:
+        if u.grad is not None:
+            with self._grad_pool_lock:
+                self._grad_pool.setdefault(u.spec.trainable_numel, []).append(u.grad)
+            u.grad = None
+
+    def _on_unit_backward_done(self, u: _Unit) -> None:
+        u.backward_done += 1
+        if self._early_updates:
             self._maybe_update_early()
 
     # ------------------------------------------------------------------ public API
@@ -775,14 +839,14 @@ class Engine:
             # cannot change before then, so read them now, under backward. Slot 0 is the one
             # _staged_update gives the first unit, the root (early updates use the others).
             self._wait_all(self._slots[0].pending_writes)
-            self._root_prestaged = self._issue_reads(self._root, self._slots[0])
+            lo, hi = self._pieces(self._root)[0]
+            self._root_prestaged = self._issue_reads(self._root, lo, hi, self._slots[0])
         start = time.perf_counter()
         try:
             with self.stats_counters.timed("backward"):
                 scaled.backward()
         finally:
             self._early_updates = False
-            self._early_candidates.clear()
         if self._backward_unit is not None:
             self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started,
                              time.perf_counter())
@@ -810,6 +874,7 @@ class Engine:
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
             u.updated = False
+            self._release_grad(u)
 
     # ------------------------------------------------------------------ optimizer step
     def _grad_scale_and_skip(self) -> Tuple[float, bool]:
@@ -821,7 +886,7 @@ class Engine:
         squares = torch.zeros((), dtype=torch.float64)
         for u in self.units:
             for k, e in enumerate(u.trainable):
-                if u.has_grad[k]:
+                if u.has_grad[k] and not u.updated:
                     g = u.grad[e.offset:e.offset + e.numel]
                     squares += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
         inv_scale = 1.0 / self._loss_scale
@@ -863,7 +928,7 @@ class Engine:
                 self._staged_update(units, grad_factor)
             else:
                 for u in units:
-                    self._update_unit(u, self._master_home(u), u.moments_home, None, grad_factor)
+                    self._update_in_place(u, grad_factor)
         if self._root_prestaged is not None:  # the root got no gradient this step
             self._wait_all(self._root_prestaged)
             self._root_prestaged = None
@@ -876,18 +941,23 @@ class Engine:
                 if u.compute_state == Residency.LOADED:
                     self._release(u)
 
-    # [Note: early updates] In the backward that precedes an update, a unit whose gradients
-    # are all in (every trainable parameter's hook fired since the unit was last needed) and
-    # that the trace does not need again in this pass is updated right away on the optimizer
-    # worker, so its state I/O and Adam overlap the rest of backward. Its device copy is then
-    # stale and is dropped on the main thread. Without a trace (first pass, divergence) units
-    # wait for step(), which is always correct.
     def _maybe_update_early(self) -> None:
+        """[Note: early updates] In the backward before an update, a unit is done for this
+        pass when all its gradients came in since it was last needed and either the trace
+        needs it no more, or every call it got in this pass has finished its backward
+        (recomputation by activation checkpointing adds calls whose backward never fires:
+        such units wait for the trace, or for step()). A done unit is updated right away on
+        the optimizer worker, so its state I/O and Adam overlap the rest of backward; its
+        device copy is then stale and is dropped on the main thread. Without either signal
+        units wait for step(), which is always correct."""
         if not self._early_updates:
             return
-        for u in list(self._early_candidates):
-            if self._prefetcher.used_later(u.index) is False and u is not self._root:
-                self._early_candidates.discard(u)
+        for u in self.units[1:]:
+            if u.updated or u.grad is None or u.grads_since_use < len(u.trainable):
+                continue
+            trace_done = self._prefetcher.used_later(u.index) is False
+            calls_done = 0 < u.calls <= u.backward_done
+            if trace_done or calls_done:
                 u.updated = True
                 self._early_futures.append(self._optimizer_worker.submit(self._update_early, u))
                 if self._param_tier != "device":
@@ -896,15 +966,19 @@ class Engine:
     def _update_early(self, u: _Unit) -> None:
         start = time.perf_counter()
         if self._staged_step:
-            # slot 0 is reserved for the root unit's states (see backward)
-            slot = self._slots[1 + self._next_slot % (len(self._slots) - 1)]
-            self._next_slot += 1
-            self._wait_all(slot.pending_writes)
-            self._wait_all(self._issue_reads(u, slot))
-            self._update_staged(u, slot, 1.0)
-            self._issue_writes(u, slot)
+            steps = self._next_steps(u)
+            for lo, hi in self._pieces(u):
+                # slot 0 is reserved for the root unit's first piece (see backward)
+                slot = self._slots[1 + self._next_slot % (len(self._slots) - 1)]
+                self._next_slot += 1
+                self._wait_all(slot.pending_writes)
+                self._wait_all(self._issue_reads(u, lo, hi, slot))
+                self._update_staged(u, lo, hi, steps, slot, 1.0)
+                self._issue_writes(u, lo, hi, slot)
+            u.steps = steps
+            self._release_grad(u)
         else:
-            self._update_unit(u, self._master_home(u), u.moments_home, None, 1.0)
+            self._update_in_place(u, 1.0)
         self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
 
     def _wait_optimizer(self) -> None:
@@ -929,102 +1003,153 @@ class Engine:
         if self._root.compute_state == Residency.HOME:
             self._start_fetch(self._root, evict=False)
 
-    def _update_unit(self, u: _Unit, master: torch.Tensor, moments: torch.Tensor,
-                     compute_staging: Optional[torch.Tensor], grad_factor: float) -> None:
-        """Adam on one unit whose master and moments are on the host. Writes the new compute
-        copy: into the host home, the staging buffer (for NVMe), or the device slot."""
-        exp_avg = moments[:u.master_numel]
-        exp_avg_sq = moments[u.master_numel:2 * u.master_numel]
-        compute_out = None
-        if not self._merged and self.compute_dtype != torch.float32:
-            if compute_staging is not None:
-                compute_out = compute_staging
-            elif self._param_tier == "host":
-                compute_out = u.compute_home
-            elif self.device.type == "cpu":
-                compute_out = self._device.view(u.device_offset, u.compute_numel)
+    # ------------------------------------------------------------------ Adam over ranges
+    def _next_steps(self, u: _Unit) -> List[int]:
+        """Step counts after this update: +1 where the parameter has a gradient."""
+        return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
+
+    def _pieces(self, u: _Unit) -> List[Tuple[int, int]]:
+        return [(lo, min(lo + _PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, _PIECE_NUMEL)]
+
+    def _adam_range(self, u: _Unit, lo: int, hi: int, steps: List[int], master: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
+                    compute_is_staging: bool, grad_factor: float) -> None:
+        """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
+        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo."""
         groups = self.optimizer.param_groups
         for k, e in enumerate(u.trainable):
-            sl = slice(e.offset, e.offset + e.numel)
-            if not u.has_grad[k]:
-                if compute_staging is not None:  # keep this parameter's compute copy as it is
-                    compute_staging[sl].copy_(master[sl])
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a >= b:
                 continue
-            u.steps[k] += 1
+            r = slice(a - lo, b - lo)
+            if not u.has_grad[k]:
+                if compute_is_staging:  # the piece is written back whole: keep this one as is
+                    compute_out[r].copy_(master[r])
+                continue
             group = groups[e.group_index]
             beta1, beta2 = group["betas"]
             adam_step_flat(
-                master[sl], u.grad[sl], exp_avg[sl], exp_avg_sq[sl], step=u.steps[k],
+                master[r], u.grad[a:b], exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
-                copy_out=None if compute_out is None else compute_out[sl])
+                copy_out=None if compute_out is None else compute_out[r])
         if self._param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
-            src = compute_out if compute_out is not None else master
-            dst = self._device.view(u.device_offset, u.compute_numel)
-            n = u.spec.trainable_numel
-            event = self._device.copy_in(dst[:n], src[:n])
-            if event is not None:
-                event.synchronize()
+            end = min(hi, u.spec.trainable_numel)
+            if end > lo:
+                src = compute_out if compute_out is not None else master
+                dst = self._device.view(u.device_offset + lo, end - lo)
+                event = self._device.copy_in(dst, src[:end - lo])
+                if event is not None:
+                    event.synchronize()
+
+    def _compute_target(self, u: _Unit) -> Optional[torch.Tensor]:
+        """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
+        is not staged: the host home, or the device slot on a CPU "device"."""
+        if self._merged or self.compute_dtype == torch.float32:
+            return None
+        if self._param_tier == "host":
+            return u.compute_home
+        if self._param_tier == "device" and self.device.type == "cpu":
+            return self._device.view(u.device_offset, u.compute_numel)
+        return None
+
+    def _update_in_place(self, u: _Unit, grad_factor: float) -> None:
+        """Adam on a unit whose master and moments live on the host."""
+        steps = self._next_steps(u)
+        moments = u.moments_home
+        start = time.perf_counter()
+        self._adam_range(u, 0, u.master_numel, steps, self._master_home(u), moments[:u.master_numel],
+                         moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor)
+        self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
+        u.steps = steps
+        self._release_grad(u)
 
     def _master_home(self, u: _Unit) -> Any:
         return u.compute_home if self._merged else u.master_home
 
-    def _issue_reads(self, u: _Unit, slot: _StagingSlot) -> List[Any]:
-        """Start reading u's NVMe-homed master and moments into ``slot``."""
-        handles = []
+    def _issue_reads(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> List[Any]:
+        """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``."""
+        handles, n = [], hi - lo
         home = self._master_home(u)
         if _on_nvme(home):
-            handles.append(self._nvme.read(slot.master[:u.master_numel],
-                                           _prefix(home, u.master_numel * _FP32_BYTES)))
+            handles.append(self._nvme.read(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
         if _on_nvme(u.moments_home):
-            handles.append(self._nvme.read(slot.moments[:2 * u.master_numel], u.moments_home))
+            handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
         return handles
 
-    def _update_staged(self, u: _Unit, slot: _StagingSlot, grad_factor: float) -> None:
-        staging = slot.compute[:u.compute_numel] if slot.compute is not None else None
-        master = slot.master if _on_nvme(self._master_home(u)) else self._master_home(u)
-        moments = slot.moments if _on_nvme(u.moments_home) else u.moments_home
-        start = time.perf_counter()
-        self._update_unit(u, master, moments, staging, grad_factor)
-        self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
+    def _moment_parts(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
+        """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]:
+        one request when the piece is the whole unit (the two are adjacent on disk)."""
+        n = hi - lo
+        if n == u.master_numel:
+            return [(slot.moments[:2 * n], u.moments_home)]
+        return [(slot.moments[:n], _sub(u.moments_home, lo * _FP32_BYTES, n * _FP32_BYTES)),
+                (slot.moments[n:2 * n], _sub(u.moments_home, (u.master_numel + lo) * _FP32_BYTES, n * _FP32_BYTES))]
 
-    def _issue_writes(self, u: _Unit, slot: _StagingSlot) -> None:
-        """Start writing u's updated states from ``slot`` back to NVMe."""
+    def _update_staged(self, u: _Unit, lo: int, hi: int, steps: List[int], slot: _StagingSlot,
+                       grad_factor: float) -> None:
+        n = hi - lo
         home = self._master_home(u)
-        writes = []
-        if _on_nvme(home):
-            writes.append(self._nvme.write(slot.master[:u.master_numel],
-                                           _prefix(home, u.master_numel * _FP32_BYTES)))
+        master = slot.master[:n] if _on_nvme(home) else home[lo:hi]
         if _on_nvme(u.moments_home):
-            writes.append(self._nvme.write(slot.moments[:2 * u.master_numel], u.moments_home))
+            exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
+        else:
+            exp_avg = u.moments_home[lo:hi]
+            exp_avg_sq = u.moments_home[u.master_numel + lo:u.master_numel + hi]
+        if slot.compute is not None:
+            compute_out, staging = slot.compute[:n], True
+        else:
+            target = self._compute_target(u)
+            compute_out, staging = (None if target is None else target[lo:hi]), False
+        start = time.perf_counter()
+        self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor)
+        self._trace_span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
+
+    def _issue_writes(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> None:
+        """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
+        writes, n = [], hi - lo
+        home = self._master_home(u)
+        if _on_nvme(home):
+            writes.append(self._nvme.write(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
+        if _on_nvme(u.moments_home):
+            writes.extend(self._nvme.write(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
         if slot.compute is not None and self._param_tier == "nvme":
-            n = padded_numel(u.spec.trainable_numel, slot.compute.element_size())
-            writes.append(self._nvme.write(
-                slot.compute[:n], _prefix(u.compute_home, n * slot.compute.element_size())))
+            size = slot.compute.element_size()
+            end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
+            end = min(end, lo + slot.compute.numel())
+            writes.append(self._nvme.write(slot.compute[:end - lo], _sub(u.compute_home, lo * size, (end - lo) * size)))
         slot.pending_writes = writes
 
     def _staged_update(self, units: List[_Unit], grad_factor: float) -> None:
-        """The pipeline over units: unit i+1's states are read while Adam updates unit i and
-        unit i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring."""
+        """The pipeline over pieces of units: piece i+1's states are read while Adam updates
+        piece i and piece i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring."""
+        pieces = [(u, lo, hi) for u in units for lo, hi in self._pieces(u)]
         depth = len(self._slots)
         reads: Dict[int, List[Any]] = {}
+        steps: Dict[int, List[int]] = {}
 
         def issue_reads(i: int) -> None:
-            slot = self._slots[i % depth]
-            if i == 0 and units[0] is self._root and self._root_prestaged is not None:
+            u, lo, hi = pieces[i]
+            if i == 0 and u is self._root and self._root_prestaged is not None:
                 reads[0], self._root_prestaged = self._root_prestaged, None
                 return
+            slot = self._slots[i % depth]
             self._wait_all(slot.pending_writes)
-            reads[i] = self._issue_reads(units[i], slot)
+            reads[i] = self._issue_reads(u, lo, hi, slot)
 
-        for i in range(min(depth - 1, len(units))):
+        for i in range(min(depth - 1, len(pieces))):
             issue_reads(i)
-        for i, u in enumerate(units):
+        for i, (u, lo, hi) in enumerate(pieces):
             self._wait_all(reads.pop(i))
             slot = self._slots[i % depth]
-            self._update_staged(u, slot, grad_factor)
-            self._issue_writes(u, slot)
-            if i + depth - 1 < len(units):
+            if lo == 0:
+                steps[u.index] = self._next_steps(u)
+            self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
+            self._issue_writes(u, lo, hi, slot)
+            if hi == u.master_numel:
+                u.steps = steps.pop(u.index)
+                self._release_grad(u)
+            if i + depth - 1 < len(pieces):
                 issue_reads(i + depth - 1)
         for slot in self._slots:
             self._wait_all(slot.pending_writes)

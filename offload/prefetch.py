@@ -77,7 +77,7 @@ def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[
         seen.add(u)
         if len(seen) > max_units_ahead:
             break
-        if u in resident or u in in_flight:
+        if (u in resident and u not in evict) or u in in_flight:
             continue
         need = unit_bytes[u]
         while free < need and victims and trace.next_use(victims[0], position) > pos:
