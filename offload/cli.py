@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--swap-dir", default=None, help="directory whose free space bounds the nvme tier")
     plan.add_argument("--profile", metavar="PATH", default=None,
                       help="profile JSON from `offload profile --json` (default: documented round numbers)")
+    plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
     plan.add_argument("--pipeline-depth", type=_positive_int, default=3, help="optimizer_pipeline_depth (default 3)")
     plan.add_argument("--flops-per-second", type=float, default=None, help="model compute as 6 x params x tokens / this")
     plan.add_argument("--tokens-per-step", type=_positive_int, default=2048, help="with --flops-per-second (default 2048)")
@@ -176,6 +177,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step)
     print(text)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
+                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step),
+                      f, indent=2)
+        print(f"plan written to {args.json}")
     return 0 if any_fits else 1
 
 

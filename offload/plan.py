@@ -162,8 +162,11 @@ def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--model: cannot load {spec!r}: {e}") from None
-    with torch.device("meta"):
-        model = factory()
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # the user's code: report it as a bad --model, not a crash
+        raise ValueError(f"--model: calling {spec}() failed: {type(e).__name__}: {e}") from None
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {spec} returned {type(model).__name__}, not an nn.Module")
     return shape_from_module(model, spec, unit_classes)
@@ -323,6 +326,31 @@ def format_seconds(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------- report
+def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
+            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
+            flops_per_second: Optional[float], tokens_per_step: int) -> dict:
+    """What `offload plan --json` writes: the same numbers as the text report."""
+    configurations = []
+    for param_tier, optimizer_tier in CONFIGURATIONS:
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
+        configurations.append({
+            "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
+            "device_bytes": p.device_bytes, "host_bytes": p.host_bytes, "host_parts": p.host_parts,
+            "nvme_bytes": p.nvme_bytes, "state_tier": p.state_tier, "state_bytes": p.state_bytes,
+            "traffic_bytes_per_step": p.traffic,
+            "fits": not shortfalls(p, device_budget, host_budget, nvme_budget),
+            "shortfalls": shortfalls(p, device_budget, host_budget, nvme_budget),
+            "predicted_step_seconds": pred.serial_seconds,
+            "predicted_step_seconds_overlapped": pred.overlap_bound_seconds,
+            "predicted_link_seconds": pred.link_seconds, "predicted_adam_seconds": pred.adam_seconds,
+            "predicted_compute_seconds": pred.compute_seconds})
+    return {"model": shape.description, "num_params": shape.num_params, "exact": shape.exact,
+            "dtype": dtype, "profile_source": profile.get("source", "measured"),
+            "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
+            "configurations": configurations}
+
+
 def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
            flops_per_second: Optional[float], tokens_per_step: int) -> Tuple[str, bool]:
