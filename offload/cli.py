@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Train a byte-level GPT on the Python standard library's source "
                           "with a device budget smaller than the model; params, master weights and "
                           "Adam moments live in swap files. Ctrl-C stops cleanly.")
-    demo.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    demo.add_argument("--d-model", type=_positive_int, default=256, help="model width (default 256)")
+    demo.add_argument("--steps", type=_positive_int, default=150, help="optimizer steps (default 150)")
+    demo.add_argument("--d-model", type=_positive_int, default=192, help="model width (default 192)")
     demo.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (default 4)")
     demo.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     demo.add_argument("--seq-len", type=_positive_int, default=128, help="tokens (bytes) per sequence (default 128)")
