@@ -1,0 +1,223 @@
+"""The ``offload`` command: demo | profile | plan | doctor | export.
+
+Each subcommand lives in its own module (offload/demo.py, profile.py, plan.py, doctor.py);
+this file only parses arguments and maps errors to exit codes: 0 success, 1 a failed check
+or a run error (one line, naming what is wrong), 2 bad flags (argparse), 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from offload.config import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text, "size")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 2GiB, 512MB or 1048576, got {text!r}") from None
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _param_count(text: str) -> int:
+    """1.3e9, 1300000000, 1.3B, 350M, 7b."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    factor = 1.0
+    if t and t[-1] in scale:
+        factor, t = scale[t[-1]], t[:-1]
+    try:
+        value = int(float(t) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a parameter count like 1.3e9 or 350M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive parameter count, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="offload", description="Train PyTorch models whose state does not fit on the device.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser("demo", help="train a small GPT with its state in swap files",
+                          description="Train a byte-level GPT on the Python standard library's source "
+                          "with a device budget smaller than the model; params, master weights and "
+                          "Adam moments live in swap files. Ctrl-C stops cleanly.")
+    demo.add_argument("--steps", type=_positive_int, default=150, help="optimizer steps (default 150)")
+    demo.add_argument("--d-model", type=_positive_int, default=192, help="model width (default 192)")
+    demo.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (default 4)")
+    demo.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    demo.add_argument("--seq-len", type=_positive_int, default=128, help="tokens (bytes) per sequence (default 128)")
+    demo.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
+    demo.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    demo.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute dtype (default fp32)")
+    demo.add_argument("--data-bytes", type=_size, default="4MiB", help="bytes of stdlib source to train on (default 4MiB)")
+    demo.add_argument("--device-budget", type=_size, default=None,
+                      help="device budget (default: the smallest the engine accepts + 1 MiB)")
+    demo.add_argument("--swap-dir", default=None, help="directory for swap files (default: a temporary one)")
+    demo.add_argument("--trace", metavar="PATH", default=None, help="write a Chrome/Perfetto timeline here")
+    demo.add_argument("--seed", type=int, default=0)
+
+    prof = sub.add_parser("profile", help="measure tier bandwidths and CPU Adam on this machine",
+                          description="Measure host memcpy, host<->device copies (CUDA), NVMe "
+                          "sequential read/write over backend x block size x queue depth, and CPU Adam; "
+                          "print a table and the recommended I/O settings.")
+    prof.add_argument("--swap-dir", required=True, help="directory on the drive to measure")
+    prof.add_argument("--json", metavar="PATH", default=None, help="write the profile (for `offload plan --profile`)")
+    prof.add_argument("--plot", metavar="PATH.png", default=None, help="bar charts (needs matplotlib)")
+    prof.add_argument("--quick", action="store_true", help="small sizes and few settings (under a minute)")
+
+    plan = sub.add_parser("plan", help="where each state goes, whether it fits, predicted step time",
+                          description="For a model size and machine budgets, print the bytes of each "
+                          "training state, its tier under each (param_tier, optimizer_tier), whether it "
+                          "fits, and a predicted step time from a profile.")
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_param_count, help="parameter count, e.g. 1.3e9 or 350M")
+    what.add_argument("--model", metavar="MODULE:FACTORY", help="factory building the model (run on the meta device)")
+    plan.add_argument("--num-units", type=_positive_int, default=24,
+                      help="with --params: units the model is cut into (default 24)")
+    plan.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
+    plan.add_argument("--device-budget", type=_size, default=None, help="default: GPU memory, or no limit without CUDA")
+    plan.add_argument("--host-budget", type=_size, default=None, help="default: physical RAM")
+    plan.add_argument("--nvme-budget", type=_size, default=None, help="default: free space of --swap-dir, else no limit")
+    plan.add_argument("--swap-dir", default=None, help="directory whose free space bounds the nvme tier")
+    plan.add_argument("--profile", metavar="PATH", default=None,
+                      help="profile JSON from `offload profile --json` (default: documented round numbers)")
+    plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
+    plan.add_argument("--pipeline-depth", type=_positive_int, default=3, help="optimizer_pipeline_depth (default 3)")
+    plan.add_argument("--flops-per-second", type=float, default=None, help="model compute as 6 x params x tokens / this")
+    plan.add_argument("--tokens-per-step", type=_positive_int, default=2048, help="with --flops-per-second (default 2048)")
+
+    doctor = sub.add_parser("doctor", help="check the native build, I/O backends, O_DIRECT, limits, CUDA",
+                            description="Exit code 1 when something required is missing, with the fix.")
+    doctor.add_argument("--swap-dir", default=None, help="directory to check (default: the temp directory)")
+
+    export = sub.add_parser("export", help="export a checkpoint directory to one state-dict file",
+                            description="Write the full-precision weights of checkpoint CKPT to OUT.")
+    export.add_argument("ckpt", metavar="CKPT")
+    export.add_argument("out", metavar="OUT")
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"offload: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from offload.demo import DemoSettings, run_demo
+
+    if args.d_model % args.heads:
+        return _error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    settings = DemoSettings(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+                            seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps,
+                            lr=args.lr, dtype=args.dtype, data_bytes=args.data_bytes,
+                            device_budget=args.device_budget, swap_dir=args.swap_dir,
+                            trace=args.trace, seed=args.seed)
+    return run_demo(settings)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from offload import profile as prof
+
+    if not os.path.isdir(args.swap_dir):
+        return _error(f"--swap-dir {args.swap_dir!r} is not a directory")
+    print(f"offload profile{' --quick' if args.quick else ''}: measuring this machine", flush=True)
+    profile = prof.Profiler(args.swap_dir, args.quick).run()
+    print()
+    print(prof.summary_table(profile))
+    if args.json:
+        prof.write_json(profile, args.json)
+        print(f"profile written to {args.json} (load it with `offload plan --profile {args.json}`)")
+    if args.plot:
+        try:
+            prof.plot(profile, args.plot)
+            print(f"plot written to {args.plot}")
+        except ImportError:
+            return _error("--plot needs matplotlib, which is not installed: "
+                          "python3 -m pip install matplotlib (the measurements above are complete)")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from offload import plan
+
+    profile = plan.load_profile(args.profile)
+    if args.params is not None:
+        shape = plan.shape_from_count(args.params, args.num_units)
+    else:
+        sys.path.insert(0, os.getcwd())  # factories in the user's current project
+        shape = plan.shape_from_model(args.model)
+    device_budget = args.device_budget
+    if device_budget is None:
+        import torch
+        if torch.cuda.is_available():
+            device_budget = torch.cuda.get_device_properties(0).total_memory
+    host_budget = args.host_budget
+    if host_budget is None:
+        host_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nvme_budget = args.nvme_budget
+    if nvme_budget is None and args.swap_dir:
+        import shutil
+        nvme_budget = shutil.disk_usage(args.swap_dir).free
+    text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
+                                 args.pipeline_depth, args.flops_per_second, args.tokens_per_step)
+    print(text)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
+                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step),
+                      f, indent=2)
+        print(f"plan written to {args.json}")
+    return 0 if any_fits else 1
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from offload.doctor import run_doctor
+    return run_doctor(args.swap_dir)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    try:
+        from offload.checkpoint import export_checkpoint
+    except ImportError as e:
+        if getattr(e, "name", None) in ("offload.checkpoint",) or "export_checkpoint" in str(e):
+            return _error("checkpoint support is not installed (offload.checkpoint.export_checkpoint is missing)")
+        raise
+    export_checkpoint(args.ckpt, args.out)
+    print(f"exported {args.ckpt} to {args.out}")
+    return 0
+
+
+_COMMANDS = {"demo": _cmd_demo, "profile": _cmd_profile, "plan": _cmd_plan,
+             "doctor": _cmd_doctor, "export": _cmd_export}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:
+        return _error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

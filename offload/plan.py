@@ -1,0 +1,413 @@
+"""``offload plan``: where each piece of training state would live, whether it fits, and how
+long an optimizer step would take, for a model and a machine profile.
+
+The byte counts follow what ``offload.engine.Engine`` allocates (see its ``_plan_device``,
+``_plan_nvme``, ``_home_bytes_on_host`` and ``_slot_bytes``); a test wraps real models and
+checks that the two agree. Per trainable parameter, with ``e`` the compute dtype's size
+(4 for fp32, 2 for bf16/fp16):
+
+  compute copy   e B      home: param_tier. With fp32 compute and param_tier != "device" the
+                          compute copy *is* the fp32 master ("merged"): 4 B, no master.
+  fp32 master    4 B      home: optimizer_tier (0 when merged)
+  Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32)
+  fp32 gradients 4 B      home: host (accumulated over micro-steps)
+
+plus, whenever a tier is "nvme", ``optimizer_pipeline_depth`` host staging slots of
+3 x 4 B x (largest unit's master) (+ e x largest unit's compute copy when param_tier is
+"nvme" and not merged). Every buffer is padded to whole 4 KiB pages. The device holds, with
+param_tier="device", every unit's compute copy; otherwise the root unit plus the largest
+other unit; in both cases plus one largest parameter's gradient on its way out.
+
+[Note: step time model] The predicted time of one optimizer step (one micro-batch) is
+
+  sum over links of (bytes moved on the link per step / the link's bandwidth)
+  + trainable parameters / CPU Adam throughput (parameters per second)
+  + compute FLOPs / --flops-per-second (only when given; 6 x params x tokens)
+
+with no overlap between the terms, so it is an upper bound of what a perfect prefetcher
+would reach (the lower bound is the largest single term; both are printed). Bytes moved per
+step: with param_tier != "device" every unit's compute copy is fetched in forward and again
+in backward (the root unit once): from NVMe, or host->device; gradients leave the device in
+the compute dtype (e B/param device->host); the optimizer reads and writes the fp32 master
+and moments that live on NVMe (12 B or 8 B/param each way), writes the new compute copy to
+NVMe (e B/param, unless merged) or to the device (param_tier="device", host->device).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PROFILE_SCHEMA = "offload-profile"
+PROFILE_VERSION = 1
+PAGE_BYTES = 4096
+_FP32_BYTES = 4
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LINKS = ("nvme_read", "nvme_write", "host_to_device", "device_to_host", "host_memcpy")
+
+# [Note: default profile] Used when no --profile is given: round numbers for a current
+# server (one PCIe 4.0 NVMe SSD, a PCIe 4.0 x16 GPU link with pinned buffers, one socket of
+# AVX-512 cores). Run `offload profile --swap-dir DIR --json PATH` to measure your own.
+DEFAULT_PROFILE: dict = {
+    "schema": PROFILE_SCHEMA,
+    "version": PROFILE_VERSION,
+    "source": "default (documented round numbers, not a measurement)",
+    "bandwidth_bytes_per_second": {
+        "nvme_read": 3.0e9,
+        "nvme_write": 2.0e9,
+        "host_to_device": 12.0e9,
+        "device_to_host": 12.0e9,
+        "host_memcpy": 10.0e9,
+    },
+    "adam_params_per_second": 1.0e9,
+    "recommended_io": {"io_backend": "auto", "io_block_bytes": 1 << 20, "io_queue_depth": 32},
+}
+
+
+def padded_numel(numel: int, element_bytes: int) -> int:
+    """Same rounding as offload.units.padded_numel: whole 4 KiB pages."""
+    return -(-numel * element_bytes // PAGE_BYTES) * PAGE_BYTES // element_bytes
+
+
+# ---------------------------------------------------------------------------- profiles
+def validate_profile(profile: dict, where: str) -> dict:
+    """Check a loaded profile against the schema (see offload/profile.py); ValueError names
+    what is wrong."""
+    if not isinstance(profile, dict) or profile.get("schema") != PROFILE_SCHEMA:
+        raise ValueError(f"{where}: not an offload profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{where}: profile version {profile.get('version')!r} is not supported "
+                         f"(this offload reads version {PROFILE_VERSION}); run `offload profile` again")
+    bandwidth = profile.get("bandwidth_bytes_per_second")
+    if not isinstance(bandwidth, dict):
+        raise ValueError(f"{where}: missing \"bandwidth_bytes_per_second\"")
+    for link in LINKS:
+        value = bandwidth.get(link)
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{where}: bandwidth_bytes_per_second.{link} must be a number > 0, got {value!r}")
+    adam = profile.get("adam_params_per_second")
+    if not isinstance(adam, (int, float)) or not adam > 0:
+        raise ValueError(f"{where}: adam_params_per_second must be a number > 0, got {adam!r}")
+    return profile
+
+
+def load_profile(path: Optional[str]) -> dict:
+    if path is None:
+        return DEFAULT_PROFILE
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--profile: cannot read {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--profile: {path!r} is not valid JSON: {e}") from None
+    return validate_profile(profile, path)
+
+
+# ---------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class UnitShape:
+    name: str
+    total_numel: int
+    trainable_numel: int
+    largest_param_numel: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Units as the engine would cut them, root first."""
+
+    description: str
+    units: Tuple[UnitShape, ...]
+    exact: bool                  # False when synthesized from a parameter count
+
+    @property
+    def num_params(self) -> int:
+        return sum(u.total_numel for u in self.units)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(u.trainable_numel for u in self.units)
+
+
+def shape_from_count(num_params: int, num_units: int) -> ModelShape:
+    """A transformer-like shape for a bare parameter count: ``num_units`` equal blocks plus a
+    root unit of the same size (embeddings, head), the largest parameter a third of a unit
+    (a block's MLP matrix is 4d^2 of its 12d^2)."""
+    if num_params < 1:
+        raise ValueError(f"--params: expected a positive parameter count, got {num_params}")
+    if num_units < 1:
+        raise ValueError(f"--num-units: expected an int >= 1, got {num_units}")
+    per_unit, rest = divmod(num_params, num_units + 1)
+    units = []
+    for i in range(num_units + 1):
+        numel = per_unit + (rest if i == 0 else 0)
+        units.append(UnitShape("<root>" if i == 0 else f"unit{i}", numel, numel, max(1, numel // 3)))
+    return ModelShape(f"{num_params:,} parameters (assumed: {num_units} equal units plus a root "
+                      f"unit of the same size; largest parameter a third of a unit)",
+                      tuple(units), exact=False)
+
+
+def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
+    """Build ``module:factory`` on the meta device and cut it into units as the engine does
+    (every parameter trainable, one optimizer param group)."""
+    import torch
+
+    if ":" not in spec:
+        raise ValueError(f"--model: expected module:factory (e.g. mypkg.models:build), got {spec!r}")
+    module_name, factory_name = spec.split(":", 1)
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--model: cannot load {spec!r}: {e}") from None
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # the user's code: report it as a bad --model, not a crash
+        raise ValueError(f"--model: calling {spec}() failed: {type(e).__name__}: {e}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model: {spec} returned {type(model).__name__}, not an nn.Module")
+    return shape_from_module(model, spec, unit_classes)
+
+
+def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> ModelShape:
+    """Units of ``model`` (meta or real) as the engine cuts them, every parameter trainable
+    in one optimizer param group."""
+    from offload.units import split_into_units
+
+    group_of = {p: 0 for p in model.parameters() if p.requires_grad}
+    specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
+    units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
+                            max((e.numel for e in s.entries if e.trainable), default=0))
+                  for s in specs)
+    return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
+                      units, exact=True)
+
+
+# ---------------------------------------------------------------------------- placement
+@dataclass(frozen=True)
+class Placement:
+    """Bytes each tier holds, and bytes moved per optimizer step per link, for one
+    (param_tier, optimizer_tier, dtype)."""
+
+    param_tier: str
+    optimizer_tier: str
+    merged: bool
+    device_bytes: int
+    host_parts: Dict[str, int]
+    nvme_bytes: int
+    state_tier: Dict[str, str]          # state -> tier
+    state_bytes: Dict[str, int]         # state -> bytes (padded)
+    traffic: Dict[str, int]             # link -> bytes per step
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_parts.values())
+
+
+def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
+          pipeline_depth: int = 3) -> Placement:
+    e = _ELEMENT_BYTES[dtype]
+    merged = dtype == "fp32" and param_tier != "device"
+    units = shape.units
+    compute_numel = [padded_numel(u.total_numel, e) for u in units]
+    master_numel = [padded_numel(u.trainable_numel, _FP32_BYTES) for u in units]
+    home_element = _FP32_BYTES if merged else e
+    trainable = [u.trainable_numel > 0 for u in units]
+
+    compute_bytes = sum(n * home_element for n in compute_numel)
+    master_bytes = 0 if merged else sum(m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    moments_bytes = sum(2 * m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    grad_bytes = sum(u.trainable_numel for u in units) * _FP32_BYTES
+
+    # Device (Engine._plan_device).
+    grad_reserve = max((u.largest_param_numel for u in units), default=0) * e
+    device_compute = [n * e for n in compute_numel]
+    if param_tier == "device":
+        device_bytes = sum(device_compute) + grad_reserve
+    else:
+        device_bytes = device_compute[0] + max(device_compute[1:], default=0) + grad_reserve
+
+    # Host (Engine._home_bytes_on_host, _slot_bytes).
+    needs_nvme = "nvme" in (param_tier, optimizer_tier)
+    staging = 0
+    if needs_nvme:
+        slot_master = max(master_numel, default=0)
+        slot_compute = max(compute_numel, default=0) if (param_tier == "nvme" and not merged) else 0
+        staging = pipeline_depth * (3 * slot_master * _FP32_BYTES + slot_compute * e)
+    host_parts = {
+        "fp32 gradients": grad_bytes,
+        "compute copies": compute_bytes if param_tier == "host" else 0,
+        "fp32 master weights": master_bytes if optimizer_tier == "host" else 0,
+        "Adam moments": moments_bytes if optimizer_tier == "host" else 0,
+        "optimizer staging buffers": staging,
+    }
+    # NVMe (Engine._plan_nvme).
+    nvme_bytes = (compute_bytes if param_tier == "nvme" else 0) + \
+        ((master_bytes + moments_bytes) if optimizer_tier == "nvme" else 0)
+
+    state_tier = {"compute copy": param_tier, "fp32 gradients": "host",
+                  "fp32 master": "merged with compute copy" if merged else optimizer_tier,
+                  "Adam moments": optimizer_tier}
+    state_bytes = {"compute copy": compute_bytes if param_tier != "device" else sum(device_compute),
+                   "fp32 gradients": grad_bytes, "fp32 master": master_bytes,
+                   "Adam moments": moments_bytes}
+
+    # Traffic per optimizer step ([Note: step time model]).
+    traffic = {link: 0 for link in LINKS}
+    if param_tier != "device":
+        fetched = compute_numel[0] * home_element + 2 * sum(n * home_element for n in compute_numel[1:])
+        traffic["nvme_read" if param_tier == "nvme" else "host_to_device"] += fetched
+    traffic["device_to_host"] += shape.num_trainable * e
+    master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
+    trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
+    optimizer_io = (trainable_master * _FP32_BYTES if master_on_nvme else 0) + \
+        (2 * trainable_master * _FP32_BYTES if optimizer_tier == "nvme" else 0)
+    traffic["nvme_read"] += optimizer_io
+    traffic["nvme_write"] += optimizer_io
+    if param_tier == "nvme" and not merged:
+        traffic["nvme_write"] += sum(padded_numel(u.trainable_numel, e) * e for u in units if u.trainable_numel)
+    if param_tier == "device":
+        traffic["host_to_device"] += shape.num_trainable * e
+    return Placement(param_tier, optimizer_tier, merged, device_bytes, host_parts, nvme_bytes,
+                     state_tier, state_bytes, traffic)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    link_seconds: Dict[str, float]
+    adam_seconds: float
+    compute_seconds: Optional[float]
+
+    @property
+    def serial_seconds(self) -> float:
+        return sum(self.link_seconds.values()) + self.adam_seconds + (self.compute_seconds or 0.0)
+
+    @property
+    def overlap_bound_seconds(self) -> float:
+        return max(list(self.link_seconds.values()) + [self.adam_seconds, self.compute_seconds or 0.0])
+
+
+def predict(placement: Placement, shape: ModelShape, profile: dict,
+            flops_per_second: Optional[float], tokens_per_step: int) -> Prediction:
+    bandwidth = profile["bandwidth_bytes_per_second"]
+    link_seconds = {link: n / bandwidth[link] for link, n in placement.traffic.items() if n}
+    adam_seconds = shape.num_trainable / profile["adam_params_per_second"]
+    compute = None
+    if flops_per_second:
+        compute = 6.0 * shape.num_params * tokens_per_step / flops_per_second
+    return Prediction(link_seconds, adam_seconds, compute)
+
+
+CONFIGURATIONS = tuple((p, o) for p in ("device", "host", "nvme") for o in ("host", "nvme"))
+
+
+def shortfalls(placement: Placement, device_budget: Optional[int], host_budget: Optional[int],
+               nvme_budget: Optional[int]) -> List[str]:
+    """What does not fit, by how much; empty when everything fits."""
+    from offload.config import format_size
+
+    out = []
+    for tier, need, budget in (("device", placement.device_bytes, device_budget),
+                               ("host", placement.host_bytes, host_budget),
+                               ("nvme", placement.nvme_bytes, nvme_budget)):
+        if budget is not None and need > budget:
+            out.append(f"{tier} needs {format_size(need)}, budget {format_size(budget)} "
+                       f"(short by {format_size(need - budget)})")
+    return out
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.1f} ms"
+
+
+# ---------------------------------------------------------------------------- report
+def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
+            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
+            flops_per_second: Optional[float], tokens_per_step: int) -> dict:
+    """What `offload plan --json` writes: the same numbers as the text report."""
+    configurations = []
+    for param_tier, optimizer_tier in CONFIGURATIONS:
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
+        configurations.append({
+            "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
+            "device_bytes": p.device_bytes, "host_bytes": p.host_bytes, "host_parts": p.host_parts,
+            "nvme_bytes": p.nvme_bytes, "state_tier": p.state_tier, "state_bytes": p.state_bytes,
+            "traffic_bytes_per_step": p.traffic,
+            "fits": not shortfalls(p, device_budget, host_budget, nvme_budget),
+            "shortfalls": shortfalls(p, device_budget, host_budget, nvme_budget),
+            "predicted_step_seconds": pred.serial_seconds,
+            "predicted_step_seconds_overlapped": pred.overlap_bound_seconds,
+            "predicted_link_seconds": pred.link_seconds, "predicted_adam_seconds": pred.adam_seconds,
+            "predicted_compute_seconds": pred.compute_seconds})
+    return {"model": shape.description, "num_params": shape.num_params, "exact": shape.exact,
+            "dtype": dtype, "profile_source": profile.get("source", "measured"),
+            "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
+            "configurations": configurations}
+
+
+def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
+           host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
+           flops_per_second: Optional[float], tokens_per_step: int) -> Tuple[str, bool]:
+    """The text `offload plan` prints, and whether any configuration fits."""
+    from offload.config import format_size
+
+    e = _ELEMENT_BYTES[dtype]
+    n = shape.num_trainable
+    lines = [f"model: {shape.description}", f"dtype: {dtype} (compute copy {e} B/param)",
+             f"profile: {profile.get('source', 'measured')}",
+             "budgets: " + ", ".join(
+                 f"{tier} {format_size(b) if b is not None else 'no limit'}"
+                 for tier, b in (("device", device_budget), ("host", host_budget), ("nvme", nvme_budget))),
+             "",
+             "bytes per state (per trainable parameter, before 4 KiB page padding):",
+             f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
+             "   (4 B and no separate master when fp32 and param_tier != device)",
+             f"  fp32 gradients  4 B/param   {format_size(n * 4):>12}   (host)",
+             f"  fp32 master     4 B/param   {format_size(n * 4):>12}",
+             f"  Adam moments    8 B/param   {format_size(n * 8):>12}",
+             ""]
+    header = (f"{'param_tier':<11}{'opt_tier':<9}{'device':>12}{'host':>12}{'nvme':>12}  "
+              f"{'fits':<5}{'step (serial)':>14}{'(overlap)':>11}  placement")
+    lines.append(header)
+    lines.append("-" * len(header))
+    any_fits = False
+    missing: List[str] = []
+    for param_tier, optimizer_tier in CONFIGURATIONS:
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        short = shortfalls(p, device_budget, host_budget, nvme_budget)
+        fits = not short
+        any_fits = any_fits or fits
+        pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
+        where = ", ".join(f"{k}: {v}" for k, v in p.state_tier.items())
+        lines.append(f"{param_tier:<11}{optimizer_tier:<9}{format_size(p.device_bytes):>12}"
+                     f"{format_size(p.host_bytes):>12}{format_size(p.nvme_bytes):>12}  "
+                     f"{'yes' if fits else 'NO':<5}{format_seconds(pred.serial_seconds):>14}"
+                     f"{format_seconds(pred.overlap_bound_seconds):>11}  {where}")
+        if short:
+            missing.append(f"  {param_tier}/{optimizer_tier}: " + "; ".join(short))
+    lines += ["", "bytes moved per optimizer step (one micro-batch):"]
+    for param_tier, optimizer_tier in CONFIGURATIONS:
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        moved = ", ".join(f"{link} {format_size(b)}" for link, b in p.traffic.items() if b)
+        lines.append(f"  {param_tier}/{optimizer_tier}: {moved}")
+    bw = profile["bandwidth_bytes_per_second"]
+    lines += ["",
+              "step time model: sum over links of (bytes moved per step / link bandwidth) + "
+              "trainable params / CPU Adam throughput"
+              + (" + 6 x params x tokens / --flops-per-second" if flops_per_second else
+                 "; compute not modelled (give --flops-per-second)")
+              + ". 'serial' assumes no overlap (upper bound); 'overlap' is the largest single "
+              "term (lower bound). Every unit is assumed fetched in forward and again in backward.",
+              "bandwidths used: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in bw.items())
+              + f", Adam {profile['adam_params_per_second'] / 1e6:.0f} M params/s"]
+    if not any_fits:
+        lines += ["", "NOTHING FITS. What is missing, per configuration:"] + missing
+    elif missing:
+        lines += ["", "configurations that do not fit:"] + missing
+    return "\n".join(lines), any_fits

@@ -1,0 +1,228 @@
+"""The `offload` command line, run as a user runs it: `python -m offload ...` in a subprocess.
+
+The plan's byte counts are also checked in-process against what the engine really allocates
+(offload.wrap on a small GPT), so the planner cannot drift from the engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offload
+from offload.gpt import GPT, GPTConfig
+from offload.plan import load_profile, place, shape_from_module
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_DEMO = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32",
+             "--batch-size", "4", "--data-bytes", "256KiB"]
+MiB = 1 << 20
+
+
+def run_cli(*args: str, timeout: float = 240, extra_path: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, extra_path) if p))
+    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)
+
+
+def swap_leftovers(directory: str) -> list:
+    return [n for n in os.listdir(directory) if n.startswith(("offload-run-", ".offload"))]
+
+
+@pytest.mark.parametrize("command", ["demo", "profile", "plan", "doctor", "export"])
+def test_every_subcommand_has_help(command):
+    result = run_cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert f"usage: offload {command}" in result.stdout
+
+
+@pytest.mark.parametrize("args", [("demo", "--steps", "zero"), ("plan", "--params", "lots"),
+                                  ("plan",), ("doctor", "--no-such-flag"), ("frobnicate",)])
+def test_bad_flags_exit_2_with_one_error_line(args):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_trains_end_to_end_and_removes_its_swap_files(tmp_path):
+    result = run_cli("demo", "--steps", "16", "--lr", "1e-2", "--swap-dir", str(tmp_path), *TINY_DEMO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    # What it does, said at the start.
+    assert "M parameters" in out and "device" in out and "nvme" in out and str(tmp_path) in out
+    first, last = map(float, re.search(r"^loss: ([0-9.]+) -> ([0-9.]+)", out, re.M).groups())
+    assert last < first - 0.3, out
+    step_losses = [float(m) for m in re.findall(r"^step +\d+/16 .* loss ([0-9.]+)", out, re.M)]
+    assert len(step_losses) == 16
+    assert "tier statistics" in out and "waiting on I/O" in out and "nvme -> device" in out
+    assert "swap files removed" in out
+    assert swap_leftovers(str(tmp_path)) == []
+
+
+def test_demo_ctrl_c_stops_cleanly_and_removes_swap_files(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offload", "demo", "--steps", "100000", "--swap-dir", str(tmp_path), *TINY_DEMO],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        lines = []
+        for line in proc.stdout:  # wait until training has started
+            lines.append(line)
+            if line.startswith("step "):
+                break
+        assert swap_leftovers(str(tmp_path)), "swap files must exist while training"
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode == 130, out + err
+    assert "stopped cleanly" in out and "swap files removed" in out, out
+    assert "Traceback" not in err
+    assert swap_leftovers(str(tmp_path)) == []
+
+
+def test_profile_quick_writes_a_profile_that_plan_loads(tmp_path):
+    profile_path = tmp_path / "profile.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    result = run_cli("profile", "--swap-dir", str(swap), "--quick", "--json", str(profile_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[3/3]" in result.stdout  # progress
+    profile = json.loads(profile_path.read_text())
+    load_profile(str(profile_path))  # schema and version check
+    assert profile["version"] == 1
+    rec = profile["recommended_io"]
+    offload.OffloadConfig(io_backend=rec["io_backend"], io_block_bytes=rec["io_block_bytes"],
+                          io_queue_depth=rec["io_queue_depth"])  # valid config fields
+    assert f"io_backend={rec['io_backend']!r}" in result.stdout
+    assert os.listdir(swap) == []
+    plan = run_cli("plan", "--params", "1e8", "--profile", str(profile_path))
+    assert plan.returncode == 0, plan.stderr
+    assert "profile: measured on" in plan.stdout
+
+
+def test_profile_plot_draws_a_png_or_says_matplotlib_is_missing(tmp_path):
+    profile_path = tmp_path / "profile.json"
+    png = tmp_path / "bw.png"
+    result = run_cli("profile", "--swap-dir", str(tmp_path), "--quick", "--plot", str(png))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert result.returncode == 1 and "matplotlib" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_on_a_parameter_count_gives_the_documented_bytes(tmp_path):
+    # 25 units (24 + root) of 1 Mi parameters each: every buffer is whole pages, no padding.
+    n_unit = 1 << 20
+    n = 25 * n_unit
+    out_json = tmp_path / "plan.json"
+    result = run_cli("plan", "--params", str(n), "--num-units", "24", "--dtype", "bf16",
+                     "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    for text in ("2 B/param", "4 B/param", "8 B/param"):
+        assert text in result.stdout
+    assert "step time model" in result.stdout
+    configs = {(c["param_tier"], c["optimizer_tier"]): c
+               for c in json.loads(out_json.read_text())["configurations"]}
+    assert len(configs) == 6
+    grads, master, moments, compute = 4 * n, 4 * n, 8 * n, 2 * n
+    largest_param_bytes = (n_unit // 3) * 2
+    staging = 3 * (3 * 4 * n_unit)                       # pipeline depth 3, master+moments
+    c = configs[("nvme", "nvme")]
+    assert c["nvme_bytes"] == compute + master + moments
+    assert c["host_bytes"] == grads + staging + 3 * 2 * n_unit  # + bf16 compute copy per slot
+    assert c["device_bytes"] == 2 * (2 * n_unit) + largest_param_bytes
+    c = configs[("device", "host")]
+    assert c["nvme_bytes"] == 0
+    assert c["host_bytes"] == grads + master + moments
+    assert c["device_bytes"] == compute + largest_param_bytes
+    c = configs[("host", "nvme")]
+    assert c["host_bytes"] == grads + compute + staging
+    assert c["nvme_bytes"] == master + moments
+    # fp32 compute merges the compute copy with the master: 4 + 8 B/param on NVMe, no master.
+    result = run_cli("plan", "--params", str(n), "--num-units", "24", "--dtype", "fp32",
+                     "--json", str(out_json))
+    c = {(c["param_tier"], c["optimizer_tier"]): c
+         for c in json.loads(out_json.read_text())["configurations"]}[("nvme", "nvme")]
+    assert c["merged"] and c["nvme_bytes"] == 4 * n + 8 * n
+
+
+def test_plan_says_what_is_missing_when_nothing_fits():
+    result = run_cli("plan", "--params", "7e9", "--device-budget", "16MiB", "--host-budget", "1GiB",
+                     "--nvme-budget", "10GiB")
+    assert result.returncode == 1
+    assert "NOTHING FITS" in result.stdout
+    assert re.search(r"nvme/nvme: .*host needs .* budget 1.00 GiB \(short by", result.stdout)
+
+
+def test_plan_builds_a_model_factory_on_the_meta_device(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "from offload.gpt import GPT, GPTConfig\n"
+        "def build():\n    return GPT(GPTConfig(d_model=128, num_layers=3))\n"
+        "def broken():\n    raise RuntimeError('no such checkpoint')\n")
+    result = run_cli("plan", "--model", "my_models:build", "--dtype", "fp32", extra_path=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    num_params = GPTConfig(d_model=128, num_layers=3).num_params
+    assert f"{num_params:,} parameters, 4 units" in result.stdout
+    result = run_cli("plan", "--model", "my_models:broken", extra_path=str(tmp_path))
+    assert result.returncode == 1
+    assert "my_models:broken" in result.stderr and "no such checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "nvme"), ("nvme", "host"), ("device", "host")])
+def test_plan_bytes_agree_with_what_the_engine_allocates(tiers, dtype, tmp_path):
+    cfg = GPTConfig(d_model=64, num_layers=3, num_heads=2, seq_len=32)
+    with torch.device("meta"):
+        placement = place(shape_from_module(GPT(cfg), "gpt"), dtype, *tiers)
+
+    def wrap(**budgets):
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return offload.wrap(model, opt, dict(device="cpu", param_tier=tiers[0], optimizer_tier=tiers[1],
+                                             swap_dir=str(tmp_path), dtype=dtype, **budgets))
+
+    with wrap(device_budget=placement.device_bytes, host_budget=placement.host_bytes) as engine:
+        assert engine.stats()["nvme_bytes"] == placement.nvme_bytes
+    with pytest.raises(ValueError, match="device_budget"):
+        wrap(device_budget=placement.device_bytes - 1)
+    with pytest.raises(ValueError, match="host_budget"):
+        wrap(host_budget=placement.host_bytes - 1)
+
+
+def test_doctor_passes_on_a_writable_directory(tmp_path):
+    result = run_cli("doctor", "--swap-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout
+    assert "O_DIRECT" in result.stdout and "RLIMIT_MEMLOCK" in result.stdout and "CUDA" in result.stdout
+
+
+def test_doctor_fails_naming_a_directory_it_cannot_use(tmp_path):
+    # Root ignores permission bits, so use a path that cannot be a directory at all.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    bad = blocker / "swap"
+    result = run_cli("doctor", "--swap-dir", str(bad))
+    assert result.returncode == 1
+    assert str(bad) in result.stdout and "FAIL" in result.stdout and "fix:" in result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("offload.checkpoint") is not None,
+                    reason="offload.checkpoint is installed")
+def test_export_without_checkpoint_support_says_so(tmp_path):
+    result = run_cli("export", str(tmp_path), str(tmp_path / "out.pt"))
+    assert result.returncode == 1
+    assert "checkpoint support is not installed" in result.stderr
