@@ -221,12 +221,8 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout) -> int:
               f"({len(losses) * tokens_per_step / elapsed:,.0f} tokens/s)", file=out)
         _print_stats(stats, out)
         if s.trace:
-            if hasattr(engine, "export_trace"):
-                engine.export_trace(s.trace)
-                print(f"timeline trace written to {s.trace} (open in https://ui.perfetto.dev)", file=out)
-            else:
-                print("tracing is unavailable in this build of offload (no Engine.export_trace); "
-                      "--trace ignored", file=out)
+            engine.export_trace(s.trace)
+            print(f"timeline trace written to {s.trace} (open it in Perfetto or chrome://tracing)", file=out)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -258,9 +254,12 @@ def _print_stats(stats: dict, out: TextIO) -> None:
                          ("nvme read (all)", _fmt(stats["bytes_read_nvme"])),
                          ("nvme written (all)", _fmt(stats["bytes_written_nvme"]))]),
         ("time", [("waiting on I/O", f"{stats['io_wait_seconds']:.2f} s"),
-                  ("fetching units", f"{stats['fetch_seconds']:.2f} s"),
+                  ("waiting for units", f"{stats['fetch_wait_seconds']:.2f} s"),
+                  ("waiting for Adam", f"{stats['optimizer_wait_seconds']:.2f} s"),
                   ("optimizer (total)", f"{stats['total_optimizer_seconds']:.2f} s"),
                   ("last step", f"{stats['step_seconds']:.3f} s")]),
+        ("prefetch", [("hits", str(stats["prefetch_hits"])),
+                      ("misses", str(stats["prefetch_misses"]))]),
     ]
     print("tier statistics:", file=out)
     for title, items in rows:

@@ -314,3 +314,24 @@ def test_prefetch_overlaps_io_with_compute(tmp_path):
     assert on_time <= 1.2 * max(compute, io), (on_time, compute, io)
     assert off_time >= 0.9 * (compute + io_off), (off_time, compute, io_off)
     assert on_misses == [0] * len(on_misses), "steady state: every unit was prefetched"
+
+
+def test_export_trace_writes_chrome_trace_events_per_lane(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                  device_budget=140 * 1024)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        train_offload(engine, batches(3))
+        engine.export_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    lanes = {e["cat"] for e in spans}
+    assert {"compute", "copy", "adam", "phase"} <= lanes
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    names = {e["name"] for e in spans}
+    assert any(n.startswith("forward blocks.") for n in names)
+    assert any(n.startswith("backward blocks.") for n in names)
+    assert any(n.startswith("adam blocks.") for n in names)
