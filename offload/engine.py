@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from offload import checkpoint
+from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat
 from offload.stats import Stats
@@ -199,6 +201,10 @@ class Engine:
         self._saved_hooks: List[Any] = []
         self._hook_handles: List[Any] = []
         self._install_hooks()
+        # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
+        # _dirty: unit index -> states whose swap write failed, held in host RAM.
+        self._failure: Optional[Dict[str, Any]] = None
+        self._dirty: Dict[int, Dict[str, torch.Tensor]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ planning
@@ -599,6 +605,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError("engine is closed")
+        self._check_not_failed("forward")
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "Engine":
@@ -639,21 +646,32 @@ class Engine:
     # ------------------------------------------------------------------ optimizer step
     def _grad_scale_and_skip(self) -> Tuple[float, bool]:
         """Factor folded into Adam (unscale x clip) and whether to skip this step."""
-        need_norm = self._max_grad_norm is not None or self.config.dtype == "fp16" \
-            or self.config.skip_nonfinite_steps
-        if not need_norm:
-            return 1.0, False
+        # The norm is taken on every step, clipping or not: it is also how NaN/Inf gradients
+        # are found (and reported with the first parameter that has them).
         squares = torch.zeros((), dtype=torch.float64)
+        first_nonfinite: Optional[Tuple[_Unit, ParamEntry]] = None
         for u in self.units:
             for k, e in enumerate(u.trainable):
                 if u.has_grad[k]:
                     g = u.grad[e.offset:e.offset + e.numel]
-                    squares += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                    square = torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                    if first_nonfinite is None and not torch.isfinite(square):
+                        first_nonfinite = (u, e)
+                    squares += square
         inv_scale = 1.0 / self._loss_scale
         total_norm = squares.sqrt().item() * inv_scale
         finite = total_norm == total_norm and total_norm != float("inf")
         if not finite:
             self.stats_counters.count("nonfinite_steps")
+            if self.config.dtype != "fp16":  # with fp16 an overflow is routine loss scaling
+                where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
+                         if first_nonfinite else "the gradient norm")
+                self._first_nonfinite_unit = first_nonfinite[0].name if first_nonfinite else None
+                action = ("the step is skipped (skip_nonfinite_steps=True)" if self.config.skip_nonfinite_steps
+                          else "the step goes ahead and writes NaN/Inf into the parameters; set "
+                          "skip_nonfinite_steps=True to skip such steps")
+                warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {self._micro_step}, first "
+                              f"in {where}; {action}", RuntimeWarning, stacklevel=4)
             if self.config.dtype == "fp16":
                 self._loss_scale = max(self._loss_scale / 2, self.config.min_loss_scale)
                 self._good_steps = 0
@@ -672,26 +690,33 @@ class Engine:
                 factor *= clip
         return factor, False
 
+    def _check_not_failed(self, what: str) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"{what}: {self._failure['message']}")
+
     def _optimizer_step(self) -> None:
+        self._check_not_failed("step")
         grad_factor, skip = self._grad_scale_and_skip()
         if skip:
             self.stats_counters.count("skipped_steps")
             self.zero_grad()
             return
         units = [u for u in self.units if any(u.has_grad)]
-        with self.stats_counters.timed("optimizer"):
-            if self._staged_step:
-                self._staged_update(units, grad_factor)
-            else:
-                for u in units:
-                    self._update_unit(u, u.compute_home if self._merged else u.master_home,
-                                      u.moments_home, None, grad_factor)
-        self.zero_grad()
-        # Device copies are stale now, except those the update wrote in place.
-        if self._param_tier != "device":
-            for u in self.units:
-                if u.compute_state == Residency.LOADED:
-                    self._release(u)
+        try:
+            with self.stats_counters.timed("optimizer"):
+                if self._staged_step:
+                    self._staged_update(units, grad_factor)
+                else:
+                    for u in units:
+                        self._update_unit(u, u.compute_home if self._merged else u.master_home,
+                                          u.moments_home, None, grad_factor)
+        finally:  # also after a swap failure: the step is over either way
+            self.zero_grad()
+            # Device copies are stale now, except those the update wrote in place.
+            if self._param_tier != "device":
+                for u in self.units:
+                    if u.compute_state == Residency.LOADED:
+                        self._release(u)
 
     def _update_unit(self, u: _Unit, master: torch.Tensor, moments: torch.Tensor,
                      compute_staging: Optional[torch.Tensor], grad_factor: float) -> None:
@@ -732,9 +757,20 @@ class Engine:
 
     def _staged_update(self, units: List[_Unit], grad_factor: float) -> None:
         """The pipeline over units: unit i+1's states are read while Adam updates unit i and
-        unit i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring."""
+        unit i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring.
+
+        [Note: swap I/O failures] A failed write does not stop the step: the unit's updated
+        states are copied from its slot into ``self._dirty`` (host RAM, bounded by
+        ``_dirty_limit_bytes``) before the slot is reused, the other units are updated, and
+        the step then raises. The engine holds a complete, consistent step; forward and
+        step refuse (a swap home may be half-written) while ``save_checkpoint`` reads the
+        dirty copies. A failed read (or too many dirty bytes) leaves some units updated and
+        others not: the engine refuses everything and says to resume from the last
+        checkpoint. Either way nothing is left in flight into a slot."""
         depth = len(self._slots)
         reads: Dict[int, List[Any]] = {}
+        writer_of: List[Optional[_Unit]] = [None] * depth  # the unit whose writes a slot holds
+        write_errors: List[Tuple[_Unit, OSError]] = []
 
         def master_home(u: _Unit) -> Any:
             return u.compute_home if self._merged else u.master_home
@@ -745,22 +781,32 @@ class Engine:
         def on_nvme(home: Any) -> bool:
             return not isinstance(home, torch.Tensor)
 
+        def finish_writes(s: int) -> None:
+            slot, u = self._slots[s], writer_of[s]
+            try:
+                self._wait_all(slot.pending_writes)
+            except OSError as error:
+                self._keep_dirty(u, slot, on_nvme(master_home(u)), on_nvme(u.moments_home), error)
+                write_errors.append((u, error))
+            writer_of[s] = None
+
         def issue_reads(i: int) -> None:
             u, slot = units[i], self._slots[i % depth]
-            self._wait_all(slot.pending_writes)
+            finish_writes(i % depth)
             handles = []
+            reads[i] = handles
             home = master_home(u)
             if on_nvme(home):
                 handles.append(self._nvme.read(slot.master[:u.master_numel],
                                                prefix(home, u.master_numel * _FP32_BYTES)))
             if on_nvme(u.moments_home):
                 handles.append(self._nvme.read(slot.moments[:2 * u.master_numel], u.moments_home))
-            reads[i] = handles
 
         def issue_writes(i: int) -> None:
             u, slot = units[i], self._slots[i % depth]
             home = master_home(u)
-            writes = []
+            writer_of[i % depth] = u
+            writes = slot.pending_writes
             if on_nvme(home):
                 writes.append(self._nvme.write(slot.master[:u.master_numel],
                                                prefix(home, u.master_numel * _FP32_BYTES)))
@@ -770,27 +816,100 @@ class Engine:
                 n = padded_numel(u.spec.trainable_numel, slot.compute.element_size())
                 writes.append(self._nvme.write(
                     slot.compute[:n], prefix(u.compute_home, n * slot.compute.element_size())))
-            slot.pending_writes = writes
 
-        for i in range(min(depth - 1, len(units))):
-            issue_reads(i)
-        for i, u in enumerate(units):
-            self._wait_all(reads.pop(i))
-            slot = self._slots[i % depth]
-            staging = slot.compute[:u.compute_numel] if slot.compute is not None else None
-            master = slot.master if on_nvme(master_home(u)) else master_home(u)
-            moments = slot.moments if on_nvme(u.moments_home) else u.moments_home
-            self._update_unit(u, master, moments, staging, grad_factor)
-            issue_writes(i)
-            if i + depth - 1 < len(units):
-                issue_reads(i + depth - 1)
-        for slot in self._slots:
-            self._wait_all(slot.pending_writes)
+        current = None
+        try:
+            for i in range(min(depth - 1, len(units))):
+                issue_reads(i)
+            for i, u in enumerate(units):
+                current = u
+                self._wait_all(reads.pop(i))
+                slot = self._slots[i % depth]
+                staging = slot.compute[:u.compute_numel] if slot.compute is not None else None
+                master = slot.master if on_nvme(master_home(u)) else master_home(u)
+                moments = slot.moments if on_nvme(u.moments_home) else u.moments_home
+                self._update_unit(u, master, moments, staging, grad_factor)
+                issue_writes(i)
+                if i + depth - 1 < len(units):
+                    issue_reads(i + depth - 1)
+            current = None
+            for s in range(depth):
+                finish_writes(s)
+        except BaseException as error:
+            for handles in reads.values():
+                self._drain(handles)
+            for slot in self._slots:
+                self._drain(slot.pending_writes)
+            if isinstance(error, OSError):
+                where = f"unit {current.name!r}" if current is not None else "a unit"
+                self._failure = {"fatal": True, "message": (
+                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
+                    f"working on {where} ({error}); some units were updated and others not, so "
+                    "the in-memory state mixes two steps: resume from the last checkpoint "
+                    "(engine.load_checkpoint(DIR) or a new process)")}
+                raise OSError(error.errno, self._failure["message"]) from error
+            raise
+        if write_errors:
+            held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
+            first = write_errors[0][1]
+            names = ", ".join(repr(u.name) for u, _ in write_errors)
+            self._failure = {"fatal": False, "message": (
+                f"swap writes failed in the optimizer step at micro-step {self._micro_step} "
+                f"(units {names}; first error: {first}). The step completed: the updated states "
+                f"of those units are held in host RAM ({format_size(held)}), so "
+                "engine.save_checkpoint(DIR) on a filesystem with room saves a consistent "
+                "checkpoint of this step; forward and step refuse until a checkpoint is loaded "
+                "(engine.load_checkpoint(DIR) or a new process)")}
+            raise OSError(first.errno, self._failure["message"]) from first
+
+    def _dirty_limit_bytes(self) -> int:
+        """Host bytes the dirty copies may take: what host_budget leaves, else half of the
+        RAM the kernel reports available."""
+        if self.config.host_budget is not None:
+            return max(self.config.host_budget - self._host.used_bytes, 0)
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 // 2
+        except OSError:
+            pass
+        return 0
+
+    def _keep_dirty(self, u: _Unit, slot: _StagingSlot, master_on_nvme: bool, moments_on_nvme: bool,
+                    error: OSError) -> None:
+        """[Note: swap I/O failures] Copy u's updated states out of its slot, or raise."""
+        held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
+        need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * _FP32_BYTES
+        if held + need > self._dirty_limit_bytes():
+            raise OSError(error.errno, f"{error}; holding the states of unit {u.name!r} in host RAM "
+                          f"would take {format_size(held + need)}, more than the host can spare")
+        dirty = {}
+        if master_on_nvme:
+            dirty["master"] = slot.master[:u.master_numel].clone()
+        if moments_on_nvme:
+            dirty["moments"] = slot.moments[:2 * u.master_numel].clone()
+        self._dirty[u.index] = dirty
+
+    def _drain(self, handles: List[Any]) -> None:
+        """Wait for handles whose errors are already being reported another way."""
+        try:
+            self._wait_all(handles)
+        except OSError:
+            pass
 
     def _wait_all(self, handles: List[Any]) -> None:
+        """Waits for every handle (none may stay in flight into a buffer about to be reused),
+        then raises the first error."""
+        first_error: Optional[OSError] = None
         with self.stats_counters.timed("io_wait"):
             while handles:
-                handles.pop().wait()
+                try:
+                    handles.pop().wait()
+                except OSError as error:
+                    first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     # ------------------------------------------------------------------ reading state
     @torch.no_grad()
@@ -813,6 +932,16 @@ class Engine:
                 result[name] = value.detach().to("cpu", copy=True)
         return result
 
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Write every unit's state, the optimizer's and the RNGs' into the directory
+        ``ckpt_dir``, atomically, one unit at a time. See offload/checkpoint.py."""
+        checkpoint.save(self, ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then
+        stream its states into their tiers. See offload/checkpoint.py."""
+        checkpoint.load(self, ckpt_dir)
+
     def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
         if self._param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
@@ -820,7 +949,9 @@ class Engine:
             dtype = torch.float32 if self._merged else self.compute_dtype
             compute = self._load(u.compute_home, u.compute_numel, dtype)
         master = compute
-        if u.trainable and not self._merged:
+        if u.index in self._dirty and "master" in self._dirty[u.index]:
+            master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
+        elif u.trainable and not self._merged:
             master = self._load(u.master_home, u.master_numel, torch.float32)
         out = {}
         for e in u.spec.entries:
