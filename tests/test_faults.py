@@ -306,6 +306,7 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # 500 steps with swap I/O: minutes on a shared 2-core machine
 def test_soak_nvme_no_growth_of_rss_or_descriptors(tmp_path):
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2)
     config = nvme_config(tmp_path)
