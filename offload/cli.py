@@ -193,13 +193,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from offload.checkpoint import CheckpointError, export_checkpoint
+
     try:
-        from offload.checkpoint import export_checkpoint
-    except ImportError as e:
-        if getattr(e, "name", None) in ("offload.checkpoint",) or "export_checkpoint" in str(e):
-            return _error("checkpoint support is not installed (offload.checkpoint.export_checkpoint is missing)")
-        raise
-    export_checkpoint(args.ckpt, args.out)
+        export_checkpoint(args.ckpt, args.out)
+    except (CheckpointError, ValueError, OSError) as e:
+        return _error(str(e))
     print(f"exported {args.ckpt} to {args.out}")
     return 0
 

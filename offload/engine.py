@@ -18,6 +18,7 @@ optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to r
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 import warnings
@@ -29,20 +30,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from offload import checkpoint
+from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat
 from offload.prefetch import NEVER, Prefetcher
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
+    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
-# The optimizer pipeline moves states in pieces of at most this many elements (a multiple of
-# 4096, so that every piece starts on a page in fp32 and 16-bit buffers alike): staging
-# memory is then a few pieces, not a few of the largest unit (an embedding can be huge).
-_PIECE_NUMEL = 1 << 22
 
 
 class _PostBackward(torch.autograd.Function):
@@ -116,6 +115,8 @@ class _Unit:
         self.compute_started = 0.0
         self.last_use = 0
         self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
+        self.early_grad_squares = 0.0            # sum of squared gradients, taken before an
+        self.early_nonfinite: Optional[ParamEntry] = None  # early update (see _update_early)
         self.calls = 0               # forward calls in this pass
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         self.updated = False         # Adam already ran on it in this optimizer step
@@ -253,6 +254,10 @@ class Engine:
         self._early_futures: List[Any] = []
         self._stale_units: List[_Unit] = []
         self._root_prestaged: Optional[List[Any]] = None
+        # [Note: swap I/O failures] which piece each staging slot is writing back, and the
+        # write failures of this step (kept in host RAM, reported when the step ends)
+        self._slot_writer: List[Optional[Tuple[_Unit, int, int]]] = [None] * len(self._slots)
+        self._write_errors: List[Tuple[_Unit, OSError]] = []
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
         self._next_slot = 0
@@ -270,6 +275,11 @@ class Engine:
         self._saved_hooks: List[Any] = []
         self._hook_handles: List[Any] = []
         self._install_hooks()
+        # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
+        # _dirty: unit index -> states whose swap write failed, held in host RAM.
+        self._failure: Optional[Dict[str, Any]] = None
+        self._dirty: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._first_nonfinite_unit: Optional[str] = None
         self._closed = False
 
     # ------------------------------------------------------------------ planning
@@ -329,7 +339,7 @@ class Engine:
 
     def _slot_shape(self) -> Tuple[int, int]:
         """(master elements, compute elements) of one staging slot: one pipeline piece."""
-        master = min(max((u.master_numel for u in self.units), default=0), _PIECE_NUMEL)
+        master = min(max((u.master_numel for u in self.units), default=0), OPTIMIZER_PIECE_NUMEL)
         needs_compute = self._param_tier == "nvme" and not self._merged or \
             (self._param_tier == "device" and self.device.type == "cuda")
         # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
@@ -342,10 +352,11 @@ class Engine:
 
     def _check_host_budget(self, element_bytes: int) -> None:
         budget = self.config.host_budget
-        if budget is None:
-            return
         parts = self._home_bytes_on_host(element_bytes)
         needed = sum(parts.values())
+        self._host_planned_bytes = needed
+        if budget is None:
+            return
         if needed > budget:
             detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts.items() if v)
             raise ValueError(
@@ -815,6 +826,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError("engine is closed")
+        self._check_not_failed("forward")
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "Engine":
@@ -879,21 +891,37 @@ class Engine:
     # ------------------------------------------------------------------ optimizer step
     def _grad_scale_and_skip(self) -> Tuple[float, bool]:
         """Factor folded into Adam (unscale x clip) and whether to skip this step."""
-        need_norm = self._max_grad_norm is not None or self.config.dtype == "fp16" \
-            or self.config.skip_nonfinite_steps
-        if not need_norm:
-            return 1.0, False
+        # The norm is taken on every step, clipping or not: it is also how NaN/Inf gradients
+        # are found (and reported with the first parameter that has them). Units updated
+        # early (only when neither clipping nor skipping needs the norm first) brought theirs.
         squares = torch.zeros((), dtype=torch.float64)
+        first_nonfinite: Optional[Tuple[_Unit, ParamEntry]] = None
         for u in self.units:
+            if u.updated:
+                squares += u.early_grad_squares
+                if first_nonfinite is None and u.early_nonfinite is not None:
+                    first_nonfinite = (u, u.early_nonfinite)
+                continue
             for k, e in enumerate(u.trainable):
-                if u.has_grad[k] and not u.updated:
-                    g = u.grad[e.offset:e.offset + e.numel]
-                    squares += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+                if u.has_grad[k]:
+                    square = self._grad_squares(u, e)
+                    if first_nonfinite is None and not torch.isfinite(square):
+                        first_nonfinite = (u, e)
+                    squares += square
         inv_scale = 1.0 / self._loss_scale
         total_norm = squares.sqrt().item() * inv_scale
         finite = total_norm == total_norm and total_norm != float("inf")
         if not finite:
             self.stats_counters.count("nonfinite_steps")
+            if self.config.dtype != "fp16":  # with fp16 an overflow is routine loss scaling
+                where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
+                         if first_nonfinite else "the gradient norm")
+                self._first_nonfinite_unit = first_nonfinite[0].name if first_nonfinite else None
+                action = ("the step is skipped (skip_nonfinite_steps=True)" if self.config.skip_nonfinite_steps
+                          else "the step goes ahead and writes NaN/Inf into the parameters; set "
+                          "skip_nonfinite_steps=True to skip such steps")
+                warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {self._micro_step}, first "
+                              f"in {where}; {action}", RuntimeWarning, stacklevel=4)
             if self.config.dtype == "fp16":
                 self._loss_scale = max(self._loss_scale / 2, self.config.min_loss_scale)
                 self._good_steps = 0
@@ -912,7 +940,22 @@ class Engine:
                 factor *= clip
         return factor, False
 
+    @staticmethod
+    def _grad_squares(u: _Unit, e: ParamEntry) -> torch.Tensor:
+        g = u.grad[e.offset:e.offset + e.numel]
+        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+
+    def _check_not_failed(self, what: str) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"{what}: {self._failure['message']}")
+
+    def _quiesce(self) -> None:
+        """Nothing in flight afterwards: early updates done, fetches landed."""
+        self._wait_optimizer()
+        self._drain_fetches()
+
     def _optimizer_step(self) -> None:
+        self._check_not_failed("step")
         self._wait_optimizer()
         grad_factor, skip = self._grad_scale_and_skip()
         if skip:
@@ -923,23 +966,26 @@ class Engine:
             self.zero_grad()
             return
         units = [u for u in self.units if any(u.has_grad) and not u.updated]
-        with self.stats_counters.timed("optimizer"):
-            if self._staged_step:
-                self._staged_update(units, grad_factor)
-            else:
-                for u in units:
-                    self._update_in_place(u, grad_factor)
-        if self._root_prestaged is not None:  # the root got no gradient this step
-            self._wait_all(self._root_prestaged)
-            self._root_prestaged = None
-        self.zero_grad()
-        # Device copies are stale now, except those the update wrote in place.
-        self._drain_fetches()
-        self._stale_units.clear()
-        if self._param_tier != "device":
-            for u in self.units:
-                if u.compute_state == Residency.LOADED:
-                    self._release(u)
+        try:
+            with self.stats_counters.timed("optimizer"):
+                if self._staged_step:
+                    self._staged_update(units, grad_factor)
+                else:
+                    for u in units:
+                        self._update_in_place(u, grad_factor)
+        finally:  # also after a swap failure: the step is over either way
+            if self._root_prestaged is not None:  # the root got no gradient this step
+                self._drain(self._root_prestaged)
+                self._root_prestaged = None
+            self.zero_grad()
+            # Device copies are stale now, except those the update wrote in place.
+            self._drain_fetches()
+            self._stale_units.clear()
+            if self._param_tier != "device":
+                for u in self.units:
+                    if u.compute_state == Residency.LOADED:
+                        self._release(u)
+        self._raise_write_errors()
 
     def _maybe_update_early(self) -> None:
         """[Note: early updates] In the backward before an update, a unit is done for this
@@ -965,15 +1011,24 @@ class Engine:
 
     def _update_early(self, u: _Unit) -> None:
         start = time.perf_counter()
+        u.early_grad_squares, u.early_nonfinite = 0.0, None
+        for k, e in enumerate(u.trainable):
+            if u.has_grad[k]:
+                square = self._grad_squares(u, e).item()
+                if u.early_nonfinite is None and not math.isfinite(square):
+                    u.early_nonfinite = e
+                u.early_grad_squares += square
         if self._staged_step:
             steps = self._next_steps(u)
             for lo, hi in self._pieces(u):
                 # slot 0 is reserved for the root unit's first piece (see backward)
-                slot = self._slots[1 + self._next_slot % (len(self._slots) - 1)]
+                index = 1 + self._next_slot % (len(self._slots) - 1)
+                slot = self._slots[index]
                 self._next_slot += 1
-                self._wait_all(slot.pending_writes)
+                self._finish_slot_writes(index)
                 self._wait_all(self._issue_reads(u, lo, hi, slot))
                 self._update_staged(u, lo, hi, steps, slot, 1.0)
+                self._slot_writer[index] = (u, lo, hi)
                 self._issue_writes(u, lo, hi, slot)
             u.steps = steps
             self._release_grad(u)
@@ -982,13 +1037,31 @@ class Engine:
         self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
 
     def _wait_optimizer(self) -> None:
-        """Wait for early updates and their write-backs (raises what they raised)."""
+        """Wait for early updates and their write-backs. A failed write is kept in host RAM
+        and reported when the step ends ([Note: swap I/O failures]); any other failure there
+        is fatal: the units updated early and the rest no longer belong to one step."""
         futures, self._early_futures = self._early_futures, []
+        errors: List[BaseException] = []
         with self.stats_counters.timed("optimizer_wait"):
             for f in futures:
-                f.result()
-            for slot in self._slots:
-                self._wait_all(slot.pending_writes)
+                try:
+                    f.result()
+                except BaseException as error:  # noqa: B902 - reported below, after draining
+                    errors.append(error)
+            for index in range(len(self._slots)):
+                try:
+                    self._finish_slot_writes(index)  # write failures are kept, not raised
+                except OSError as error:
+                    errors.append(error)
+        if errors:
+            error = errors[0]
+            if isinstance(error, OSError):
+                self._failure = {"fatal": True, "message": (
+                    f"swap I/O failed while updating units during backward ({error}); some units "
+                    "were updated and others not: resume from the last checkpoint "
+                    "(engine.load_checkpoint(DIR) or a new process)")}
+                raise OSError(error.errno, self._failure["message"]) from error
+            raise error
 
     def _prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
@@ -1009,7 +1082,7 @@ class Engine:
         return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
 
     def _pieces(self, u: _Unit) -> List[Tuple[int, int]]:
-        return [(lo, min(lo + _PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, _PIECE_NUMEL)]
+        return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, OPTIMIZER_PIECE_NUMEL)]
 
     def _adam_range(self, u: _Unit, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
@@ -1122,7 +1195,17 @@ class Engine:
 
     def _staged_update(self, units: List[_Unit], grad_factor: float) -> None:
         """The pipeline over pieces of units: piece i+1's states are read while Adam updates
-        piece i and piece i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring."""
+        piece i and piece i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring.
+
+        [Note: swap I/O failures] A failed write does not stop the step: the unit's updated
+        states are kept in ``self._dirty`` (host RAM, bounded by ``_dirty_limit_bytes``;
+        the unit's pieces already on disk are read back, its later pieces copied in as they
+        pass), the other units are updated, and the step then raises. The engine holds a
+        complete, consistent step; forward and step refuse (a swap home may be half-written)
+        while ``save_checkpoint`` reads the dirty copies. A failed read (or too many dirty
+        bytes) leaves some units updated and others not: the engine refuses everything and
+        says to resume from the last checkpoint. Either way nothing is left in flight into a
+        slot."""
         pieces = [(u, lo, hi) for u in units for lo, hi in self._pieces(u)]
         depth = len(self._slots)
         reads: Dict[int, List[Any]] = {}
@@ -1133,31 +1216,141 @@ class Engine:
             if i == 0 and u is self._root and self._root_prestaged is not None:
                 reads[0], self._root_prestaged = self._root_prestaged, None
                 return
-            slot = self._slots[i % depth]
-            self._wait_all(slot.pending_writes)
-            reads[i] = self._issue_reads(u, lo, hi, slot)
+            self._finish_slot_writes(i % depth)
+            reads[i] = []
+            reads[i].extend(self._issue_reads(u, lo, hi, self._slots[i % depth]))
 
-        for i in range(min(depth - 1, len(pieces))):
-            issue_reads(i)
-        for i, (u, lo, hi) in enumerate(pieces):
-            self._wait_all(reads.pop(i))
-            slot = self._slots[i % depth]
-            if lo == 0:
-                steps[u.index] = self._next_steps(u)
-            self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
-            self._issue_writes(u, lo, hi, slot)
-            if hi == u.master_numel:
-                u.steps = steps.pop(u.index)
-                self._release_grad(u)
-            if i + depth - 1 < len(pieces):
-                issue_reads(i + depth - 1)
-        for slot in self._slots:
+        current = None
+        try:
+            for i in range(min(depth - 1, len(pieces))):
+                issue_reads(i)
+            for i, (u, lo, hi) in enumerate(pieces):
+                current = u
+                self._wait_all(reads.pop(i))
+                slot = self._slots[i % depth]
+                if lo == 0:
+                    steps[u.index] = self._next_steps(u)
+                self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
+                self._slot_writer[i % depth] = (u, lo, hi)
+                self._issue_writes(u, lo, hi, slot)
+                if hi == u.master_numel:
+                    u.steps = steps.pop(u.index)
+                    self._release_grad(u)
+                if i + depth - 1 < len(pieces):
+                    issue_reads(i + depth - 1)
+            current = None
+            for s in range(depth):
+                self._finish_slot_writes(s)
+        except BaseException as error:
+            for handles in reads.values():
+                self._drain(handles)
+            if self._root_prestaged is not None:
+                self._drain(self._root_prestaged)
+                self._root_prestaged = None
+            for slot in self._slots:
+                self._drain(slot.pending_writes)
+            if isinstance(error, OSError):
+                where = f"unit {current.name!r}" if current is not None else "a unit"
+                self._failure = {"fatal": True, "message": (
+                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
+                    f"working on {where} ({error}); some units were updated and others not, so "
+                    "the in-memory state mixes two steps: resume from the last checkpoint "
+                    "(engine.load_checkpoint(DIR) or a new process)")}
+                raise OSError(error.errno, self._failure["message"]) from error
+            raise
+        self._raise_write_errors()
+
+    def _finish_slot_writes(self, s: int) -> None:
+        """Wait for slot s's write-back; a failed write keeps the piece in host RAM."""
+        slot, piece = self._slots[s], self._slot_writer[s]
+        self._slot_writer[s] = None
+        failed: Optional[OSError] = None
+        try:
             self._wait_all(slot.pending_writes)
+        except OSError as error:
+            if piece is None:
+                raise
+            failed = error
+        if piece is not None and (failed is not None or piece[0].index in self._dirty):
+            self._keep_dirty(*piece, slot, failed)
+        if failed is not None:
+            self._write_errors.append((piece[0], failed))
+
+    def _raise_write_errors(self) -> None:
+        if self._write_errors:
+            write_errors, self._write_errors = self._write_errors, []
+            held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
+            first = write_errors[0][1]
+            names = ", ".join(sorted({repr(u.name) for u, _ in write_errors}))
+            self._failure = {"fatal": False, "message": (
+                f"swap writes failed in the optimizer step at micro-step {self._micro_step} "
+                f"(units {names}; first error: {first}). The step completed: the updated states "
+                f"of those units are held in host RAM ({format_size(held)}), so "
+                "engine.save_checkpoint(DIR) on a filesystem with room saves a consistent "
+                "checkpoint of this step; forward and step refuse until a checkpoint is loaded "
+                "(engine.load_checkpoint(DIR) or a new process)")}
+            raise OSError(first.errno, self._failure["message"]) from first
+
+    def _dirty_limit_bytes(self) -> int:
+        """Host bytes the dirty copies may take: what host_budget leaves, else half of the
+        RAM the kernel reports available."""
+        if self.config.host_budget is not None:
+            # the plan reserves every gradient buffer even while the pool holds fewer
+            return max(self.config.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 // 2
+        except OSError:
+            pass
+        return 0
+
+    def _keep_dirty(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot, error: Optional[OSError]) -> None:
+        """[Note: swap I/O failures] Hold piece [lo, hi) of u's updated states in host RAM
+        (the first failed piece of a unit brings the rest of the unit from disk), or raise."""
+        master_on_nvme = _on_nvme(self._master_home(u))
+        moments_on_nvme = _on_nvme(u.moments_home)
+        dirty = self._dirty.get(u.index)
+        if dirty is None:
+            held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
+            need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * _FP32_BYTES
+            if held + need > self._dirty_limit_bytes():
+                raise OSError(error.errno, f"{error}; holding the states of unit {u.name!r} in host "
+                              f"RAM would take {format_size(held + need)}, more than the host can spare")
+            dirty = {}
+            if master_on_nvme:
+                dirty["master"] = self._load(self._master_home(u), u.master_numel, torch.float32)
+            if moments_on_nvme:
+                dirty["moments"] = self._load(u.moments_home, 2 * u.master_numel, torch.float32)
+            self._dirty[u.index] = dirty
+        n = hi - lo
+        if "master" in dirty:
+            dirty["master"][lo:hi].copy_(slot.master[:n])
+        if "moments" in dirty:
+            dirty["moments"][lo:hi].copy_(slot.moments[:n])
+            dirty["moments"][u.master_numel + lo:u.master_numel + hi].copy_(slot.moments[n:2 * n])
+
+    def _drain(self, handles: List[Any]) -> None:
+        """Wait for handles whose errors are already being reported another way."""
+        try:
+            self._wait_all(handles)
+        except OSError:
+            pass
 
     def _wait_all(self, handles: List[Any]) -> None:
+        """Waits for every handle (none may stay in flight into a buffer about to be reused),
+        then raises the first error."""
+        first_error: Optional[OSError] = None
         with self.stats_counters.timed("io_wait"):
             while handles:
-                handles.pop().wait()
+                try:
+                    handles.pop().wait()
+                except OSError as error:
+                    first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
 
     # ------------------------------------------------------------------ reading state
     @torch.no_grad()
@@ -1180,6 +1373,19 @@ class Engine:
                 result[name] = value.detach().to("cpu", copy=True)
         return result
 
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Write every unit's state, the optimizer's and the RNGs' into the directory
+        ``ckpt_dir``, atomically, one unit at a time. See offload/checkpoint.py."""
+        self._quiesce()
+        checkpoint.save(self, ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then
+        stream its states into their tiers. See offload/checkpoint.py."""
+        self._quiesce()
+        checkpoint.load(self, ckpt_dir)
+        self.zero_grad()
+
     def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
         if self._param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
@@ -1187,7 +1393,9 @@ class Engine:
             dtype = torch.float32 if self._merged else self.compute_dtype
             compute = self._load(u.compute_home, u.compute_numel, dtype)
         master = compute
-        if u.trainable and not self._merged:
+        if u.index in self._dirty and "master" in self._dirty[u.index]:
+            master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
+        elif u.trainable and not self._merged:
             master = self._load(u.master_home, u.master_numel, torch.float32)
         out = {}
         for e in u.spec.entries:

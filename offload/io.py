@@ -231,7 +231,10 @@ def _o_direct_works(directory: str) -> Dict[str, object]:
 def _time_backend(backend: str, directory: str) -> float:
     """Seconds for an aligned write then read of _PROBE_BYTES; raises if the data differs."""
     data = aligned_empty(_PROBE_BYTES)
-    data.copy_(torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8))
+    # A private generator: probing (once per directory per process) must not advance the
+    # user's global RNG, or a run's dropout masks would depend on whether a probe ran.
+    data.copy_(torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(0)))
     back = aligned_empty(_PROBE_BYTES)
     fd, path = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
     os.close(fd)

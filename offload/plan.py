@@ -40,6 +40,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel
+
 PROFILE_SCHEMA = "offload-profile"
 PROFILE_VERSION = 1
 PAGE_BYTES = 4096
@@ -64,11 +66,6 @@ DEFAULT_PROFILE: dict = {
     "adam_params_per_second": 1.0e9,
     "recommended_io": {"io_backend": "auto", "io_block_bytes": 1 << 20, "io_queue_depth": 32},
 }
-
-
-def padded_numel(numel: int, element_bytes: int) -> int:
-    """Same rounding as offload.units.padded_numel: whole 4 KiB pages."""
-    return -(-numel * element_bytes // PAGE_BYTES) * PAGE_BYTES // element_bytes
 
 
 # ---------------------------------------------------------------------------- profiles
@@ -234,8 +231,9 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     needs_nvme = "nvme" in (param_tier, optimizer_tier)
     staging = 0
     if needs_nvme:
-        slot_master = max(master_numel, default=0)
-        slot_compute = max(compute_numel, default=0) if (param_tier == "nvme" and not merged) else 0
+        slot_master = min(max(master_numel, default=0), OPTIMIZER_PIECE_NUMEL)
+        # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
+        slot_compute = slot_master + 2048 if (param_tier == "nvme" and not merged) else 0
         staging = pipeline_depth * (3 * slot_master * _FP32_BYTES + slot_compute * e)
     host_parts = {
         "fp32 gradients": grad_bytes,

@@ -1,0 +1,327 @@
+"""Checkpoints (issue 7): save/load resume bit-identically for every tier combination,
+corrupt or mismatched checkpoints are refused before anything changes, export gives a state
+dict that plain PyTorch loads, saves are atomic."""
+import json
+import os
+import struct
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.checkpoint import MANIFEST, CheckpointError, _manifest_checksum, export_checkpoint
+from offload.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=g)
+
+
+def make_engine(config, seed=0, model_fn=None):
+    torch.manual_seed(seed)
+    model = (model_fn or (lambda: GPT(CFG)))()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return offload.wrap(model, opt, config=config)
+
+
+def gpt_loss(engine, i):
+    b = batch(i)
+    return engine(b[:, :-1], b[:, 1:])
+
+
+def run(engine, start, micro_steps, loss_fn=gpt_loss):
+    losses = []
+    for i in range(start, start + micro_steps):
+        loss = loss_fn(engine, i)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def config_for(tmp_path, param_tier, optimizer_tier, **extra):
+    swap = tmp_path / f"swap-{param_tier}-{optimizer_tier}"
+    swap.mkdir(exist_ok=True)
+    budget = None if param_tier == "device" else 100_000
+    return dict(param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=str(swap),
+                device_budget=budget, **extra)
+
+
+TIERS = [("device", "host"), ("device", "nvme"), ("host", "host"), ("host", "nvme"),
+         ("nvme", "host"), ("nvme", "nvme")]
+
+
+@pytest.mark.parametrize("param_tier,optimizer_tier,accumulation",
+                         [t + (1,) for t in TIERS] + [("host", "host", 2), ("nvme", "nvme", 2)])
+def test_resume_is_bit_identical(param_tier, optimizer_tier, accumulation, tmp_path):
+    """N updates, save, a fresh engine (other initial weights) loads and runs M more: exactly
+    the parameters and losses of N+M uninterrupted updates."""
+    config = config_for(tmp_path, param_tier, optimizer_tier, gradient_accumulation_steps=accumulation,
+                        max_grad_norm=0.5 if accumulation == 2 else None)
+    n, m = 3 * accumulation, 3 * accumulation
+    with make_engine(config) as ref:
+        ref_losses = run(ref, 0, n + m)
+        ref_state = ref.state_dict()
+    with make_engine(config) as first:
+        run(first, 0, n)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+    with make_engine(config, seed=1) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        losses = run(resumed, n, m)
+        assert_same_state(resumed.state_dict(), ref_state)
+    assert losses == ref_losses[n:]
+
+
+def test_resume_bf16_nvme_is_bit_identical(tmp_path):
+    """bf16: the compute copy is derived from the master on load and matches bit for bit."""
+    config = config_for(tmp_path, "nvme", "nvme", dtype="bf16")
+    with make_engine(config) as ref:
+        ref_losses = run(ref, 0, 6)
+        ref_state = ref.state_dict()
+    with make_engine(config) as first:
+        run(first, 0, 3)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+    with make_engine(config, seed=1) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert run(resumed, 3, 3) == ref_losses[3:]
+        assert_same_state(resumed.state_dict(), ref_state)
+
+
+class Frozen(nn.Module):
+    """A frozen parameter, a buffer updated in forward and dropout (RNG) next to trainable
+    blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Parameter(torch.randn(8, 16), requires_grad=False)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.drop = nn.Dropout(0.3)
+        self.register_buffer("running_mean", torch.zeros(16))
+
+    def forward(self, x):
+        x = x.to(self.frozen.dtype) @ self.frozen
+        for blk in self.blocks:
+            x = self.drop(torch.tanh(blk(x)))
+        with torch.no_grad():
+            self.running_mean.mul_(0.9).add_(x.float().mean(0), alpha=0.1)
+        return (x.float() - self.running_mean).square().mean()
+
+
+def frozen_loss(engine, i):
+    return engine(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+
+
+@pytest.mark.parametrize("param_tier,optimizer_tier", [("host", "host"), ("nvme", "nvme"), ("device", "nvme")])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_frozen_params_buffers_and_rng_are_restored(param_tier, optimizer_tier, dtype, tmp_path):
+    config = config_for(tmp_path, param_tier, optimizer_tier, dtype=dtype)
+    config["device_budget"] = None
+    with make_engine(config, model_fn=Frozen) as ref:
+        run(ref, 0, 3, frozen_loss)
+        torch.manual_seed(123)
+        ref_losses = run(ref, 3, 3, frozen_loss)
+        ref_state = ref.state_dict()
+    with make_engine(config, model_fn=Frozen) as first:
+        run(first, 0, 3, frozen_loss)
+        torch.manual_seed(123)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+    torch.manual_seed(999)  # the RNG state must come from the checkpoint
+    with make_engine(config, seed=1, model_fn=Frozen) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert run(resumed, 3, 3, frozen_loss) == ref_losses
+        assert_same_state(resumed.state_dict(), ref_state)
+    assert "running_mean" in ref_state and "frozen" in ref_state
+
+
+def test_checkpoint_loads_into_other_tiers_and_restores_hyperparameters(tmp_path):
+    with make_engine(config_for(tmp_path, "host", "host")) as a:
+        run(a, 0, 3)
+        a.optimizer.param_groups[0]["lr"] = 3e-3
+        a.save_checkpoint(str(tmp_path / "ckpt"))
+        state = a.state_dict()
+    with make_engine(config_for(tmp_path, "nvme", "nvme"), seed=2) as b:
+        b.load_checkpoint(str(tmp_path / "ckpt"))
+        assert_same_state(b.state_dict(), state)
+        assert b.optimizer.param_groups[0]["lr"] == 3e-3
+        assert b.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_save_mid_accumulation_is_refused(tmp_path):
+    with make_engine(dict(gradient_accumulation_steps=2)) as engine:
+        run(engine, 0, 1)
+        with pytest.raises(ValueError, match="accumulation boundary"):
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+        assert not os.path.exists(tmp_path / "ckpt")
+        assert os.listdir(tmp_path) == []
+        run(engine, 1, 1)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.backward(gpt_loss(engine, 5))  # gradients without step(): refused as well
+        with pytest.raises(ValueError, match="pending"):
+            engine.save_checkpoint(str(tmp_path / "ckpt2"))
+
+
+# ---------------------------------------------------------------------- corruption
+def _flip_byte(path, position):
+    with open(path, "r+b") as f:
+        f.seek(position)
+        b = f.read(1)
+        f.seek(position)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _rewrite_manifest(ckpt, change):
+    path = os.path.join(ckpt, MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    change(manifest)
+    manifest["checksum"] = _manifest_checksum(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def _corrupt_flip(ckpt):
+    _flip_byte(os.path.join(ckpt, "unit-00001.bin"), 100)
+    return "unit-00001.bin.*sha256"
+
+
+def _corrupt_truncate(ckpt):
+    path = os.path.join(ckpt, "unit-00002.bin")
+    os.truncate(path, os.path.getsize(path) - 4)
+    return "unit-00002.bin.*bytes"
+
+
+def _corrupt_missing(ckpt):
+    os.unlink(os.path.join(ckpt, "unit-00000.bin"))
+    return "unit-00000.bin.*missing"
+
+
+def _corrupt_outside(ckpt):
+    def change(m):
+        m["files"]["../outside.bin"] = m["files"].pop("unit-00001.bin")
+        m["units"][1]["file"] = "../outside.bin"
+    _rewrite_manifest(ckpt, change)
+    return "outside.bin.*not a plain file name"
+
+
+def _corrupt_manifest_byte(ckpt):
+    path = os.path.join(ckpt, MANIFEST)
+    text = open(path).read().replace('"micro_step": 3', '"micro_step": 4')
+    assert '"micro_step": 4' in text
+    open(path, "w").write(text)
+    return "manifest.json does not match its checksum"
+
+
+def _corrupt_entry_offset(ckpt):
+    _rewrite_manifest(ckpt, lambda m: m["units"][1]["entries"][0].update(master=1 << 40))
+    return "unit-00001.bin.*outside the file"
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_flip, _corrupt_truncate, _corrupt_missing, _corrupt_outside,
+                                     _corrupt_manifest_byte, _corrupt_entry_offset])
+def test_corrupt_checkpoint_is_rejected_and_nothing_is_loaded(corrupt, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    config = config_for(tmp_path, "nvme", "nvme")
+    with make_engine(config) as source:
+        run(source, 0, 3)
+        source.save_checkpoint(ckpt)
+    pattern = corrupt(ckpt)
+    with make_engine(config, seed=1) as engine:
+        run(engine, 0, 1)
+        before, micro_step = engine.state_dict(), engine._micro_step
+        rng = torch.get_rng_state()
+        with pytest.raises(CheckpointError, match=pattern):
+            engine.load_checkpoint(ckpt)
+        assert_same_state(engine.state_dict(), before)
+        assert engine._micro_step == micro_step and torch.equal(torch.get_rng_state(), rng)
+        run(engine, 1, 1)  # still trains
+
+
+def test_other_model_is_rejected_naming_the_parameter(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with make_engine({}) as source:
+        source.save_checkpoint(ckpt)
+    wider = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3, mlp_ratio=2)
+    with make_engine({}, model_fn=lambda: GPT(wider)) as engine:
+        with pytest.raises(CheckpointError, match=r"blocks\.0\.fc\.weight.*shape \(128, 32\)"):
+            engine.load_checkpoint(ckpt)
+    deeper = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
+    with make_engine({}, model_fn=lambda: GPT(deeper)) as engine:
+        with pytest.raises(CheckpointError, match=r"blocks\.3\..* not in the checkpoint"):
+            engine.load_checkpoint(ckpt)
+
+
+# ---------------------------------------------------------------------- export
+def _read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
+    out = {}
+    for k, v in header.items():
+        start, end = v["data_offsets"]
+        out[k] = torch.frombuffer(bytearray(data[start:end]), dtype=dtypes[v["dtype"]]).view(v["shape"])
+    return out
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_gives_a_state_dict_plain_pytorch_loads(suffix, tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / f"weights{suffix}")
+    with make_engine(config_for(tmp_path, "nvme", "nvme", dtype="bf16")) as engine:
+        run(engine, 0, 3)
+        engine.save_checkpoint(ckpt)
+        expected = engine.state_dict()
+    export_checkpoint(ckpt, out)
+    loaded = torch.load(out, weights_only=True) if suffix == ".pt" else _read_safetensors(out)
+    plain = GPT(CFG)
+    plain.load_state_dict(loaded)  # strict: every key, tied ones included
+    assert_same_state(plain.state_dict(), expected)
+    assert not [p for p in os.listdir(tmp_path) if "partial" in p]
+
+
+def test_export_rejects_a_corrupt_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with make_engine({}) as engine:
+        engine.save_checkpoint(ckpt)
+    _flip_byte(os.path.join(ckpt, "unit-00000.bin"), 7)
+    with pytest.raises(CheckpointError, match="unit-00000.bin"):
+        export_checkpoint(ckpt, str(tmp_path / "out.pt"))
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
+# ---------------------------------------------------------------------- atomicity
+def test_save_replaces_atomically_and_cleans_leftovers_of_dead_processes(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    dead_pid = 2**22 + 12345  # above pid_max on default kernels: never alive
+    partial = tmp_path / f".ckpt.partial-{dead_pid}-abcd1234"
+    partial.mkdir()
+    (partial / "unit-00000.bin").write_bytes(b"half")
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "x.txt").write_text("mine")
+    with make_engine({}) as engine:
+        engine.save_checkpoint(ckpt)
+        assert not partial.exists(), "the half-written checkpoint of a dead process is removed"
+        run(engine, 0, 1)
+        engine.save_checkpoint(ckpt)  # replaces the previous one
+        state = engine.state_dict()
+        with pytest.raises(ValueError, match="not an offload checkpoint"):
+            engine.save_checkpoint(str(foreign))
+    assert (foreign / "x.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "notes"]
+    # A crash between the two renames of a replacement leaves only ".ckpt.old-PID-HEX".
+    os.rename(ckpt, tmp_path / f".ckpt.old-{dead_pid}-00ff00ff")
+    with make_engine({}, seed=1) as other:
+        other.save_checkpoint(str(tmp_path / "other"))  # a save into the same parent restores it
+        other.load_checkpoint(ckpt)
+        assert_same_state(other.state_dict(), state)

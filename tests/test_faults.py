@@ -1,0 +1,335 @@
+"""Failures that must lose nothing (issue 7): SIGKILL in a step or a save, ENOSPC/EIO from
+the swap, NaN/Inf gradients, and a soak for leaks. Faults are injected, never waited for."""
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.checkpoint import EngineFailedError
+from offload.gpt import GPT, GPTConfig
+from offload.io import aligned_empty
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def batch(i, cfg=CFG):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
+
+
+def make_engine(config, seed=0, cfg=CFG):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    return offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+
+
+def run(engine, start, n, cfg=CFG):
+    for i in range(start, start + n):
+        b = batch(i, cfg)
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def nvme_config(tmp_path, param_tier="nvme", **extra):
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    return dict(param_tier=param_tier, optimizer_tier="nvme", swap_dir=str(swap), device_budget=100_000,
+                **extra)
+
+
+# ---------------------------------------------------------------------- SIGKILL
+WORKER = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    import offload, offload.checkpoint as checkpoint
+    from offload.gpt import GPT, GPTConfig
+
+    args = json.loads(sys.argv[1])
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
+    torch.manual_seed(args["seed"])
+    model = GPT(cfg)
+    engine = offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=dict(
+        param_tier="nvme", optimizer_tier="nvme", swap_dir=args["swap_dir"], device_budget=100_000,
+        gradient_accumulation_steps=2))
+
+    def kill_at(obj, name, k):
+        original, calls = getattr(obj, name), [0]
+        def patched(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*a, **kw)
+        setattr(obj, name, patched)
+
+    start = 0
+    if args.get("load"):
+        engine.load_checkpoint(args["load"])
+        start = engine._micro_step
+    for i in range(start, args["micro_steps"]):
+        g = torch.Generator().manual_seed(1000 + i)
+        b = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+        if i + 1 == args.get("save_at"):
+            engine.save_checkpoint(args["ckpt"])
+            if args.get("kill") == "step":   # in the optimizer step after the next one
+                kill_at(engine, "_adam_range", len(engine.units) + 2)  # Adam on a unit (or piece)
+            if args.get("kill") == "save":   # in the middle of the next save
+                kill_at(checkpoint, "_write_unit", 2)
+                args["save_at"] += 2
+    out = {"removed_stale_runs": len(engine._nvme.space.removed_stale_runs)}
+    if args.get("save_after"):
+        engine.save_checkpoint(args["save_after"])
+    torch.save(engine.state_dict(), args["out"])
+    engine.close()
+    print(json.dumps(out))
+""")
+
+
+def _worker(tmp_path, **args):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OFFLOAD_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(script), json.dumps(args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("kill", ["step", "save"])
+def test_sigkill_in_a_step_or_a_save_loses_nothing(kill, tmp_path):
+    swap, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpts" / "ckpt")
+    total, save_at = 10, 4   # micro-steps; accumulation 2, so the save is at update 2
+    ref = _worker(tmp_path, seed=0, swap_dir=swap, micro_steps=total, out=str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr
+    killed = _worker(tmp_path, seed=0, swap_dir=swap, micro_steps=total, save_at=save_at, kill=kill,
+                     ckpt=ckpt, out=str(tmp_path / "never.pt"))
+    assert killed.returncode == -9, killed.stderr
+    leftovers = os.listdir(swap)
+    assert any(e.startswith("offload-run-") for e in leftovers), "the killed run left its swap files"
+    if kill == "save":
+        assert any(".ckpt.partial-" in e for e in os.listdir(tmp_path / "ckpts"))
+    resumed = _worker(tmp_path, seed=1, swap_dir=swap, micro_steps=total, load=ckpt,
+                      out=str(tmp_path / "resumed.pt"), save_after=str(tmp_path / "ckpts" / "after"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["removed_stale_runs"] == 1
+    assert_same_state(torch.load(tmp_path / "resumed.pt", weights_only=True),
+                      torch.load(tmp_path / "ref.pt", weights_only=True))
+    assert os.listdir(swap) == [], "stale swap files and locks are gone after the next run"
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["after", "ckpt"], "the half-written save is cleaned"
+
+
+# ---------------------------------------------------------------------- ENOSPC / EIO
+class _FailedHandle:
+    def __init__(self, error):
+        self._error = error
+
+    def wait(self):
+        raise self._error
+
+    def done(self):
+        return True
+
+
+class FaultyIO:
+    """Wraps the engine's IOEngine: the k-th write (after scribbling over its target, as a
+    half-done write would) or the k-th read fails with ``err``."""
+
+    def __init__(self, io, err, fail_write=None, fail_read=None):
+        self._io, self._err = io, err
+        self._fail_write, self._fail_read = fail_write, fail_read
+        self.writes = self.reads = 0
+
+    def write_from(self, tensor, path, offset=0):
+        self.writes += 1
+        if self.writes == self._fail_write:
+            garbage = aligned_empty(tensor.numel() * tensor.element_size()).fill_(0x7F)
+            self._io.write_from(garbage, path, offset).wait()
+            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
+        return self._io.write_from(tensor, path, offset)
+
+    def read_into(self, tensor, path, offset=0):
+        self.reads += 1
+        if self.reads == self._fail_read:
+            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
+        return self._io.read_into(tensor, path, offset)
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+
+def _forward_backward(engine, i):
+    b = batch(i)
+    engine.backward(engine(b[:, :-1], b[:, 1:]))
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, tmp_path):
+    config = nvme_config(tmp_path)
+    with make_engine(config) as ref:
+        run(ref, 0, 3)
+        after_fault_step = ref.state_dict()
+        run(ref, 3, 2)
+        final = ref.state_dict()
+    with make_engine(config) as engine:
+        run(engine, 0, 2)
+        engine.save_checkpoint(str(tmp_path / "before"))
+        # Installed before backward: units are updated (and written back) during backward.
+        engine._nvme.io = FaultyIO(engine._nvme.io, err, fail_write=3)  # the second unit's master
+        _forward_backward(engine, 2)
+        with pytest.raises(OSError, match="save_checkpoint") as info:
+            engine.step()
+        assert info.value.errno == err
+        assert_same_state(engine.state_dict(), after_fault_step)  # read from the held copies
+        with pytest.raises(EngineFailedError, match="held in host RAM"):
+            _forward_backward(engine, 3)
+        engine._nvme.io = engine._nvme.io._io
+        engine.save_checkpoint(str(tmp_path / "elsewhere"))
+        engine.load_checkpoint(str(tmp_path / "elsewhere"))  # recovers this engine too
+        run(engine, 3, 2)
+        assert_same_state(engine.state_dict(), final)
+    with make_engine(config, seed=1) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "elsewhere"))
+        run(fresh, 3, 2)
+        assert_same_state(fresh.state_dict(), final)
+    with make_engine(config, seed=1) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "before"))  # the older checkpoint is untouched
+        run(fresh, 2, 3)
+        assert_same_state(fresh.state_dict(), final)
+
+
+def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path):
+    config = nvme_config(tmp_path, param_tier="host")
+    with make_engine(config) as ref:
+        run(ref, 0, 5)
+        final = ref.state_dict()
+    with make_engine(config) as engine:
+        run(engine, 0, 2)
+        engine.save_checkpoint(str(tmp_path / "before"))
+        # Installed before backward: units are updated (their states read) during backward.
+        engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=2)
+        _forward_backward(engine, 2)
+        with pytest.raises(OSError, match="resume from the last checkpoint") as info:
+            engine.step()
+        assert info.value.errno == errno.EIO
+        engine._nvme.io = engine._nvme.io._io
+        with pytest.raises(EngineFailedError, match="resume from the last checkpoint"):
+            engine.save_checkpoint(str(tmp_path / "mixed"))
+        assert not os.path.exists(tmp_path / "mixed")
+        with pytest.raises(EngineFailedError):
+            _forward_backward(engine, 2)
+        engine.load_checkpoint(str(tmp_path / "before"))
+        run(engine, 2, 3)
+        assert_same_state(engine.state_dict(), final)
+
+
+def test_failed_write_without_room_to_hold_the_states_stops_the_engine(tmp_path):
+    config = nvme_config(tmp_path)
+    with make_engine(config) as probe:
+        host_bytes = probe._host_planned_bytes  # exactly what the wrap-time plan needs
+    with make_engine(dict(config, host_budget=host_bytes)) as engine:
+        _forward_backward(engine, 0)
+        engine._nvme.io = FaultyIO(engine._nvme.io, errno.ENOSPC, fail_write=1)
+        with pytest.raises(OSError, match="more than the host can spare.*resume from the last checkpoint"):
+            engine.step()
+        engine._nvme.io = engine._nvme.io._io
+        with pytest.raises(EngineFailedError):
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_enospc_on_a_full_filesystem_during_save_keeps_the_last_checkpoint(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    with make_engine({}) as engine:
+        engine.save_checkpoint(str(tmp_path / "probe"))
+        size = sum(os.path.getsize(tmp_path / "probe" / f) for f in os.listdir(tmp_path / "probe"))
+        tmpfs_bytes = (size * 3 // 2 + 4095) // 4096 * 4096  # one checkpoint fits, two do not
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes}", "tmpfs", str(mount)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+        try:
+            engine.save_checkpoint(str(mount / "ckpt"))
+            state = engine.state_dict()
+            run(engine, 0, 1)
+            with pytest.raises(OSError) as info:
+                engine.save_checkpoint(str(mount / "ckpt"))
+            assert info.value.errno == errno.ENOSPC
+            assert os.listdir(mount) == ["ckpt"], "the partial directory is removed"
+            run(engine, 1, 1)  # the engine itself is fine
+            with make_engine({}, seed=1) as fresh:
+                fresh.load_checkpoint(str(mount / "ckpt"))
+                assert_same_state(fresh.state_dict(), state)
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)
+
+
+# ---------------------------------------------------------------------- NaN / Inf
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nonfinite_gradient_is_reported_with_its_unit_and_skipped_when_asked(skip, dtype):
+    with make_engine(dict(dtype=dtype, skip_nonfinite_steps=skip)) as engine:
+        run(engine, 0, 1)
+        before = engine.state_dict()
+        def poison(grad):  # one NaN in the unit's first gradient, on its way to the host
+            grad = grad.clone()
+            grad.view(-1)[5] = float("nan")
+            return grad
+
+        handle = engine.units[2].trainable[0].param.register_hook(poison)
+        _forward_backward(engine, 1)
+        handle.remove()
+        with pytest.warns(RuntimeWarning, match=rf"first in unit {engine.units[2].name!r}"):
+            engine.step()
+        stats = engine.stats()
+        assert stats["nonfinite_steps"] == 1
+        after = engine.state_dict()
+        if skip:
+            assert stats["skipped_steps"] == 1
+            assert_same_state(after, before)
+        else:
+            assert stats["skipped_steps"] == 0
+            assert any(not torch.isfinite(v).all() for v in after.values())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if skip:
+                run(engine, 2, 1)  # finite again: no warning
+
+
+# ---------------------------------------------------------------------- soak
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow  # 500 steps with swap I/O: minutes on a shared 2-core machine
+def test_soak_nvme_no_growth_of_rss_or_descriptors(tmp_path):
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2)
+    config = nvme_config(tmp_path)
+    config["device_budget"] = None
+    samples = []
+    with make_engine(config, cfg=cfg) as engine:
+        for i in range(500):
+            run(engine, i, 1, cfg=cfg)
+            if (i + 1) % 50 == 0:
+                engine.save_checkpoint(str(tmp_path / "ckpt"))
+                if i + 1 >= 150:  # after warm-up
+                    samples.append((_rss_bytes(), sorted(os.listdir("/proc/self/fd"))))
+        assert engine.stats()["nvme_bytes"] > 0
+    rss = [r for r, _ in samples]
+    assert max(rss) - rss[0] < 4 << 20, f"RSS grows after warm-up: {rss}"
+    assert all(len(fds) == len(samples[0][1]) for _, fds in samples), "file descriptors leak"
+    assert os.listdir(tmp_path / "swap") == [], "swap space returns to zero after close"
+    assert engine.stats()["nvme_bytes"] == 0
