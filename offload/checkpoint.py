@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from offload.swap import pid_alive
+
 if TYPE_CHECKING:
     from offload.engine import Engine, _Unit
 
@@ -89,16 +91,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _HashingWriter:
@@ -230,7 +222,7 @@ def _clean_stale(parent: str) -> None:
         return
     for entry in entries:
         match = _STALE_RE.match(entry)
-        if not match or _pid_alive(int(match.group("pid"))):
+        if not match or pid_alive(int(match.group("pid"))):
             continue
         path = os.path.join(parent, entry)
         target = os.path.join(parent, match.group("name"))

@@ -107,7 +107,7 @@ class ExtentAllocator:
         return [(self._paths[i], o, n) for i, free in enumerate(self._free) for o, n in free]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -241,7 +241,7 @@ class SwapSpace:
             held = os.path.exists(lock_path) and fd is None
             if fd is not None:
                 os.close(fd)
-            if held or (pid is not None and _pid_alive(pid)):
+            if held or (pid is not None and pid_alive(pid)):
                 self.live_runs.append((path, pid))
                 warnings.warn(f"swap_dir holds the run directory {path} of a live process "
                               f"(pid {pid}); leaving it alone", RuntimeWarning, stacklevel=3)
