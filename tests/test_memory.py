@@ -1,0 +1,72 @@
+"""A model whose fp32 state is 4 GiB trains with both tiers on NVMe while the process's
+peak RSS stays under 40% of that state (issue 4)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent('''
+    import json, resource, sys
+    import torch
+    from torch import nn
+    import offload
+
+    class Wide(nn.Module):
+        def __init__(self, width, num_blocks):
+            super().__init__()
+            self.inp = nn.Linear(64, width)          # so the first block's input needs grad
+            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(num_blocks))
+            self.out = nn.Linear(width, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return self.out(h).pow(2).mean()
+
+    width, num_blocks, swap_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Wide(width, num_blocks)   # never materialized whole
+    num_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    unit_bytes = (width * width + width) * 4
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir,
+                  device_budget=4 * unit_bytes)
+    losses = []
+    with offload.wrap(model, opt, config=config) as engine:
+        for step in range(2):
+            x = torch.randn(2, 64)
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        stats = engine.stats()
+    print(json.dumps({"num_params": num_params, "losses": losses,
+                      "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "nvme_read": stats["bytes_read_nvme"], "host_peak": stats["host_peak_bytes"]}))
+''')
+
+
+@pytest.mark.slow  # writes and reads ~20 GB of swap: a minute or more on this machine
+def test_4gib_state_trains_on_nvme_with_peak_rss_under_40_percent(tmp_path):
+    width, num_blocks = 4096, 16                  # 16 x 16.8M + small = 268.7M parameters
+    swap_dir = tmp_path / "swap"
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(width), str(num_blocks), str(swap_dir)],
+                            capture_output=True, text=True, timeout=1200,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    state_bytes = report["num_params"] * 16       # params + fp32 master + two moments
+    assert state_bytes >= 4 * 2**30
+    assert all(l == l for l in report["losses"])
+    assert report["nvme_read"] > state_bytes // 2, "the states must really have come from swap"
+    assert report["max_rss_bytes"] < 0.4 * state_bytes, (
+        f"peak RSS {report['max_rss_bytes'] / 2**30:.2f} GiB is not under 40% of the "
+        f"{state_bytes / 2**30:.2f} GiB state")
+    assert not os.listdir(swap_dir)
