@@ -27,6 +27,14 @@ fp32, x 2 for bf16). The engine needs at least the root unit (embeddings + head)
 block + the largest gradient; when the fraction is below that, the row uses the minimum the
 engine accepts and the table says so ("budget=min").
 
+DeepSpeed setup (once per machine): pip install deepspeed torch==2.13.0; apt-get install -y
+libaio-dev; then prebuild its JIT ops (cpu_adam took ~14 min on 2 busy cores, async_io a few),
+or the first DeepSpeed row spends that time inside its step and may hit --row-timeout:
+    DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, \
+        AsyncIOBuilder; CPUAdamBuilder().load(); AsyncIOBuilder().load()"
+A row that fails (DeepSpeed 0.19.8 NVMe param swap may stop with "Not enough buffers") is
+printed as FAILED with its error; the other rows go on.
+
 Overlap efficiency (NVMe rows) = max(compute-only step, io-only step) / this row's step:
 1.0 means I/O is fully hidden behind compute (or the reverse).
 
