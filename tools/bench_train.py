@@ -1,0 +1,589 @@
+"""Training-step benchmark of offload against plain PyTorch and DeepSpeed ZeRO-3 offload.
+
+Reference workload: offload.gpt.GPT(vocab 32000, seq 256, d_model 1024, 16 heads, 8 layers,
+qkv_bias, untied head; 166,569,984 params), batch 4, fp32 and bf16. Each configuration (row)
+runs in its own fresh subprocess, so its peak RSS (ru_maxrss) is its own; the parent collects
+one JSON line per row and prints the table. Step time is the median of --steps timed steps
+after --warmup untimed ones (forward + backward + optimizer step, wall clock).
+
+Rows (--rows):
+  plain            the model in RAM, torch.optim.AdamW(fused=True) (foreach if fused fails);
+                   bf16 = torch.autocast("cpu", dtype=torch.bfloat16). The baseline.
+  compute-only     offload, everything in RAM: param_tier=device, optimizer_tier=host, no
+                   device budget. The compute part of an offloaded step.
+  host             offload, param_tier=host, optimizer_tier=host, device budget (see below).
+  nvme-noprefetch  offload, param_tier=nvme, optimizer_tier=nvme, prefetch=False, budget.
+  nvme-prefetch    the same with prefetch=True.
+  io-only          no compute: replays the swap traffic of one NVMe step through
+                   offload.io.IOEngine (per unit: read the compute copy in forward, again in
+                   backward in reverse order, then a read + write of master and moments in
+                   the optimizer's pipelined order), with the byte counts per phase measured
+                   from engine.stats() of the NVMe row of the same dtype.
+  ds-cpu, ds-nvme  DeepSpeed ZeRO-3, offload_param + offload_optimizer to cpu / nvme (when
+                   deepspeed imports; DS_ACCELERATOR=cpu, gloo, world size 1). bf16 via autocast.
+
+Device budget: --budget-fraction (0.25) of the model's compute-copy bytes (params x 4 for
+fp32, x 2 for bf16). The engine needs at least the root unit (embeddings + head) + the largest
+block + the largest gradient; when the fraction is below that, the row uses the minimum the
+engine accepts and the table says so ("budget=min").
+
+DeepSpeed setup (once per machine): pip install deepspeed torch==2.13.0; apt-get install -y
+libaio-dev; then prebuild its JIT ops (cpu_adam took ~14 min on 2 busy cores, async_io a few),
+or the first DeepSpeed row spends that time inside its step and may hit --row-timeout:
+    DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import CPUAdamBuilder, \
+        AsyncIOBuilder; CPUAdamBuilder().load(); AsyncIOBuilder().load()"
+A row that fails (DeepSpeed 0.19.8 NVMe param swap may stop with "Not enough buffers") is
+printed as FAILED with its error; the other rows go on.
+
+Overlap efficiency (NVMe rows) = max(compute-only step, io-only step) / this row's step:
+1.0 means I/O is fully hidden behind compute (or the reverse).
+
+    python tools/bench_train.py                       # full size, every row, fp32 + bf16
+    python tools/bench_train.py --quick               # tiny GPT, 2+2 steps, < 1 minute
+    python tools/bench_train.py --rows plain nvme-prefetch io-only --dtypes bf16 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run from a source checkout (in-place build) without installing.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+GiB = 1 << 30
+GB = 1e9
+PAGE_BYTES = 4096
+RESULT_PREFIX = "BENCH_TRAIN_RESULT "
+
+ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "io-only",
+        "ds-cpu", "ds-nvme")
+NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch")
+DS_ROWS = ("ds-cpu", "ds-nvme")
+DTYPES = ("fp32", "bf16")
+
+FULL_MODEL = dict(vocab_size=32000, seq_len=256, d_model=1024, num_heads=16, num_layers=8,
+                  qkv_bias=True, tie_embeddings=False)
+QUICK_MODEL = dict(vocab_size=512, seq_len=64, d_model=128, num_heads=4, num_layers=4,
+                   qkv_bias=True, tie_embeddings=False)
+FULL_BATCH, QUICK_BATCH = 4, 2
+
+
+# ---------------------------------------------------------------------------- worker side
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def make_batch(model_cfg: dict, batch: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    shape = (batch, model_cfg["seq_len"])
+    idx = torch.randint(0, model_cfg["vocab_size"], shape, generator=gen)
+    targets = torch.randint(0, model_cfg["vocab_size"], shape, generator=gen)
+    return idx, targets
+
+
+def build_gpt(model_cfg: dict, meta: bool):
+    import torch
+    from offload.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return GPT(GPTConfig(**model_cfg))
+    return GPT(GPTConfig(**model_cfg))
+
+
+def make_adamw(params):
+    import torch
+
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, fused=True), "fused"
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, foreach=True), "foreach"
+
+
+def timed_loop(step_fn, warmup: int, steps: int, probe=None):
+    """Runs warmup + steps calls of step_fn(); returns per-step seconds of the timed ones and,
+    when ``probe`` is given, the list of probe results per timed step."""
+    seconds, probes = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        extra = step_fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            seconds.append(elapsed)
+            probes.append(extra)
+    return seconds, probes
+
+
+def run_plain(spec: dict) -> dict:
+    import torch
+
+    model = build_gpt(spec["model"], meta=False)
+    opt, flavour = make_adamw(model.parameters())
+    idx, targets = make_batch(spec["model"], spec["batch"])
+    bf16 = spec["dtype"] == "bf16"
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
+    except RuntimeError as error:
+        if flavour != "fused":
+            raise
+        # fused=True was accepted at construction but refused at step time: use foreach.
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+        flavour = f"foreach (fused failed: {str(error).splitlines()[0][:80]})"
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
+    return {"step_seconds_all": seconds, "note": f"AdamW {flavour}"}
+
+
+def offload_config(spec: dict, device_budget):
+    row = spec["row"]
+    common = dict(device="cpu", dtype=spec["dtype"])
+    if row == "compute-only":
+        return dict(common, param_tier="device", optimizer_tier="host", device_budget=None)
+    if row == "host":
+        return dict(common, param_tier="host", optimizer_tier="host", device_budget=device_budget)
+    assert row in NVME_ROWS, row
+    return dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
+                swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch")
+
+
+_MIN_BUDGET_RE = re.compile(r"at least (\d+) bytes")
+
+
+def wrap_with_budget(spec: dict):
+    """offload.wrap under budget_fraction of the compute-copy bytes, or under the engine's
+    minimum when that is larger (read from its ValueError, which names the bytes needed)."""
+    import torch
+    import offload
+
+    element_bytes = 4 if spec["dtype"] == "fp32" else 2
+    model = build_gpt(spec["model"], meta=True)
+    compute_bytes = sum(p.numel() for p in model.parameters()) * element_bytes
+    wanted = int(spec["budget_fraction"] * compute_bytes)
+    budget, note = wanted, f"budget {spec['budget_fraction']:.0%}"
+    for attempt in range(2):
+        if attempt:
+            model = build_gpt(spec["model"], meta=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        config = offload.OffloadConfig(**offload_config(spec, budget))
+        try:
+            engine = offload.wrap(model, opt, config=config)
+        except ValueError as error:
+            match = _MIN_BUDGET_RE.search(str(error))
+            if attempt or config.device_budget is None or not match:
+                raise
+            budget = int(match.group(1))
+            note = (f"budget=min {budget / (1 << 20):.0f} MiB = {budget / compute_bytes:.0%} "
+                    f"(> {spec['budget_fraction']:.0%})")
+            continue
+        if config.device_budget is None:
+            note = "no budget"
+        return engine, {"device_budget_bytes": config.device_budget,
+                        "budget_wanted_bytes": wanted if config.device_budget else None,
+                        "compute_copy_bytes": compute_bytes, "note": note}
+    raise AssertionError("unreachable")
+
+
+def run_offload(spec: dict) -> dict:
+    engine, info = wrap_with_budget(spec)
+    idx, targets = make_batch(spec["model"], spec["batch"])
+    keys = ("bytes_read_nvme", "bytes_written_nvme", "io_wait_seconds")
+
+    def snapshot():
+        s = engine.stats()
+        return {k: s[k] for k in keys}, time.perf_counter()
+
+    def step():
+        s0, t0 = snapshot()
+        loss = engine(idx, targets)
+        s1, t1 = snapshot()
+        engine.backward(loss)
+        s2, t2 = snapshot()
+        engine.step()
+        s3, t3 = snapshot()
+        return {
+            "forward_seconds": t1 - t0, "backward_seconds": t2 - t1, "optimizer_seconds": t3 - t2,
+            "forward_read": s1["bytes_read_nvme"] - s0["bytes_read_nvme"],
+            "backward_read": s2["bytes_read_nvme"] - s1["bytes_read_nvme"],
+            "optimizer_read": s3["bytes_read_nvme"] - s2["bytes_read_nvme"],
+            "forward_written": s1["bytes_written_nvme"] - s0["bytes_written_nvme"],
+            "backward_written": s2["bytes_written_nvme"] - s1["bytes_written_nvme"],
+            "optimizer_written": s3["bytes_written_nvme"] - s2["bytes_written_nvme"],
+            "io_wait_seconds": s3["io_wait_seconds"] - s0["io_wait_seconds"],
+        }
+
+    try:
+        seconds, probes = timed_loop(step, spec["warmup"], spec["steps"])
+        stats = engine.stats()
+        units = [{"name": u.name, "compute_bytes": u.compute_numel * (4 if spec["dtype"] == "fp32" else 2),
+                  "master_bytes": u.master_numel * 4} for u in engine.units]
+    finally:
+        engine.close()
+    phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+    read = phases["forward_read"] + phases["backward_read"] + phases["optimizer_read"]
+    written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
+    return dict(info, step_seconds_all=seconds, phases=phases, units=units,
+                nvme_read_per_step=read, nvme_written_per_step=written,
+                io_wait_seconds=phases["io_wait_seconds"],
+                device_peak_bytes=stats["device_peak_bytes"], host_peak_bytes=stats["host_peak_bytes"],
+                nvme_bytes=stats["nvme_bytes"])
+
+
+def _split(total: int, weights, page: int = PAGE_BYTES):
+    """``total`` bytes split over ``weights`` in proportion, each part whole pages."""
+    weight_sum = sum(weights) or 1
+    return [-(-int(total * w / weight_sum) // page) * page for w in weights]
+
+
+def run_io_only(spec: dict) -> dict:
+    """Replays one NVMe step's swap traffic (spec["pattern"]) with no compute."""
+    import torch
+    from offload.io import IOEngine, aligned_empty
+
+    pattern = spec["pattern"]
+    units = pattern["units"]
+    phases = pattern["phases"]
+    compute_w = [u["compute_bytes"] for u in units]
+    master_w = [u["master_bytes"] for u in units]
+    forward = _split(phases["forward_read"], compute_w)
+    backward = _split(phases["backward_read"], compute_w)
+    opt_read = _split(phases["optimizer_read"], master_w)
+    opt_write = _split(phases["optimizer_written"], master_w)
+    # One file region per unit for its compute copy and one for its optimizer states.
+    compute_size = [max(a, b) for a, b in zip(forward, backward)]
+    opt_size = [max(a, b) for a, b in zip(opt_read, opt_write)]
+    offsets, cursor = [], 0
+    for c, o in zip(compute_size, opt_size):
+        offsets.append((cursor, cursor + c))
+        cursor += c + o
+    depth = spec["pipeline_depth"]
+    io_buf = aligned_empty(max(compute_size + [PAGE_BYTES]))
+    slots = [aligned_empty(max(opt_size + [PAGE_BYTES])) for _ in range(depth)]
+    workdir = tempfile.mkdtemp(prefix="io-only-", dir=spec["swap_dir"])
+    path = os.path.join(workdir, "swap.bin")
+    order = [i for i in range(len(units)) if opt_read[i] or opt_write[i]]
+    try:
+        with IOEngine(backend="auto", probe_dir=workdir) as io:
+            fill = aligned_empty(64 << 20).fill_(1)
+            for offset in range(0, cursor, fill.numel()):
+                io.write_from(fill[:min(fill.numel(), cursor - offset)], path, offset)
+            io.wait_all()
+            del fill
+
+            def step():
+                for i in range(len(units)):  # forward: fetch on use, in unit order
+                    if forward[i]:
+                        io.read_into(io_buf[:forward[i]], path, offsets[i][0]).wait()
+                for i in reversed(range(len(units))):
+                    if backward[i]:
+                        io.read_into(io_buf[:backward[i]], path, offsets[i][0]).wait()
+                # optimizer: reads run depth - 1 units ahead; a slot's write-back must finish
+                # before the slot is read into again.
+                reads, writes = {}, {}
+
+                def issue_read(k):
+                    i = order[k]
+                    if k - depth in writes:
+                        writes.pop(k - depth).wait()
+                    reads[k] = io.read_into(slots[k % depth][:opt_read[i]], path, offsets[i][1]) \
+                        if opt_read[i] else None
+
+                for k in range(min(depth - 1, len(order))):
+                    issue_read(k)
+                for k, i in enumerate(order):
+                    handle = reads.pop(k)
+                    if handle is not None:
+                        handle.wait()
+                    if opt_write[i]:
+                        writes[k] = io.write_from(slots[k % depth][:opt_write[i]], path, offsets[i][1])
+                    if k + depth - 1 < len(order):
+                        issue_read(k + depth - 1)
+                io.wait_all()
+
+            seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
+            backend = io.backend
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    read = sum(forward) + sum(backward) + sum(opt_read)
+    written = sum(opt_write)
+    return {"step_seconds_all": seconds, "nvme_read_per_step": read, "nvme_written_per_step": written,
+            "note": f"replay of {pattern['source']} ({backend})"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(spec: dict) -> dict:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    import torch
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    device = "cpu" if spec["row"] == "ds-cpu" else "nvme"
+    offload = {"device": device, "pin_memory": False}
+    if device == "nvme":
+        swap = tempfile.mkdtemp(prefix="ds-", dir=spec["swap_dir"])
+        offload["nvme_path"] = swap
+    ds_config = {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": dict(offload),
+            "offload_optimizer": dict(offload),
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False,
+                "overlap_events": True, "thread_count": 1},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=device):
+        model = build_gpt(spec["model"], meta=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config)
+    idx, targets = make_batch(spec["model"], spec["batch"])
+    bf16 = spec["dtype"] == "bf16"
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = engine(idx, targets)
+        engine.backward(loss)
+        engine.step()
+
+    try:
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
+    finally:
+        if device == "nvme":
+            shutil.rmtree(swap, ignore_errors=True)
+    return {"step_seconds_all": seconds, "note": f"deepspeed {deepspeed.__version__}"}
+
+
+def worker_main(spec: dict) -> int:
+    import torch
+
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    row = spec["row"]
+    if row == "plain":
+        result = run_plain(spec)
+    elif row == "io-only":
+        result = run_io_only(spec)
+    elif row in DS_ROWS:
+        result = run_deepspeed(spec)
+    else:
+        result = run_offload(spec)
+    result.update(row=row, dtype=spec["dtype"], step_seconds=statistics.median(result["step_seconds_all"]),
+                  peak_rss_bytes=peak_rss_bytes())
+    sys.stdout.flush()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------- parent side
+def run_row(spec: dict, timeout_s: float) -> dict:
+    """One configuration in a fresh subprocess; failures become a row with an error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"row": spec["row"], "dtype": spec["dtype"], "error": f"timed out after {timeout_s:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+            result["wall_seconds"] = time.perf_counter() - start
+            return result
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"Error|error|Exception|Killed", ln)]
+    tail = (errors or lines or [f"exit status {proc.returncode}"])[-1].strip()
+    if proc.returncode < 0:
+        tail = f"killed by signal {-proc.returncode}; last: {tail}"
+    return {"row": spec["row"], "dtype": spec["dtype"], "error": tail[:300],
+            "stderr_tail": "\n".join(lines[-30:])}
+
+
+def deepspeed_importable() -> tuple:
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode == 0:
+        return True, proc.stdout.strip().splitlines()[-1]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    return False, lines[-1] if lines else "import failed"
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def overlap_efficiency(row: dict, by_key: dict):
+    if row["row"] not in NVME_ROWS or "error" in row:
+        return None
+    compute = by_key.get(("compute-only", row["dtype"]), {}).get("step_seconds")
+    io = by_key.get(("io-only", row["dtype"]), {}).get("step_seconds")
+    if compute is None or io is None:
+        return None
+    return max(compute, io) / row["step_seconds"]
+
+
+def print_table(results: list, out=sys.stdout) -> None:
+    by_key = {(r["row"], r["dtype"]): r for r in results}
+    header = (f"{'config':16s} {'dtype':5s} {'step s':>8s} {'x plain':>7s} {'RSS GiB':>8s} "
+              f"{'x RSS':>6s} {'rd GB/st':>8s} {'wr GB/st':>8s} {'io_wait':>7s} {'overlap':>7s}  note")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in results:
+        plain = by_key.get(("plain", r["dtype"]), {})
+        if "error" in r:
+            print(f"{r['row']:16s} {r['dtype']:5s} FAILED: {r['error']}", file=out)
+            continue
+        step, rss = r["step_seconds"], r["peak_rss_bytes"]
+        step_ratio = step / plain["step_seconds"] if plain.get("step_seconds") else None
+        rss_ratio = rss / plain["peak_rss_bytes"] if plain.get("peak_rss_bytes") else None
+        read, written = r.get("nvme_read_per_step"), r.get("nvme_written_per_step")
+        print(f"{r['row']:16s} {r['dtype']:5s} {step:8.3f} {fmt(step_ratio, '7.2f')} "
+              f"{rss / GiB:8.2f} {fmt(rss_ratio, '6.2f')} "
+              f"{fmt(None if read is None else read / GB, '8.3f')} "
+              f"{fmt(None if written is None else written / GB, '8.3f')} "
+              f"{fmt(r.get('io_wait_seconds'), '7.3f')} "
+              f"{fmt(overlap_efficiency(r, by_key), '7.2f')}  {r.get('note', '')}", file=out)
+    for dtype in dict.fromkeys(r["dtype"] for r in results):
+        plain = by_key.get(("plain", dtype))
+        if plain and "error" not in plain:
+            print(f"baseline {dtype}: plain PyTorch step {plain['step_seconds']:.3f} s, "
+                  f"peak RSS {plain['peak_rss_bytes'] / GiB:.2f} GiB", file=out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny GPT, batch 2, 2 warm-up + 2 timed steps (smoke test; < 1 minute)")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=None, help="rows to run (default: all)")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; 2 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 4; 2 with --quick)")
+    p.add_argument("--swap-dir", default=None,
+                   help="directory for swap files (default: a fresh temp dir under $TMPDIR or /tmp)")
+    p.add_argument("--budget-fraction", type=float, default=0.25,
+                   help="device budget as a fraction of the compute-copy bytes (default 0.25)")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
+    p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds per row before it is killed")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error("--steps must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if not 0 < args.budget_fraction <= 1:
+        p.error("--budget-fraction must be in (0, 1]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(json.loads(args.worker))
+
+    rows = list(args.rows or ROWS)
+    deepspeed_note = None
+    if any(r in DS_ROWS for r in rows):
+        ok, what = (False, "--no-deepspeed") if args.no_deepspeed else deepspeed_importable()
+        if not ok:
+            deepspeed_note = f"DeepSpeed rows skipped: {what}"
+            rows = [r for r in rows if r not in DS_ROWS]
+        else:
+            deepspeed_note = f"deepspeed {what}"
+    model = QUICK_MODEL if args.quick else FULL_MODEL
+    base = {
+        "model": model,
+        "batch": args.batch or (QUICK_BATCH if args.quick else FULL_BATCH),
+        "steps": args.steps or (2 if args.quick else 5),
+        "warmup": args.warmup if args.warmup is not None else 2,
+        "budget_fraction": args.budget_fraction,
+        # One thread in --quick: tiny ops gain nothing from two, and on a shared machine two
+        # spinning threads per row turn the smoke test's timings into noise.
+        "threads": args.threads or (1 if args.quick else None),
+        "pipeline_depth": 3,  # OffloadConfig.optimizer_pipeline_depth default
+    }
+    own_swap = args.swap_dir is None
+    swap_root = tempfile.mkdtemp(prefix="bench_train-") if own_swap else os.path.abspath(args.swap_dir)
+    os.makedirs(swap_root, exist_ok=True)
+    base["swap_dir"] = swap_root
+    usage = shutil.disk_usage(swap_root)
+    print(f"model {model}, batch {base['batch']}, {base['warmup']} warm-up + {base['steps']} timed steps; "
+          f"swap dir {swap_root} ({usage.free / GiB:.0f} GiB free)", flush=True)
+    if deepspeed_note:
+        print(deepspeed_note, flush=True)
+
+    results = []
+    try:
+        for dtype in args.dtypes:
+            for row in rows:
+                spec = dict(base, row=row, dtype=dtype)
+                if row == "io-only":
+                    source = next((r for r in reversed(results) if r["dtype"] == dtype
+                                   and r["row"] in NVME_ROWS and "error" not in r), None)
+                    if source is None:  # no NVMe row run: measure the traffic of one step
+                        source = run_row(dict(base, row="nvme-prefetch", dtype=dtype, warmup=1, steps=1),
+                                         args.row_timeout)
+                    if "error" in source:
+                        results.append({"row": row, "dtype": dtype,
+                                        "error": f"no NVMe traffic to replay: {source['error']}"})
+                        continue
+                    spec["pattern"] = {"units": source["units"], "phases": source["phases"],
+                                       "source": f"{source['row']} {dtype}"}
+                result = run_row(spec, args.row_timeout)
+                results.append(result)
+                status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
+                print(f"  {row:16s} {dtype:5s} {status}", file=sys.stderr, flush=True)
+    finally:
+        if own_swap:
+            shutil.rmtree(swap_root, ignore_errors=True)
+
+    print()
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in base.items()}, "deepspeed": deepspeed_note,
+                       "rows": results}, f, indent=1)
+    return 1 if any("error" in r and r["row"] not in DS_ROWS for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
