@@ -89,7 +89,14 @@ class OffloadConfig:
     weights and moments are always fp32. With fp32 the compute copy is the master."""
 
     stage: int = 0
-    """ZeRO stage (0-3) when several ranks train together; 0 on a single process."""
+    """ZeRO stage when several ranks train together (torchrun, or an initialized process
+    group): 0 every rank keeps everything (data parallel), 1 master weights and Adam moments
+    are sharded across ranks, 2 gradients too. 3 (sharded compute copies) is not available
+    yet. Ignored, with a warning, on a single process."""
+
+    collective_timeout_seconds: float = 300.0
+    """Several ranks: a collective that waits longer than this for another rank raises an
+    error naming the rank that did not arrive (instead of hanging)."""
 
     gradient_accumulation_steps: int = 1
     """engine.backward() divides the loss by this; engine.step() applies the optimizer on
@@ -184,7 +191,7 @@ class OffloadConfig:
                 raise ValueError(f"unit_predicate: expected a callable(name, module) -> bool, got {self.unit_predicate!r}")
             if self.unit_classes:
                 raise ValueError("unit_predicate: give either unit_classes or unit_predicate, not both")
-        for name in ("initial_loss_scale", "min_loss_scale"):
+        for name in ("initial_loss_scale", "min_loss_scale", "collective_timeout_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")

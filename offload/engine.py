@@ -39,6 +39,7 @@ from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
     OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
+from offload.zero import Partition, ShardRange
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
@@ -105,6 +106,12 @@ class _Unit:
         self.master_home: Any = None        # None when merged with the compute copy
         self.moments_home: Any = None       # exp_avg then exp_avg_sq, master_numel each
         self.grad: Optional[torch.Tensor] = None
+        # [zero] The part of the trainable prefix whose master/moments this rank keeps and
+        # updates (all of it on one process), the grad buffer's length and the element of
+        # the trainable prefix at grad[0]. Partition.assign changes them.
+        self.shard = ShardRange.whole(spec.trainable_numel, self.master_numel)
+        self.grad_numel = spec.trainable_numel
+        self.grad_base = 0
         self.has_grad = [False] * len(self.trainable)
         self.steps = [0] * len(self.trainable)
         self.device_offset: Optional[int] = None
@@ -188,9 +195,9 @@ class Engine:
         # [fp32 merge] With fp32 compute, the compute copy is the master: one buffer, homed
         # on param_tier, serves both (unless the compute copy lives on the device).
         self._merged = config.dtype == "fp32" and config.param_tier != "device"
-        if config.stage != 0:
-            raise ValueError(f"stage: ZeRO stage {config.stage} needs several ranks; "
-                             "multi-rank training is not available yet, use stage=0")
+        if config.stage == 3:
+            raise ValueError("stage: ZeRO stage 3 (sharded compute copies) is not available "
+                             "yet; use stage 0, 1 or 2")
 
         # 2. Units, from the model and the optimizer's param groups.
         self._adamw = _adam_flavour(optimizer)
@@ -203,6 +210,13 @@ class Engine:
         self._unmaterialized = self._replace_meta_parameters(specs)
         self.units = [_Unit(spec, compute_element_bytes) for spec in specs]
         self._root = self.units[0]
+        # [zero] Several ranks: shard sizes per unit, and every rank wraps the same thing.
+        self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
+        if self._partition is not None:
+            for u in self.units:
+                self._partition.assign(u)
+            self._partition.check_consistent(config, self.units, optimizer)
+            self._partition.bind_gradient_buffers(self._grad_buffer)
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -248,8 +262,10 @@ class Engine:
         # backward) run on this worker, overlapping the rest of backward. Not with global
         # clipping or fp16 overflow checks: those need every gradient first.
         self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
+        # [zero] Not with several ranks either: collectives must run in the same order on
+        # every rank, and only on the main thread (this also skips the root prestage).
         self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
-                               and not config.skip_nonfinite_steps)
+                               and not config.skip_nonfinite_steps and self._partition is None)
         self._early_updates = False
         self._early_futures: List[Any] = []
         self._stale_units: List[_Unit] = []
@@ -318,20 +334,20 @@ class Engine:
                 total += u.compute_numel * (_FP32_BYTES if self._merged else element_bytes)
             if self._optimizer_tier == "nvme" and u.trainable:
                 if not self._merged:
-                    total += u.master_numel * _FP32_BYTES
-                total += 2 * u.master_numel * _FP32_BYTES
+                    total += u.shard.state_numel * _FP32_BYTES
+                total += 2 * u.shard.state_numel * _FP32_BYTES
         return total
 
     def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
-        grads = sum(u.spec.trainable_numel for u in self.units) * _FP32_BYTES
+        grads = sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES
         compute = master = moments = staging = 0
         for u in self.units:
             if self._param_tier == "host":
                 compute += u.compute_numel * (_FP32_BYTES if self._merged else element_bytes)
             if self._optimizer_tier == "host" and u.trainable:
                 if not self._merged:
-                    master += u.master_numel * _FP32_BYTES
-                moments += 2 * u.master_numel * _FP32_BYTES
+                    master += u.shard.state_numel * _FP32_BYTES
+                moments += 2 * u.shard.state_numel * _FP32_BYTES
         if "nvme" in (self._param_tier, self._optimizer_tier):
             staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
         return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
@@ -375,9 +391,10 @@ class Engine:
                 dtype = torch.float32 if self._merged else self.compute_dtype
                 u.compute_home = self._allocate_home(self._param_tier, u.compute_numel, dtype)
             if u.trainable:
+                state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
                 if not self._merged:
-                    u.master_home = self._allocate_home(self._optimizer_tier, u.master_numel, torch.float32)
-                u.moments_home = self._allocate_home(self._optimizer_tier, 2 * u.master_numel, torch.float32)
+                    u.master_home = self._allocate_home(self._optimizer_tier, state_numel, torch.float32)
+                u.moments_home = self._allocate_home(self._optimizer_tier, 2 * state_numel, torch.float32)
         if self._param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.
@@ -474,14 +491,19 @@ class Engine:
             compute[e.offset:e.offset + e.numel].copy_(value)
             if e.trainable:
                 master[e.offset:e.offset + e.numel].copy_(value)
+        if self._partition is not None:  # [zero] every rank starts from rank 0's values
+            self._partition.broadcast_initial(compute, master)
         if self._param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         else:
             self._store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
+            s = u.shard  # [zero] this rank's part only
             if not self._merged:
-                self._store(u.master_home, master)
-            self._store(u.moments_home, torch.zeros(2 * u.master_numel, dtype=torch.float32))
+                master_shard = torch.zeros(s.state_numel, dtype=torch.float32)
+                master_shard[:s.numel].copy_(master[s.lo:s.hi])
+                self._store(u.master_home, master_shard)
+            self._store(u.moments_home, torch.zeros(2 * s.state_numel, dtype=torch.float32))
         for e in u.spec.entries:
             e.param.data = self._placeholder
         if self._param_tier == "device":
@@ -782,18 +804,24 @@ class Engine:
         num_bytes = grad.numel() * grad.element_size()
         self._device.hold_transient(num_bytes)
         e = u.trainable[k]
-        dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
+        sharded_grads = self._partition is not None and self._partition.shards_gradients
+        if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
+            dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
+        else:
+            dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
         src = grad.reshape(-1)
         if src.device != dst.device:
             src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
-        if u.has_grad[k]:
+        if u.has_grad[k] or sharded_grads:
             dst.add_(src)
         else:
             dst.copy_(src)
-            u.has_grad[k] = True
+        u.has_grad[k] = True
         param.grad = None
         self._device.drop_transient(num_bytes)
         self.stats_counters.add_bytes("device_to_host", num_bytes)
+        if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
+            self._partition.gradient_arrived(u)
         u.grads_since_use += 1
         if self._early_updates and u.grads_since_use >= len(u.trainable):
             self._maybe_update_early()
@@ -805,16 +833,16 @@ class Engine:
         are reused, never freed (memory touched again is fast, fresh memory is not)."""
         if u.grad is None:
             with self._grad_pool_lock:
-                pool = self._grad_pool.setdefault(u.spec.trainable_numel, [])
+                pool = self._grad_pool.setdefault(u.grad_numel, [])  # [zero] shard-sized at stage 2
                 u.grad = pool.pop() if pool else None
             if u.grad is None:
-                u.grad = self._host.allocate(u.spec.trainable_numel, torch.float32)
+                u.grad = self._host.allocate(u.grad_numel, torch.float32)
         return u.grad
 
     def _release_grad(self, u: _Unit) -> None:
         if u.grad is not None:
             with self._grad_pool_lock:
-                self._grad_pool.setdefault(u.spec.trainable_numel, []).append(u.grad)
+                self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
             u.grad = None
 
     def _on_unit_backward_done(self, u: _Unit) -> None:
@@ -887,6 +915,8 @@ class Engine:
             u.has_grad = [False] * len(u.trainable)
             u.updated = False
             self._release_grad(u)
+        if self._partition is not None:  # [zero]
+            self._partition.zero_grad()
 
     # ------------------------------------------------------------------ optimizer step
     def _grad_scale_and_skip(self) -> Tuple[float, bool]:
@@ -896,7 +926,11 @@ class Engine:
         # early (only when neither clipping nor skipping needs the norm first) brought theirs.
         squares = torch.zeros((), dtype=torch.float64)
         first_nonfinite: Optional[Tuple[_Unit, ParamEntry]] = None
-        for u in self.units:
+        scanned = self.units
+        if self._partition is not None:  # [zero] each rank its part; one all-reduce per step
+            squares = self._partition.global_grad_squares(self.units)
+            scanned = []  # (a NaN is then reported without the parameter that has it)
+        for u in scanned:
             if u.updated:
                 squares += u.early_grad_squares
                 if first_nonfinite is None and u.early_nonfinite is not None:
@@ -957,6 +991,8 @@ class Engine:
     def _optimizer_step(self) -> None:
         self._check_not_failed("step")
         self._wait_optimizer()
+        if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
+            self._partition.finish_gradients(self.units)
         grad_factor, skip = self._grad_scale_and_skip()
         if skip:
             self.stats_counters.count("skipped_steps")
@@ -968,7 +1004,10 @@ class Engine:
         units = [u for u in self.units if any(u.has_grad) and not u.updated]
         try:
             with self.stats_counters.timed("optimizer"):
-                if self._staged_step:
+                if self._partition is not None and self._partition.shards_state:  # [zero]
+                    for u in units:
+                        self._update_shard(u, grad_factor)
+                elif self._staged_step:
                     self._staged_update(units, grad_factor)
                 else:
                     for u in units:
@@ -1086,9 +1125,10 @@ class Engine:
 
     def _adam_range(self, u: _Unit, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
-                    compute_is_staging: bool, grad_factor: float) -> None:
+                    compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True) -> None:
         """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
-        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo."""
+        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo;
+        u.grad at element ``u.grad_base`` ([zero]: the rank's shard with stage 2)."""
         groups = self.optimizer.param_groups
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
@@ -1102,11 +1142,11 @@ class Engine:
             group = groups[e.group_index]
             beta1, beta2 = group["betas"]
             adam_step_flat(
-                master[r], u.grad[a:b], exp_avg[r], exp_avg_sq[r], step=steps[k],
+                master[r], u.grad[a - u.grad_base:b - u.grad_base], exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
                 copy_out=None if compute_out is None else compute_out[r])
-        if self._param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
+        if copy_to_device and self._param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
             end = min(hi, u.spec.trainable_numel)
             if end > lo:
                 src = compute_out if compute_out is not None else master
@@ -1134,6 +1174,59 @@ class Engine:
         self._adam_range(u, 0, u.master_numel, steps, self._master_home(u), moments[:u.master_numel],
                          moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor)
         self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
+        u.steps = steps
+        self._release_grad(u)
+
+    @torch.no_grad()
+    def _update_shard(self, u: _Unit, grad_factor: float) -> None:
+        """[zero] Stage >= 1: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
+        then the other ranks' parts are all-gathered. The moments and a separate master
+        are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
+        copy are in full coordinates. States on NVMe are read and written whole per unit:
+        a shard starts anywhere in the compute copy, so its pieces are not page aligned
+        (and this path is not pipelined over pieces yet)."""
+        s, t = u.shard, u.spec.trainable_numel
+        steps = self._next_steps(u)
+        start = time.perf_counter()
+        # Full-coordinate buffer that receives the gathered parameters: the compute copy
+        # (the master too when merged), or None when the compute copy is a separate fp32
+        # buffer on the device (then the fp32 master is gathered and copied there).
+        full: Optional[torch.Tensor] = None
+        if self._merged or self.compute_dtype != torch.float32:
+            full = self._compute_target(u) if not self._merged else None
+            if full is None:
+                if self._param_tier == "device":  # a CUDA slot: update a host copy
+                    full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
+                else:
+                    dtype = torch.float32 if self._merged else self.compute_dtype
+                    full = self._load(u.compute_home, u.compute_numel, dtype) \
+                        if _on_nvme(u.compute_home) else u.compute_home
+        if self._merged:
+            master = full[s.lo:s.lo + s.state_numel]
+        else:
+            master = self._load(u.master_home, s.state_numel, torch.float32) \
+                if _on_nvme(u.master_home) else u.master_home
+        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
+            if _on_nvme(u.moments_home) else u.moments_home
+        compute_out = None if self._merged or full is None else full[s.lo:s.hi]
+        if s.numel:
+            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
+                             moments[s.state_numel:s.state_numel + s.numel], compute_out, False,
+                             grad_factor, copy_to_device=False)
+        self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
+        if full is not None:
+            self._partition.all_gather_shards(u, full, in_full_coordinates=True)
+        else:
+            gathered = self._partition.all_gather_shards(u, master, in_full_coordinates=False)
+            self._device.view(u.device_offset, t).copy_(gathered)
+        if full is not None and self._param_tier == "device" and self.device.type == "cuda":
+            self._device.view(u.device_offset, u.compute_numel).copy_(full)
+        elif full is not None and self._param_tier == "nvme":
+            self._store(u.compute_home, full)
+        if not self._merged and _on_nvme(u.master_home):
+            self._store(u.master_home, master)
+        if _on_nvme(u.moments_home):
+            self._store(u.moments_home, moments)
         u.steps = steps
         self._release_grad(u)
 
@@ -1376,15 +1469,26 @@ class Engine:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one unit at a time. See offload/checkpoint.py."""
+        self._refuse_multi_rank_checkpoint("save_checkpoint")  # [zero]
         self._quiesce()
         checkpoint.save(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then
         stream its states into their tiers. See offload/checkpoint.py."""
+        self._refuse_multi_rank_checkpoint("load_checkpoint")  # [zero]
         self._quiesce()
         checkpoint.load(self, ckpt_dir)
         self.zero_grad()
+
+    def _refuse_multi_rank_checkpoint(self, what: str) -> None:
+        """[zero] Checkpoints hold every unit's full master and moments; with several ranks
+        (sharded at stage >= 1, and one directory written by every rank) they would be wrong."""
+        if self._partition is not None and self._partition.world_size > 1:
+            raise ValueError(
+                f"{what}: checkpoints of a run with {self._partition.world_size} ranks (ZeRO stage "
+                f"{self._partition.stage}) are not available yet: per-rank sharded checkpoints "
+                "are future work; engine.state_dict() gives the full weights on every rank")
 
     def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
         if self._param_tier == "device":
@@ -1396,7 +1500,9 @@ class Engine:
         if u.index in self._dirty and "master" in self._dirty[u.index]:
             master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
         elif u.trainable and not self._merged:
-            master = self._load(u.master_home, u.master_numel, torch.float32)
+            master = self._load(u.master_home, u.shard.state_numel, torch.float32)
+            if self._partition is not None and self._partition.shards_state:  # [zero] collective
+                master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
         out = {}
         for e in u.spec.entries:
             source = master if e.trainable else compute
@@ -1432,7 +1538,26 @@ class Engine:
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._loss_scale,
             "num_units": len(self.units),
+            # [zero] per rank: what this rank holds (gradient buffers as planned: the pool
+            # fills them lazily)
+            "world_size": self._partition.world_size if self._partition is not None else 1,
+            "rank": self._partition.rank if self._partition is not None else 0,
+            "optimizer_state_bytes": self._optimizer_state_bytes(),
+            "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES,
+            "gradient_bucket_peak_bytes":
+                self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }
+
+    def _optimizer_state_bytes(self) -> int:
+        """fp32 master weights held apart from the compute copy, plus Adam moments."""
+        total = 0
+        for u in self.units:
+            for home in (u.master_home, u.moments_home):
+                if isinstance(home, torch.Tensor):
+                    total += home.numel() * home.element_size()
+                elif home is not None:
+                    total += home.nbytes
+        return total
 
     # ------------------------------------------------------------------ timeline
     def _trace_span(self, lane: str, name: str, start: float, end: float) -> None:

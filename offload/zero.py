@@ -1,0 +1,408 @@
+"""ZeRO across ranks: which part of each unit's flat buffers a rank owns, and the
+collectives that keep the ranks in step.
+
+Every rank holds the same units with the same flat layout (checked at wrap time). The
+trainable prefix of a unit, ``T = spec.trainable_numel`` elements, is cut evenly:
+``shard_numel = ceil(T / world_size)`` and rank r owns ``[r * shard_numel, (r + 1) *
+shard_numel)`` clipped to ``[0, T)`` (the last ranks may own less, or nothing). Collectives
+move chunks of ``shard_numel`` elements, zero-padded where a rank owns less.
+
+  stage 0  every rank keeps and updates everything (plain data parallel); gradients are
+           all-reduced at the optimizer step.
+  stage 1  master weights and Adam moments hold only the rank's shard (padded to whole
+           pages so NVMe extents stay O_DIRECT-able); gradients are reduce-scattered at the
+           optimizer step into the rank's part of a full-size buffer; after Adam the updated
+           compute copy (or master) is all-gathered.
+  stage 2  as stage 1, and the fp32 gradient buffer is shard-sized: each unit's gradients
+           are reduce-scattered as soon as the unit's last gradient is final in backward.
+
+[Note: gradient averaging] Gradients are averaged over ranks like DDP: each rank scales its
+local sum by 1 / world_size before the sum-reduction (exact for a power-of-two world size).
+With the loss a mean over equal per-rank batches this equals one process on the whole batch.
+
+[Note: no gradient across ranks] A parameter counts as having a gradient in a step when it
+has one on any rank (the flags are all-reduced with MAX once per step); a rank on which it
+got none contributes zeros. A parameter without a gradient on every rank is left alone.
+
+[Note: collective order] Collectives must be issued in the same order on every rank. The
+per-unit reduce-scatters of stage 2 run in the order units complete in backward, so every
+rank must use the same parameters in each backward (the usual data-parallel contract).
+Units not complete when backward ends are reduced then, in unit order.
+
+[Note: failures] Before every collective a rank writes its sequence number and the name of
+the collective to the process group's store. A collective that fails (a peer exited: the
+connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
+RuntimeError naming the ranks that never reached it, read back from the store.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from offload.units import padded_numel
+
+_FP32_BYTES = 4
+# torch >= 2.10 names them *_single; the older names warn there.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Fields that may differ between ranks: where things are, not what is computed.
+_RANK_LOCAL_FIELDS = ("device", "swap_dir", "io_backend", "io_block_bytes", "io_queue_depth",
+                      "host_budget")
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """The part ``[lo, hi)`` of a unit's trainable prefix whose master weights and moments
+    this rank keeps and updates."""
+
+    lo: int
+    hi: int
+    shard_numel: int   # elements per rank in the collectives (ceil(T / world_size))
+    state_numel: int   # length of this rank's master buffer and of each moment buffer
+
+    @staticmethod
+    def whole(trainable_numel: int, master_numel: int) -> "ShardRange":
+        """Everything: a single process, or stage 0."""
+        return ShardRange(0, trainable_numel, trainable_numel, master_numel)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def even_range(trainable_numel: int, rank: int, world_size: int) -> ShardRange:
+    shard = -(-trainable_numel // world_size)
+    lo = min(rank * shard, trainable_numel)
+    hi = min(lo + shard, trainable_numel)
+    return ShardRange(lo, hi, shard, padded_numel(shard, _FP32_BYTES))
+
+
+class Partition:
+    """This rank's place among ``world_size`` ranks and the collectives of one engine.
+
+    The engine calls it at a few marked places ("[zero]" in engine.py): unit buffer sizes
+    (``assign``), initial state (``broadcast_initial``), backward (``gradient_bucket`` /
+    ``gradient_arrived``, stage 2), the optimizer step (``finish_gradients``,
+    ``global_grad_squares``, ``all_gather_shards``) and ``zero_grad``.
+    """
+
+    def __init__(self, group: Any, store: Any, rank: int, world_size: int, stage: int) -> None:
+        assert stage in (0, 1, 2)
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.stage = stage
+        self._store = store
+        self._seq = 0
+        self._units: List[Any] = []
+        self._scratch: Dict[torch.dtype, torch.Tensor] = {}
+        # Stage 2 state: full-size buckets of units whose gradients are arriving in this
+        # backward, units reduced in this backward, units reduced since the last step.
+        self._buckets: Dict[int, torch.Tensor] = {}
+        self._arrived: Dict[int, int] = {}
+        self._free_buckets: List[torch.Tensor] = []
+        self._reduced_this_backward: set = set()
+        self._reduced_this_window: set = set()
+        self._flush_queued = False
+        self.timeout_seconds: Optional[float] = None
+        self.bucket_bytes = 0
+        self.bucket_peak_bytes = 0
+        self._grad_buffer: Optional[Callable[[Any], torch.Tensor]] = None
+        self._mark("wrap")
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def from_environment(cls, stage: int, timeout_seconds: float) -> Optional["Partition"]:
+        """The Partition of this process, or None on a single process. Uses the initialized
+        default process group, or initializes one from torchrun's environment (RANK,
+        WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collectives run on a gloo group of our own
+        (the states they move are on the host) with ``timeout_seconds``."""
+        timeout = timedelta(seconds=timeout_seconds)
+        if not (dist.is_available() and dist.is_initialized()):
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend="gloo", timeout=timeout)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            if stage != 0:
+                warnings.warn(f"stage={stage} is ignored: this is a single process "
+                              "(no process group with more than one rank)")
+            return None
+        # A group of our own: gloo whatever the default backend is (NCCL for the user's
+        # device tensors, say), and our timeout ([Note: failures]).
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
+        partition = cls(group, store, dist.get_rank(), dist.get_world_size(), stage)
+        partition.timeout_seconds = timeout_seconds
+        return partition
+
+    @property
+    def shards_state(self) -> bool:
+        """Master weights and moments are sharded (stage >= 1)."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """The fp32 gradient buffer is shard-sized; reduce-scatter in backward (stage 2)."""
+        return self.stage >= 2
+
+    def assign(self, u: Any) -> None:
+        """Set u's shard, gradient buffer length and gradient offset (engine _Unit fields)."""
+        self._units.append(u)
+        t = u.spec.trainable_numel
+        owned = even_range(t, self.rank, self.world_size)
+        if self.stage == 0:
+            return  # keeps ShardRange.whole: every rank updates everything
+        u.shard = owned
+        if self.stage == 1:
+            u.grad_numel = owned.shard_numel * self.world_size  # reduce-scatter input as is
+        else:
+            u.grad_numel = owned.numel
+            u.grad_base = owned.lo
+
+    def bind_gradient_buffers(self, grad_buffer: Callable[[Any], torch.Tensor]) -> None:
+        """``grad_buffer(u)``: u's fp32 gradient buffer (``grad_numel`` elements), taken
+        from the engine's pool when u has none (buffers are lazy, released after updates)."""
+        self._grad_buffer = grad_buffer
+
+    def check_consistent(self, config: Any, units: Sequence[Any], optimizer: Any) -> None:
+        """All-gather a digest of the config and unit layout; a ValueError on every rank
+        naming the first rank and field that differ from rank 0."""
+        summary = self._layout_summary(config, units, optimizer)
+        digest = hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).digest()
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8)
+        self._collective("config digest all-gather", lambda: _all_gather_into(
+            everyone, mine, group=self.group))
+        rows = everyone.view(self.world_size, -1)
+        if all(torch.equal(rows[0], rows[r]) for r in range(self.world_size)):
+            return
+        summaries: List[Any] = [None] * self.world_size
+        self._collective("config summary all-gather", lambda: dist.all_gather_object(
+            summaries, summary, group=self.group))
+        for r in range(1, self.world_size):
+            for key in summaries[0]:
+                if summaries[r][key] != summaries[0][key]:
+                    detail = _first_difference(summaries[0][key], summaries[r][key], r)
+                    raise ValueError(
+                        f"stage: ranks disagree at wrap time: rank {r} differs from rank 0 in "
+                        f"{key}: {detail}; every rank must wrap the same model with the same config")
+        raise ValueError("stage: ranks disagree at wrap time (config or unit layout digest)")
+
+    @staticmethod
+    def _layout_summary(config: Any, units: Sequence[Any], optimizer: Any) -> Dict[str, Any]:
+        fields = {k: v for k, v in config.to_dict().items() if k not in _RANK_LOCAL_FIELDS}
+        layout = [[u.name, u.spec.trainable_numel, u.spec.total_numel,
+                   [[e.fqn, list(e.shape), e.group_index] for e in u.spec.entries]] for u in units]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return {"config": fields, "unit layout": layout,
+                "optimizer": [type(optimizer).__name__, groups]}
+
+    # ------------------------------------------------------------------ collectives
+    def _mark(self, what: str) -> None:
+        self._seq += 1
+        self._store.set(f"seq/{self.rank}", f"{self._seq}:{what}")
+
+    def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run one collective; [Note: failures] turns a failure into a RuntimeError naming
+        the ranks that did not get there."""
+        self._mark(what)
+        try:
+            return call()
+        except Exception as exc:  # gloo raises RuntimeError / DistBackendError
+            raise RuntimeError(self._diagnose(what, exc)) from exc
+
+    def _diagnose(self, what: str, exc: BaseException) -> str:
+        head = f"rank {self.rank}: collective #{self._seq} ({what}) failed"
+        try:
+            behind = []
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                raw = self._store.get(f"seq/{r}").decode()
+                seq, _, last = raw.partition(":")
+                if int(seq) < self._seq:
+                    behind.append(f"rank {r} (its last collective was #{seq}: {last})")
+        except Exception as store_exc:  # the store lives in rank 0's process (MASTER_ADDR)
+            return (f"{head}: lost contact with the other ranks and with the store on rank 0 "
+                    f"({store_exc}); rank 0 has probably failed. Cause: {exc}")
+        if behind:
+            return (f"{head}: {', '.join(behind)} never reached it; that rank failed or hung "
+                    f"(collective_timeout_seconds={self.timeout_seconds}). Cause: {exc}")
+        return f"{head}: every rank reached it. Cause: {exc}"
+
+    def _scratch_of(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:numel]
+
+    @torch.no_grad()
+    def broadcast_initial(self, *tensors: torch.Tensor) -> None:
+        """Every rank starts from rank 0's initial values (as DDP does)."""
+        for t in tensors:
+            self._collective("initial state broadcast",
+                             lambda t=t: dist.broadcast(t, src=0, group=self.group))
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def finish_gradients(self, units: Sequence[Any]) -> None:
+        """At the optimizer step: agree on which parameters have a gradient ([Note: no
+        gradient across ranks]), then average the gradients of stage 0/1 (all-reduce /
+        reduce-scatter per unit; stage 2 did its reduce-scatters in backward)."""
+        trainable = [u for u in units if u.trainable]
+        local = [list(u.has_grad) for u in trainable]
+        flags = torch.tensor([int(f) for row in local for f in row], dtype=torch.int32)
+        if flags.numel():
+            self._collective("has-gradient flags all-reduce", lambda: dist.all_reduce(
+                flags, op=dist.ReduceOp.MAX, group=self.group))
+        i = 0
+        for u, row in zip(trainable, local):
+            u.has_grad = [bool(f) for f in flags[i:i + len(row)].tolist()]
+            i += len(row)
+            if self.shards_gradients or not any(u.has_grad):
+                continue
+            grad = self._grad_buffer(u)  # none yet where this rank got no gradient of u
+            for k, e in enumerate(u.trainable):
+                if u.has_grad[k] and not row[k]:
+                    grad[e.offset:e.offset + e.numel].zero_()
+            t = u.spec.trainable_numel
+            grad[:t].mul_(1.0 / self.world_size)  # [Note: gradient averaging]
+            if self.stage == 0:
+                self._collective(f"gradient all-reduce of unit {u.name!r}",
+                                 lambda grad=grad, t=t: dist.all_reduce(grad[:t], group=self.group))
+            else:
+                s = u.shard
+                grad[t:].zero_()
+                out = self._scratch_of(torch.float32, s.shard_numel)
+                self._collective(f"gradient reduce-scatter of unit {u.name!r}",
+                                 lambda grad=grad, out=out: _reduce_scatter_into(
+                                     out, grad, group=self.group))
+                grad[s.lo:s.hi].copy_(out[:s.numel])
+
+    @torch.no_grad()
+    def global_grad_squares(self, units: Sequence[Any]) -> torch.Tensor:
+        """Sum of squares of the averaged gradients of all ranks: each rank adds its own
+        even part of every unit; one all-reduce per step."""
+        local = torch.zeros((), dtype=torch.float64)
+        for u in units:
+            if not u.trainable:
+                continue
+            own = even_range(u.spec.trainable_numel, self.rank, self.world_size)
+            for k, e in enumerate(u.trainable):
+                a, b = max(e.offset, own.lo), min(e.offset + e.numel, own.hi)
+                if u.has_grad[k] and a < b:
+                    g = u.grad[a - u.grad_base:b - u.grad_base]
+                    local += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+        squares = local.reshape(1)
+        self._collective("gradient norm all-reduce",
+                         lambda: dist.all_reduce(squares, group=self.group))
+        return squares[0]
+
+    def gradient_bucket(self, u: Any) -> torch.Tensor:
+        """Stage 2: the full-size fp32 buffer u's gradients of this backward go into."""
+        bucket = self._buckets.get(u.index)
+        if bucket is None:
+            if not self._flush_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+                self._flush_queued = True
+            bucket = self._take_bucket(u.shard.shard_numel * self.world_size)
+            bucket.zero_()
+            self._buckets[u.index] = bucket
+            self._arrived[u.index] = 0
+        return bucket
+
+    def gradient_arrived(self, u: Any) -> None:
+        """Stage 2: one more of u's gradients is in its bucket; reduce when all are."""
+        self._arrived[u.index] += 1
+        if self._arrived[u.index] == len(u.trainable):
+            self._reduce_bucket(u)
+
+    def _take_bucket(self, numel: int) -> torch.Tensor:
+        for i, b in enumerate(self._free_buckets):
+            if b.numel() == numel:
+                return self._free_buckets.pop(i)
+        self.bucket_bytes += numel * _FP32_BYTES
+        self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
+        return torch.empty(numel, dtype=torch.float32)
+
+    @torch.no_grad()
+    def _reduce_bucket(self, u: Any) -> None:
+        bucket = self._buckets.pop(u.index, None)
+        self._arrived.pop(u.index, None)
+        if bucket is None:  # no gradient of u on this rank in this backward: contribute zeros
+            bucket = self._take_bucket(u.shard.shard_numel * self.world_size)
+            bucket.zero_()
+        bucket.mul_(1.0 / self.world_size)  # [Note: gradient averaging]
+        s = u.shard
+        out = self._scratch_of(torch.float32, s.shard_numel)
+        self._collective(f"gradient reduce-scatter of unit {u.name!r}",
+                         lambda: _reduce_scatter_into(out, bucket, group=self.group))
+        grad = self._grad_buffer(u)
+        if u.index in self._reduced_this_window:
+            grad.add_(out[:s.numel])
+        else:
+            grad.copy_(out[:s.numel])
+            self._reduced_this_window.add(u.index)
+        self._reduced_this_backward.add(u.index)
+        self._free_buckets.append(bucket)
+        # Free buckets beyond the ones a unit may still need: keep at most two spare.
+        while len(self._free_buckets) > 2:
+            spare = self._free_buckets.pop(0)
+            self.bucket_bytes -= spare.numel() * _FP32_BYTES
+
+    def _after_backward(self) -> None:
+        """End of a backward (stage 2): reduce every unit not reduced yet, in unit order
+        ([Note: collective order])."""
+        self._flush_queued = False
+        for u in self._units:
+            if u.trainable and u.index not in self._reduced_this_backward:
+                self._reduce_bucket(u)
+        self._reduced_this_backward.clear()
+
+    def zero_grad(self) -> None:
+        self._reduced_this_window.clear()
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def all_gather_shards(self, u: Any, buf: torch.Tensor, in_full_coordinates: bool) -> torch.Tensor:
+        """After Adam: every rank's updated part of u's trainable prefix. With
+        ``in_full_coordinates`` ``buf`` covers the whole prefix (this rank's part at
+        ``[lo, hi)``); the others' parts are gathered into it and it is returned. Otherwise
+        ``buf`` holds only this rank's part (``lo`` at index 0) and a scratch tensor in full
+        coordinates is returned (valid until the next call)."""
+        s = u.shard
+        t = u.spec.trainable_numel
+        base = 0 if in_full_coordinates else s.lo
+        chunk = self._scratch_of(buf.dtype, s.shard_numel * (self.world_size + 1))
+        mine, everyone = chunk[:s.shard_numel], chunk[s.shard_numel:]
+        mine[:s.numel].copy_(buf[s.lo - base:s.hi - base])
+        mine[s.numel:].zero_()
+        self._collective(f"parameter all-gather of unit {u.name!r}",
+                         lambda: _all_gather_into(everyone, mine, group=self.group))
+        if in_full_coordinates:
+            buf[:t].copy_(everyone[:t])
+            return buf
+        return everyone[:t]
+
+
+def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:
+    """Where two JSON-like values first differ, for the wrap-time mismatch message."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), rank,
+                                         f"{path}.{key}" if path else str(key))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, rank, f"{path}[{i}]")
+    return f"{path or 'value'}: rank 0 has {a!r}, rank {rank} has {b!r}"

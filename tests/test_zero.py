@@ -1,0 +1,354 @@
+"""ZeRO stages 0-2 across 2 ranks (gloo, CPU) equal one process on the whole batch, hold
+1/world_size of the sharded state per rank, and fail with errors that name ranks instead of
+hanging (issue 8)."""
+import copy
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+from offload.gpt import GPT, GPTConfig
+from offload.zero import even_range
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
+REL_TOL = 1e-5
+WORLD = 2
+GLOBAL_BATCH = 4
+STEPS = 10
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len + 1), generator=g)
+            for _ in range(n)]
+
+
+def make_opt(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def max_rel_error(state, ref_state):
+    worst = 0.0
+    for k, ref in ref_state.items():
+        scale = ref.abs().max().clamp_min(1e-12)
+        worst = max(worst, ((state[k].float() - ref.float()).abs().max() / scale).item())
+    return worst
+
+
+def reference(data, accumulation=1, max_grad_norm=None):
+    """Plain PyTorch on the whole batch."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    for i, b in enumerate(data):
+        (model(b[:, :-1], b[:, 1:]) / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            opt.zero_grad()
+    return model.state_dict()
+
+
+def single_process_stats(config):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        return engine.stats()
+
+
+def _init(rank, port):
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+
+
+def _train_worker(rank, port, config, data, out_dir):
+    _init(rank, port)
+    try:
+        if config.get("swap_dir"):
+            config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"rank{rank}"))
+            os.makedirs(config["swap_dir"])
+        torch.manual_seed(0 if rank == 0 else 123)  # wrap() must broadcast rank 0's values
+        model = GPT(CFG)
+        per_rank = GLOBAL_BATCH // WORLD
+        losses = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                loss = engine(mine[:, :-1], mine[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            result = {"state": engine.state_dict(), "stats": engine.stats(),
+                      "grad_norm": engine._last_grad_norm, "losses": losses}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(worker, *args):
+    # forkserver: fresh processes like spawn, but forked from a server that has imported
+    # torch (and torch._dynamo, which torch.optim pulls in) once, not once per rank and test.
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(worker, args=(free_port(),) + args, nprocs=WORLD, join=True,
+                       start_method="forkserver")
+
+
+def load_results(out_dir):
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+CASES = [  # (stage, tier, gradient_accumulation_steps, max_grad_norm)
+    (0, "host", 1, None), (0, "nvme", 2, 0.5),
+    (1, "host", 1, None), (1, "nvme", 2, 0.5),
+    (2, "host", 2, 0.5), (2, "nvme", 1, None),
+]
+
+
+@pytest.mark.parametrize("stage,tier,accumulation,max_grad_norm", CASES)
+def test_two_ranks_on_half_batches_equal_one_process_and_shard_memory(
+        stage, tier, accumulation, max_grad_norm, tmp_path):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    config = dict(stage=stage, param_tier=tier, optimizer_tier=tier,
+                  swap_dir=str(swap) if tier == "nvme" else None,
+                  gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm)
+    data = batches(STEPS * accumulation)
+    run_ranks(_train_worker, config, data, str(tmp_path))
+    results = load_results(tmp_path)
+    ref = reference(data, accumulation, max_grad_norm)
+    for r, res in enumerate(results):
+        assert res["stats"]["world_size"] == WORLD and res["stats"]["rank"] == r
+        assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
+    if max_grad_norm is not None:
+        assert all(res["grad_norm"] > max_grad_norm for res in results), "clipping must be exercised"
+
+    # Per-rank memory, from element counts: the single process holds every unit's padded
+    # trainable prefix; a rank holds ceil(T / 2) padded to a page (stage >= 1).
+    single = single_process_stats(dict(config, stage=0, swap_dir=str(swap)))
+    model = GPT(CFG)
+    trainable = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    trainable.insert(0, sum(p.numel() for p in model.parameters()) - sum(trainable))
+    num_units = len(trainable)
+    opt_bytes = [res["stats"]["optimizer_state_bytes"] for res in results]
+    grad_bytes = [res["stats"]["gradient_bytes"] for res in results]
+    assert single["gradient_bytes"] == 4 * sum(trainable)
+    if stage == 0:
+        assert opt_bytes == [single["optimizer_state_bytes"]] * WORLD
+        assert grad_bytes == [single["gradient_bytes"]] * WORLD
+        return
+    for r in range(WORLD):
+        # fp32 compute: the compute copy is the master, so the state is the two moments.
+        expected = sum(2 * 4 * even_range(t, r, WORLD).state_numel for t in trainable)
+        assert opt_bytes[r] == expected
+        assert opt_bytes[r] <= single["optimizer_state_bytes"] / 2 + num_units * 2 * 4096
+    if stage == 1:
+        assert all(g >= single["gradient_bytes"] for g in grad_bytes)
+    else:
+        assert grad_bytes == [4 * sum(even_range(t, r, WORLD).numel for t in trainable)
+                              for r in range(WORLD)]
+        assert sum(grad_bytes) == single["gradient_bytes"]
+        assert all(g <= single["gradient_bytes"] / 2 + 4 * num_units for g in grad_bytes)
+        assert all(res["stats"]["gradient_bucket_peak_bytes"] > 0 for res in results)
+
+
+def reference_losses(data):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    losses = []
+    for b in data:
+        loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_stage_2_equals_stage_0_bit_for_bit(tmp_path):
+    """bf16 compute keeps a separate fp32 master, shard-sized with stage 2: Adam on shards,
+    the gathered bf16 compute copy and the gathered masters in state_dict reproduce plain
+    data parallel (stage 0) exactly, and the loss tracks fp32 like one process does."""
+    data = batches(STEPS)
+    runs = {}
+    for stage in (0, 2):
+        out = tmp_path / f"stage{stage}"
+        out.mkdir()
+        run_ranks(_train_worker, dict(stage=stage, dtype="bf16"), data, str(out))
+        runs[stage] = load_results(out)
+    for r in range(WORLD):
+        for k, v in runs[0][r]["state"].items():
+            assert v.dtype == torch.float32 and torch.equal(v, runs[2][r]["state"][k]), (r, k)
+    global_losses = [sum(x) / WORLD for x in zip(*(res["losses"] for res in runs[2]))]
+    ref = reference_losses(data)
+    assert global_losses[-1] < global_losses[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(global_losses, ref)) < 0.05
+    single = single_process_stats(dict(stage=0, dtype="bf16"))
+    num_units = CFG.num_layers + 1
+    assert runs[2][0]["stats"]["optimizer_state_bytes"] <= \
+        single["optimizer_state_bytes"] / 2 + num_units * 3 * 4096
+
+
+def _failing_worker(rank, port, out_dir):
+    _init(rank, port)
+    config = dict(stage=2, collective_timeout_seconds=30)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    b = batches(1)[0][rank * 2:rank * 2 + 2]
+    engine.backward(engine(b[:, :-1], b[:, 1:]))
+    engine.step()
+    if rank == 1:
+        os._exit(0)  # dies without a word; spawn must not kill rank 0 for it
+    message = "no error"
+    try:
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+    except RuntimeError as exc:
+        message = str(exc)
+    except Exception:
+        message = traceback.format_exc()
+    with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+        f.write(message)
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+def test_a_rank_that_dies_raises_on_the_others_naming_it(tmp_path):
+    run_ranks(_failing_worker, str(tmp_path))
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "rank 1" in message and "never reached" in message, message
+    assert "reduce-scatter" in message, message
+
+
+def _hanging_worker(rank, port, out_dir):
+    _init(rank, port)
+    config = dict(stage=1, collective_timeout_seconds=2)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    b = batches(1)[0][rank * 2:rank * 2 + 2]
+    message = "no error"
+    try:
+        if rank == 1:
+            time.sleep(8)  # hangs past rank 0's timeout
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+    except RuntimeError as exc:
+        message = str(exc)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    os._exit(0)
+
+
+def test_a_rank_that_hangs_times_out_on_the_others_naming_it(tmp_path):
+    run_ranks(_hanging_worker, str(tmp_path))
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "rank 1" in message and "never reached" in message, message
+    assert "collective_timeout_seconds=2" in message, message
+
+
+def _mismatch_worker(rank, port, out_dir):
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        config = dict(stage=1, max_grad_norm=1.0 if rank == 0 else 2.0)
+        try:
+            offload.wrap(model, make_opt(model.parameters()), config=config)
+            message = "no error"
+        except ValueError as exc:
+            message = str(exc)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_configs_are_detected_at_wrap_time_on_every_rank(tmp_path):
+    run_ranks(_mismatch_worker, str(tmp_path))
+    for r in range(WORLD):
+        message = (tmp_path / f"rank{r}.txt").read_text()
+        assert "rank 1 differs from rank 0" in message and "max_grad_norm" in message, message
+
+
+def test_stage_on_a_single_process_warns_and_trains_like_stage_0():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.warns(UserWarning, match="stage=2 is ignored"):
+        engine = offload.wrap(model, make_opt(model.parameters()), config=dict(stage=2))
+    with engine:
+        stats = engine.stats()
+        assert stats["world_size"] == 1 and stats["rank"] == 0
+
+
+def test_stage_3_is_refused_until_it_exists():
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="stage 3"):
+        offload.wrap(model, make_opt(model.parameters()), config=dict(stage=3))
+
+
+def test_shard_ranges_cover_the_prefix_once():
+    for t in (0, 1, 5, 1024, 4097, 12608):
+        ranges = [even_range(t, r, 3) for r in range(3)]
+        assert sum(s.numel for s in ranges) == t
+        assert all(s.state_numel % 1024 == 0 and s.state_numel >= s.numel for s in ranges)
+        assert [s.lo for s in ranges[1:]] == [s.hi for s in ranges[:-1]]
+
+
+def test_bf16_stage_1_on_nvme_equals_stage_0_bit_for_bit(tmp_path):
+    """The shard path with states on NVMe: a separate shard-sized fp32 master and moments
+    read and written whole, the bf16 compute copy gathered and written back."""
+    data = batches(4)
+    runs = {}
+    for stage in (0, 1):
+        out = tmp_path / f"stage{stage}"
+        swap = out / "swap"
+        swap.mkdir(parents=True)
+        run_ranks(_train_worker, dict(stage=stage, dtype="bf16", param_tier="nvme",
+                                      optimizer_tier="nvme", swap_dir=str(swap)), data, str(out))
+        runs[stage] = load_results(out)
+    for r in range(WORLD):
+        for k, v in runs[0][r]["state"].items():
+            assert torch.equal(v, runs[1][r]["state"][k]), (r, k)
+
+
+def _checkpoint_worker(rank, port, out_dir):
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        messages = []
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=1)) as engine:
+            for call in (engine.save_checkpoint, engine.load_checkpoint):
+                try:
+                    call(os.path.join(out_dir, "ckpt"))
+                    messages.append("no error")
+                except ValueError as exc:
+                    messages.append(str(exc))
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(messages))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoints_with_several_ranks_are_refused_not_written_wrong(tmp_path):
+    run_ranks(_checkpoint_worker, str(tmp_path))
+    for r in range(WORLD):
+        save, load = (tmp_path / f"rank{r}.txt").read_text().split("\n")
+        assert save.startswith("save_checkpoint") and "2 ranks" in save, save
+        assert load.startswith("load_checkpoint") and "2 ranks" in load, load
+    assert not (tmp_path / "ckpt").exists()
