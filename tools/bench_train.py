@@ -281,7 +281,10 @@ def run_io_only(spec: dict) -> dict:
     forward = _split(phases["forward_read"], compute_w)
     backward = _split(phases["backward_read"], compute_w)
     opt_read = _split(phases["optimizer_read"], master_w)
-    opt_write = _split(phases["optimizer_written"], master_w)
+    # With early updates most optimizer traffic happens during backward: its reads are in
+    # backward_read (replayed there, as reads), its write-backs in backward_written.
+    written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
+    opt_write = _split(written, master_w)
     # One file region per unit for its compute copy and one for its optimizer states.
     compute_size = [max(a, b) for a, b in zip(forward, backward)]
     opt_size = [max(a, b) for a, b in zip(opt_read, opt_write)]
