@@ -57,17 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Train a byte-level GPT on the Python standard library's source "
                           "with a device budget smaller than the model; params, master weights and "
                           "Adam moments live in swap files. Ctrl-C stops cleanly.")
-    demo.add_argument("--steps", type=_positive_int, default=150, help="optimizer steps (default 150)")
-    demo.add_argument("--d-model", type=_positive_int, default=192, help="model width (default 192)")
-    demo.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (default 4)")
-    demo.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
-    demo.add_argument("--seq-len", type=_positive_int, default=128, help="tokens (bytes) per sequence (default 128)")
-    demo.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
-    demo.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    from offload.demo import DemoSettings as D  # defaults live in one place
+
+    demo.add_argument("--steps", type=_positive_int, default=D.steps, help=f"optimizer steps (default {D.steps})")
+    demo.add_argument("--d-model", type=_positive_int, default=D.d_model, help=f"model width (default {D.d_model})")
+    demo.add_argument("--layers", type=_positive_int, default=D.num_layers,
+                      help=f"transformer blocks (default {D.num_layers})")
+    demo.add_argument("--heads", type=_positive_int, default=D.num_heads, help=f"attention heads (default {D.num_heads})")
+    demo.add_argument("--seq-len", type=_positive_int, default=D.seq_len,
+                      help=f"tokens (bytes) per sequence (default {D.seq_len})")
+    demo.add_argument("--batch-size", type=_positive_int, default=D.batch_size,
+                      help=f"sequences per step (default {D.batch_size})")
+    demo.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate (default {D.lr:g})")
     demo.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute dtype (default fp32)")
     demo.add_argument("--data-bytes", type=_size, default="4MiB", help="bytes of stdlib source to train on (default 4MiB)")
     demo.add_argument("--device-budget", type=_size, default=None,
-                      help="device budget (default: the smallest the engine accepts + 1 MiB)")
+                      help="device budget (default: the smallest the engine accepts + two blocks)")
     demo.add_argument("--swap-dir", default=None, help="directory for swap files (default: a temporary one)")
     demo.add_argument("--trace", metavar="PATH", default=None, help="write a Chrome/Perfetto timeline here")
     demo.add_argument("--seed", type=int, default=0)
