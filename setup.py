@@ -1,7 +1,7 @@
 """Builds the native core (native/) into offload._native.
 
 Instruction-set variants are selected per function with GCC target attributes inside the
-sources, so the whole extension compiles with portable flags (never -march=native) and the
+sources, so the whole extension compiles with portable flags (no host-specific -march) and the
 fastest kernel is chosen at load time from CPUID.
 """
 import glob
