@@ -258,7 +258,8 @@ def test_quirky_model_matches_plain_pytorch():
     loss_fn = lambda m, b: m(*b)  # noqa: E731
     ref_losses = train_reference(ref, data, loss_fn=loss_fn)
     engine = offload.wrap(model, make_opt(model.parameters()), config=dict(param_tier="host"))
-    losses = train_offload(engine, data, loss_fn=loss_fn)
+    with pytest.warns(RuntimeWarning, match="left the recorded unit trace"):  # the branch
+        losses = train_offload(engine, data, loss_fn=loss_fn)
     sd = engine.state_dict()
     assert max_rel_error(sd, ref.state_dict()) < REL_TOL  # includes BatchNorm running stats
     assert torch.equal(sd["frozen.weight"], ref.frozen.weight)
