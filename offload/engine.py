@@ -100,7 +100,7 @@ class _Unit:
         self.name = spec.name
         self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
         self.master_numel = padded_numel(spec.trainable_numel, _FP32_BYTES)
-        self.trainable = [e for e in spec.entries if e.trainable]
+        self.trainable = spec.trainable_entries
         # Homes: a host tensor or a swap extent, whichever the tier gives.
         self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
         self.master_home: Any = None        # None when merged with the compute copy

@@ -114,10 +114,6 @@ class UnitSpec:
     total_numel: int
 
     @property
-    def is_root(self) -> bool:
-        return self.module is None
-
-    @property
     def trainable_entries(self) -> List[ParamEntry]:
         return [e for e in self.entries if e.trainable]
 

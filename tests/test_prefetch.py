@@ -94,12 +94,15 @@ def test_checkpointed_model_parity_with_prefetch_on_and_off(prefetch, use_reentr
     data = [torch.randn(4, 16, generator=g) for _ in range(6)]
     loss_fn = lambda m, b: m(b.clone())  # noqa: E731
     train_reference(ref, data, loss_fn=loss_fn)
+    budget = 20 * 1024  # root 4 KiB + one 8 KiB block + 2 KiB gradient fit; four blocks do not
     engine = offload.wrap(model, make_opt(model.parameters()),
-                          config=dict(device_budget=20 * 1024, prefetch=prefetch))
+                          config=dict(device_budget=budget, prefetch=prefetch))
+    assert sum(u.compute_numel for u in engine.units) * 4 > budget
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a steady checkpointed loop replays its trace
         train_offload(engine, data, loss_fn=loss_fn)
     assert max_rel_error(engine.state_dict(), ref.state_dict()) < REL_TOL
+    assert engine.stats()["device_peak_bytes"] <= budget
     if prefetch:
         assert engine.stats()["prefetch_hits"] > 0
     engine.close()
