@@ -91,8 +91,10 @@ class OffloadConfig:
     stage: int = 0
     """ZeRO stage when several ranks train together (torchrun, or an initialized process
     group): 0 every rank keeps everything (data parallel), 1 master weights and Adam moments
-    are sharded across ranks, 2 gradients too. 3 (sharded compute copies) is not available
-    yet. Ignored, with a warning, on a single process."""
+    are sharded across ranks, 2 gradients too, 3 the compute copies too (each rank keeps
+    1/world_size of every unit at home on param_tier, "host" or "nvme"; a unit is
+    all-gathered onto the device just before use and dropped after). Ignored, with a
+    warning, on a single process."""
 
     collective_timeout_seconds: float = 300.0
     """Several ranks: a collective that waits longer than this for another rank raises an
@@ -153,6 +155,10 @@ class OffloadConfig:
         _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme"))
         _one_of("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _one_of("stage", self.stage, (0, 1, 2, 3))
+        if self.stage == 3 and self.param_tier == "device":
+            raise ValueError(
+                "stage: 3 shards the compute copies at their home tier, but param_tier='device' "
+                "keeps every unit whole on the device; use param_tier='host' or 'nvme' with stage 3")
         _one_of("io_backend", self.io_backend, ("auto", "io_uring", "threads"))
         if "nvme" in (self.param_tier, self.optimizer_tier):
             if not self.swap_dir:

@@ -39,7 +39,7 @@ from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
     OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
-from offload.zero import Partition, ShardRange
+from offload.zero import ParamShard, Partition, ShardRange
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
@@ -112,6 +112,8 @@ class _Unit:
         self.shard = ShardRange.whole(spec.trainable_numel, self.master_numel)
         self.grad_numel = spec.trainable_numel
         self.grad_base = 0
+        # [zero] Stage 3: the rank's chunks of the compute copy kept at home (None: all of it).
+        self.param_shard: Optional[ParamShard] = None
         self.has_grad = [False] * len(self.trainable)
         self.steps = [0] * len(self.trainable)
         self.device_offset: Optional[int] = None
@@ -195,9 +197,6 @@ class Engine:
         # [fp32 merge] With fp32 compute, the compute copy is the master: one buffer, homed
         # on param_tier, serves both (unless the compute copy lives on the device).
         self._merged = config.dtype == "fp32" and config.param_tier != "device"
-        if config.stage == 3:
-            raise ValueError("stage: ZeRO stage 3 (sharded compute copies) is not available "
-                             "yet; use stage 0, 1 or 2")
 
         # 2. Units, from the model and the optimizer's param groups.
         self._adamw = _adam_flavour(optimizer)
@@ -213,10 +212,12 @@ class Engine:
         # [zero] Several ranks: shard sizes per unit, and every rank wraps the same thing.
         self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
         if self._partition is not None:
+            home_element_bytes = _FP32_BYTES if self._merged else compute_element_bytes
             for u in self.units:
-                self._partition.assign(u)
+                self._partition.assign(u, home_element_bytes)
             self._partition.check_consistent(config, self.units, optimizer)
             self._partition.bind_gradient_buffers(self._grad_buffer)
+        self._gathers = self._partition is not None and self._partition.shards_params
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -253,11 +254,19 @@ class Engine:
         # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
         # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
         self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+        home_dtype = torch.float32 if self._merged else self.compute_dtype
         self._fetch_staging: List[torch.Tensor] = [
-            self._host.allocate(max(u.compute_numel for u in self.units),
-                                torch.float32 if self._merged else self.compute_dtype)
+            self._host.allocate(max(u.compute_numel for u in self.units), home_dtype)
             for _ in range(config.prefetch_units + 1)
-        ] if self._param_tier == "nvme" and self.device.type == "cuda" else []
+        ] if self._param_tier == "nvme" and self.device.type == "cuda" and not self._gathers else []
+        # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
+        # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
+        self._gather_home: Optional[torch.Tensor] = self._host.allocate(
+            max(self._compute_home_numel(u) for u in self.units), home_dtype) \
+            if self._gathers and self._param_tier == "nvme" else None
+        self._gather_out: Optional[torch.Tensor] = self._host.allocate(
+            max(u.compute_numel for u in self.units), home_dtype) \
+            if self._gathers and self.device.type == "cuda" else None
         # Early optimizer updates (a unit's Adam as soon as its gradients are final in
         # backward) run on this worker, overlapping the rest of backward. Not with global
         # clipping or fp16 overflow checks: those need every gradient first.
@@ -331,7 +340,7 @@ class Engine:
         total = 0
         for u in self.units:
             if self._param_tier == "nvme":
-                total += u.compute_numel * (_FP32_BYTES if self._merged else element_bytes)
+                total += self._compute_home_numel(u) * (_FP32_BYTES if self._merged else element_bytes)
             if self._optimizer_tier == "nvme" and u.trainable:
                 if not self._merged:
                     total += u.shard.state_numel * _FP32_BYTES
@@ -341,17 +350,33 @@ class Engine:
     def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
         grads = sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES
         compute = master = moments = staging = 0
+        home_element_bytes = _FP32_BYTES if self._merged else element_bytes
         for u in self.units:
             if self._param_tier == "host":
-                compute += u.compute_numel * (_FP32_BYTES if self._merged else element_bytes)
+                compute += self._compute_home_numel(u) * home_element_bytes
             if self._optimizer_tier == "host" and u.trainable:
                 if not self._merged:
                     master += u.shard.state_numel * _FP32_BYTES
                 moments += 2 * u.shard.state_numel * _FP32_BYTES
         if "nvme" in (self._param_tier, self._optimizer_tier):
             staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
+        largest = max(u.compute_numel for u in self.units)
+        fetch = 0  # see the fetch buffers made in __init__
+        if self._partition is not None and self._partition.shards_params:
+            if self._param_tier == "nvme":
+                fetch += max(self._compute_home_numel(u) for u in self.units) * home_element_bytes
+            if self.device.type == "cuda":
+                fetch += largest * home_element_bytes
+        elif self._param_tier == "nvme" and self.device.type == "cuda":
+            fetch = (self.config.prefetch_units + 1) * largest * home_element_bytes
         return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
-                "Adam moments": moments, "optimizer staging buffers": staging}
+                "Adam moments": moments, "optimizer staging buffers": staging,
+                "fetch staging buffers": fetch}
+
+    @staticmethod
+    def _compute_home_numel(u: _Unit) -> int:
+        """Elements of u's compute copy at home: [zero] the rank's chunks at stage 3."""
+        return u.param_shard.home_numel if u.param_shard is not None else u.compute_numel
 
     def _slot_shape(self) -> Tuple[int, int]:
         """(master elements, compute elements) of one staging slot: one pipeline piece."""
@@ -389,7 +414,7 @@ class Engine:
                 u.compute_state.to(Residency.LOADED)
             else:
                 dtype = torch.float32 if self._merged else self.compute_dtype
-                u.compute_home = self._allocate_home(self._param_tier, u.compute_numel, dtype)
+                u.compute_home = self._allocate_home(self._param_tier, self._compute_home_numel(u), dtype)
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
                 if not self._merged:
@@ -495,6 +520,8 @@ class Engine:
             self._partition.broadcast_initial(compute, master)
         if self._param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+        elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
+            self._store(u.compute_home, self._home_chunks(u, compute))
         else:
             self._store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
@@ -508,6 +535,17 @@ class Engine:
             e.param.data = self._placeholder
         if self._param_tier == "device":
             self._bind(u)
+
+    @staticmethod
+    def _home_chunks(u: _Unit, full: torch.Tensor) -> torch.Tensor:
+        """[zero] Stage 3: this rank's chunks of a whole compute copy, laid out as at home."""
+        p = u.param_shard
+        home = torch.zeros(p.home_numel, dtype=full.dtype)
+        t, f = p.trainable, p.frozen
+        home[:t.numel].copy_(full[t.lo:t.hi])
+        start = p.trainable_chunk_numel
+        home[start:start + f.numel].copy_(full[p.frozen_start + f.lo:p.frozen_start + f.hi])
+        return home
 
     def _store(self, home: Any, src: torch.Tensor) -> None:
         """Synchronous copy of a whole buffer home (setup and checkpoint load only)."""
@@ -583,7 +621,14 @@ class Engine:
         dst = self._device.view(u.device_offset, u.compute_numel)
         num_bytes = u.compute_numel * dst.element_size()
         u.fetch_started = time.perf_counter()
-        if self._param_tier == "nvme" and self.device.type == "cpu":
+        if self._gathers:  # [zero] stage 3: [Note: parameter all-gathers]
+            future = self._copy_worker.submit(self._gather_to_device, u, dst)
+            u.pending = future.result
+            home_bytes = self._compute_home_numel(u) * dst.element_size()
+            self.stats_counters.add_bytes("nvme_to_host" if self._param_tier == "nvme" else "host_to_host",
+                                          home_bytes)
+            self.stats_counters.add_bytes("all_gather", num_bytes)
+        elif self._param_tier == "nvme" and self.device.type == "cpu":
             # The CPU "device" is RAM: read from the swap file straight into the slot.
             handle = self._nvme.read(dst, u.compute_home)
             u.pending = lambda: (handle.wait(), None)[1]
@@ -612,6 +657,24 @@ class Engine:
             event.synchronize()  # the staging buffer is reused as soon as this returns
         finally:
             self._fetch_staging.append(staging)
+
+    def _gather_to_device(self, u: _Unit, dst: torch.Tensor) -> None:
+        """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
+        a staging buffer, or the host home as is), all-gather them into the device slot (on
+        CUDA through a host buffer)."""
+        home = u.compute_home
+        if _on_nvme(home):
+            own = self._gather_home[:self._compute_home_numel(u)]
+            self._nvme.read(own, home).wait()
+        else:
+            own = home
+        if self.device.type == "cpu":
+            self._partition.gather_params(u, own, dst, lane="param")
+            return None
+        out = self._gather_out[:u.compute_numel]
+        self._partition.gather_params(u, own, out, lane="param")
+        self._device.copy_in(dst, out).synchronize()  # out is reused by the next fetch
+        return None
 
     def _finish_fetch(self, u: _Unit) -> None:
         pending, u.pending = u.pending, None
@@ -1185,6 +1248,9 @@ class Engine:
         copy are in full coordinates. States on NVMe are read and written whole per unit:
         a shard starts anywhere in the compute copy, so its pieces are not page aligned
         (and this path is not pipelined over pieces yet)."""
+        if u.param_shard is not None:
+            self._update_param_shard(u, grad_factor)
+            return
         s, t = u.shard, u.spec.trainable_numel
         steps = self._next_steps(u)
         start = time.perf_counter()
@@ -1223,6 +1289,42 @@ class Engine:
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
         elif full is not None and self._param_tier == "nvme":
             self._store(u.compute_home, full)
+        if not self._merged and _on_nvme(u.master_home):
+            self._store(u.master_home, master)
+        if _on_nvme(u.moments_home):
+            self._store(u.moments_home, moments)
+        u.steps = steps
+        self._release_grad(u)
+
+    @torch.no_grad()
+    def _update_param_shard(self, u: _Unit, grad_factor: float) -> None:
+        """[zero] Stage 3: Adam on this rank's shard; the new values of the rank's trainable
+        chunk of the compute copy go home (merged: the chunk is the master itself). No
+        all-gather: the next fetch gathers every rank's chunk."""
+        s = u.shard
+        steps = self._next_steps(u)
+        start = time.perf_counter()
+        home = u.compute_home
+        chunk_numel = u.param_shard.trainable_chunk_numel
+        dtype = torch.float32 if self._merged else self.compute_dtype
+        chunk_bytes = chunk_numel * torch.empty(0, dtype=dtype).element_size()
+        chunk = self._load(_sub(home, 0, chunk_bytes), chunk_numel, dtype) if _on_nvme(home) \
+            else home[:chunk_numel]
+        if self._merged:
+            master, compute_out = chunk, None
+        else:
+            master = self._load(u.master_home, s.state_numel, torch.float32) \
+                if _on_nvme(u.master_home) else u.master_home
+            compute_out = chunk[:s.numel]
+        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
+            if _on_nvme(u.moments_home) else u.moments_home
+        if s.numel:
+            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
+                             moments[s.state_numel:s.state_numel + s.numel], compute_out, False,
+                             grad_factor, copy_to_device=False)
+        self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
+        if _on_nvme(home):
+            self._store(_sub(home, 0, chunk_bytes), chunk)
         if not self._merged and _on_nvme(u.master_home):
             self._store(u.master_home, master)
         if _on_nvme(u.moments_home):
@@ -1493,6 +1595,11 @@ class Engine:
     def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
         if self._param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
+        elif u.param_shard is not None:  # [zero] stage 3: a collective
+            dtype = torch.float32 if self._merged else self.compute_dtype
+            own = self._load(u.compute_home, self._compute_home_numel(u), dtype)
+            compute = torch.empty(u.compute_numel, dtype=dtype)
+            self._partition.gather_params(u, own, compute, lane="main")
         else:
             dtype = torch.float32 if self._merged else self.compute_dtype
             compute = self._load(u.compute_home, u.compute_numel, dtype)
@@ -1543,21 +1650,28 @@ class Engine:
             "world_size": self._partition.world_size if self._partition is not None else 1,
             "rank": self._partition.rank if self._partition is not None else 0,
             "optimizer_state_bytes": self._optimizer_state_bytes(),
+            "parameter_bytes": self._parameter_home_bytes(),
             "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES,
             "gradient_bucket_peak_bytes":
                 self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }
 
+    def _parameter_home_bytes(self) -> int:
+        """Compute copies at home on this rank ([zero] its chunks at stage 3; param_tier
+        'device': the device slots)."""
+        if self._param_tier == "device":
+            return sum(u.compute_numel for u in self.units) * self._placeholder.element_size()
+        return sum(self._home_bytes(u.compute_home) for u in self.units)
+
+    @staticmethod
+    def _home_bytes(home: Any) -> int:
+        if isinstance(home, torch.Tensor):
+            return home.numel() * home.element_size()
+        return 0 if home is None else home.nbytes
+
     def _optimizer_state_bytes(self) -> int:
         """fp32 master weights held apart from the compute copy, plus Adam moments."""
-        total = 0
-        for u in self.units:
-            for home in (u.master_home, u.moments_home):
-                if isinstance(home, torch.Tensor):
-                    total += home.numel() * home.element_size()
-                elif home is not None:
-                    total += home.nbytes
-        return total
+        return sum(self._home_bytes(home) for u in self.units for home in (u.master_home, u.moments_home))
 
     # ------------------------------------------------------------------ timeline
     def _trace_span(self, lane: str, name: str, start: float, end: float) -> None:

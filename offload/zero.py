@@ -15,6 +15,17 @@ move chunks of ``shard_numel`` elements, zero-padded where a rank owns less.
            compute copy (or master) is all-gathered.
   stage 2  as stage 1, and the fp32 gradient buffer is shard-sized: each unit's gradients
            are reduce-scattered as soon as the unit's last gradient is final in backward.
+  stage 3  as stage 2, and the compute copy at home (param_tier host or nvme) holds only the
+           rank's chunks (``ParamShard``): fetching a unit onto the device all-gathers it,
+           releasing it drops it, and Adam writes the rank's chunk home with no all-gather.
+
+[Note: parameter all-gathers] Stage 3 fetches run on the engine's copy worker thread, so
+their all-gathers overlap compute. They use a process group of their own (``param_group``):
+collectives on one group must be issued in the same order on every rank, and the main
+thread issues the gradient and norm collectives meanwhile. The copy worker runs fetches in
+the order the main thread submits them, which is the same on every rank as long as every
+rank runs the same forward and backward (and so needs, prefetches and evicts the same units
+in the same order: the prefetch plan depends only on the trace and the device budget).
 
 [Note: gradient averaging] Gradients are averaged over ranks like DDP: each rank scales its
 local sum by 1 / world_size before the sum-reduction (exact for a power-of-two world size).
@@ -86,23 +97,60 @@ def even_range(trainable_numel: int, rank: int, world_size: int) -> ShardRange:
     return ShardRange(lo, hi, shard, padded_numel(shard, _FP32_BYTES))
 
 
+@dataclass(frozen=True)
+class ParamShard:
+    """[zero] Stage 3: the part of a unit's compute copy a rank keeps at home. Two regions
+    of the unit's flat layout are cut evenly across ranks, the trainable prefix ``[0, T)``
+    (the cut of ``ShardRange``, so the rank's master and its compute chunk cover the same
+    elements) and the frozen tail ``[frozen_start, total)``. The home holds the rank's chunk
+    of each, padded to whole pages: ``[trainable chunk | frozen chunk]``.
+
+    A gather writes ``world_size * shard_numel`` elements from a region's start, so the
+    device slot (``slot_numel``) is long enough for both gathers in place; the trainable one
+    runs first and may spill past ``T`` into the frozen region, which the frozen gather then
+    overwrites."""
+
+    trainable: ShardRange
+    frozen_start: int
+    frozen: ShardRange                # over [0, total - frozen_start)
+    trainable_chunk_numel: int        # home elements of each chunk (whole pages)
+    frozen_chunk_numel: int
+    slot_numel: int                   # device slot elements (whole pages)
+
+    @property
+    def home_numel(self) -> int:
+        return self.trainable_chunk_numel + self.frozen_chunk_numel
+
+    @staticmethod
+    def of(trainable_numel: int, frozen_start: int, total_numel: int, rank: int, world_size: int,
+           element_bytes: int) -> "ParamShard":
+        t = even_range(trainable_numel, rank, world_size)
+        f = even_range(total_numel - frozen_start, rank, world_size)
+        reach = max(total_numel, world_size * t.shard_numel,
+                    frozen_start + world_size * f.shard_numel if f.shard_numel else 0)
+        return ParamShard(t, frozen_start, f, padded_numel(t.shard_numel, element_bytes),
+                          padded_numel(f.shard_numel, element_bytes), padded_numel(reach, element_bytes))
+
+
 class Partition:
     """This rank's place among ``world_size`` ranks and the collectives of one engine.
 
     The engine calls it at a few marked places ("[zero]" in engine.py): unit buffer sizes
     (``assign``), initial state (``broadcast_initial``), backward (``gradient_bucket`` /
-    ``gradient_arrived``, stage 2), the optimizer step (``finish_gradients``,
-    ``global_grad_squares``, ``all_gather_shards``) and ``zero_grad``.
+    ``gradient_arrived``, stage >= 2), fetches (``gather_params``, stage 3), the optimizer
+    step (``finish_gradients``, ``global_grad_squares``, ``all_gather_shards``) and
+    ``zero_grad``.
     """
 
     def __init__(self, group: Any, store: Any, rank: int, world_size: int, stage: int) -> None:
-        assert stage in (0, 1, 2)
+        assert stage in (0, 1, 2, 3)
         self.group = group
+        self.param_group: Any = None  # [Note: parameter all-gathers]
         self.rank = rank
         self.world_size = world_size
         self.stage = stage
         self._store = store
-        self._seq = 0
+        self._seq: Dict[str, int] = {"main": 0, "param": 0}
         self._units: List[Any] = []
         self._scratch: Dict[torch.dtype, torch.Tensor] = {}
         # Stage 2 state: full-size buckets of units whose gradients are arriving in this
@@ -136,10 +184,15 @@ class Partition:
                               "(no process group with more than one rank)")
             return None
         # A group of our own: gloo whatever the default backend is (NCCL for the user's
-        # device tensors, say), and our timeout ([Note: failures]).
+        # device tensors, say), and our timeout ([Note: failures]). A second one for the
+        # stage 3 parameter all-gathers ([Note: parameter all-gathers]); made whatever the
+        # stage, since making a group is itself collective and the stages may disagree
+        # until check_consistent has run.
         group = dist.new_group(backend="gloo", timeout=timeout)
+        param_group = dist.new_group(backend="gloo", timeout=timeout)
         store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
         partition = cls(group, store, dist.get_rank(), dist.get_world_size(), stage)
+        partition.param_group = param_group
         partition.timeout_seconds = timeout_seconds
         return partition
 
@@ -150,11 +203,18 @@ class Partition:
 
     @property
     def shards_gradients(self) -> bool:
-        """The fp32 gradient buffer is shard-sized; reduce-scatter in backward (stage 2)."""
+        """The fp32 gradient buffer is shard-sized; reduce-scatter in backward (stage >= 2)."""
         return self.stage >= 2
 
-    def assign(self, u: Any) -> None:
-        """Set u's shard, gradient buffer length and gradient offset (engine _Unit fields)."""
+    @property
+    def shards_params(self) -> bool:
+        """The compute copy at home is shard-sized; all-gathered on every fetch (stage 3)."""
+        return self.stage >= 3
+
+    def assign(self, u: Any, home_element_bytes: int) -> None:
+        """Set u's shard, gradient buffer length and gradient offset, and at stage 3 its
+        ParamShard and device slot length (engine _Unit fields). ``home_element_bytes``:
+        the element size of the compute copy's home buffer."""
         self._units.append(u)
         t = u.spec.trainable_numel
         owned = even_range(t, self.rank, self.world_size)
@@ -166,6 +226,12 @@ class Partition:
         else:
             u.grad_numel = owned.numel
             u.grad_base = owned.lo
+        if self.stage == 3:
+            entries = u.spec.entries
+            frozen_start = next((e.offset for e in entries if not e.trainable), u.spec.total_numel)
+            u.param_shard = ParamShard.of(t, frozen_start, u.spec.total_numel, self.rank,
+                                          self.world_size, home_element_bytes)
+            u.compute_numel = u.param_shard.slot_numel
 
     def bind_gradient_buffers(self, grad_buffer: Callable[[Any], torch.Tensor]) -> None:
         """``grad_buffer(u)``: u's fp32 gradient buffer (``grad_numel`` elements), taken
@@ -206,29 +272,33 @@ class Partition:
                 "optimizer": [type(optimizer).__name__, groups]}
 
     # ------------------------------------------------------------------ collectives
-    def _mark(self, what: str) -> None:
-        self._seq += 1
-        self._store.set(f"seq/{self.rank}", f"{self._seq}:{what}")
+    def _mark(self, what: str, lane: str = "main") -> None:
+        """Count a collective of ``lane`` ("main": the main thread on ``group``; "param":
+        the copy worker on ``param_group``) in the store, for _diagnose."""
+        self._seq[lane] += 1
+        self._store.set(f"seq/{lane}/{self.rank}", f"{self._seq[lane]}:{what}")
 
-    def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+    def _collective(self, what: str, call: Callable[[], Any], lane: str = "main") -> Any:
         """Run one collective; [Note: failures] turns a failure into a RuntimeError naming
         the ranks that did not get there."""
-        self._mark(what)
+        self._mark(what, lane)
         try:
             return call()
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError
-            raise RuntimeError(self._diagnose(what, exc)) from exc
+            raise RuntimeError(self._diagnose(what, exc, lane)) from exc
 
-    def _diagnose(self, what: str, exc: BaseException) -> str:
-        head = f"rank {self.rank}: collective #{self._seq} ({what}) failed"
+    def _diagnose(self, what: str, exc: BaseException, lane: str) -> str:
+        mine = self._seq[lane]
+        head = f"rank {self.rank}: collective #{mine} ({what}) failed"
         try:
             behind = []
             for r in range(self.world_size):
                 if r == self.rank:
                     continue
-                raw = self._store.get(f"seq/{r}").decode()
+                raw = self._store.get(f"seq/{lane}/{r}").decode() \
+                    if self._store.check([f"seq/{lane}/{r}"]) else "0:none yet"
                 seq, _, last = raw.partition(":")
-                if int(seq) < self._seq:
+                if int(seq) < mine:
                     behind.append(f"rank {r} (its last collective was #{seq}: {last})")
         except Exception as store_exc:  # the store lives in rank 0's process (MASTER_ADDR)
             return (f"{head}: lost contact with the other ranks and with the store on rank 0 "
@@ -392,6 +462,26 @@ class Partition:
             buf[:t].copy_(everyone[:t])
             return buf
         return everyone[:t]
+
+    @torch.no_grad()
+    def gather_params(self, u: Any, home: torch.Tensor, out: torch.Tensor, lane: str) -> None:
+        """Stage 3: every rank's chunks of u's compute copy into ``out`` (``u.compute_numel``
+        elements in the unit's flat layout) from this rank's home chunks ``home``. Lane
+        "param" on the copy worker ([Note: parameter all-gathers]), "main" on the main
+        thread (state_dict, checkpoints)."""
+        p = u.param_shard
+        group = self.param_group if lane == "param" else self.group
+        w = self.world_size
+        regions = ((0, p.trainable, 0, "trainable"),
+                   (p.frozen_start, p.frozen, p.trainable_chunk_numel, "frozen"))
+        for start, shard, home_offset, which in regions:  # trainable first (see ParamShard)
+            n = shard.shard_numel
+            if n == 0:
+                continue
+            self._collective(
+                f"parameter all-gather of unit {u.name!r} ({which})",
+                lambda: _all_gather_into(out[start:start + w * n], home[home_offset:home_offset + n],
+                                         group=group), lane)
 
 
 def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:

@@ -3,6 +3,7 @@
 hanging (issue 8)."""
 import copy
 import os
+import re
 import socket
 import time
 import traceback
@@ -115,6 +116,7 @@ CASES = [  # (stage, tier, gradient_accumulation_steps, max_grad_norm)
     (0, "host", 1, None), (0, "nvme", 2, 0.5),
     (1, "host", 1, None), (1, "nvme", 2, 0.5),
     (2, "host", 2, 0.5), (2, "nvme", 1, None),
+    (3, "host", 2, 0.5), (3, "nvme", 1, None),
 ]
 
 
@@ -155,6 +157,13 @@ def test_two_ranks_on_half_batches_equal_one_process_and_shard_memory(
         expected = sum(2 * 4 * even_range(t, r, WORLD).state_numel for t in trainable)
         assert opt_bytes[r] == expected
         assert opt_bytes[r] <= single["optimizer_state_bytes"] / 2 + num_units * 2 * 4096
+    param_bytes = [res["stats"]["parameter_bytes"] for res in results]
+    if stage == 3:  # fp32: each rank's compute chunks are its master shards
+        assert param_bytes == [sum(4 * even_range(t, r, WORLD).state_numel for t in trainable)
+                               for r in range(WORLD)]
+        assert all(p <= single["parameter_bytes"] / 2 + num_units * 4096 for p in param_bytes)
+    else:
+        assert param_bytes == [single["parameter_bytes"]] * WORLD
     if stage == 1:
         assert all(g >= single["gradient_bytes"] for g in grad_bytes)
     else:
@@ -203,9 +212,9 @@ def test_bf16_stage_2_equals_stage_0_bit_for_bit(tmp_path):
         single["optimizer_state_bytes"] / 2 + num_units * 3 * 4096
 
 
-def _failing_worker(rank, port, out_dir):
+def _failing_worker(rank, port, out_dir, stage):
     _init(rank, port)
-    config = dict(stage=2, collective_timeout_seconds=30)
+    config = dict(stage=stage, param_tier="host", collective_timeout_seconds=30)
     torch.manual_seed(0)
     model = GPT(CFG)
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
@@ -227,11 +236,12 @@ def _failing_worker(rank, port, out_dir):
     os._exit(0)  # the process group is broken; skip its teardown
 
 
-def test_a_rank_that_dies_raises_on_the_others_naming_it(tmp_path):
-    run_ranks(_failing_worker, str(tmp_path))
+@pytest.mark.parametrize("stage,first_collective", [(2, "reduce-scatter"), (3, "parameter all-gather")])
+def test_a_rank_that_dies_raises_on_the_others_naming_it(stage, first_collective, tmp_path):
+    run_ranks(_failing_worker, str(tmp_path), stage)
     message = (tmp_path / "rank0.txt").read_text()
     assert "rank 1" in message and "never reached" in message, message
-    assert "reduce-scatter" in message, message
+    assert first_collective in message, message
 
 
 def _hanging_worker(rank, port, out_dir):
@@ -295,10 +305,75 @@ def test_stage_on_a_single_process_warns_and_trains_like_stage_0():
         assert stats["world_size"] == 1 and stats["rank"] == 0
 
 
-def test_stage_3_is_refused_until_it_exists():
-    model = GPT(CFG)
-    with pytest.raises(ValueError, match="stage 3"):
-        offload.wrap(model, make_opt(model.parameters()), config=dict(stage=3))
+def test_stage_3_needs_a_home_tier_for_the_compute_copies():
+    with pytest.raises(ValueError, match="stage: 3 .*param_tier='device'"):
+        offload.OffloadConfig(stage=3, param_tier="device")
+
+
+FROZEN = ("wpe.weight", "blocks.1.ln1.weight", "blocks.2.qkv.weight")
+
+
+def _budgeted_worker(rank, port, config, data, out_dir):
+    """Frozen parameters in the root unit and in blocks, and a device budget of the minimum
+    plus one block: units are evicted and prefetched, and the frozen tails gathered too."""
+    _init(rank, port)
+    try:
+        config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"rank{rank}"))
+        os.makedirs(config["swap_dir"])
+
+        def build():
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            for name, p in model.named_parameters():
+                p.requires_grad_(name not in FROZEN)
+            return model
+        try:
+            model = build()
+            offload.wrap(model, make_opt(model.parameters()), config=dict(config, device_budget=4096))
+            raise AssertionError("a 4 KiB device budget must be refused")
+        except ValueError as exc:
+            minimum = int(re.search(r"at least (\d+) bytes", str(exc)).group(1))
+        block_bytes = 2 * sum(p.numel() for p in GPT(CFG).blocks[0].parameters())  # bf16
+        model = build()
+        per_rank = GLOBAL_BATCH // WORLD
+        with offload.wrap(model, make_opt(model.parameters()),
+                          config=dict(config, device_budget=minimum + block_bytes)) as engine:
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                engine.backward(engine(mine[:, :-1], mine[:, 1:]))
+                engine.step()
+            result = {"state": engine.state_dict(), "stats": engine.stats()}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stage_3_gathers_units_within_the_budget_and_equals_stage_0_bit_for_bit(tmp_path):
+    """bf16 on NVMe with frozen parameters and a tight device budget: every fetch
+    all-gathers the unit's chunks (trainable prefix and frozen tail) from the ranks' swap
+    files; the weights after 4 steps equal plain data parallel (stage 0) exactly, and each
+    rank's compute copies at home are half of stage 0's."""
+    data = batches(4)
+    runs = {}
+    for stage in (0, 3):
+        out = tmp_path / f"stage{stage}"
+        swap = out / "swap"
+        swap.mkdir(parents=True)
+        run_ranks(_budgeted_worker, dict(stage=stage, dtype="bf16", param_tier="nvme",
+                                         optimizer_tier="nvme", swap_dir=str(swap)), data, str(out))
+        runs[stage] = load_results(out)
+    for r in range(WORLD):
+        for k, v in runs[0][r]["state"].items():
+            assert torch.equal(v, runs[3][r]["state"][k]), (r, k)
+        stats = runs[3][r]["stats"]
+        assert stats["device_peak_bytes"] <= stats["device_budget_bytes"]
+        assert stats["prefetch_hits"] > 0
+        assert stats["parameter_bytes"] <= runs[0][r]["stats"]["parameter_bytes"] / 2 + \
+            (CFG.num_layers + 1) * 2 * 4096
+    torch.manual_seed(0)
+    initial = GPT(CFG).state_dict()
+    for name in FROZEN:  # frozen values (kept in the compute dtype) came through unchanged
+        assert torch.equal(runs[3][0]["state"][name], initial[name].to(torch.bfloat16)), name
 
 
 def test_shard_ranges_cover_the_prefix_once():
