@@ -2,22 +2,34 @@
 
 A checkpoint is a directory of raw little-endian files plus ``manifest.json``:
 
-  manifest.json       format/version, the config of the run, engine counters (micro-step,
-                      loss scale), param-group hyperparameters, Python/NumPy RNG states,
-                      per-unit entries (fqn, aliases, shape, dtype, Adam step count, byte
-                      offsets of each section in its unit file), and every file with its size
-                      and sha256. A ``checksum`` field covers the manifest itself.
-  unit-NNNNN.bin      one per unit: fp32 master of the trainable prefix | exp_avg | exp_avg_sq
-                      | the compute copy of the frozen parameters (compute dtype). Trainable
-                      compute copies are derived (fp32: the master itself; bf16/fp16: the
-                      master rounded to nearest even, as the Adam kernel writes them), so they
-                      are not stored.
+  manifest.json       format/version, the world size and ZeRO stage that wrote it, the config
+                      of the run, engine counters (micro-step, loss scale), param-group
+                      hyperparameters, each rank's Python/NumPy RNG states, per-parameter
+                      entries (fqn, aliases, shape, dtype, Adam step count, and its *pieces*:
+                      which file holds which elements, at which byte offsets), and every file
+                      with its size and sha256. A ``checksum`` field covers the manifest.
+  unit-NNNNN.bin      per unit (``unit-NNNNN-rank-RRRRR.bin`` per unit and rank when several
+                      ranks wrote it): fp32 master of the elements written | exp_avg |
+                      exp_avg_sq | the compute copy of frozen parameters (compute dtype).
+                      Trainable compute copies are derived (fp32: the master itself;
+                      bf16/fp16: the master rounded to nearest even, as the Adam kernel writes
+                      them), so they are not stored.
   buffers.bin         the model's persistent buffers (byte offsets in the manifest).
-  rng-torch-cpu.bin, rng-torch-cuda-N.bin   torch's RNG states.
+  rng-torch-cpu.bin, rng-torch-cuda-N.bin   torch's RNG states (``-rank-RRRRR`` per rank).
 
 The format records logical values, not tier layouts, so a checkpoint loads into an engine
-with other tiers or another unit split, as long as parameter names, shapes and the
-trainable set agree. Nothing is unpickled on load.
+with other tiers, another unit split or another number of ranks, as long as parameter
+names, shapes and the trainable set agree. Nothing is unpickled on load. Version 1
+manifests (one process, one piece per parameter) are read too.
+
+[Note: sharded checkpoints] With several ranks every rank calls save/load. Save: rank 0
+prepares the directory; every rank writes the elements it keeps (its shard of master and
+moments at stage >= 1, its chunk of frozen values at stage 3; what every rank holds, rank 0
+alone) and its RNG states; rank 0 writes the manifest over all of them and renames the
+directory into place. Load: every rank hashes its share of the files, then reads the
+elements it keeps from whichever pieces hold them, so a checkpoint of N ranks loads on M.
+After every phase the ranks agree: when one failed, every rank raises an error naming it,
+and nothing is renamed into place.
 
 [Note: bounded checkpoint memory] Save and load move one unit at a time: the host holds at
 most one unit's master, moments and compute copy (plus the engine's own I/O bounce buffer);
@@ -50,7 +62,8 @@ if TYPE_CHECKING:
     from offload.engine import Engine, _Unit
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _CHUNK_BYTES = 4 << 20
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -127,13 +140,9 @@ def _manifest_checksum(manifest: Dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------- reading unit state
-def _master_source(engine: "Engine", u: "_Unit") -> Any:
-    return u.compute_home if engine._merged else u.master_home
-
-
 def unit_master(engine: "Engine", u: "_Unit") -> torch.Tensor:
-    """fp32 master of u's trainable prefix (master_numel elements), from wherever it is
-    current: the engine's dirty copy after a failed swap write, else its home."""
+    """fp32 master of u's trainable prefix (master_numel elements) on a single process, from
+    wherever it is current: the engine's dirty copy after a failed swap write, else its home."""
     dirty = engine._dirty.get(u.index, {})
     if "master" in dirty:
         return dirty["master"]
@@ -150,11 +159,68 @@ def unit_moments(engine: "Engine", u: "_Unit") -> torch.Tensor:
 
 
 def unit_compute(engine: "Engine", u: "_Unit") -> torch.Tensor:
-    """The compute copy as the tier holds it (frozen parameters are read from here)."""
+    """The whole compute copy as the tier holds it (frozen parameters are read from here);
+    not at stage 3, where the home holds the rank's chunks only."""
+    assert u.param_shard is None
     if engine._param_tier == "device":
         return engine._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
     dtype = torch.float32 if engine._merged else engine.compute_dtype
     return engine._load(u.compute_home, u.compute_numel, dtype)
+
+
+def _world(engine: "Engine") -> Tuple[int, int]:
+    p = engine._partition
+    return (0, 1) if p is None else (p.rank, p.world_size)
+
+
+def _saved_ranges(engine: "Engine", u: "_Unit") -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """[Note: sharded checkpoints] The elements of u this rank writes: ``[lo, hi)`` of the
+    trainable prefix (master and moments) and ``[lo, hi)`` of the frozen tail (counted from
+    the tail's start)."""
+    rank, world_size = _world(engine)
+    frozen = [e for e in u.spec.entries if not e.trainable]
+    frozen_numel = u.spec.total_numel - frozen[0].offset if frozen else 0
+    whole = ((0, u.spec.trainable_numel), (0, frozen_numel))
+    if world_size == 1:
+        return whole
+    nothing = ((0, 0), (0, 0))
+    stage = engine._partition.stage
+    if stage == 0:  # every rank holds everything: rank 0 writes it
+        return whole if rank == 0 else nothing
+    trainable = (u.shard.lo, u.shard.hi)
+    if u.param_shard is not None:
+        f = u.param_shard.frozen
+        return trainable, (f.lo, f.hi)
+    return trainable, whole[1] if rank == 0 else (0, 0)
+
+
+def _owned_states(engine: "Engine", u: "_Unit", lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """master, exp_avg, exp_avg_sq of elements [lo, hi) of u's trainable prefix, which this
+    rank keeps (its shard, or everything)."""
+    if engine._partition is None:
+        master, moments = unit_master(engine, u), unit_moments(engine, u)
+        return master[lo:hi], moments[lo:hi], moments[u.master_numel + lo:u.master_numel + hi]
+    s = u.shard  # whole at stage 0; the home buffers start at element s.lo
+    if not engine._merged:
+        master, base = engine._load(u.master_home, s.state_numel, torch.float32), s.lo
+    elif u.param_shard is not None:  # the rank's compute chunks: its master shard first
+        master, base = engine._load(u.compute_home, u.param_shard.home_numel, torch.float32), s.lo
+    else:
+        master, base = engine._load(u.compute_home, u.compute_numel, torch.float32), 0
+    moments = engine._load(u.moments_home, 2 * s.state_numel, torch.float32)
+    return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
+            moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
+
+
+def _owned_frozen(engine: "Engine", u: "_Unit", lo: int, hi: int) -> torch.Tensor:
+    """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
+    if u.param_shard is None:
+        start = next(e.offset for e in u.spec.entries if not e.trainable)
+        return unit_compute(engine, u)[start + lo:start + hi]
+    p = u.param_shard
+    dtype = torch.float32 if engine._merged else engine.compute_dtype
+    home = engine._load(u.compute_home, p.home_numel, dtype)
+    return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
 
 
 # ---------------------------------------------------------------------- save
@@ -232,9 +298,63 @@ def _clean_stale(parent: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+class _Ranks:
+    """[Note: sharded checkpoints] The ranks' agreement on each phase of a save or load:
+    every rank reports its error (or none); when one failed, all raise, naming it."""
+
+    def __init__(self, engine: "Engine", what: str) -> None:
+        self.partition = engine._partition
+        self.rank, self.world_size = _world(engine)
+        self.what = what
+
+    def gather(self, phase: str, value: Any) -> List[Any]:
+        if self.partition is None:
+            return [value]
+        return self.partition.all_gather_object(f"{self.what} ({phase})", value)
+
+    def agree(self, phase: str, error: Optional[BaseException]) -> None:
+        """Raise ``error`` here, or an error naming the first rank that had one."""
+        report = None if error is None else (type(error).__name__, str(error))
+        reports = self.gather(phase, report)
+        if error is not None:
+            raise error
+        for r, report in enumerate(reports):
+            if report is not None:
+                kind = CheckpointError if report[0] == "CheckpointError" else \
+                    ValueError if report[0] == "ValueError" else RuntimeError
+                raise kind(f"{self.what}: rank {r} failed ({report[0]}: {report[1]})")
+
+
+def _attempt(call: Any) -> Tuple[Any, Optional[BaseException]]:
+    try:
+        return call(), None
+    except Exception as error:  # reported to the other ranks, then raised (see _Ranks)
+        return None, error
+
+
 def save(engine: "Engine", ckpt_dir: str) -> None:
-    _check_savable(engine)
+    """[Note: sharded checkpoints] Every rank writes its part into one directory, which
+    rank 0 prepares beforehand and completes (manifest, rename) afterwards."""
+    ranks = _Ranks(engine, "save_checkpoint")
+    ranks.agree("checks", _attempt(lambda: _check_savable(engine))[1])
     target = os.path.abspath(os.fspath(ckpt_dir).rstrip("/") or "/")
+    tmp, error = _attempt(lambda: _prepare_directory(target)) if ranks.rank == 0 else (None, None)
+    ranks.agree("directory", error)
+    tmp = ranks.gather("directory name", tmp)[0]
+    written, error = _attempt(lambda: _write_rank(engine, tmp))
+    try:
+        everyone = ranks.gather("files written", None if error else written)
+        ranks.agree("writing", error)
+        if ranks.rank == 0:
+            error = _attempt(lambda: _complete(engine, target, tmp, everyone))[1]
+        ranks.agree("manifest", error)
+    except BaseException:
+        if ranks.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _prepare_directory(target: str) -> str:
     parent, name = os.path.dirname(target), os.path.basename(target)
     if os.path.exists(target):
         if not os.path.isdir(target):
@@ -244,37 +364,43 @@ def save(engine: "Engine", ckpt_dir: str) -> None:
                              "refusing to replace it")
     os.makedirs(parent, exist_ok=True)
     _clean_stale(parent)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp = os.path.join(parent, f".{name}.partial-{tag}")
+    tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(tmp, 0o755)
-    try:
-        manifest = _write_all(engine, tmp)
-        with open(os.path.join(tmp, MANIFEST), "x") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = None
-        if os.path.exists(target):
-            old = os.path.join(parent, f".{name}.old-{tag}")
-            os.rename(target, old)
-        os.rename(tmp, target)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
 
 
-def _write_all(engine: "Engine", tmp: str) -> Dict[str, Any]:
-    aliases, buffers = _aliases(engine.module)
+def _complete(engine: "Engine", target: str, tmp: str, everyone: List[Dict[str, Any]]) -> None:
+    """Rank 0: the manifest over every rank's files, then the atomic rename."""
+    manifest = _manifest(engine, everyone)
+    with open(os.path.join(tmp, MANIFEST), "x") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    parent, name = os.path.dirname(target), os.path.basename(target)
+    old = None
+    if os.path.exists(target):
+        old = os.path.join(parent, f".{name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_rank(engine: "Engine", tmp: str) -> Dict[str, Any]:
+    """This rank's files: its part of every unit, its RNG states, and (rank 0) the buffers.
+    Returns their sizes and hashes, the pieces each parameter got, and the Python RNGs."""
+    rank, world_size = _world(engine)
+    suffix = f"-rank-{rank:05d}" if world_size > 1 else ""
     files: Dict[str, Dict[str, Any]] = {}
-    units = []
+    pieces: Dict[str, List[Dict[str, Any]]] = {}
     for u in engine.units:
-        units.append(_write_unit(engine, u, tmp, aliases, files))
+        for fqn, piece in _write_unit(engine, u, tmp, suffix, files):
+            pieces.setdefault(fqn, []).append(piece)
     buffer_entries = []
-    if buffers:
+    _, buffers = _aliases(engine.module)
+    if buffers and rank == 0:
         writer = _HashingWriter(os.path.join(tmp, "buffers.bin"))
         try:
             for key, b in buffers.items():
@@ -285,27 +411,53 @@ def _write_all(engine: "Engine", tmp: str) -> Dict[str, Any]:
             writer.abort()
             raise
         files["buffers.bin"] = writer.close()
-    rng_files = {"cpu": "rng-torch-cpu.bin"}
-    states = [("rng-torch-cpu.bin", torch.get_rng_state())]
+    rng_files = {"cpu": f"rng-torch-cpu{suffix}.bin"}
+    states = [(rng_files["cpu"], torch.get_rng_state())]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng_files[f"cuda:{i}"] = f"rng-torch-cuda-{i}.bin"
-            states.append((f"rng-torch-cuda-{i}.bin", s))
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            rng_files[f"cuda:{i}"] = f"rng-torch-cuda-{i}{suffix}.bin"
+            states.append((rng_files[f"cuda:{i}"], state))
     for file_name, state in states:
         writer = _HashingWriter(os.path.join(tmp, file_name))
         writer.write(state)
         files[file_name] = writer.close()
+    return {"files": files, "pieces": pieces, "buffers": buffer_entries,
+            "rng": {"torch": rng_files, **_rng_python()}}
+
+
+def _manifest(engine: "Engine", everyone: List[Dict[str, Any]]) -> Dict[str, Any]:
+    aliases, _ = _aliases(engine.module)
+    pieces: Dict[str, List[Dict[str, Any]]] = {}
+    files: Dict[str, Dict[str, Any]] = {}
+    for written in everyone:
+        files.update(written["files"])
+        for fqn, mine in written["pieces"].items():
+            pieces.setdefault(fqn, []).extend(mine)
+    units = []
+    for u in engine.units:
+        entries = []
+        for k, e in enumerate(u.spec.entries):
+            record = {"fqn": e.fqn, "names": aliases.get(e.param, [e.fqn]), "shape": list(e.shape),
+                      "numel": e.numel, "dtype": _dtype_name(e.param.dtype), "trainable": e.trainable,
+                      "pieces": sorted(pieces.get(e.fqn, []), key=lambda p: p["start"])}
+            if e.trainable:
+                record.update(group_index=e.group_index, step=u.steps[k])
+            entries.append(record)
+        units.append({"name": u.name, "entries": entries})
+    partition = engine._partition
     manifest = {
         "format": FORMAT,
         "version": VERSION,
+        "world_size": len(everyone),
+        "stage": partition.stage if partition is not None else 0,
         "config": engine.config.to_dict(),
         "compute_dtype": _dtype_name(engine.compute_dtype),
         "engine": {"micro_step": engine._micro_step, "loss_scale": engine._loss_scale,
                    "good_steps": engine._good_steps, "last_grad_norm": engine._last_grad_norm},
         "param_groups": [_jsonable_group(g, i) for i, g in enumerate(engine.optimizer.param_groups)],
-        "rng": {"torch": rng_files, **_rng_python()},
+        "rng": {"ranks": [written["rng"] for written in everyone]},
         "units": units,
-        "buffers": buffer_entries,
+        "buffers": everyone[0]["buffers"],
         "files": files,
     }
     manifest["checksum"] = _manifest_checksum(manifest)
@@ -313,46 +465,44 @@ def _write_all(engine: "Engine", tmp: str) -> Dict[str, Any]:
 
 
 @torch.no_grad()
-def _write_unit(engine: "Engine", u: "_Unit", tmp: str, aliases: Dict[nn.Parameter, List[str]],
-                files: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """One unit's file (see the module docstring); [Note: bounded checkpoint memory]."""
-    file_name = f"unit-{u.index:05d}.bin"
-    trainable_numel = u.spec.trainable_numel
-    frozen = [e for e in u.spec.entries if not e.trainable]
+def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
+                files: Dict[str, Dict[str, Any]]) -> List[Tuple[str, Dict[str, Any]]]:
+    """This rank's part of one unit (see the module docstring): (fqn, piece) pairs;
+    [Note: bounded checkpoint memory]."""
+    (t_lo, t_hi), (f_lo, f_hi) = _saved_ranges(engine, u)
+    if t_lo >= t_hi and f_lo >= f_hi:
+        return []
+    file_name = f"unit-{u.index:05d}{suffix}.bin"
     writer = _HashingWriter(os.path.join(tmp, file_name))
-    entries = []
+    pieces = []
     try:
-        sections: Dict[str, int] = {}
-        if u.trainable:
-            sections["master"] = writer.write(unit_master(engine, u)[:trainable_numel])
-            moments = unit_moments(engine, u)
-            sections["exp_avg"] = writer.write(moments[:trainable_numel])
-            sections["exp_avg_sq"] = writer.write(moments[u.master_numel:u.master_numel + trainable_numel])
-            del moments
-        frozen_start = frozen[0].offset if frozen else 0
-        if frozen:
-            compute = unit_compute(engine, u)
-            sections["frozen"] = writer.write(compute[frozen_start:u.spec.total_numel])
-            frozen_dtype = compute.dtype
-            del compute
-        for k, e in enumerate(u.spec.entries):
-            record = {"fqn": e.fqn, "names": aliases.get(e.param, [e.fqn]), "shape": list(e.shape),
-                      "numel": e.numel, "dtype": _dtype_name(e.param.dtype), "trainable": e.trainable}
-            if e.trainable:
-                record.update(group_index=e.group_index, step=u.steps[k], file_dtype="float32",
-                              master=sections["master"] + 4 * e.offset,
-                              exp_avg=sections["exp_avg"] + 4 * e.offset,
-                              exp_avg_sq=sections["exp_avg_sq"] + 4 * e.offset)
-            else:
-                size = frozen_dtype.itemsize
-                record.update(file_dtype=_dtype_name(frozen_dtype),
-                              value=sections["frozen"] + size * (e.offset - frozen_start))
-            entries.append(record)
+        if t_lo < t_hi:
+            master, exp_avg, exp_avg_sq = _owned_states(engine, u, t_lo, t_hi)
+            sections = [writer.write(master), writer.write(exp_avg), writer.write(exp_avg_sq)]
+            del master, exp_avg, exp_avg_sq
+            for e in u.trainable:
+                a, b = max(e.offset, t_lo), min(e.offset + e.numel, t_hi)
+                if a < b:
+                    at = 4 * (a - t_lo)
+                    pieces.append((e.fqn, {"file": file_name, "start": a - e.offset, "numel": b - a,
+                                           "master": sections[0] + at, "exp_avg": sections[1] + at,
+                                           "exp_avg_sq": sections[2] + at}))
+        if f_lo < f_hi:
+            values = _owned_frozen(engine, u, f_lo, f_hi)
+            section, size, dtype = writer.write(values), values.element_size(), _dtype_name(values.dtype)
+            del values
+            frozen = [e for e in u.spec.entries if not e.trainable]
+            tail = frozen[0].offset
+            for e in frozen:
+                a, b = max(e.offset - tail, f_lo), min(e.offset - tail + e.numel, f_hi)
+                if a < b:
+                    pieces.append((e.fqn, {"file": file_name, "start": a - (e.offset - tail), "numel": b - a,
+                                           "value": section + size * (a - f_lo), "file_dtype": dtype}))
     except BaseException:
         writer.abort()
         raise
     files[file_name] = writer.close()
-    return {"name": u.name, "file": file_name, "entries": entries}
+    return pieces
 
 
 # ---------------------------------------------------------------------- verify
@@ -366,8 +516,10 @@ def _checked_path(ckpt_dir: str, file_name: Any) -> str:
     return path
 
 
-def read_manifest(ckpt_dir: str) -> Dict[str, Any]:
-    """The manifest after checking every file it lists (existence, size, sha256)."""
+def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, Any]:
+    """The manifest after checking every file it lists (existence, size, sha256), in the
+    current layout (a version 1 manifest is converted). ``share=(i, n)``: hash only every
+    n-th file from the i-th (the ranks of a sharded load split the work)."""
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     path = os.path.join(ckpt_dir, MANIFEST)
     if not os.path.isdir(ckpt_dir):
@@ -382,9 +534,10 @@ def read_manifest(ckpt_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} is not valid JSON ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} is not an {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in _READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} has version "
-                              f"{manifest.get('version')!r}; this offload reads version {VERSION}")
+                              f"{manifest.get('version')!r}; this offload reads versions "
+                              f"{', '.join(map(str, _READABLE_VERSIONS))}")
     if manifest.get("checksum") != _manifest_checksum(manifest):
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} does not match its checksum "
                               "(the manifest was modified or corrupted)")
@@ -393,7 +546,8 @@ def read_manifest(ckpt_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} has no file list")
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
-    for file_name, info in files.items():
+    first, every = share
+    for i, (file_name, info) in enumerate(sorted(files.items())):
         file_path = _checked_path(ckpt_dir, file_name)
         try:
             size = os.stat(file_path).st_size
@@ -403,6 +557,8 @@ def read_manifest(ckpt_dir: str) -> Dict[str, Any]:
         if size != info.get("bytes"):
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: file {file_name!r} has {size} bytes, "
                                   f"the manifest says {info.get('bytes')} (truncated or replaced)")
+        if i % every != first:
+            continue
         digest = hashlib.sha256()
         with open(file_path, "rb") as f:
             while True:
@@ -413,11 +569,56 @@ def read_manifest(ckpt_dir: str) -> Dict[str, Any]:
         if digest.hexdigest() != info.get("sha256"):
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: file {file_name!r} does not match its "
                                   "sha256 checksum (corrupted)")
-    for u in manifest["units"]:
-        if u["file"] not in files:
-            raise CheckpointError(f"checkpoint {ckpt_dir!r}: unit {u['name']!r} names the file "
-                                  f"{u['file']!r}, which the manifest does not list")
+    if manifest["version"] == 1:
+        _upgrade_version_1(manifest)
+    _check_pieces(manifest, ckpt_dir)
     return manifest
+
+
+def _upgrade_version_1(manifest: Dict[str, Any]) -> None:
+    """Version 1 (one process): one file per unit, one offset per section and parameter."""
+    for u in manifest["units"]:
+        for r in u["entries"]:
+            piece = {"file": u["file"], "start": 0, "numel": r["numel"]}
+            if r["trainable"]:
+                piece.update({key: r.pop(key) for key in ("master", "exp_avg", "exp_avg_sq")})
+            else:
+                piece.update(value=r.pop("value"), file_dtype=r["file_dtype"])
+            r["pieces"] = [piece]
+    manifest["rng"] = {"ranks": [manifest["rng"]]}
+    manifest["world_size"] = 1
+    manifest["stage"] = 0
+
+
+def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
+    """Every parameter's pieces cover it once, in listed files, inside those files."""
+    files = manifest["files"]
+    keys = {True: ("master", "exp_avg", "exp_avg_sq"), False: ("value",)}
+    for u in manifest["units"]:
+        for r in u["entries"]:
+            covered = 0
+            for piece in r["pieces"]:
+                file_name = piece.get("file")
+                if file_name not in files:
+                    _checked_path(ckpt_dir, file_name)
+                    raise CheckpointError(f"checkpoint {ckpt_dir!r}: parameter {r['fqn']!r} names the "
+                                          f"file {file_name!r}, which the manifest does not list")
+                if piece.get("start") != covered or not isinstance(piece.get("numel"), int) or piece["numel"] <= 0:
+                    raise CheckpointError(f"checkpoint {ckpt_dir!r}: the pieces of parameter {r['fqn']!r} "
+                                          "do not cover it exactly once")
+                covered += piece["numel"]
+                dtype = _DTYPES.get("float32" if r["trainable"] else piece.get("file_dtype"))
+                if dtype is None:
+                    raise CheckpointError(f"checkpoint file {file_name!r}: parameter {r['fqn']!r} "
+                                          f"has unknown dtype {piece.get('file_dtype')!r}")
+                for key in keys[r["trainable"]]:
+                    offset, nbytes, size = piece.get(key), piece["numel"] * dtype.itemsize, files[file_name]["bytes"]
+                    if not isinstance(offset, int) or offset < 0 or offset + nbytes > size:
+                        raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
+                                              f"[{offset}, {offset}+{nbytes}) outside the file ({size} bytes)")
+            if covered != r["numel"]:
+                raise CheckpointError(f"checkpoint {ckpt_dir!r}: the pieces of parameter {r['fqn']!r} "
+                                      f"cover {covered} of its {r['numel']} elements")
 
 
 def _read_range(f: BinaryIO, file_name: str, file_bytes: int, offset: int, out: torch.Tensor) -> None:
@@ -437,7 +638,7 @@ def _match_model(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str) -> D
     saved: Dict[str, Dict[str, Any]] = {}
     for u in manifest["units"]:
         for record in u["entries"]:
-            saved[record["fqn"]] = dict(record, file=u["file"])
+            saved[record["fqn"]] = record
     ours = {e.fqn: e for u in engine.units for e in u.spec.entries}
     for fqn in sorted(set(saved) - set(ours)):
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: parameter {fqn!r} is in the checkpoint "
@@ -458,24 +659,13 @@ def _match_model(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str) -> D
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: parameter {fqn!r} is in param group "
                                   f"{record['group_index']} in the checkpoint, {e.group_index} in the optimizer")
     files = manifest["files"]
-    ranges = [(record["file"], record[key], record["numel"] * 4)
-              for record in saved.values() if record["trainable"]
-              for key in ("master", "exp_avg", "exp_avg_sq")]
-    for record in saved.values():
-        if not record["trainable"]:
-            if record.get("file_dtype") not in _DTYPES:
-                raise CheckpointError(f"checkpoint file {record['file']!r}: parameter {record['fqn']!r} "
-                                      f"has unknown dtype {record.get('file_dtype')!r}")
-            ranges.append((record["file"], record["value"],
-                           record["numel"] * _DTYPES[record["file_dtype"]].itemsize))
     for b in manifest["buffers"]:
         if b.get("dtype") not in _DTYPES:
             raise CheckpointError(f"checkpoint: buffer {b['name']!r} has unknown dtype {b.get('dtype')!r}")
-        ranges.append(("buffers.bin", b["offset"], _numel(b["shape"]) * _DTYPES[b["dtype"]].itemsize))
-    for file_name, offset, nbytes in ranges:  # every read is checked before any state changes
-        size = files.get(file_name, {}).get("bytes", -1)
+        offset, nbytes = b["offset"], _numel(b["shape"]) * _DTYPES[b["dtype"]].itemsize
+        size = files.get("buffers.bin", {}).get("bytes", -1)
         if not isinstance(offset, int) or offset < 0 or offset + nbytes > size:
-            raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
+            raise CheckpointError(f"checkpoint file 'buffers.bin': a manifest entry points at bytes "
                                   f"[{offset}, {offset}+{nbytes}) outside the file ({size} bytes)")
     groups = manifest["param_groups"]
     if len(groups) != len(engine.optimizer.param_groups):
@@ -502,76 +692,134 @@ def _match_model(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str) -> D
 
 
 def load(engine: "Engine", ckpt_dir: str) -> None:
+    """[Note: sharded checkpoints] Every rank verifies its share of the files, then reads
+    the elements it keeps from whichever files hold them."""
     if engine._closed:
         raise RuntimeError("load_checkpoint: engine is closed")
+    ranks = _Ranks(engine, "load_checkpoint")
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
-    manifest = read_manifest(ckpt_dir)           # 1. every file checked before any state changes
-    saved = _match_model(engine, manifest, ckpt_dir)
-    files = manifest["files"]
+
+    def verify() -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+        manifest = read_manifest(ckpt_dir, share=(ranks.rank, ranks.world_size))
+        return manifest, _match_model(engine, manifest, ckpt_dir)
+    checked, error = _attempt(verify)     # 1. every file checked before any state changes
+    ranks.agree("verification", error)
+    manifest, saved = checked
+    if manifest["world_size"] != ranks.world_size:
+        warnings.warn(f"load_checkpoint: the checkpoint was written by {manifest['world_size']} "
+                      f"rank(s), this run has {ranks.world_size}: the states are re-partitioned; "
+                      "random number generators continue from those of the nearest saved rank",
+                      RuntimeWarning, stacklevel=3)
     engine._failure = {"fatal": True, "message": (
         f"load_checkpoint({ckpt_dir!r}) did not finish, so the engine holds a mix of states; "
         "load a checkpoint again before training")}
-    try:
-        for u in engine.units:                   # 2. unit by unit into the tiers
-            _load_unit(engine, u, saved, ckpt_dir, files)
-        _load_rest(engine, manifest, ckpt_dir, files)
-    except OSError as error:
-        raise OSError(error.errno, f"load_checkpoint({ckpt_dir!r}) failed while writing the states "
-                      f"into their tiers: {error}; {engine._failure['message']}") from error
+
+    def load_states() -> None:
+        reader = _PieceReader(ckpt_dir, manifest["files"])
+        try:
+            for u in engine.units:               # 2. unit by unit into the tiers
+                _load_unit(engine, u, saved, reader)
+        finally:
+            reader.close()
+        _load_rest(engine, manifest, ckpt_dir, ranks.rank)
+    error = _attempt(load_states)[1]
+    if isinstance(error, OSError):
+        error = OSError(error.errno, f"load_checkpoint({ckpt_dir!r}) failed while writing the states "
+                        f"into their tiers: {error}; {engine._failure['message']}")
+    ranks.agree("loading", error)
     engine._dirty.clear()
     engine._failure = None
 
 
-@torch.no_grad()
-def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], ckpt_dir: str,
-               files: Dict[str, Dict[str, Any]]) -> None:
-    master = torch.zeros(u.master_numel, dtype=torch.float32)
-    moments = torch.zeros(2 * u.master_numel, dtype=torch.float32)
-    compute = torch.zeros(u.compute_numel, dtype=engine.compute_dtype)
-    handles: Dict[str, BinaryIO] = {}
-    try:
-        for k_entry, e in enumerate(u.spec.entries):
-            record = saved[e.fqn]
-            file_name = record["file"]
-            if file_name not in handles:
-                handles[file_name] = open(_checked_path(ckpt_dir, file_name), "rb")
-            f, size = handles[file_name], files[file_name]["bytes"]
-            sl = slice(e.offset, e.offset + e.numel)
-            if e.trainable:
-                _read_range(f, file_name, size, record["master"], master[sl])
-                _read_range(f, file_name, size, record["exp_avg"], moments[sl])
-                _read_range(f, file_name, size, record["exp_avg_sq"],
-                            moments[u.master_numel + e.offset:u.master_numel + e.offset + e.numel])
-                # Derived compute copy: the master rounded as the Adam kernel rounds it.
-                compute[sl].copy_(master[sl])
-            else:
-                file_dtype = _DTYPES.get(record.get("file_dtype"))
-                if file_dtype is None:
-                    raise CheckpointError(f"checkpoint file {file_name!r}: parameter {e.fqn!r} "
-                                          f"has unknown dtype {record.get('file_dtype')!r}")
-                value = torch.empty(e.numel, dtype=file_dtype)
-                _read_range(f, file_name, size, record["value"], value)
-                compute[sl].copy_(value)
-    finally:
-        for f in handles.values():
+class _PieceReader:
+    """Reads ranges of a checkpoint's files, keeping each file open once opened."""
+
+    def __init__(self, ckpt_dir: str, files: Dict[str, Dict[str, Any]]) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.files = files
+        self._handles: Dict[str, BinaryIO] = {}
+
+    def read(self, file_name: str, offset: int, out: torch.Tensor) -> None:
+        if file_name not in self._handles:
+            self._handles[file_name] = open(_checked_path(self.ckpt_dir, file_name), "rb")
+        _read_range(self._handles[file_name], file_name, self.files[file_name]["bytes"], offset, out)
+
+    def read_param(self, record: Dict[str, Any], key: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of one parameter's ``key`` section ("master", "exp_avg",
+        "exp_avg_sq" or "value") into ``out``, from the pieces that hold them."""
+        for piece in record["pieces"]:
+            a, b = max(piece["start"], lo), min(piece["start"] + piece["numel"], hi)
+            if a >= b:
+                continue
+            dtype = torch.float32 if key != "value" else _DTYPES[piece["file_dtype"]]
+            part = out[a - lo:b - lo]
+            value = part if part.dtype == dtype else torch.empty(b - a, dtype=dtype)
+            self.read(piece["file"], piece[key] + dtype.itemsize * (a - piece["start"]), value)
+            if value is not part:
+                part.copy_(value)
+
+    def close(self) -> None:
+        for f in self._handles.values():
             f.close()
-    steps = [saved[e.fqn]["step"] for e in u.trainable]
+        self._handles.clear()
+
+
+@torch.no_grad()
+def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], reader: _PieceReader) -> None:
+    """The elements of u this rank keeps: master and moments of its shard (all of them on
+    one process or at stage 0), and the compute copy as its home holds it (whole, or the
+    rank's chunks at stage 3). Trainable compute values are derived from the master (the
+    master rounded as the Adam kernel rounds it)."""
+    s = u.shard
+    p = u.param_shard
+    t = u.spec.trainable_numel
+    lo, hi = (s.lo, s.hi) if p is not None else (0, t)  # master elements the compute copy needs
+    master = torch.zeros(hi - lo, dtype=torch.float32)
+    moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
+
+    def each_overlap(entries: List[Any], a: int, b: int, base: int) -> Any:
+        for e in entries:
+            x, y = max(e.offset - base, a), min(e.offset - base + e.numel, b)
+            if x < y:
+                yield e, x - (e.offset - base), y - (e.offset - base), x, y
+
+    for e, x, y, ux, uy in each_overlap(u.trainable, lo, hi, 0):
+        reader.read_param(saved[e.fqn], "master", x, y, master[ux - lo:uy - lo])
+    for e, x, y, ux, uy in each_overlap(u.trainable, s.lo, s.hi, 0):
+        reader.read_param(saved[e.fqn], "exp_avg", x, y, moments[ux - s.lo:uy - s.lo])
+        reader.read_param(saved[e.fqn], "exp_avg_sq", x, y,
+                          moments[s.state_numel + ux - s.lo:s.state_numel + uy - s.lo])
+    frozen = [e for e in u.spec.entries if not e.trainable]
+    home_dtype = torch.float32 if engine._merged else engine.compute_dtype
+    if p is None:
+        compute = torch.zeros(u.compute_numel, dtype=engine.compute_dtype)
+        compute[:t].copy_(master)
+        for e in frozen:
+            reader.read_param(saved[e.fqn], "value", 0, e.numel, compute[e.offset:e.offset + e.numel])
+    else:
+        compute = torch.zeros(p.home_numel, dtype=home_dtype)
+        compute[:s.numel].copy_(master)
+        f = p.frozen
+        chunk = compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel]
+        for e, x, y, ux, uy in each_overlap(frozen, f.lo, f.hi, p.frozen_start):
+            reader.read_param(saved[e.fqn], "value", x, y, chunk[ux - f.lo:uy - f.lo])
     if engine._param_tier == "device":
         engine._device.view(u.device_offset, u.compute_numel).copy_(compute)
     else:
-        # A device copy of this unit is stale from now on.
-        engine._release(u)
+        engine._release(u)  # a device copy of this unit is stale from now on
         engine._store(u.compute_home, compute)  # merged: fp32, the master itself
     if u.trainable:
         if not engine._merged:
-            engine._store(u.master_home, master)
+            shard = torch.zeros(s.state_numel, dtype=torch.float32)
+            shard[:s.numel].copy_(master[s.lo - lo:s.hi - lo])
+            engine._store(u.master_home, shard)
         engine._store(u.moments_home, moments)
-    u.steps = steps
+    u.steps = [saved[e.fqn]["step"] for e in u.trainable]
     u.has_grad = [False] * len(u.trainable)
 
 
-def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str,
-               files: Dict[str, Dict[str, Any]]) -> None:
+def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str, rank: int) -> None:
+    files = manifest["files"]
     _, buffers = _aliases(engine.module)
     if manifest["buffers"]:
         with open(_checked_path(ckpt_dir, "buffers.bin"), "rb") as f:
@@ -592,7 +840,8 @@ def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str,
     engine._loss_scale = counters["loss_scale"]
     engine._good_steps = counters["good_steps"]
     engine._last_grad_norm = counters["last_grad_norm"]
-    rng = manifest["rng"]
+    saved_ranks = manifest["rng"]["ranks"]
+    rng = saved_ranks[min(rank, len(saved_ranks) - 1)]
     for device, file_name in rng["torch"].items():
         state = torch.empty(files[file_name]["bytes"], dtype=torch.uint8)
         with open(_checked_path(ckpt_dir, file_name), "rb") as f:
@@ -616,12 +865,14 @@ def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str,
 def export_checkpoint(ckpt_dir: str, out_path: str) -> None:
     """Write the checkpoint's weights as one state dict that ``model.load_state_dict()``
     accepts: fp32 masters for trainable parameters, saved values for frozen ones (in the
-    parameter's own dtype), buffers; every key of tied parameters. ``out_path`` ending in
+    parameter's own dtype), buffers; every key of tied parameters. A checkpoint of several
+    ranks is consolidated (each parameter's pieces joined). ``out_path`` ending in
     ``.safetensors`` gives a safetensors file, anything else a ``torch.save`` file.
 
     Memory: the safetensors writer streams in chunks. The torch.save file is written from
     memory maps of the checkpoint files (file-backed pages, not anonymous memory), except
-    frozen parameters whose dtype differs from the saved one, converted one at a time."""
+    parameters in several pieces or whose dtype differs from the saved one, joined or
+    converted one at a time."""
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
     manifest = read_manifest(ckpt_dir)
     out_path = os.fspath(out_path)
@@ -640,17 +891,19 @@ def export_checkpoint(ckpt_dir: str, out_path: str) -> None:
 
 
 def _export_items(manifest: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """(names, file, offset, shape, file dtype, output dtype) of every tensor to export."""
+    """(names, shape, output dtype, pieces as (file, offset, numel, file dtype)) of every
+    tensor to export."""
     items = []
     for u in manifest["units"]:
         for r in u["entries"]:
-            offset = r["master"] if r["trainable"] else r["value"]
-            items.append({"names": r["names"], "file": u["file"], "offset": offset, "shape": r["shape"],
-                          "file_dtype": r["file_dtype"],
+            key = "master" if r["trainable"] else "value"
+            pieces = [(p["file"], p[key], p["numel"], "float32" if r["trainable"] else p["file_dtype"])
+                      for p in r["pieces"]]
+            items.append({"names": r["names"], "shape": r["shape"], "pieces": pieces,
                           "dtype": "float32" if r["trainable"] else r["dtype"]})
     for b in manifest["buffers"]:
-        items.append({"names": [b["name"]], "file": "buffers.bin", "offset": b["offset"], "shape": b["shape"],
-                      "file_dtype": b["dtype"], "dtype": b["dtype"]})
+        items.append({"names": [b["name"]], "shape": b["shape"], "dtype": b["dtype"],
+                      "pieces": [("buffers.bin", b["offset"], _numel(b["shape"]), b["dtype"])]})
     return items
 
 
@@ -667,22 +920,25 @@ def _write_torch_save(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[
     result: Dict[str, torch.Tensor] = {}
     maps = []
     for item in items:
-        file_dtype, dtype = _DTYPES[item["file_dtype"]], _DTYPES[item["dtype"]]
-        numel = _numel(item["shape"])
-        nbytes = numel * file_dtype.itemsize
-        path = _checked_path(ckpt_dir, item["file"])
-        if item["offset"] + nbytes > manifest["files"][item["file"]]["bytes"]:
-            raise CheckpointError(f"checkpoint file {item['file']!r}: an entry lies outside the file")
-        if nbytes == 0:
-            tensor = torch.empty(item["shape"], dtype=dtype)
-        else:
-            raw = np.memmap(path, dtype=np.uint8, mode="r", offset=item["offset"], shape=(nbytes,))
+        dtype = _DTYPES[item["dtype"]]
+        parts = []
+        for file_name, offset, numel, file_dtype_name in item["pieces"]:
+            file_dtype = _DTYPES[file_dtype_name]
+            nbytes = numel * file_dtype.itemsize
+            if offset + nbytes > manifest["files"][file_name]["bytes"]:
+                raise CheckpointError(f"checkpoint file {file_name!r}: an entry lies outside the file")
+            raw = np.memmap(_checked_path(ckpt_dir, file_name), dtype=np.uint8, mode="r",
+                            offset=offset, shape=(nbytes,))
             maps.append(raw)
             with warnings.catch_warnings():  # read-only map: torch warns that it is not writable
                 warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.from_numpy(raw).view(file_dtype).view(item["shape"])
-            if dtype != file_dtype:
-                tensor = tensor.to(dtype)
+                parts.append(torch.from_numpy(raw).view(file_dtype))
+        if not parts:
+            tensor = torch.empty(item["shape"], dtype=dtype)
+        elif len(parts) == 1 and parts[0].dtype == dtype:
+            tensor = parts[0].view(item["shape"])
+        else:
+            tensor = torch.cat([part.to(dtype) for part in parts]).view(item["shape"])
         for name in item["names"]:
             result[name] = tensor
     torch.save(result, tmp)
@@ -706,24 +962,24 @@ def _write_safetensors(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict
             position += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(tmp, "wb") as out:
-        out.write(len(blob).to_bytes(8, "little"))
-        out.write(blob)
-        for item in plan:
-            file_dtype, dtype = _DTYPES[item["file_dtype"]], _DTYPES[item["dtype"]]
-            numel = _numel(item["shape"])
-            per_chunk = max(1, _CHUNK_BYTES // file_dtype.itemsize)
-            with open(_checked_path(ckpt_dir, item["file"]), "rb") as f:
-                size = manifest["files"][item["file"]]["bytes"]
-                done = 0
-                while done < numel:
-                    n = min(per_chunk, numel - done)
-                    chunk = torch.empty(n, dtype=file_dtype)
-                    _read_range(f, item["file"], size, item["offset"] + done * file_dtype.itemsize, chunk)
-                    out.write(_as_bytes(chunk.to(dtype)))
-                    done += n
-        out.flush()
-        os.fsync(out.fileno())
+    reader = _PieceReader(ckpt_dir, manifest["files"])
+    try:
+        with open(tmp, "wb") as out:
+            out.write(len(blob).to_bytes(8, "little"))
+            out.write(blob)
+            for item in plan:
+                dtype = _DTYPES[item["dtype"]]
+                for file_name, offset, numel, file_dtype_name in item["pieces"]:
+                    file_dtype = _DTYPES[file_dtype_name]
+                    per_chunk = max(1, _CHUNK_BYTES // file_dtype.itemsize)
+                    for done in range(0, numel, per_chunk):
+                        chunk = torch.empty(min(per_chunk, numel - done), dtype=file_dtype)
+                        reader.read(file_name, offset + done * file_dtype.itemsize, chunk)
+                        out.write(_as_bytes(chunk.to(dtype)))
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        reader.close()
 
 
 __all__ = ["CheckpointError", "EngineFailedError", "export_checkpoint", "read_manifest"]

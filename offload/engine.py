@@ -1570,27 +1570,19 @@ class Engine:
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
-        ``ckpt_dir``, atomically, one unit at a time. See offload/checkpoint.py."""
-        self._refuse_multi_rank_checkpoint("save_checkpoint")  # [zero]
+        ``ckpt_dir``, atomically, one unit at a time; with several ranks every rank calls
+        it and writes its own part. See offload/checkpoint.py."""
         self._quiesce()
         checkpoint.save(self, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then
-        stream its states into their tiers. See offload/checkpoint.py."""
-        self._refuse_multi_rank_checkpoint("load_checkpoint")  # [zero]
+        stream its states into their tiers (with several ranks: every rank calls it and
+        reads the part it keeps, whatever the world size that wrote it). See
+        offload/checkpoint.py."""
         self._quiesce()
         checkpoint.load(self, ckpt_dir)
         self.zero_grad()
-
-    def _refuse_multi_rank_checkpoint(self, what: str) -> None:
-        """[zero] Checkpoints hold every unit's full master and moments; with several ranks
-        (sharded at stage >= 1, and one directory written by every rank) they would be wrong."""
-        if self._partition is not None and self._partition.world_size > 1:
-            raise ValueError(
-                f"{what}: checkpoints of a run with {self._partition.world_size} ranks (ZeRO stage "
-                f"{self._partition.stage}) are not available yet: per-rank sharded checkpoints "
-                "are future work; engine.state_dict() gives the full weights on every rank")
 
     def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
         if self._param_tier == "device":

@@ -272,6 +272,12 @@ class Partition:
                 "optimizer": [type(optimizer).__name__, groups]}
 
     # ------------------------------------------------------------------ collectives
+    def all_gather_object(self, what: str, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out: List[Any] = [None] * self.world_size
+        self._collective(what, lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
     def _mark(self, what: str, lane: str = "main") -> None:
         """Count a collective of ``lane`` ("main": the main thread on ``group``; "param":
         the copy worker on ``param_group``) in the store, for _diagnose."""

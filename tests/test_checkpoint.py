@@ -208,7 +208,9 @@ def _corrupt_missing(ckpt):
 def _corrupt_outside(ckpt):
     def change(m):
         m["files"]["../outside.bin"] = m["files"].pop("unit-00001.bin")
-        m["units"][1]["file"] = "../outside.bin"
+        for entry in m["units"][1]["entries"]:
+            for piece in entry["pieces"]:
+                piece["file"] = "../outside.bin"
     _rewrite_manifest(ckpt, change)
     return "outside.bin.*not a plain file name"
 
@@ -222,12 +224,21 @@ def _corrupt_manifest_byte(ckpt):
 
 
 def _corrupt_entry_offset(ckpt):
-    _rewrite_manifest(ckpt, lambda m: m["units"][1]["entries"][0].update(master=1 << 40))
+    _rewrite_manifest(ckpt, lambda m: m["units"][1]["entries"][0]["pieces"][0].update(master=1 << 40))
     return "unit-00001.bin.*outside the file"
 
 
+def _corrupt_piece_gap(ckpt):
+    def change(m):
+        pieces = m["units"][1]["entries"][0]["pieces"]
+        whole = pieces[0]
+        pieces[:] = [dict(whole, numel=10), dict(whole, start=11, numel=whole["numel"] - 11)]
+    _rewrite_manifest(ckpt, change)
+    return "pieces of parameter .* do not cover it exactly once"
+
+
 @pytest.mark.parametrize("corrupt", [_corrupt_flip, _corrupt_truncate, _corrupt_missing, _corrupt_outside,
-                                     _corrupt_manifest_byte, _corrupt_entry_offset])
+                                     _corrupt_manifest_byte, _corrupt_entry_offset, _corrupt_piece_gap])
 def test_corrupt_checkpoint_is_rejected_and_nothing_is_loaded(corrupt, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     config = config_for(tmp_path, "nvme", "nvme")
@@ -244,6 +255,39 @@ def test_corrupt_checkpoint_is_rejected_and_nothing_is_loaded(corrupt, tmp_path)
         assert_same_state(engine.state_dict(), before)
         assert engine._micro_step == micro_step and torch.equal(torch.get_rng_state(), rng)
         run(engine, 1, 1)  # still trains
+
+
+def _as_version_1(ckpt):
+    """Rewrite a one-process checkpoint's manifest in the first layout: one file per unit,
+    one offset per section and parameter, one RNG record."""
+    def change(m):
+        m["version"] = 1
+        for u in m["units"]:
+            u["file"] = u["entries"][0]["pieces"][0]["file"]
+            for r in u["entries"]:
+                (piece,) = r.pop("pieces")
+                assert piece["file"] == u["file"]
+                keys = ("master", "exp_avg", "exp_avg_sq") if r["trainable"] else ("value",)
+                r.update({key: piece[key] for key in keys},
+                         file_dtype="float32" if r["trainable"] else piece["file_dtype"])
+        (m["rng"],) = m["rng"]["ranks"]
+        del m["world_size"], m["stage"]
+    _rewrite_manifest(ckpt, change)
+
+
+def test_version_1_checkpoints_still_load(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    config = config_for(tmp_path, "host", "nvme")
+    with make_engine(config) as source:
+        run(source, 0, 2)
+        source.save_checkpoint(ckpt)
+        run(source, 2, 2)
+        expected = source.state_dict()
+    _as_version_1(ckpt)
+    with make_engine(config, seed=1) as engine:
+        engine.load_checkpoint(ckpt)
+        run(engine, 2, 2)
+        assert_same_state(engine.state_dict(), expected)
 
 
 def test_other_model_is_rejected_naming_the_parameter(tmp_path):

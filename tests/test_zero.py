@@ -2,6 +2,7 @@
 1/world_size of the sharded state per rank, and fail with errors that name ranks instead of
 hanging (issue 8)."""
 import copy
+import json
 import os
 import re
 import socket
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
+from offload.checkpoint import export_checkpoint
 from offload.gpt import GPT, GPTConfig
 from offload.zero import even_range
 
@@ -401,29 +403,108 @@ def test_bf16_stage_1_on_nvme_equals_stage_0_bit_for_bit(tmp_path):
             assert torch.equal(v, runs[1][r]["state"][k]), (r, k)
 
 
-def _checkpoint_worker(rank, port, out_dir):
+def _checkpoint_worker(rank, port, config, data, out_dir, phase):
+    """phase "save": 3 steps, save, 2 more steps; "resume": load, the same 2 steps."""
     _init(rank, port)
     try:
-        torch.manual_seed(0)
+        if config.get("swap_dir"):
+            config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"{phase}-rank{rank}"))
+            os.makedirs(config["swap_dir"])
+        torch.manual_seed(0 if rank == 0 else 123)
         model = GPT(CFG)
-        messages = []
-        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=1)) as engine:
-            for call in (engine.save_checkpoint, engine.load_checkpoint):
-                try:
-                    call(os.path.join(out_dir, "ckpt"))
-                    messages.append("no error")
-                except ValueError as exc:
-                    messages.append(str(exc))
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(messages))
+        per_rank = GLOBAL_BATCH // WORLD
+        result = {}
+
+        def train(batches_):
+            for b in batches_:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                engine.backward(engine(mine[:, :-1], mine[:, 1:]))
+                engine.step()
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            ckpt = os.path.join(out_dir, "ckpt")
+            if phase == "save":
+                train(data[:3])
+                engine.save_checkpoint(ckpt)
+                result["saved"] = engine.state_dict()
+            else:
+                engine.load_checkpoint(os.path.join(out_dir, phase.split(":")[1]))
+                result["loaded"] = engine.state_dict()
+            train(data[3:])
+            result["final"] = engine.state_dict()
+        torch.save(result, os.path.join(out_dir, f"{phase.replace(':', '-')}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_checkpoints_with_several_ranks_are_refused_not_written_wrong(tmp_path):
-    run_ranks(_checkpoint_worker, str(tmp_path))
+@pytest.mark.parametrize("stage,tier,dtype", [(0, "host", "fp32"), (2, "nvme", "bf16"), (3, "nvme", "fp32")])
+def test_sharded_checkpoint_resumes_exactly_and_repartitions(stage, tier, dtype, tmp_path):
+    """Each rank writes its part; 2 ranks resume bit-exactly; one process loads the same
+    consolidated weights (and export gives them too); that process's checkpoint loads back
+    into 2 ranks at stage 3."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    config = dict(stage=stage, param_tier=tier, optimizer_tier=tier, dtype=dtype,
+                  swap_dir=str(swap) if tier == "nvme" else None)
+    data = batches(5)
+    run_ranks(_checkpoint_worker, config, data, str(tmp_path), "save")
+    run_ranks(_checkpoint_worker, config, data, str(tmp_path), "resume:ckpt")
+    saved = [torch.load(tmp_path / f"save-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    resumed = [torch.load(tmp_path / f"resume-ckpt-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["world_size"] == WORLD
+    if stage >= 1:  # both ranks wrote unit files
+        assert {f.split("-rank-")[1] for f in manifest["files"] if f.startswith("unit-")} == \
+            {"00000.bin", "00001.bin"}
     for r in range(WORLD):
-        save, load = (tmp_path / f"rank{r}.txt").read_text().split("\n")
-        assert save.startswith("save_checkpoint") and "2 ranks" in save, save
-        assert load.startswith("load_checkpoint") and "2 ranks" in load, load
-    assert not (tmp_path / "ckpt").exists()
+        for key, value in saved[r]["saved"].items():
+            assert torch.equal(resumed[r]["loaded"][key], value), (r, key)
+        for key, value in saved[r]["final"].items():
+            assert torch.equal(resumed[r]["final"][key], value), (r, key)
+
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "weights.pt"))
+    exported = torch.load(tmp_path / "weights.pt")
+    torch.manual_seed(5)
+    model = GPT(CFG)
+    single = dict(config, stage=0, swap_dir=str(swap / "single") if tier == "nvme" else None)
+    with pytest.warns(RuntimeWarning, match="written by 2 rank"):
+        with offload.wrap(model, make_opt(model.parameters()), config=single) as engine:
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+            loaded = engine.state_dict()
+            engine.save_checkpoint(str(tmp_path / "single"))
+    for key, value in saved[0]["saved"].items():
+        assert torch.equal(loaded[key], value), key
+        assert torch.equal(exported[key], value), key
+
+    back = dict(config, stage=3, param_tier="nvme", optimizer_tier="nvme", swap_dir=str(swap))
+    run_ranks(_checkpoint_worker, back, data, str(tmp_path), "resume:single")  # warns in the ranks
+    for r in range(WORLD):
+        again = torch.load(tmp_path / f"resume-single-rank{r}.pt", weights_only=False)
+        for key, value in saved[0]["saved"].items():
+            assert torch.equal(again["loaded"][key], value), (r, key)
+
+
+def _refused_save_worker(rank, port, out_dir):
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=1)) as engine:
+            try:
+                engine.save_checkpoint(os.path.join(out_dir, "not-a-dir"))
+                message = "no error"
+            except ValueError as exc:
+                message = str(exc)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_refused_on_rank_0_is_refused_on_every_rank(tmp_path):
+    (tmp_path / "not-a-dir").write_text("a file")
+    run_ranks(_refused_save_worker, str(tmp_path))
+    assert "not a directory" in (tmp_path / "rank0.txt").read_text()
+    message = (tmp_path / "rank1.txt").read_text()
+    assert "rank 0 failed" in message and "not a directory" in message, message
+    assert (tmp_path / "not-a-dir").read_text() == "a file"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
