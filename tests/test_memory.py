@@ -70,3 +70,37 @@ def test_4gib_state_trains_on_nvme_with_peak_rss_under_40_percent(tmp_path):
         f"peak RSS {report['max_rss_bytes'] / 2**30:.2f} GiB is not under 40% of the "
         f"{state_bytes / 2**30:.2f} GiB state")
     assert not os.listdir(swap_dir)
+
+
+def _mapping_of(address):
+    """(start, end, path) of the mapping of this process that contains ``address``, or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return start, end, fields[5] if len(fields) > 5 else ""
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_host_buffers_are_mappings_of_their_own_given_back_when_dropped():
+    # [Note: host buffers outside the heap] A 12 MiB staging buffer from malloc would land in
+    # its heap once malloc's mmap threshold has grown (it does as activations are freed).
+    import torch
+    from offload.tiers import HostTier
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA host buffers are pinned by the CUDA host allocator")
+    host = HostTier(budget_bytes=None)
+    num_bytes = 12 << 20
+    buf = host.allocate(num_bytes // 4, torch.float32)
+    address = buf.data_ptr()
+    assert address % 4096 == 0
+    start, end, path = _mapping_of(address)
+    assert path != "[heap]" and end - address >= num_bytes  # (the kernel may merge neighbours)
+    assert host.used_bytes == host.peak_bytes == num_bytes
+    host.release(buf)
+    del buf
+    assert host.used_bytes == 0 and host.peak_bytes == num_bytes
+    assert _mapping_of(address) is None, "the pages must go back to the kernel"

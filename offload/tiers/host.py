@@ -1,12 +1,29 @@
-"""The host tier: page-aligned (and, with CUDA, pinned) RAM under a byte budget."""
+"""The host tier: page-aligned (and, with CUDA, pinned) RAM under a byte budget.
+
+[Note: host buffers outside the heap] Without CUDA a buffer of the tier is an anonymous
+mapping of its own, not a malloc block. The tier's buffers live for the whole run, and
+malloc would place the smaller ones (staging pieces of a few MiB) in its heap between
+activations: the heap can only shrink from its top, so every later step's activations and
+gradients would grow it around them, and that free space stays resident. A mapping is page
+aligned by construction and goes back to the kernel when its tensor dies. With CUDA the
+buffers are pinned (``aligned_empty``): the CUDA host allocator keeps them off the heap.
+"""
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Optional
 
 import torch
 
 from offload.io import aligned_empty
+
+
+def _mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor on anonymous pages of its own (zero until first written)."""
+    if num_bytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype)  # the tensor keeps the map
 
 
 class HostTier:
@@ -23,7 +40,10 @@ class HostTier:
 
     def allocate(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         element_bytes = torch.empty(0, dtype=dtype).element_size()
-        tensor = aligned_empty(numel * element_bytes, dtype=dtype)
+        if torch.cuda.is_available():
+            tensor = aligned_empty(numel * element_bytes, dtype=dtype)
+        else:  # [Note: host buffers outside the heap]
+            tensor = _mapped_empty(numel * element_bytes, dtype)
         if zero:
             tensor.zero_()
         self.adopt(tensor)
