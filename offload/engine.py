@@ -49,11 +49,13 @@ from offload.prefetch import NEVER, Prefetcher
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
+    OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel,
+    split_into_units)
 from offload.zero import ParamShard, Partition, ShardRange
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
+_ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 
 
 class _PostBackward(torch.autograd.Function):
@@ -525,13 +527,20 @@ class Engine:
 
     @torch.no_grad()
     def _write_initial_state(self, u: _Unit) -> None:
-        master = torch.zeros(u.master_numel, dtype=torch.float32)
-        compute = torch.zeros(u.compute_numel, dtype=self.compute_dtype)
+        """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
+        it is written without a bounce copy) and a separate fp32 master where one is kept;
+        each parameter's own storage is let go once copied, the moments are zeros."""
+        from offload.io import aligned_empty
+
+        compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), self.compute_dtype).zero_()
+        master = torch.zeros(u.master_numel, dtype=torch.float32) \
+            if not self._merged or self._partition is not None else None
         for e in u.spec.entries:
             value = e.param.detach().reshape(-1).to("cpu")
             compute[e.offset:e.offset + e.numel].copy_(value)
-            if e.trainable:
+            if e.trainable and master is not None:
                 master[e.offset:e.offset + e.numel].copy_(value)
+            e.param.data = self._placeholder
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
         if self._param_tier == "device":
@@ -546,9 +555,7 @@ class Engine:
                 master_shard = torch.zeros(s.state_numel, dtype=torch.float32)
                 master_shard[:s.numel].copy_(master[s.lo:s.hi])
                 self._store(u.master_home, master_shard)
-            self._store(u.moments_home, torch.zeros(2 * s.state_numel, dtype=torch.float32))
-        for e in u.spec.entries:
-            e.param.data = self._placeholder
+            self._store_zeros(u.moments_home)
         if self._param_tier == "device":
             self._bind(u)
 
@@ -568,8 +575,21 @@ class Engine:
         if isinstance(home, torch.Tensor):
             home.copy_(src)
             return
-        staging = self._host_bounce(src)
+        staging = src if src.data_ptr() % PAGE_BYTES == 0 else self._host_bounce(src)
         self._nvme.write(staging, home).wait()
+
+    def _store_zeros(self, home: Any) -> None:
+        """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written
+        piece by piece, all pieces in flight at once."""
+        if isinstance(home, torch.Tensor):
+            home.zero_()
+            return
+        from offload.io import aligned_empty
+
+        zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
+        self._wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
+                                         _sub(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
+                        for offset in range(0, home.nbytes, _ZEROS_BYTES)])
 
     def _load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Synchronous read of a whole buffer from its home into a new host tensor."""
