@@ -1180,22 +1180,44 @@ class Engine:
                     u.early_nonfinite = e
                 u.early_grad_squares += square
         if self._staged_step:
-            steps = self._next_steps(u)
-            for lo, hi in self._pieces(u):
-                # slot 0 is reserved for the root unit's first piece (see backward)
-                index = 1 + self._next_slot % (len(self._slots) - 1)
-                slot = self._slots[index]
-                self._next_slot += 1
-                self._finish_slot_writes(index)
-                self._wait_all(self._issue_reads(u, lo, hi, slot))
-                self._update_staged(u, lo, hi, steps, slot, 1.0)
-                self._slot_writer[index] = (u, lo, hi)
-                self._issue_writes(u, lo, hi, slot)
-            u.steps = steps
-            self._release_grad(u)
+            self._update_early_staged(u)
         else:
             self._update_in_place(u, 1.0)
         self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
+
+    def _update_early_staged(self, u: _Unit) -> None:
+        """The pieces of u through the staging slots other than slot 0 (kept for the root
+        unit's first piece, see backward), in a ring: piece i+1's reads are in flight while
+        Adam updates piece i (with two or more slots), piece i-1's writes after it."""
+        steps = self._next_steps(u)
+        pieces = self._pieces(u)
+        num_slots = len(self._slots) - 1
+        reads: Dict[int, Tuple[int, List[Any]]] = {}
+
+        def issue_reads(i: int) -> None:
+            index = 1 + self._next_slot % num_slots
+            self._next_slot += 1
+            self._finish_slot_writes(index)  # the slot's previous piece is on disk first
+            lo, hi = pieces[i]
+            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index]))
+
+        try:
+            issue_reads(0)
+            for i, (lo, hi) in enumerate(pieces):
+                index, handles = reads.pop(i)
+                self._wait_all(handles)
+                if num_slots > 1 and i + 1 < len(pieces):
+                    issue_reads(i + 1)
+                self._update_staged(u, lo, hi, steps, self._slots[index], 1.0)
+                self._slot_writer[index] = (u, lo, hi)
+                self._issue_writes(u, lo, hi, self._slots[index])
+                if num_slots == 1 and i + 1 < len(pieces):
+                    issue_reads(i + 1)
+        finally:  # nothing may stay in flight into a slot (errors are reported already)
+            for _, handles in reads.values():
+                self._drain(handles)
+        u.steps = steps
+        self._release_grad(u)
 
     def _wait_optimizer(self) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
