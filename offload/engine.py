@@ -145,6 +145,7 @@ class _Unit:
         self.calls = 0               # forward calls in this pass
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         self.updated = False         # Adam already ran on it in this optimizer step
+        self.update_in_device = False  # [Note: updates through the device copy]
         self.stale = False           # its device copy predates its last update
 
 
@@ -236,6 +237,9 @@ class Engine:
         self._gathers = self._partition is not None and self._partition.shards_params
         # [Note: gradient ownership] [zero] collectives work on flat buffers: pool those.
         self._adopts_grads = self.device.type == "cpu" and self._partition is None
+        # [Note: updates through the device copy]
+        self._device_copy_updates = self.device.type == "cpu" and config.param_tier == "nvme" \
+            and self._partition is None
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -740,6 +744,9 @@ class Engine:
         """Drop u's device copy (its home copy is current)."""
         if self._param_tier == "device" or u.compute_state != Residency.LOADED:
             return
+        if u.update_in_device and self._early_futures:
+            self._wait_optimizer()  # the optimizer worker may still be updating this copy
+        u.update_in_device = False
         u.compute_state.to(Residency.HOME)
         u.stale = False
         self._unbind(u)
@@ -1002,7 +1009,8 @@ class Engine:
             # _staged_update gives the first unit, the root (early updates use the others).
             self._wait_all(self._slots[0].pending_writes)
             lo, hi = self._pieces(self._root)[0]
-            self._root_prestaged = self._issue_reads(self._root, lo, hi, self._slots[0])
+            self._root_prestaged = self._issue_reads(self._root, lo, hi, self._slots[0],
+                                                     self._device_copy_updatable(self._root))
         start = time.perf_counter()
         try:
             with self.stats_counters.timed("backward"):
@@ -1144,8 +1152,9 @@ class Engine:
             self._stale_units.clear()
             if self._param_tier != "device":
                 for u in self.units:
-                    if u.compute_state == Residency.LOADED:
+                    if u.compute_state == Residency.LOADED and not u.update_in_device:
                         self._release(u)
+                    u.update_in_device = False
         self._raise_write_errors()
 
     def _maybe_update_early(self) -> None:
@@ -1166,8 +1175,11 @@ class Engine:
             calls_done = 0 < u.calls <= u.backward_done
             if trace_done or calls_done:
                 u.updated = True
+                # [Note: updates through the device copy] only once the pass needs no
+                # other unit: until then its slot may be wanted for the next ones
+                u.update_in_device = self._prefetcher.pass_complete and self._device_copy_updatable(u)
                 self._early_futures.append(self._optimizer_worker.submit(self._update_early, u))
-                if self._param_tier != "device":
+                if self._param_tier != "device" and not u.update_in_device:
                     self._stale_units.append(u)
 
     def _update_early(self, u: _Unit) -> None:
@@ -1193,13 +1205,14 @@ class Engine:
         pieces = self._pieces(u)
         num_slots = len(self._slots) - 1
         reads: Dict[int, Tuple[int, List[Any]]] = {}
+        in_device = u.update_in_device
 
         def issue_reads(i: int) -> None:
             index = 1 + self._next_slot % num_slots
             self._next_slot += 1
             self._finish_slot_writes(index)  # the slot's previous piece is on disk first
             lo, hi = pieces[i]
-            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index]))
+            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index], in_device))
 
         try:
             issue_reads(0)
@@ -1209,6 +1222,8 @@ class Engine:
                 if num_slots > 1 and i + 1 < len(pieces):
                     issue_reads(i + 1)
                 self._update_staged(u, lo, hi, steps, self._slots[index], 1.0)
+                if in_device:
+                    self._write_through(u, lo, hi, self._slots[index])
                 self._slot_writer[index] = (u, lo, hi)
                 self._issue_writes(u, lo, hi, self._slots[index])
                 if num_slots == 1 and i + 1 < len(pieces):
@@ -1237,6 +1252,9 @@ class Engine:
                 except OSError as error:
                     errors.append(error)
         if errors:
+            for u in self.units:  # a device copy the failed updates were writing into
+                if u.update_in_device:
+                    self._release(u)
             error = errors[0]
             if isinstance(error, OSError):
                 self._failure = {"fatal": True, "message": (
@@ -1415,11 +1433,16 @@ class Engine:
     def _master_home(self, u: _Unit) -> Any:
         return u.compute_home if self._merged else u.master_home
 
-    def _issue_reads(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> List[Any]:
-        """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``."""
+    def _issue_reads(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot,
+                     in_device: bool = False) -> List[Any]:
+        """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
+        (a merged master from u's device copy when ``in_device``)."""
         handles, n = [], hi - lo
         home = self._master_home(u)
-        if _on_nvme(home):
+        if in_device and self._merged:  # [Note: updates through the device copy]
+            slot.master[:n].copy_(self._device.view(u.device_offset + lo, n))
+            self.stats_counters.add_bytes("device_to_host", n * _FP32_BYTES)
+        elif _on_nvme(home):
             handles.append(self._nvme.read(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
         if _on_nvme(u.moments_home):
             handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
@@ -1453,6 +1476,30 @@ class Engine:
         self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor)
         self._trace_span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
+    def _device_copy_updatable(self, u: _Unit) -> bool:
+        """[Note: updates through the device copy] On a CPU device with the compute copies
+        on NVMe, a unit whose device copy is resident when its Adam runs need not have it
+        read again: with fp32 the master pieces are copied from the device copy instead of
+        read from NVMe, and (any dtype) the new compute copy is written into the device
+        copy as well as home. The device copy then holds the updated unit and stays (the
+        optimizer step keeps it; the next pass needs no fetch), where otherwise it is
+        stale and dropped. An early update does this only once the pass needs no other
+        unit, so the slot is not wanted meanwhile; ``_release`` of such a unit waits for
+        the optimizer worker first, and a failed update drops the copy. The optimizer
+        step's own updates (main thread, nothing else running) do it for every resident
+        unit. [zero] Not with several ranks."""
+        return self._device_copy_updates and u.compute_state == Residency.LOADED and \
+            u.device_offset is not None
+
+    def _write_through(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> None:
+        """Copy the new compute copy of piece [lo, hi) (trainable elements) into u's device
+        copy ([Note: updates through the device copy])."""
+        end = min(hi, u.spec.trainable_numel)
+        if end > lo:
+            src = slot.master if self._merged else slot.compute
+            self._device.view(u.device_offset + lo, end - lo).copy_(src[:end - lo])
+            self.stats_counters.add_bytes("host_to_device", (end - lo) * src.element_size())
+
     def _issue_writes(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> None:
         """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
         writes, n = [], hi - lo
@@ -1485,6 +1532,8 @@ class Engine:
         depth = len(self._slots)
         reads: Dict[int, List[Any]] = {}
         steps: Dict[int, List[int]] = {}
+        # [Note: updates through the device copy]: units resident now
+        in_device = {u.index for u in units if self._device_copy_updatable(u)}
 
         def issue_reads(i: int) -> None:
             u, lo, hi = pieces[i]
@@ -1493,7 +1542,7 @@ class Engine:
                 return
             self._finish_slot_writes(i % depth)
             reads[i] = []
-            reads[i].extend(self._issue_reads(u, lo, hi, self._slots[i % depth]))
+            reads[i].extend(self._issue_reads(u, lo, hi, self._slots[i % depth], u.index in in_device))
 
         current = None
         try:
@@ -1506,10 +1555,13 @@ class Engine:
                 if lo == 0:
                     steps[u.index] = self._next_steps(u)
                 self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
+                if u.index in in_device:
+                    self._write_through(u, lo, hi, slot)
                 self._slot_writer[i % depth] = (u, lo, hi)
                 self._issue_writes(u, lo, hi, slot)
                 if hi == u.master_numel:
                     u.steps = steps.pop(u.index)
+                    u.update_in_device = u.index in in_device  # the whole unit went through
                     self._release_grad(u)
                 if i + depth - 1 < len(pieces):
                     issue_reads(i + depth - 1)

@@ -186,6 +186,12 @@ class Prefetcher:
             return NEVER
         return self._trace.next_use(unit, self._position)
 
+    @property
+    def pass_complete(self) -> bool:
+        """Whether every unit the trace predicted for this pass has been needed (False when
+        not replaying)."""
+        return self.replaying and self._position >= len(self._trace)
+
     def used_later(self, unit: int) -> Optional[bool]:
         """Whether the trace needs ``unit`` again in this pass; None when not replaying."""
         if not self.replaying:

@@ -248,6 +248,40 @@ def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir)
         assert engine.stats()["host_peak_bytes"] == staging_bytes + trainable_numel * 4
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resident_units_are_updated_through_their_device_copy(dtype, swap_dir):
+    # [Note: updates through the device copy] With room for every unit, all are resident
+    # when Adam runs (the block early, once the pass needs nothing else; the root in the
+    # step): the next pass fetches nothing, and with fp32 the master comes from the device
+    # copy. Per step NVMe then moves the moments in, and master + moments (+ the 16-bit
+    # compute copy) out, and the weights are those of plain PyTorch.
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=1)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    data = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(i))
+            for i in range(4)]
+    train_reference(ref, data)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, dtype=dtype, device="cpu")
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        moved = []
+        for b in data:
+            before = engine.stats()
+            engine.backward(gpt_loss(engine, b))
+            engine.step()
+            after = engine.stats()
+            moved.append((after["bytes_read_nvme"] - before["bytes_read_nvme"],
+                          after["bytes_written_nvme"] - before["bytes_written_nvme"]))
+        state = engine.state_dict()
+        master_bytes = sum(u.master_numel for u in engine.units) * 4
+        compute_bytes = 0 if dtype == "fp32" else sum(u.compute_numel for u in engine.units) * 2
+    read = 2 * master_bytes + (0 if dtype == "fp32" else master_bytes)
+    written = 3 * master_bytes + compute_bytes
+    assert moved[2:] == [(read, written)] * 2  # steady state: from the third step on
+    if dtype == "fp32":
+        assert max_rel_error(state, ref.state_dict()) < REL_TOL
+
+
 def test_units_run_on_page_aligned_slots_of_the_cpu_arena(swap_dir):
     # The swap files are read straight into a unit's slot; the I/O engine would send an
     # unaligned destination through a bounce buffer, synchronously, behind all other I/O.
