@@ -299,6 +299,8 @@ class Engine:
         self._forward_depth = 0
         self._saved_hooks: List[Any] = []
         self._hook_handles: List[Any] = []
+        # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
+        self._buffers = [b for b in model.buffers()]
         self._install_hooks()
         # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
         # _dirty: unit index -> states whose swap write failed, held in host RAM.
@@ -767,6 +769,8 @@ class Engine:
         if self._forward_depth > 1:
             return
         self._wait_optimizer()
+        if self._partition is not None and self.module.training and self._buffers:  # [zero]
+            self._partition.broadcast_buffers(self._buffers)
         key = self._pass_key(args, kwargs)
         if key[0] and key[1]:
             self._last_train_key = key

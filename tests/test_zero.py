@@ -508,3 +508,45 @@ def test_a_save_refused_on_rank_0_is_refused_on_every_rank(tmp_path):
     assert "rank 0 failed" in message and "not a directory" in message, message
     assert (tmp_path / "not-a-dir").read_text() == "a file"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _buffers_worker(rank, port, out_dir):
+    _init(rank, port)
+    try:
+        g = torch.Generator().manual_seed(7)
+        data = [torch.randn(8, 8, generator=g) * (1 + i) for i in range(5)]
+        mine = [x[rank * 4:(rank + 1) * 4] for x in data]
+        ddp_model = _bn_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+        opt = make_opt(ddp.parameters())
+        for x in mine:
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model = _bn_model()
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=2)) as engine:
+            for x in mine:
+                engine.backward(engine(x).pow(2).mean())
+                engine.step()
+            state = engine.state_dict()
+        torch.save({"ddp": ddp_model.state_dict(), "offload": state}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_follow_rank_0_before_each_forward_like_ddp(tmp_path):
+    """BatchNorm running statistics: each forward starts from rank 0's, as DDP's
+    broadcast_buffers does, so every rank ends where DDP's same rank ends."""
+    run_ranks(_buffers_worker, str(tmp_path))
+    results = load_results(tmp_path)
+    for r, res in enumerate(results):
+        assert set(res["offload"]) == set(res["ddp"])
+        assert max_rel_error(res["offload"], res["ddp"]) < REL_TOL, r
+    # the last forward ran on different batches: the ranks' statistics differ, as with DDP
+    assert not torch.equal(results[0]["offload"]["1.running_mean"], results[1]["offload"]["1.running_mean"])
