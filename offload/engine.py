@@ -222,7 +222,10 @@ class Engine:
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
         needs_nvme = "nvme" in (self._param_tier, self._optimizer_tier)
-        self._staged_step = needs_nvme
+        # [zero] Stage >= 1 updates whole shards (_update_shard) through reused buffers of
+        # its own, not the piece pipeline and its staging slots.
+        self._staged_step = needs_nvme and not (self._partition is not None and self._partition.shards_state)
+        self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
 
@@ -360,8 +363,9 @@ class Engine:
                 if not self._merged:
                     master += u.shard.state_numel * _FP32_BYTES
                 moments += 2 * u.shard.state_numel * _FP32_BYTES
-        if "nvme" in (self._param_tier, self._optimizer_tier):
+        if self._staged_step:
             staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
+        staging += sum(self._update_buffer_bytes(element_bytes).values())
         largest = max(u.compute_numel for u in self.units)
         fetch = 0  # see the fetch buffers made in __init__
         if self._partition is not None and self._partition.shards_params:
@@ -374,6 +378,42 @@ class Engine:
         return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
                 "Adam moments": moments, "optimizer staging buffers": staging,
                 "fetch staging buffers": fetch}
+
+    def _update_buffer_bytes(self, element_bytes: int) -> Dict[str, int]:
+        """[zero] Stage >= 1 with states on NVMe: the host buffer each NVMe-homed state of a
+        unit is read into for its update, per role, sized for the largest unit (see
+        _read_for_update)."""
+        if self._partition is None or not self._partition.shards_state:
+            return {}
+        sizes = {}
+        if self._param_tier == "nvme" and (self._merged or self.compute_dtype != torch.float32):
+            home_element_bytes = _FP32_BYTES if self._merged else element_bytes
+            sizes["compute"] = home_element_bytes * max(
+                u.param_shard.trainable_chunk_numel if u.param_shard is not None else u.compute_numel
+                for u in self.units)
+        if self._optimizer_tier == "nvme":
+            largest = max((u.shard.state_numel for u in self.units if u.trainable), default=0)
+            if not self._merged:
+                sizes["master"] = largest * _FP32_BYTES
+            sizes["moments"] = 2 * largest * _FP32_BYTES
+        return sizes
+
+    def _read_for_update(self, role: str, home: Any, dtype: torch.dtype) -> torch.Tensor:
+        """[zero] ``home`` (a swap extent) read whole into the buffer of ``role``: made at the
+        first update (fresh memory is slow to touch on some machines, so never per step)
+        and reused by every unit after it. The sharded update is not pipelined: a unit's
+        reads, Adam and writes run one after the other."""
+        buf = self._update_buffers.get(role)
+        if buf is None:
+            element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
+            buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
+            self._update_buffers[role] = buf
+        view = buf[:home.nbytes].view(dtype)
+        self._wait_all([self._nvme.read(view, home)])
+        return view
+
+    def _write_after_update(self, view: torch.Tensor, home: Any) -> None:
+        self._wait_all([self._nvme.write(view, home)])
 
     @staticmethod
     def _compute_home_numel(u: _Unit) -> int:
@@ -1269,14 +1309,14 @@ class Engine:
                     full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
                 else:
                     dtype = torch.float32 if self._merged else self.compute_dtype
-                    full = self._load(u.compute_home, u.compute_numel, dtype) \
+                    full = self._read_for_update("compute", u.compute_home, dtype) \
                         if _on_nvme(u.compute_home) else u.compute_home
         if self._merged:
             master = full[s.lo:s.lo + s.state_numel]
         else:
-            master = self._load(u.master_home, s.state_numel, torch.float32) \
+            master = self._read_for_update("master", u.master_home, torch.float32) \
                 if _on_nvme(u.master_home) else u.master_home
-        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
+        moments = self._read_for_update("moments", u.moments_home, torch.float32) \
             if _on_nvme(u.moments_home) else u.moments_home
         compute_out = None if self._merged or full is None else full[s.lo:s.hi]
         if s.numel:
@@ -1292,11 +1332,11 @@ class Engine:
         if full is not None and self._param_tier == "device" and self.device.type == "cuda":
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
         elif full is not None and self._param_tier == "nvme":
-            self._store(u.compute_home, full)
+            self._write_after_update(full, u.compute_home)
         if not self._merged and _on_nvme(u.master_home):
-            self._store(u.master_home, master)
+            self._write_after_update(master, u.master_home)
         if _on_nvme(u.moments_home):
-            self._store(u.moments_home, moments)
+            self._write_after_update(moments, u.moments_home)
         u.steps = steps
         self._release_grad(u)
 
@@ -1312,15 +1352,15 @@ class Engine:
         chunk_numel = u.param_shard.trainable_chunk_numel
         dtype = torch.float32 if self._merged else self.compute_dtype
         chunk_bytes = chunk_numel * torch.empty(0, dtype=dtype).element_size()
-        chunk = self._load(_sub(home, 0, chunk_bytes), chunk_numel, dtype) if _on_nvme(home) \
+        chunk = self._read_for_update("compute", _sub(home, 0, chunk_bytes), dtype) if _on_nvme(home) \
             else home[:chunk_numel]
         if self._merged:
             master, compute_out = chunk, None
         else:
-            master = self._load(u.master_home, s.state_numel, torch.float32) \
+            master = self._read_for_update("master", u.master_home, torch.float32) \
                 if _on_nvme(u.master_home) else u.master_home
             compute_out = chunk[:s.numel]
-        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
+        moments = self._read_for_update("moments", u.moments_home, torch.float32) \
             if _on_nvme(u.moments_home) else u.moments_home
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
@@ -1328,11 +1368,11 @@ class Engine:
                              grad_factor, copy_to_device=False)
         self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
         if _on_nvme(home):
-            self._store(_sub(home, 0, chunk_bytes), chunk)
+            self._write_after_update(chunk, _sub(home, 0, chunk_bytes))
         if not self._merged and _on_nvme(u.master_home):
-            self._store(u.master_home, master)
+            self._write_after_update(master, u.master_home)
         if _on_nvme(u.moments_home):
-            self._store(u.moments_home, moments)
+            self._write_after_update(moments, u.moments_home)
         u.steps = steps
         self._release_grad(u)
 

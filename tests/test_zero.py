@@ -89,13 +89,16 @@ def _train_worker(rank, port, config, data, out_dir):
         per_rank = GLOBAL_BATCH // WORLD
         losses = []
         with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-            for b in data:
+            for i, b in enumerate(data):
                 mine = b[rank * per_rank:(rank + 1) * per_rank]
                 loss = engine(mine[:, :-1], mine[:, 1:])
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
+                if i == len(data) // 2:
+                    host_peak_midway = engine.stats()["host_peak_bytes"]
             result = {"state": engine.state_dict(), "stats": engine.stats(),
+                      "host_peak_midway": host_peak_midway,
                       "grad_norm": engine._last_grad_norm, "losses": losses}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -159,6 +162,8 @@ def test_two_ranks_on_half_batches_equal_one_process_and_shard_memory(
         expected = sum(2 * 4 * even_range(t, r, WORLD).state_numel for t in trainable)
         assert opt_bytes[r] == expected
         assert opt_bytes[r] <= single["optimizer_state_bytes"] / 2 + num_units * 2 * 4096
+    # Host buffers are made once: none is added after the first steps.
+    assert all(res["stats"]["host_peak_bytes"] == res["host_peak_midway"] for res in results)
     param_bytes = [res["stats"]["parameter_bytes"] for res in results]
     if stage == 3:  # fp32: each rank's compute chunks are its master shards
         assert param_bytes == [sum(4 * even_range(t, r, WORLD).state_numel for t in trainable)
