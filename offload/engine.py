@@ -1595,7 +1595,8 @@ class Engine:
     @torch.no_grad()
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
-        master where one exists, else the compute copy."""
+        master where one exists, else the compute copy. [zero] With several ranks at stage
+        >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
         values: Dict[int, Dict[int, torch.Tensor]] = {}
         entry_of: Dict[nn.Parameter, Tuple[_Unit, ParamEntry]] = {}
         for u in self.units:
