@@ -55,7 +55,8 @@ batch (--batch, rounded up to a multiple of N), torch threads = cores / N per ra
                    as above. The engine's own collectives run on gloo either way.
 A step is timed from a barrier (untimed) to the end of the optimizer step, on every rank; a
 row's step time is the median over steps of the slowest rank's time. Per rank: peak RSS,
-and from engine.stats() optimizer_state_bytes (fp32 master apart from the compute copy +
+and from engine.stats() parameter_bytes (compute copies at home: the rank's chunks at stage
+3), optimizer_state_bytes (fp32 master apart from the compute copy +
 Adam moments), gradient_bytes (fp32 gradient buffers), device_peak_bytes, and NVMe bytes
 read / written per step. For ddp the same columns come from the torch objects: Adam moments
 in optimizer.state, param.grad (DDP's reducer buckets hold about as much again), and
@@ -331,6 +332,7 @@ def run_offload(spec: dict) -> dict:
                 io_wait_seconds=phases["io_wait_seconds"],
                 device_peak_bytes=stats["device_peak_bytes"], host_peak_bytes=stats["host_peak_bytes"],
                 nvme_bytes=stats["nvme_bytes"], optimizer_state_bytes=stats["optimizer_state_bytes"],
+                parameter_bytes=stats["parameter_bytes"],
                 gradient_bytes=stats["gradient_bytes"], world_size=stats["world_size"])
 
 
@@ -375,6 +377,7 @@ def run_ddp(spec: dict) -> dict:
     backend = "nccl" if cuda else "gloo"
     return {"step_seconds_all": seconds, "note": f"DDP {backend}, AdamW {flavour}",
             "optimizer_state_bytes": moments, "gradient_bytes": grad_bytes[0],
+            "parameter_bytes": sum(p.nbytes for p in ddp.parameters()),
             "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "nvme_read_per_step": 0, "nvme_written_per_step": 0}
 
@@ -609,7 +612,7 @@ def run_row(spec: dict, timeout_s: float) -> dict:
 # Seconds the other ranks of a row get to exit by themselves once one rank has failed (they
 # usually do, with a collective error) before they are killed.
 RANK_FAILURE_GRACE_SECONDS = 20.0
-PER_RANK_KEYS = ("rank", "peak_rss_bytes", "optimizer_state_bytes", "gradient_bytes",
+PER_RANK_KEYS = ("rank", "peak_rss_bytes", "parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
                  "device_peak_bytes", "nvme_read_per_step", "nvme_written_per_step",
                  "io_wait_seconds", "step_seconds")
 
@@ -750,7 +753,7 @@ def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
     """The --nproc table: one line per row; per-rank columns list rank 0/rank 1/..."""
     by_key = {(r["row"], r["dtype"]): r for r in results}
     header = (f"{'config':8s} {'tier':4s} {'dtype':5s} {'step s':>8s} {'x ddp':>6s} {'RSS GiB':>7s}  "
-              f"{'RSS GiB/rank':14s} {'opt MiB/rank':14s} {'grad MiB/rank':14s} "
+              f"{'RSS GiB/rank':14s} {'param MiB/rank':14s} {'opt MiB/rank':14s} {'grad MiB/rank':14s} "
               f"{'dev pk MiB/rank':15s} {'rd GB/st/rank':14s} {'wr GB/st/rank':14s} note")
     print(f"{nproc} ranks; per-rank columns: rank 0/rank 1/...; RSS GiB = the largest rank's", file=out)
     print(header, file=out)
@@ -764,6 +767,7 @@ def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
         ratio = r["step_seconds"] / ddp["step_seconds"] if ddp.get("step_seconds") else None
         print(f"{r['row']:8s} {tier:4s} {r['dtype']:5s} {r['step_seconds']:8.3f} {fmt(ratio, '6.2f')} "
               f"{r['peak_rss_bytes'] / GiB:7.2f}  {per_rank(r, 'peak_rss_bytes', GiB, '.2f'):14s} "
+              f"{per_rank(r, 'parameter_bytes', 1 << 20, '.1f'):14s} "
               f"{per_rank(r, 'optimizer_state_bytes', 1 << 20, '.1f'):14s} "
               f"{per_rank(r, 'gradient_bytes', 1 << 20, '.1f'):14s} "
               f"{per_rank(r, 'device_peak_bytes', 1 << 20, '.1f'):15s} "
