@@ -365,7 +365,7 @@ class Engine:
                 moments += 2 * u.shard.state_numel * _FP32_BYTES
         if self._staged_step:
             staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
-        staging += sum(self._update_buffer_bytes(element_bytes).values())
+        staging += 2 * sum(self._update_buffer_bytes(element_bytes).values())  # two buffer sets
         largest = max(u.compute_numel for u in self.units)
         fetch = 0  # see the fetch buffers made in __init__
         if self._partition is not None and self._partition.shards_params:
@@ -381,8 +381,8 @@ class Engine:
 
     def _update_buffer_bytes(self, element_bytes: int) -> Dict[str, int]:
         """[zero] Stage >= 1 with states on NVMe: the host buffer each NVMe-homed state of a
-        unit is read into for its update, per role, sized for the largest unit (see
-        _read_for_update)."""
+        unit is read into for its update, per role, sized for the largest unit (one of the
+        two buffer sets of _sharded_update)."""
         if self._partition is None or not self._partition.shards_state:
             return {}
         sizes = {}
@@ -398,22 +398,42 @@ class Engine:
             sizes["moments"] = 2 * largest * _FP32_BYTES
         return sizes
 
-    def _read_for_update(self, role: str, home: Any, dtype: torch.dtype) -> torch.Tensor:
-        """[zero] ``home`` (a swap extent) read whole into the buffer of ``role``: made at the
-        first update (fresh memory is slow to touch on some machines, so never per step)
-        and reused by every unit after it. The sharded update is not pipelined: a unit's
-        reads, Adam and writes run one after the other."""
-        buf = self._update_buffers.get(role)
-        if buf is None:
-            element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
-            buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
-            self._update_buffers[role] = buf
-        view = buf[:home.nbytes].view(dtype)
-        self._wait_all([self._nvme.read(view, home)])
-        return view
+    def _shard_homes(self, u: _Unit) -> List[Tuple[str, Any, torch.dtype]]:
+        """[zero] (role, swap extent, dtype) of each NVMe-homed buffer that u's shard update
+        reads and writes whole."""
+        homes = []
+        if u.compute_home is not None and _on_nvme(u.compute_home) and \
+                (self._merged or self.compute_dtype != torch.float32):
+            dtype = torch.float32 if self._merged else self.compute_dtype
+            extent = u.compute_home
+            if u.param_shard is not None:  # stage 3: the rank's trainable chunk
+                element_bytes = torch.empty(0, dtype=dtype).element_size()
+                extent = _sub(extent, 0, u.param_shard.trainable_chunk_numel * element_bytes)
+            homes.append(("compute", extent, dtype))
+        if not self._merged and _on_nvme(u.master_home):
+            homes.append(("master", u.master_home, torch.float32))
+        if _on_nvme(u.moments_home):
+            homes.append(("moments", u.moments_home, torch.float32))
+        return homes
 
-    def _write_after_update(self, view: torch.Tensor, home: Any) -> None:
-        self._wait_all([self._nvme.write(view, home)])
+    def _start_shard_reads(self, u: _Unit, buffer_set: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
+        """[zero] Start reading u's NVMe-homed states into buffer set ``buffer_set`` (0 or 1)
+        of the update buffers: made at the first update (fresh memory is slow to touch on
+        some machines, so never per step), reused by every unit after it."""
+        views: Dict[str, torch.Tensor] = {}
+        handles = []
+        for role, extent, dtype in self._shard_homes(u):
+            buf = self._update_buffers.get(f"{role}{buffer_set}")
+            if buf is None:
+                element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
+                buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
+                self._update_buffers[f"{role}{buffer_set}"] = buf
+            views[role] = buf[:extent.nbytes].view(dtype)
+            handles.append(self._nvme.read(views[role], extent))
+        return views, handles
+
+    def _start_shard_writes(self, u: _Unit, views: Dict[str, torch.Tensor]) -> List[Any]:
+        return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u)]
 
     @staticmethod
     def _compute_home_numel(u: _Unit) -> int:
@@ -1112,8 +1132,7 @@ class Engine:
         try:
             with self.stats_counters.timed("optimizer"):
                 if self._partition is not None and self._partition.shards_state:  # [zero]
-                    for u in units:
-                        self._update_shard(u, grad_factor)
+                    self._sharded_update(units, grad_factor)
                 elif self._staged_step:
                     self._staged_update(units, grad_factor)
                 else:
@@ -1285,16 +1304,52 @@ class Engine:
         self._release_grad(u)
 
     @torch.no_grad()
-    def _update_shard(self, u: _Unit, grad_factor: float) -> None:
-        """[zero] Stage >= 1: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
+    def _sharded_update(self, units: List[_Unit], grad_factor: float) -> None:
+        """[zero] Stage >= 1: the units' shard updates in order over two sets of update
+        buffers: unit i+1's NVMe reads are in flight while unit i is updated (and gathered),
+        and unit i's writes drain meanwhile. A swap I/O error leaves some units updated and
+        others not: the engine refuses to go on, as after a failed read in _staged_update."""
+        writes: List[List[Any]] = [[], []]  # per buffer set
+        reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
+        current: Optional[_Unit] = None
+        try:
+            if units:
+                reads = self._start_shard_reads(units[0], 0)
+            for i, u in enumerate(units):
+                current = u
+                views, handles = reads
+                self._wait_all(handles)
+                if i + 1 < len(units):
+                    self._wait_all(writes[(i + 1) % 2])
+                    reads = self._start_shard_reads(units[i + 1], (i + 1) % 2)
+                if u.param_shard is not None:
+                    self._update_param_shard(u, grad_factor, views)
+                else:
+                    self._update_shard(u, grad_factor, views)
+                writes[i % 2] = self._start_shard_writes(u, views)
+            current = None
+            for handles in writes:
+                self._wait_all(handles)
+        except BaseException as error:
+            self._drain(reads[1])
+            for handles in writes:
+                self._drain(handles)
+            if isinstance(error, OSError):
+                where = f"unit {current.name!r}" if current is not None else "a unit"
+                self._failure = {"fatal": True, "message": (
+                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
+                    f"working on {where} ({error}); some units were updated and others not: "
+                    "resume from the last checkpoint (engine.load_checkpoint(DIR) or a new process)")}
+                raise OSError(error.errno, self._failure["message"]) from error
+            raise
+
+    def _update_shard(self, u: _Unit, grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
+        """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
         then the other ranks' parts are all-gathered. The moments and a separate master
         are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
-        copy are in full coordinates. States on NVMe are read and written whole per unit:
-        a shard starts anywhere in the compute copy, so its pieces are not page aligned
-        (and this path is not pipelined over pieces yet)."""
-        if u.param_shard is not None:
-            self._update_param_shard(u, grad_factor)
-            return
+        copy are in full coordinates. ``views``: the NVMe-homed buffers, read whole by
+        _sharded_update (a shard starts anywhere in the compute copy, so it cannot be cut
+        into page-aligned pieces), which also writes them back."""
         s, t = u.shard, u.spec.trainable_numel
         steps = self._next_steps(u)
         start = time.perf_counter()
@@ -1308,16 +1363,9 @@ class Engine:
                 if self._param_tier == "device":  # a CUDA slot: update a host copy
                     full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
                 else:
-                    dtype = torch.float32 if self._merged else self.compute_dtype
-                    full = self._read_for_update("compute", u.compute_home, dtype) \
-                        if _on_nvme(u.compute_home) else u.compute_home
-        if self._merged:
-            master = full[s.lo:s.lo + s.state_numel]
-        else:
-            master = self._read_for_update("master", u.master_home, torch.float32) \
-                if _on_nvme(u.master_home) else u.master_home
-        moments = self._read_for_update("moments", u.moments_home, torch.float32) \
-            if _on_nvme(u.moments_home) else u.moments_home
+                    full = views.get("compute", u.compute_home)
+        master = full[s.lo:s.lo + s.state_numel] if self._merged else views.get("master", u.master_home)
+        moments = views.get("moments", u.moments_home)
         compute_out = None if self._merged or full is None else full[s.lo:s.hi]
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
@@ -1331,49 +1379,30 @@ class Engine:
             self._device.view(u.device_offset, t).copy_(gathered)
         if full is not None and self._param_tier == "device" and self.device.type == "cuda":
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
-        elif full is not None and self._param_tier == "nvme":
-            self._write_after_update(full, u.compute_home)
-        if not self._merged and _on_nvme(u.master_home):
-            self._write_after_update(master, u.master_home)
-        if _on_nvme(u.moments_home):
-            self._write_after_update(moments, u.moments_home)
-        u.steps = steps
+        u.steps = steps  # the views of NVMe homes are written back by _sharded_update
         self._release_grad(u)
 
     @torch.no_grad()
-    def _update_param_shard(self, u: _Unit, grad_factor: float) -> None:
+    def _update_param_shard(self, u: _Unit, grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
         """[zero] Stage 3: Adam on this rank's shard; the new values of the rank's trainable
         chunk of the compute copy go home (merged: the chunk is the master itself). No
         all-gather: the next fetch gathers every rank's chunk."""
         s = u.shard
         steps = self._next_steps(u)
         start = time.perf_counter()
-        home = u.compute_home
-        chunk_numel = u.param_shard.trainable_chunk_numel
-        dtype = torch.float32 if self._merged else self.compute_dtype
-        chunk_bytes = chunk_numel * torch.empty(0, dtype=dtype).element_size()
-        chunk = self._read_for_update("compute", _sub(home, 0, chunk_bytes), dtype) if _on_nvme(home) \
-            else home[:chunk_numel]
+        chunk = views.get("compute", u.compute_home[:u.param_shard.trainable_chunk_numel]
+                          if isinstance(u.compute_home, torch.Tensor) else None)
         if self._merged:
             master, compute_out = chunk, None
         else:
-            master = self._read_for_update("master", u.master_home, torch.float32) \
-                if _on_nvme(u.master_home) else u.master_home
-            compute_out = chunk[:s.numel]
-        moments = self._read_for_update("moments", u.moments_home, torch.float32) \
-            if _on_nvme(u.moments_home) else u.moments_home
+            master, compute_out = views.get("master", u.master_home), chunk[:s.numel]
+        moments = views.get("moments", u.moments_home)
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
                              moments[s.state_numel:s.state_numel + s.numel], compute_out, False,
                              grad_factor, copy_to_device=False)
         self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
-        if _on_nvme(home):
-            self._write_after_update(chunk, _sub(home, 0, chunk_bytes))
-        if not self._merged and _on_nvme(u.master_home):
-            self._write_after_update(master, u.master_home)
-        if _on_nvme(u.moments_home):
-            self._write_after_update(moments, u.moments_home)
-        u.steps = steps
+        u.steps = steps  # the views of NVMe homes are written back by _sharded_update
         self._release_grad(u)
 
     def _master_home(self, u: _Unit) -> Any:
