@@ -1,6 +1,5 @@
 // Dispatch for the Adam kernels: ISA choice (once, at load time), per-step coefficients,
 // and splitting a step across the native thread pool.
-#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -14,12 +13,10 @@
 namespace offload::adam {
 namespace {
 
-// Work is cut into chunks of a multiple of this many elements (a multiple of every vector
-// width, so a chunk starts as aligned as the buffer does); 64 Ki elements move ~1.8 MB, large
-// enough that the pool's hand-off is noise.
-constexpr std::size_t kChunkNumel = std::size_t{1} << 16;
-// Below this a step runs on the calling thread: waking the pool costs more than it saves.
-constexpr std::size_t kParallelMinNumel = 2 * kChunkNumel;
+// Threads get ranges of a multiple of this many elements (a multiple of every vector width,
+// so a range starts as aligned as the buffer does); 64 Ki elements move ~1.8 MB, large enough
+// that the pool's hand-off is noise.
+constexpr std::size_t kGrainNumel = std::size_t{1} << 16;
 
 bool cpu_has(Isa isa) {
   switch (isa) {
@@ -170,24 +167,10 @@ void step(const Buffers& buffers, const Hyperparameters& hyper) {
   check(buffers);
   const Kernel kernel = kernel_for(selected_isa());
   const detail::Coefficients k = coefficients(hyper);
-  const std::size_t n = buffers.numel;
-  if (n == 0) return;
-  if (n < kParallelMinNumel || offload::num_threads() == 1) {
-    kernel(buffers, k);
-    return;
-  }
-  // A few long contiguous chunks per thread rather than many short ones: each thread's
-  // streams stay sequential for the hardware prefetcher, and 4 chunks per thread still
-  // balance a thread that is slowed by others.
-  const std::size_t per_thread = 4 * static_cast<std::size_t>(offload::num_threads());
-  const std::size_t chunk_numel =
-      std::max(kChunkNumel, (n / per_thread + kChunkNumel - 1) / kChunkNumel * kChunkNumel);
-  const std::size_t num_chunks = (n + chunk_numel - 1) / chunk_numel;
   const std::size_t grad_bytes = element_bytes(buffers.grad_dtype);
-  offload::parallel_for(num_chunks, [&](std::size_t chunk) {
-    const std::size_t begin = chunk * chunk_numel;
+  offload::parallel_ranges(buffers.numel, kGrainNumel, [&](std::size_t begin, std::size_t end) {
     Buffers part = buffers;
-    part.numel = std::min(chunk_numel, n - begin);
+    part.numel = end - begin;
     part.param += begin;
     part.grad = static_cast<const char*>(buffers.grad) + begin * grad_bytes;
     part.exp_avg += begin;
