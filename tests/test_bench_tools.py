@@ -1,14 +1,22 @@
-"""Smoke tests of tools/bench_train.py: --quick runs every offload row in its own subprocess
-and produces a table and JSON rows with the measurements the lead's benchmark reads; with
---nproc 2 every row runs on two fresh ranks and reports per-rank memory."""
+"""Smoke tests of the benchmarks: tools/bench_train.py --quick runs every offload row in its
+own subprocess and produces a table and JSON rows with the measurements the lead's benchmark
+reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
+tools/bench_adam.py prints every row, and its native bandwidth yardsticks compute what they
+claim to (their timing is never asserted)."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from offload import _native
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "bench_train.py"
+ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
 
 
 def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
@@ -110,3 +118,40 @@ def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):
         assert name in table
     assert "baseline fp32: DDP step" in table
     assert not any(swap.iterdir()), "swap files left behind"
+
+
+def test_bench_adam_prints_limits_every_isa_and_the_copy_out_cost():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, str(ADAM_TOOL), "--sizes", "300K"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    for row in ["stream triad, torch (16 B)", "stream triad, NT stores (12 B)",
+                "adam traffic, no math (28 B)", "torch AdamW fused", "torch AdamW foreach"]:
+        assert row in table
+    for isa in _native.adam_available_isas():
+        assert f"offload {isa} fp32" in table and f"offload {isa} +bf16 copy" in table
+    assert "of triad" in table and "of traffic" in table
+    assert "bf16 copy-out, time over the fp32 step: " in table
+
+
+@pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_stream_triad_computes_b_plus_scalar_c_at_any_alignment(numel, offset):
+    # offset shifts a off 16-byte alignment: the streaming stores need a scalar head.
+    gen = torch.Generator().manual_seed(numel)
+    b, c = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    a = torch.full((numel + offset,), float("nan"))[offset:]
+    _native.stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), numel, 0.5)
+    torch.testing.assert_close(a, b + 0.5 * c, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("numel", [1, 527, 529, 2 * 2**16 + 77])
+def test_adam_traffic_adds_grad_to_param_and_both_moments(numel):
+    gen = torch.Generator().manual_seed(numel)
+    param, grad, exp_avg, exp_avg_sq = (torch.randn(numel, generator=gen) for _ in range(4))
+    expected = [t + grad for t in (param, exp_avg, exp_avg_sq)]
+    _native.adam_traffic(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                         exp_avg_sq.data_ptr(), numel)
+    for got, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(got, want)

@@ -4,14 +4,23 @@ For each size it times, on the same random fp32 data (allocated once, touched fi
   * offload adam_step_flat, every ISA this CPU runs, fp32 only and with a bf16 copy-out;
   * torch.optim.AdamW(fused=True) and AdamW(foreach=True) on one flat parameter;
   * deepspeed.ops.adam.DeepSpeedCPUAdam when importable (DS_ACCELERATOR=cpu);
-  * a STREAM triad, a = b + s * c (torch.add(b, c, alpha=s, out=a)) on arrays of the same
-    element count, counted as 3 arrays x 4 B x size (reads of b and c, the write of a;
-    write-allocate reads of a are not counted), with the same threads.
+  * memory-bandwidth limits on the same threads, each counted at the traffic it really moves:
+    - a STREAM triad, a = b + s * c, twice: torch.add(b, c, alpha=s, out=a), whose stores
+      read a's lines first (write-allocate: 16 B/element), and a native one with streaming
+      stores (12 B/element); "the triad" is the faster of the two in GB/s;
+    - the traffic of an fp32 Adam step without its arithmetic (native: param, exp_avg,
+      exp_avg_sq += grad in place, 28 B/element, with the Adam kernels' prefetch): the limit
+      for the step's own access pattern. It can beat the triad: when one core's outstanding
+      misses are the limit, the write-backs of lines read before cost no fill buffer, while
+      the triad's write-allocate reads and streaming stores do.
 Each figure is the median of --steps timed runs after one warm-up. GB/s counts the useful
 traffic of an Adam step for every implementation: 28 B/param (read param, grad, exp_avg,
-exp_avg_sq; write param, exp_avg, exp_avg_sq), 30 B/param with a 16-bit copy-out.
+exp_avg_sq; write param, exp_avg, exp_avg_sq; none of these lines is written without
+being read, so there is no hidden write-allocate traffic), 30 B/param with a 16-bit copy-out
+(streamed past the cache for large steps; without that, +2 B/param of reads go uncounted).
 "vs peer" is the best peer's time over this row's time (> 1: faster than every peer);
-"of triad" is this row's GB/s over the triad's.
+"of triad" and "of traffic" are this row's GB/s over those limits'. Below the table, the
+time the bf16 copy-out adds to each ISA's fp32 step.
 
     python tools/bench_adam.py --quick          # 10M params only
     python tools/bench_adam.py --sizes 100M 400M
@@ -61,8 +70,13 @@ def random_like(numel: int, gen: torch.Generator, scale: float = 1.0) -> torch.T
     return torch.randn(numel, generator=gen).mul_(scale)
 
 
+TORCH_TRIAD = "stream triad, torch (16 B)"
+TRIAD = "stream triad, NT stores (12 B)"
+TRAFFIC = "adam traffic, no math (28 B)"
+
+
 def bench_size(numel: int, steps: int) -> list[tuple[str, float, int]]:
-    """Returns (name, seconds, bytes per param) rows; the triad row counts 12 B/element."""
+    """Returns (name, seconds, bytes per param) rows."""
     gen = torch.Generator().manual_seed(0)
     param = random_like(numel, gen)
     grad = random_like(numel, gen, 1e-2)
@@ -72,8 +86,15 @@ def bench_size(numel: int, steps: int) -> list[tuple[str, float, int]]:
     rows = []
 
     a = torch.empty(numel).fill_(0)
-    rows.append(("stream triad (3 x 4 B)", median_seconds(
-        lambda: torch.add(grad, exp_avg, alpha=0.5, out=a), steps), 12))
+    rows.append((TORCH_TRIAD, median_seconds(
+        lambda: torch.add(grad, exp_avg, alpha=0.5, out=a), steps), 16))
+    rows.append((TRIAD, median_seconds(
+        lambda: _native.stream_triad(a.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), numel,
+                                     0.5), steps), 12))
+    a.zero_()  # adding zeros keeps the Adam rows' data as it was
+    rows.append((TRAFFIC, median_seconds(
+        lambda: _native.adam_traffic(param.data_ptr(), a.data_ptr(), exp_avg.data_ptr(),
+                                     exp_avg_sq.data_ptr(), numel), steps), BYTES_PER_PARAM))
     del a
 
     previous_isa = _native.adam_selected_isa()
@@ -113,20 +134,28 @@ def bench_size(numel: int, steps: int) -> list[tuple[str, float, int]]:
 
 
 def print_table(numel: int, rows: list[tuple[str, float, int]]) -> None:
-    triad_gbps = next(numel * b / s / 1e9 for name, s, b in rows if name.startswith("stream"))
+    limits = {name: numel * b / s / 1e9 for name, s, b in rows
+              if name in (TORCH_TRIAD, TRIAD, TRAFFIC)}
+    triad_gbps = max(limits[TORCH_TRIAD], limits[TRIAD])
     peers = [s for name, s, _ in rows if name.startswith(("torch", "deepspeed"))]
     best_peer = min(peers) if peers else float("nan")
     print(f"\n{numel / 1e6:g}M params, {offload.native_info()['num_threads']} native threads, "
           f"{torch.get_num_threads()} torch threads")
     print(f"{'implementation':30} {'ms':>9} {'Mparam/s':>9} {'GB/s':>7} {'vs peer':>8} "
-          f"{'of triad':>8}")
+          f"{'of triad':>8} {'of traffic':>10}")
     for name, seconds, bytes_per in rows:
         gbps = numel * bytes_per / seconds / 1e9
-        is_triad = name.startswith("stream")
-        mparams = "" if is_triad else f"{numel / seconds / 1e6:9.0f}"
-        vs_peer = "" if is_triad else f"{best_peer / seconds:8.2f}"
+        is_limit = name in limits
+        mparams = "" if is_limit else f"{numel / seconds / 1e6:9.0f}"
+        vs_peer = "" if is_limit else f"{best_peer / seconds:8.2f}"
         print(f"{name:30} {seconds * 1e3:9.2f} {mparams:>9} {gbps:7.2f} {vs_peer:>8} "
-              f"{gbps / triad_gbps:8.0%}")
+              f"{gbps / triad_gbps:8.0%} {gbps / limits[TRAFFIC]:10.0%}")
+    time_of = {name: s for name, s, _ in rows}
+    costs = []
+    for isa in _native.adam_available_isas():
+        extra = time_of[f"offload {isa} +bf16 copy"] / time_of[f"offload {isa} fp32"] - 1
+        costs.append(f"{isa} {extra:+.1%}")
+    print("bf16 copy-out, time over the fp32 step: " + ", ".join(costs))
 
 
 def main() -> None:
