@@ -18,6 +18,10 @@ flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Sema
   other (as with any asynchronous I/O): wait for one before issuing the other.
 - Filesystems that cannot bypass the page cache (tmpfs, or any that refuses O_DIRECT) are
   written buffered with ``fdatasync`` at each write's completion, after one warning.
+- Files stay open between requests (up to ``max_open_files``, least recently used closed
+  first). Each request still checks its path: a file removed since is an error as if it had
+  never been opened, a file replaced since is opened anew. A removed file keeps its disk space
+  while the engine holds it open; ``close_files()`` (or ``close()``) lets go of every file.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ ALIGN_BYTES = 4096
 BACKENDS = ("io_uring", "libaio", "threads")
 # Size of the auto probe's write+read; large enough to see queueing, small enough for startup.
 _PROBE_BYTES = 8 << 20
+# Swap spaces use a few large files; 128 descriptors cover a terabyte of 8 GiB swap files.
+DEFAULT_MAX_OPEN_FILES = 128
 _auto_choice_by_dir: Dict[str, str] = {}
 
 
@@ -112,15 +118,19 @@ class IOEngine:
     queue_depth: blocks kept in flight at once.
     probe_dir: where "auto" probes (default: the temp directory); pass the swap directory so
         the choice reflects the device that will be used.
+    max_open_files: files kept open between requests (each holds a file descriptor); 0 opens
+        and closes the file for every request.
     """
 
     def __init__(self, backend: str = "auto", block_bytes: int = 1 << 20, queue_depth: int = 32,
-                 probe_dir: Optional[str] = None):
+                 probe_dir: Optional[str] = None, *,
+                 max_open_files: int = DEFAULT_MAX_OPEN_FILES):
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-        for name, value in (("block_bytes", block_bytes), ("queue_depth", queue_depth)):
+        for name, value in (("block_bytes", block_bytes), ("queue_depth", queue_depth),
+                            ("max_open_files", max_open_files)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if block_bytes <= 0 or block_bytes % ALIGN_BYTES or block_bytes > (1 << 30):
@@ -129,9 +139,11 @@ class IOEngine:
                 f"got {block_bytes}")
         if not 1 <= queue_depth <= 4096:
             raise ValueError(f"queue_depth must be in [1, 4096], got {queue_depth}")
+        if max_open_files < 0:
+            raise ValueError(f"max_open_files must be >= 0, got {max_open_files}")
         if backend == "auto":
             backend = _auto_backend(probe_dir or tempfile.gettempdir())
-        self._core = _native.IOEngineCore(backend, block_bytes, queue_depth)
+        self._core = _native.IOEngineCore(backend, block_bytes, queue_depth, max_open_files)
         self.backend: str = backend
         self.block_bytes = block_bytes
         self.queue_depth = queue_depth
@@ -184,6 +196,18 @@ class IOEngine:
                 first_error = first_error or error
         if first_error is not None:
             raise first_error
+
+    @property
+    def num_open_files(self) -> int:
+        """Files the engine holds open now between requests."""
+        return self._core.num_open_files
+
+    def close_files(self) -> None:
+        """Closes the files held open between requests (those in use by requests in flight
+        close when the requests finish). Call it before removing files this engine moved
+        bytes of, so their disk space is freed at once."""
+        if not self._closed:
+            self._core.close_files()
 
     def close(self) -> None:
         """Waits for everything in flight (errors are not raised here) and stops the engine."""
