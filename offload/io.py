@@ -25,6 +25,7 @@ flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Sema
 """
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import time
@@ -36,7 +37,7 @@ import torch
 from offload import _native
 
 __all__ = ["IOEngine", "IOHandle", "aligned_empty", "probe_directory", "SwapSpace", "Extent",
-           "ALIGN_BYTES"]
+           "ALIGN_BYTES", "HUGE_PAGE_BYTES"]
 
 ALIGN_BYTES = 4096
 BACKENDS = ("io_uring", "libaio", "threads")
@@ -49,7 +50,9 @@ _auto_choice_by_dir: Dict[str, str] = {}
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialized 1-D tensor of ``nbytes`` bytes whose data starts on a 4 KiB boundary
-    (pinned when CUDA is present, so device copies from it are asynchronous)."""
+    (pinned when CUDA is present, so device copies from it are asynchronous). Without CUDA,
+    buffers of 2 MiB and more are backed by transparent huge pages where the kernel allows it;
+    see [Note: huge-page buffers]."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     if not isinstance(dtype, torch.dtype):
@@ -57,10 +60,40 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     itemsize = torch.empty((), dtype=dtype).element_size()
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a multiple of {dtype}'s size {itemsize}")
-    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8,
-                      pin_memory=torch.cuda.is_available())
-    skip = (-raw.data_ptr()) % ALIGN_BYTES
-    return raw[skip:skip + nbytes].view(dtype)
+    if torch.cuda.is_available() or nbytes < HUGE_PAGE_BYTES:
+        raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8,
+                          pin_memory=torch.cuda.is_available())
+        skip = (-raw.data_ptr()) % ALIGN_BYTES
+        return raw[skip:skip + nbytes].view(dtype)
+    return _huge_page_empty(nbytes).view(dtype)
+
+
+# [Note: huge-page buffers]
+# An O_DIRECT transfer is handed to the device as a list of physically contiguous segments,
+# and a device takes a bounded number per request (virtio-blk: max_segments 254). A buffer of
+# scattered 4 KiB pages therefore splits every block into requests of at most ~1 MiB: on the
+# development VM a 4 MiB block became 5-6 device requests (/sys/block/*/stat) and reads ran
+# at 1.1-1.35 GB/s; from 2 MiB huge pages the same blocks went out whole, 4 MiB per request,
+# at 1.7-2.2 GB/s. So CPU buffers of 2 MiB and more are anonymous mappings aligned to 2 MiB
+# with MADV_HUGEPAGE on their whole huge pages (the tail stays in 4 KiB pages, so resident
+# memory is never rounded up). The kernel may still decline (THP "never", fragmentation):
+# the buffer is then ordinary pages, only slower. With CUDA, buffers come from the pinned
+# allocator instead, whose layout is the driver's.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def _huge_page_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uninitialized bytes at a 2 MiB boundary, MADV_HUGEPAGE before first touch."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    skip = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    huge_bytes = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, skip, huge_bytes)
+        except OSError:  # kernel without THP: ordinary pages
+            pass
+    return raw[skip:skip + nbytes]
 
 
 def _check_tensor(tensor, name: str = "tensor") -> None:

@@ -1,4 +1,5 @@
 """The asynchronous I/O engine: round trips on every backend, error reporting, fallback."""
+import gc
 import os
 import subprocess
 import sys
@@ -226,6 +227,39 @@ def test_aligned_empty():
     assert f.numel() == 1024 and f.data_ptr() % 4096 == 0
     with pytest.raises(ValueError, match="nbytes"):
         aligned_empty(6, dtype=torch.float32)
+
+
+def _vm_flags_of(address):
+    """VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA buffers come pinned")
+def test_large_buffers_ask_for_huge_pages_and_are_freed():
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("kernel without transparent huge pages")
+    nbytes = (6 << 20) + 12345  # whole huge pages plus a 4 KiB-page tail
+    buf = aligned_empty(nbytes)
+    address = buf.data_ptr()
+    assert address % (2 << 20) == 0 and buf.numel() == nbytes
+    assert "hg" in _vm_flags_of(address)  # MADV_HUGEPAGE
+    assert "hg" not in _vm_flags_of(address + (6 << 20))  # the tail is not rounded up
+    buf.copy_(random_bytes(nbytes, seed=3))
+    view = buf[4096:8192].clone()
+    assert torch.equal(view, random_bytes(nbytes, seed=3)[4096:8192])
+    assert "hg" not in (_vm_flags_of(aligned_empty(1 << 20).data_ptr()) or [])  # small: heap
+    del buf
+    gc.collect()
+    assert _vm_flags_of(address) is None or "hg" not in _vm_flags_of(address)  # unmapped
 
 
 def test_thousands_of_small_requests_complete(engine, tmp_path):
