@@ -2,9 +2,12 @@
 own subprocess and produces a table and JSON rows with the measurements the lead's benchmark
 reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
 tools/bench_adam.py prints every row, and its native bandwidth yardsticks compute what they
-claim to (their timing is never asserted)."""
+claim to (their timing is never asserted); tools/bench_io.py runs every writer and its
+aiofiles baseline reads cold."""
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +158,44 @@ def test_adam_traffic_adds_grad_to_param_and_both_moments(numel):
                          exp_avg_sq.data_ptr(), numel)
     for got, want in zip((param, exp_avg, exp_avg_sq), expected):
         assert torch.equal(got, want)
+
+
+BENCH_IO = REPO_ROOT / "tools" / "bench_io.py"
+
+
+def _load_bench_io():
+    spec = importlib.util.spec_from_file_location("bench_io", BENCH_IO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_io_drops_the_aiofiles_file_from_the_page_cache(tmp_path):
+    bench_io = _load_bench_io()
+    path = tmp_path / "cached.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    if bench_io.page_cache_fraction(str(path)) < 0.9:
+        pytest.skip("this filesystem does not keep written files in the page cache")
+    remaining = bench_io.drop_from_page_cache(str(path))
+    if remaining > 0.9:
+        pytest.skip("this filesystem cannot drop its pages (tmpfs)")
+    assert remaining < 0.05
+
+
+def test_bench_io_small_run_has_every_writer_and_the_summary(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_IO), "--dir", str(tmp_path), "--size", "8MiB",
+         "--block-sizes", "1", "--depths", "2"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    for backend in ("io_uring", "libaio", "threads"):
+        assert f"engine:{backend} " in table or f"engine:{backend} failed" in proc.stderr
+    assert "python pwrite loop" in table and "engine best:" in table
+    if shutil.which("fio"):
+        assert "fio:io_uring" in table and "vs fio best" in table and "same cell" in table
+    if importlib.util.find_spec("aiofiles"):
+        assert "aiofiles" in table and "vs aiofiles, buffered + fsync, cold read" in table
+        assert "still cached" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # its work directory is removed
