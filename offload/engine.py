@@ -14,6 +14,17 @@ depends on what is resident when; residency only decides speed.
 [Note: released parameters] A parameter whose unit is not on the device holds an empty
 tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
 optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
+
+[Note: gradient ownership] A parameter's gradient leaves the device as soon as autograd has
+accumulated it (``_on_grad_ready``) and is held on the host tier until the unit's Adam has
+run. With CUDA (and [zero] with several ranks, whose collectives need flat buffers) it is
+copied into the unit's flat fp32 buffer from the gradient pool ([Note: gradient pool]).
+With a CPU device the gradient already lies in host RAM: the host tier takes autograd's
+tensor itself (a new fp32 copy when the compute dtype is 16-bit), one per parameter, and
+drops it when the unit is updated. Nothing then stays allocated for gradients between
+steps, no copy is made, and the memory of the gradients of one backward is that of plain
+PyTorch, given back as units are updated. The tier accounts these tensors like its own
+buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts them as moved.
 """
 from __future__ import annotations
 
@@ -38,11 +49,13 @@ from offload.prefetch import NEVER, Prefetcher
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel, split_into_units)
+    OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel,
+    split_into_units)
 from offload.zero import ParamShard, Partition, ShardRange
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FP32_BYTES = 4
+_ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 
 
 class _PostBackward(torch.autograd.Function):
@@ -105,7 +118,10 @@ class _Unit:
         self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
         self.master_home: Any = None        # None when merged with the compute copy
         self.moments_home: Any = None       # exp_avg then exp_avg_sq, master_numel each
+        # The fp32 gradient: one flat pooled buffer (grad), or one tensor per trainable
+        # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
         self.grad: Optional[torch.Tensor] = None
+        self.param_grads: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
         # [zero] The part of the trainable prefix whose master/moments this rank keeps and
         # updates (all of it on one process), the grad buffer's length and the element of
         # the trainable prefix at grad[0]. Partition.assign changes them.
@@ -218,6 +234,8 @@ class Engine:
             self._partition.check_consistent(config, self.units, optimizer)
             self._partition.bind_gradient_buffers(self._grad_buffer)
         self._gathers = self._partition is not None and self._partition.shards_params
+        # [Note: gradient ownership] [zero] collectives work on flat buffers: pool those.
+        self._adopts_grads = self.device.type == "cpu" and self._partition is None
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -587,13 +605,20 @@ class Engine:
 
     @torch.no_grad()
     def _write_initial_state(self, u: _Unit) -> None:
-        master = torch.zeros(u.master_numel, dtype=torch.float32)
-        compute = torch.zeros(u.compute_numel, dtype=self.compute_dtype)
+        """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
+        it is written without a bounce copy) and a separate fp32 master where one is kept;
+        each parameter's own storage is let go once copied, the moments are zeros."""
+        from offload.io import aligned_empty
+
+        compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), self.compute_dtype).zero_()
+        master = torch.zeros(u.master_numel, dtype=torch.float32) \
+            if not self._merged or self._partition is not None else None
         for e in u.spec.entries:
             value = e.param.detach().reshape(-1).to("cpu")
             compute[e.offset:e.offset + e.numel].copy_(value)
-            if e.trainable:
+            if e.trainable and master is not None:
                 master[e.offset:e.offset + e.numel].copy_(value)
+            e.param.data = self._placeholder
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
         if self._param_tier == "device":
@@ -608,9 +633,7 @@ class Engine:
                 master_shard = torch.zeros(s.state_numel, dtype=torch.float32)
                 master_shard[:s.numel].copy_(master[s.lo:s.hi])
                 self._store(u.master_home, master_shard)
-            self._store(u.moments_home, torch.zeros(2 * s.state_numel, dtype=torch.float32))
-        for e in u.spec.entries:
-            e.param.data = self._placeholder
+            self._store_zeros(u.moments_home)
         if self._param_tier == "device":
             self._bind(u)
 
@@ -630,8 +653,21 @@ class Engine:
         if isinstance(home, torch.Tensor):
             home.copy_(src)
             return
-        staging = self._host_bounce(src)
+        staging = src if src.data_ptr() % PAGE_BYTES == 0 else self._host_bounce(src)
         self._nvme.write(staging, home).wait()
+
+    def _store_zeros(self, home: Any) -> None:
+        """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written
+        piece by piece, all pieces in flight at once."""
+        if isinstance(home, torch.Tensor):
+            home.zero_()
+            return
+        from offload.io import aligned_empty
+
+        zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
+        self._wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
+                                         _sub(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
+                        for offset in range(0, home.nbytes, _ZEROS_BYTES)])
 
     def _load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Synchronous read of a whole buffer from its home into a new host tensor."""
@@ -948,17 +984,26 @@ class Engine:
         self._device.hold_transient(num_bytes)
         e = u.trainable[k]
         sharded_grads = self._partition is not None and self._partition.shards_gradients
-        if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
-            dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
-        else:
-            dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
         src = grad.reshape(-1)
-        if src.device != dst.device:
-            src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
-        if u.has_grad[k] or sharded_grads:
-            dst.add_(src)
+        if self._adopts_grads:  # [Note: gradient ownership]
+            if u.has_grad[k]:
+                u.param_grads[k].add_(src)
+            else:
+                # fp32: autograd's own tensor (exclusively the parameter's, which is why
+                # PyTorch accumulates into it in place); 16-bit: a new fp32 copy
+                u.param_grads[k] = src if src.dtype == torch.float32 else src.to(torch.float32)
+                self._host.adopt(u.param_grads[k])
         else:
-            dst.copy_(src)
+            if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
+                dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
+            else:
+                dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
+            if src.device != dst.device:
+                src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
+            if u.has_grad[k] or sharded_grads:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
         u.has_grad[k] = True
         param.grad = None
         self._device.drop_transient(num_bytes)
@@ -970,7 +1015,8 @@ class Engine:
             self._maybe_update_early()
 
     def _grad_buffer(self, u: _Unit) -> torch.Tensor:
-        """u's fp32 gradient buffer, taken from the pool when its first gradient arrives.
+        """u's flat fp32 gradient buffer, taken from the pool when its first gradient
+        arrives (not with a CPU device: see [Note: gradient ownership]).
         [Note: gradient pool] Buffers go back to the pool as soon as the unit is updated,
         so with early updates only the units between backward and update hold one; they
         are reused, never freed (memory touched again is fast, fresh memory is not)."""
@@ -987,6 +1033,19 @@ class Engine:
             with self._grad_pool_lock:
                 self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
             u.grad = None
+        for k, g in enumerate(u.param_grads):
+            if g is not None:
+                self._host.release(g)
+                u.param_grads[k] = None
+
+    def _grad_range(self, u: _Unit, k: int, a: int, b: int) -> torch.Tensor:
+        """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
+        parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
+        in the parameter's own tensor."""
+        if u.grad is not None:
+            return u.grad[a - u.grad_base:b - u.grad_base]
+        e = u.trainable[k]
+        return u.param_grads[k][a - e.offset:b - e.offset]
 
     def _on_unit_backward_done(self, u: _Unit) -> None:
         u.backward_done += 1
@@ -1081,7 +1140,7 @@ class Engine:
                 continue
             for k, e in enumerate(u.trainable):
                 if u.has_grad[k]:
-                    square = self._grad_squares(u, e)
+                    square = self._grad_squares(u, k)
                     if first_nonfinite is None and not torch.isfinite(square):
                         first_nonfinite = (u, e)
                     squares += square
@@ -1117,9 +1176,9 @@ class Engine:
                 factor *= clip
         return factor, False
 
-    @staticmethod
-    def _grad_squares(u: _Unit, e: ParamEntry) -> torch.Tensor:
-        g = u.grad[e.offset:e.offset + e.numel]
+    def _grad_squares(self, u: _Unit, k: int) -> torch.Tensor:
+        e = u.trainable[k]
+        g = self._grad_range(u, k, e.offset, e.offset + e.numel)
         return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
 
     def _check_not_failed(self, what: str) -> None:
@@ -1180,7 +1239,7 @@ class Engine:
         if not self._early_updates:
             return
         for u in self.units[1:]:
-            if u.updated or u.grad is None or u.grads_since_use < len(u.trainable):
+            if u.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
                 continue
             trace_done = self._prefetcher.used_later(u.index) is False
             calls_done = 0 < u.calls <= u.backward_done
@@ -1195,27 +1254,49 @@ class Engine:
         u.early_grad_squares, u.early_nonfinite = 0.0, None
         for k, e in enumerate(u.trainable):
             if u.has_grad[k]:
-                square = self._grad_squares(u, e).item()
+                square = self._grad_squares(u, k).item()
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares += square
         if self._staged_step:
-            steps = self._next_steps(u)
-            for lo, hi in self._pieces(u):
-                # slot 0 is reserved for the root unit's first piece (see backward)
-                index = 1 + self._next_slot % (len(self._slots) - 1)
-                slot = self._slots[index]
-                self._next_slot += 1
-                self._finish_slot_writes(index)
-                self._wait_all(self._issue_reads(u, lo, hi, slot))
-                self._update_staged(u, lo, hi, steps, slot, 1.0)
-                self._slot_writer[index] = (u, lo, hi)
-                self._issue_writes(u, lo, hi, slot)
-            u.steps = steps
-            self._release_grad(u)
+            self._update_early_staged(u)
         else:
             self._update_in_place(u, 1.0)
         self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
+
+    def _update_early_staged(self, u: _Unit) -> None:
+        """The pieces of u through the staging slots other than slot 0 (kept for the root
+        unit's first piece, see backward), in a ring: piece i+1's reads are in flight while
+        Adam updates piece i (with two or more slots), piece i-1's writes after it."""
+        steps = self._next_steps(u)
+        pieces = self._pieces(u)
+        num_slots = len(self._slots) - 1
+        reads: Dict[int, Tuple[int, List[Any]]] = {}
+
+        def issue_reads(i: int) -> None:
+            index = 1 + self._next_slot % num_slots
+            self._next_slot += 1
+            self._finish_slot_writes(index)  # the slot's previous piece is on disk first
+            lo, hi = pieces[i]
+            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index]))
+
+        try:
+            issue_reads(0)
+            for i, (lo, hi) in enumerate(pieces):
+                index, handles = reads.pop(i)
+                self._wait_all(handles)
+                if num_slots > 1 and i + 1 < len(pieces):
+                    issue_reads(i + 1)
+                self._update_staged(u, lo, hi, steps, self._slots[index], 1.0)
+                self._slot_writer[index] = (u, lo, hi)
+                self._issue_writes(u, lo, hi, self._slots[index])
+                if num_slots == 1 and i + 1 < len(pieces):
+                    issue_reads(i + 1)
+        finally:  # nothing may stay in flight into a slot (errors are reported already)
+            for _, handles in reads.values():
+                self._drain(handles)
+        u.steps = steps
+        self._release_grad(u)
 
     def _wait_optimizer(self) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
@@ -1269,8 +1350,7 @@ class Engine:
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
                     compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True) -> None:
         """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
-        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo;
-        u.grad at element ``u.grad_base`` ([zero]: the rank's shard with stage 2)."""
+        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo."""
         groups = self.optimizer.param_groups
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
@@ -1284,7 +1364,7 @@ class Engine:
             group = groups[e.group_index]
             beta1, beta2 = group["betas"]
             adam_step_flat(
-                master[r], u.grad[a - u.grad_base:b - u.grad_base], exp_avg[r], exp_avg_sq[r], step=steps[k],
+                master[r], self._grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
                 copy_out=None if compute_out is None else compute_out[r])
@@ -1717,6 +1797,7 @@ class Engine:
             "device_peak_bytes": self._device.peak_bytes,
             "device_budget_bytes": self._device.budget_bytes,
             "host_peak_bytes": self._host.peak_bytes,
+            "host_bytes": self._host.used_bytes,
             "nvme_bytes": nvme.used_bytes if nvme else 0,
             "bytes_read_nvme": nvme.bytes_read if nvme else 0,
             "bytes_written_nvme": nvme.bytes_written if nvme else 0,

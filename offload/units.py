@@ -33,7 +33,9 @@ PAGE_BYTES = 4096
 # The optimizer pipeline moves states in pieces of at most this many elements (a multiple of
 # 4096, so that every piece starts on a page in fp32 and 16-bit buffers alike): staging
 # memory is then a few pieces, not a few of the largest unit (an embedding can be huge).
-OPTIMIZER_PIECE_NUMEL = 1 << 22
+# 1 Mi elements: a slot of master + moments is 12 MiB, and requests of 4 MiB still keep the
+# I/O engine's queue full; larger pieces only add idle host memory.
+OPTIMIZER_PIECE_NUMEL = 1 << 20
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -143,7 +143,7 @@ def test_plan_on_a_parameter_count_gives_the_documented_bytes(tmp_path):
     staging = 3 * (3 * 4 * n_unit)                       # pipeline depth 3, master+moments
     c = configs[("nvme", "nvme")]
     assert c["nvme_bytes"] == compute + master + moments
-    # + a bf16 compute piece per slot: the piece (one unit here, under 4 Mi elements) plus
+    # + a bf16 compute piece per slot: the piece (one unit here, 1 Mi elements) plus
     # 2048 elements, since a 16-bit prefix is padded to 2048 elements and fp32 to 1024
     assert c["host_bytes"] == grads + staging + 3 * 2 * (n_unit + 2048)
     assert c["device_bytes"] == 2 * (2 * n_unit) + largest_param_bytes

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.gpt import GPT, GPTConfig
+from offload.units import OPTIMIZER_PIECE_NUMEL
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
 # fp32 parity bound from the issue. The engine runs the same fp32 operations in the same
@@ -219,6 +220,32 @@ def test_device_budget_is_never_exceeded_and_matches_the_analytic_peak():
     assert stats["device_peak_bytes"] <= budget
     assert stats["device_peak_bytes"] == expected_peak
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir):
+    # [Note: gradient ownership] On a CPU device the host tier takes autograd's gradients
+    # (fp32 copies with bf16) instead of copying them into pooled buffers: its peak is the
+    # optimizer staging slots plus every gradient of one backward, to the byte, and between
+    # steps it holds the staging slots alone.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, dtype=dtype,
+                  prefetch=False, device="cpu")  # no early updates: all gradients wait for step()
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        piece_numel = min(max(u.master_numel for u in engine.units), OPTIMIZER_PIECE_NUMEL)
+        # per slot: master + exp_avg + exp_avg_sq pieces, and with bf16 the new compute copy
+        # (a 16-bit prefix is padded to 2048 elements)
+        slot_bytes = 3 * piece_numel * 4 + (0 if dtype == "fp32" else (piece_numel + 2048) * 2)
+        staging_bytes = engine.config.optimizer_pipeline_depth * slot_bytes
+        assert engine.stats()["host_bytes"] == staging_bytes
+        for b in batches(2):
+            engine.backward(gpt_loss(engine, b))
+            assert engine.stats()["host_bytes"] == staging_bytes + trainable_numel * 4
+            engine.step()
+            assert engine.stats()["host_bytes"] == staging_bytes
+        assert engine.stats()["host_peak_bytes"] == staging_bytes + trainable_numel * 4
 
 
 class Quirky(nn.Module):
