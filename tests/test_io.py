@@ -256,7 +256,6 @@ def test_large_buffers_ask_for_huge_pages_and_are_freed():
     buf.copy_(random_bytes(nbytes, seed=3))
     view = buf[4096:8192].clone()
     assert torch.equal(view, random_bytes(nbytes, seed=3)[4096:8192])
-    assert "hg" not in (_vm_flags_of(aligned_empty(1 << 20).data_ptr()) or [])  # small: heap
     del buf
     gc.collect()
     assert _vm_flags_of(address) is None or "hg" not in _vm_flags_of(address)  # unmapped
