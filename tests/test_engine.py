@@ -248,6 +248,27 @@ def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir)
         assert engine.stats()["host_peak_bytes"] == staging_bytes + trainable_numel * 4
 
 
+def test_units_run_on_page_aligned_slots_of_the_cpu_arena(swap_dir):
+    # The swap files are read straight into a unit's slot; the I/O engine would send an
+    # unaligned destination through a bounce buffer, synchronously, behind all other I/O.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    starts = []
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, device="cpu",
+                  device_budget=budget_for(model, 0.6))
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        for u in engine.units[1:]:
+            first = u.spec.entries[0]
+            assert first.offset == 0
+            u.spec.module.register_forward_pre_hook(
+                lambda module, args, param=first.param: starts.append(param.data_ptr()))
+        for b in batches(2):
+            engine.backward(gpt_loss(engine, b))
+            engine.step()
+    assert len(starts) == 2 * (len(engine.units) - 1)
+    assert all(address % 4096 == 0 for address in starts)
+
+
 class Quirky(nn.Module):
     """Frozen params, BatchNorm buffers, a module called twice, a parameter used outside any
     unit, and a branch that is skipped on odd steps (no gradient, so no update)."""

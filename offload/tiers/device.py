@@ -12,6 +12,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from offload.tiers.host import mapped_empty
+
 
 class DeviceTier:
     """Byte-accounted slots inside one preallocated arena of the compute dtype.
@@ -26,7 +28,14 @@ class DeviceTier:
         self.dtype = dtype
         self.element_bytes = torch.empty(0, dtype=dtype).element_size()
         self.budget_bytes = budget_bytes
-        self.arena = torch.zeros(capacity_numel, dtype=dtype, device=device)  # touched once here
+        # Touched once here. On the CPU the arena is page aligned, like every slot in it (a
+        # unit's buffers are whole pages): the I/O engine reads swap files straight into a
+        # slot, where an unaligned one would go through a bounce buffer, synchronously and
+        # behind every request in flight.
+        if device.type == "cpu":
+            self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype).zero_()
+        else:
+            self.arena = torch.zeros(capacity_numel, dtype=dtype, device=device)
         self.arena_storage_ptr = self.arena.untyped_storage().data_ptr()
         self._free: List[Tuple[int, int]] = [(0, capacity_numel)] if capacity_numel else []
         self.slot_bytes = 0

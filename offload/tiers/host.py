@@ -19,7 +19,7 @@ import torch
 from offload.io import aligned_empty
 
 
-def _mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+def mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor on anonymous pages of its own (zero until first written)."""
     if num_bytes == 0:
         return torch.empty(0, dtype=dtype)
@@ -43,7 +43,7 @@ class HostTier:
         if torch.cuda.is_available():
             tensor = aligned_empty(numel * element_bytes, dtype=dtype)
         else:  # [Note: host buffers outside the heap]
-            tensor = _mapped_empty(numel * element_bytes, dtype)
+            tensor = mapped_empty(numel * element_bytes, dtype)
         if zero:
             tensor.zero_()
         self.adopt(tensor)
