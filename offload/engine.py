@@ -244,7 +244,10 @@ class Engine:
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
         needs_nvme = "nvme" in (self._param_tier, self._optimizer_tier)
-        self._staged_step = needs_nvme
+        # [zero] Stage >= 1 updates whole shards (_update_shard) through reused buffers of
+        # its own, not the piece pipeline and its staging slots.
+        self._staged_step = needs_nvme and not (self._partition is not None and self._partition.shards_state)
+        self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
 
@@ -321,6 +324,8 @@ class Engine:
         self._forward_depth = 0
         self._saved_hooks: List[Any] = []
         self._hook_handles: List[Any] = []
+        # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
+        self._buffers = [b for b in model.buffers()]
         self._install_hooks()
         # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
         # _dirty: unit index -> states whose swap write failed, held in host RAM.
@@ -380,8 +385,9 @@ class Engine:
                 if not self._merged:
                     master += u.shard.state_numel * _FP32_BYTES
                 moments += 2 * u.shard.state_numel * _FP32_BYTES
-        if "nvme" in (self._param_tier, self._optimizer_tier):
+        if self._staged_step:
             staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
+        staging += 2 * sum(self._update_buffer_bytes(element_bytes).values())  # two buffer sets
         largest = max(u.compute_numel for u in self.units)
         fetch = 0  # see the fetch buffers made in __init__
         if self._partition is not None and self._partition.shards_params:
@@ -394,6 +400,78 @@ class Engine:
         return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
                 "Adam moments": moments, "optimizer staging buffers": staging,
                 "fetch staging buffers": fetch}
+
+    def _update_buffer_bytes(self, element_bytes: int) -> Dict[str, int]:
+        """[zero] Stage >= 1 with states on NVMe: bytes of the host buffer each NVMe-homed
+        state is read into for an update, per role (one of the two buffer sets of
+        _sharded_update): a piece at stage 3, the largest unit's shard (and, for the
+        compute copy, the whole unit) at stages 1-2."""
+        if self._partition is None or not self._partition.shards_state:
+            return {}
+        sizes = {}
+        largest = max((u.shard.state_numel for u in self.units if u.trainable), default=0)
+        if self._partition.shards_params:
+            largest = min(largest, OPTIMIZER_PIECE_NUMEL)
+        if self._param_tier == "nvme" and (self._merged or self.compute_dtype != torch.float32):
+            home_element_bytes = _FP32_BYTES if self._merged else element_bytes
+            compute = largest if self._partition.shards_params else max(u.compute_numel for u in self.units)
+            sizes["compute"] = home_element_bytes * compute
+        if self._optimizer_tier == "nvme":
+            if not self._merged:
+                sizes["master"] = largest * _FP32_BYTES
+            sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * _FP32_BYTES
+        return sizes
+
+    def _shard_pieces(self, u: _Unit) -> List[Tuple[int, int]]:
+        """[zero] The ranges of u's shard (in shard coordinates) updated one at a time: page-
+        aligned pieces at stage 3, where every state of the shard starts on a page at home;
+        the whole shard at stages 1-2 (its compute copy is whole and gathered at once)."""
+        n = u.shard.state_numel
+        if u.param_shard is None:
+            return [(0, n)]
+        return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, n)) for lo in range(0, n, OPTIMIZER_PIECE_NUMEL)]
+
+    def _shard_homes(self, u: _Unit, lo: int, hi: int) -> List[Tuple[str, Any, torch.dtype]]:
+        """[zero] (role, swap extent, dtype) of each NVMe-homed buffer that the update of
+        elements [lo, hi) of u's shard reads and writes."""
+        homes = []
+        n, state_numel = hi - lo, u.shard.state_numel
+        if u.compute_home is not None and _on_nvme(u.compute_home) and \
+                (self._merged or self.compute_dtype != torch.float32):
+            dtype = torch.float32 if self._merged else self.compute_dtype
+            size = torch.empty(0, dtype=dtype).element_size()
+            if u.param_shard is None:  # stages 1-2: the whole compute copy
+                homes.append(("compute", u.compute_home, dtype))
+            elif lo < u.param_shard.trainable_chunk_numel:  # stage 3: the rank's chunk
+                end = min(hi, u.param_shard.trainable_chunk_numel)
+                homes.append(("compute", _sub(u.compute_home, lo * size, (end - lo) * size), dtype))
+        if not self._merged and _on_nvme(u.master_home):
+            homes.append(("master", _sub(u.master_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
+        if _on_nvme(u.moments_home):
+            homes.append(("exp_avg", _sub(u.moments_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
+            homes.append(("exp_avg_sq", _sub(u.moments_home, (state_numel + lo) * _FP32_BYTES,
+                                             n * _FP32_BYTES), torch.float32))
+        return homes
+
+    def _start_shard_reads(self, u: _Unit, lo: int, hi: int,
+                           buffer_set: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
+        """[zero] Start reading elements [lo, hi) of u's NVMe-homed shard states into buffer
+        set ``buffer_set`` (0 or 1) of the update buffers: made at the first update (fresh
+        memory is slow to touch on some machines, so never per step), then reused."""
+        views: Dict[str, torch.Tensor] = {}
+        handles = []
+        for role, extent, dtype in self._shard_homes(u, lo, hi):
+            buf = self._update_buffers.get(f"{role}{buffer_set}")
+            if buf is None:
+                element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
+                buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
+                self._update_buffers[f"{role}{buffer_set}"] = buf
+            views[role] = buf[:extent.nbytes].view(dtype)
+            handles.append(self._nvme.read(views[role], extent))
+        return views, handles
+
+    def _start_shard_writes(self, u: _Unit, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
+        return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u, lo, hi)]
 
     @staticmethod
     def _compute_home_numel(u: _Unit) -> int:
@@ -810,6 +888,8 @@ class Engine:
         if self._forward_depth > 1:
             return
         self._wait_optimizer()
+        if self._partition is not None and self.module.training and self._buffers:  # [zero]
+            self._partition.broadcast_buffers(self._buffers)
         key = self._pass_key(args, kwargs)
         if key[0] and key[1]:
             self._last_train_key = key
@@ -1135,8 +1215,7 @@ class Engine:
         try:
             with self.stats_counters.timed("optimizer"):
                 if self._partition is not None and self._partition.shards_state:  # [zero]
-                    for u in units:
-                        self._update_shard(u, grad_factor)
+                    self._sharded_update(units, grad_factor)
                 elif self._staged_step:
                     self._staged_update(units, grad_factor)
                 else:
@@ -1339,18 +1418,62 @@ class Engine:
         self._release_grad(u)
 
     @torch.no_grad()
-    def _update_shard(self, u: _Unit, grad_factor: float) -> None:
-        """[zero] Stage >= 1: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
+    def _sharded_update(self, units: List[_Unit], grad_factor: float) -> None:
+        """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
+        (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
+        are in flight while this one is updated (and, stages 1-2, gathered), and the
+        previous one's writes drain meanwhile. A swap I/O error leaves some units updated
+        and others not: the engine refuses to go on, as after a failed read in
+        _staged_update."""
+        work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
+        writes: List[List[Any]] = [[], []]  # per buffer set
+        reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
+        current: Optional[_Unit] = None
+        steps: List[int] = []
+        try:
+            if work:
+                reads = self._start_shard_reads(*work[0], 0)
+            for i, (u, lo, hi) in enumerate(work):
+                current = u
+                views, handles = reads
+                self._wait_all(handles)
+                if i + 1 < len(work):
+                    self._wait_all(writes[(i + 1) % 2])
+                    reads = self._start_shard_reads(*work[i + 1], (i + 1) % 2)
+                if lo == 0:
+                    steps = self._next_steps(u)
+                if u.param_shard is not None:
+                    self._update_param_piece(u, lo, hi, steps, grad_factor, views)
+                else:
+                    self._update_shard(u, steps, grad_factor, views)
+                writes[i % 2] = self._start_shard_writes(u, lo, hi, views)
+                if hi == u.shard.state_numel:
+                    u.steps = steps
+                    self._release_grad(u)
+            current = None
+            for handles in writes:
+                self._wait_all(handles)
+        except BaseException as error:
+            self._drain(reads[1])
+            for handles in writes:
+                self._drain(handles)
+            if isinstance(error, OSError):
+                where = f"unit {current.name!r}" if current is not None else "a unit"
+                self._failure = {"fatal": True, "message": (
+                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
+                    f"working on {where} ({error}); some units were updated and others not: "
+                    "resume from the last checkpoint (engine.load_checkpoint(DIR) or a new process)")}
+                raise OSError(error.errno, self._failure["message"]) from error
+            raise
+
+    def _update_shard(self, u: _Unit, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
+        """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
         then the other ranks' parts are all-gathered. The moments and a separate master
         are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
-        copy are in full coordinates. States on NVMe are read and written whole per unit:
-        a shard starts anywhere in the compute copy, so its pieces are not page aligned
-        (and this path is not pipelined over pieces yet)."""
-        if u.param_shard is not None:
-            self._update_param_shard(u, grad_factor)
-            return
+        copy are in full coordinates. ``views``: the NVMe-homed buffers, read whole by
+        _sharded_update (a shard starts anywhere in the compute copy, so it cannot be cut
+        into page-aligned pieces), which also writes them back."""
         s, t = u.shard, u.spec.trainable_numel
-        steps = self._next_steps(u)
         start = time.perf_counter()
         # Full-coordinate buffer that receives the gathered parameters: the compute copy
         # (the master too when merged), or None when the compute copy is a separate fp32
@@ -1362,21 +1485,14 @@ class Engine:
                 if self._param_tier == "device":  # a CUDA slot: update a host copy
                     full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
                 else:
-                    dtype = torch.float32 if self._merged else self.compute_dtype
-                    full = self._load(u.compute_home, u.compute_numel, dtype) \
-                        if _on_nvme(u.compute_home) else u.compute_home
-        if self._merged:
-            master = full[s.lo:s.lo + s.state_numel]
-        else:
-            master = self._load(u.master_home, s.state_numel, torch.float32) \
-                if _on_nvme(u.master_home) else u.master_home
-        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
-            if _on_nvme(u.moments_home) else u.moments_home
+                    full = views.get("compute", u.compute_home)
+        master = full[s.lo:s.lo + s.state_numel] if self._merged else views.get("master", u.master_home)
+        exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not _on_nvme(u.moments_home) else None)
+        exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not _on_nvme(u.moments_home) else None)
         compute_out = None if self._merged or full is None else full[s.lo:s.hi]
         if s.numel:
-            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
-                             moments[s.state_numel:s.state_numel + s.numel], compute_out, False,
-                             grad_factor, copy_to_device=False)
+            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
+                             compute_out, False, grad_factor, copy_to_device=False)
         self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
         if full is not None:
             self._partition.all_gather_shards(u, full, in_full_coordinates=True)
@@ -1385,50 +1501,32 @@ class Engine:
             self._device.view(u.device_offset, t).copy_(gathered)
         if full is not None and self._param_tier == "device" and self.device.type == "cuda":
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
-        elif full is not None and self._param_tier == "nvme":
-            self._store(u.compute_home, full)
-        if not self._merged and _on_nvme(u.master_home):
-            self._store(u.master_home, master)
-        if _on_nvme(u.moments_home):
-            self._store(u.moments_home, moments)
-        u.steps = steps
-        self._release_grad(u)
 
     @torch.no_grad()
-    def _update_param_shard(self, u: _Unit, grad_factor: float) -> None:
-        """[zero] Stage 3: Adam on this rank's shard; the new values of the rank's trainable
-        chunk of the compute copy go home (merged: the chunk is the master itself). No
-        all-gather: the next fetch gathers every rank's chunk."""
+    def _update_param_piece(self, u: _Unit, lo: int, hi: int, steps: List[int], grad_factor: float,
+                            views: Dict[str, torch.Tensor]) -> None:
+        """[zero] Stage 3: Adam on elements [lo, hi) of this rank's shard (shard coordinates);
+        the new values of the rank's trainable chunk of the compute copy go home (merged:
+        the chunk is the master itself). No all-gather: the next fetch gathers every rank's
+        chunk. ``views``: the NVMe-homed states of the piece, written back by
+        _sharded_update."""
         s = u.shard
-        steps = self._next_steps(u)
+        numel = min(hi, s.numel) - lo  # elements the rank owns in this piece
+        if numel <= 0:
+            return
         start = time.perf_counter()
-        home = u.compute_home
-        chunk_numel = u.param_shard.trainable_chunk_numel
-        dtype = torch.float32 if self._merged else self.compute_dtype
-        chunk_bytes = chunk_numel * torch.empty(0, dtype=dtype).element_size()
-        chunk = self._load(_sub(home, 0, chunk_bytes), chunk_numel, dtype) if _on_nvme(home) \
-            else home[:chunk_numel]
-        if self._merged:
-            master, compute_out = chunk, None
-        else:
-            master = self._load(u.master_home, s.state_numel, torch.float32) \
-                if _on_nvme(u.master_home) else u.master_home
-            compute_out = chunk[:s.numel]
-        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32) \
-            if _on_nvme(u.moments_home) else u.moments_home
-        if s.numel:
-            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], moments[:s.numel],
-                             moments[s.state_numel:s.state_numel + s.numel], compute_out, False,
-                             grad_factor, copy_to_device=False)
-        self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
-        if _on_nvme(home):
-            self._store(_sub(home, 0, chunk_bytes), chunk)
-        if not self._merged and _on_nvme(u.master_home):
-            self._store(u.master_home, master)
-        if _on_nvme(u.moments_home):
-            self._store(u.moments_home, moments)
-        u.steps = steps
-        self._release_grad(u)
+        moments = u.moments_home
+
+        def host_or_view(role: str, home: Any, begin: int) -> torch.Tensor:
+            return views[role] if role in views else home[begin:begin + numel]
+        chunk = host_or_view("compute", u.compute_home, lo)
+        master = chunk if self._merged else host_or_view("master", u.master_home, lo)
+        exp_avg = host_or_view("exp_avg", moments, lo)
+        exp_avg_sq = host_or_view("exp_avg_sq", moments, s.state_numel + lo)
+        self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
+                         exp_avg_sq[:numel], None if self._merged else chunk[:numel], False,
+                         grad_factor, copy_to_device=False)
+        self._trace_span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
 
     def _master_home(self, u: _Unit) -> Any:
         return u.compute_home if self._merged else u.master_home
@@ -1683,7 +1781,8 @@ class Engine:
     @torch.no_grad()
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
-        master where one exists, else the compute copy."""
+        master where one exists, else the compute copy. [zero] With several ranks at stage
+        >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
         values: Dict[int, Dict[int, torch.Tensor]] = {}
         entry_of: Dict[nn.Parameter, Tuple[_Unit, ParamEntry]] = {}
         for u in self.units:

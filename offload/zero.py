@@ -136,7 +136,8 @@ class Partition:
     """This rank's place among ``world_size`` ranks and the collectives of one engine.
 
     The engine calls it at a few marked places ("[zero]" in engine.py): unit buffer sizes
-    (``assign``), initial state (``broadcast_initial``), backward (``gradient_bucket`` /
+    (``assign``), initial state (``broadcast_initial``), buffers before each training
+    forward (``broadcast_buffers``), backward (``gradient_bucket`` /
     ``gradient_arrived``, stage >= 2), fetches (``gather_params``, stage 3), the optimizer
     step (``finish_gradients``, ``global_grad_squares``, ``all_gather_shards``) and
     ``zero_grad``.
@@ -327,6 +328,21 @@ class Partition:
         for t in tensors:
             self._collective("initial state broadcast",
                              lambda t=t: dist.broadcast(t, src=0, group=self.group))
+
+    @torch.no_grad()
+    def broadcast_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Rank 0's buffers (BatchNorm running statistics, say) on every rank, as
+        DistributedDataParallel does before each training forward: one broadcast per dtype."""
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([b.detach().reshape(-1).to("cpu") for b in group])
+            self._collective("buffer broadcast", lambda: dist.broadcast(flat, src=0, group=self.group))
+            offset = 0
+            for b in group:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()

@@ -163,6 +163,89 @@ def test_small_beta1_takes_torch_other_lerp_branch(isa):
     assert_states_equal(ours, ref)
 
 
+# ---- memory paths: streaming copy-out, prefetch, misaligned buffers ---------------------
+# See [Note: Adam memory traffic] in native/adam/adam_kernels.h. None of these paths may change
+# a result, so each is pinned against the same bit-exact reference as above.
+
+@contextlib.contextmanager
+def stream_copy_out_from(numel: int):
+    previous = _native.adam_stream_copy_out_min_numel()
+    _native.adam_set_stream_copy_out_min_numel(numel)
+    try:
+        yield
+    finally:
+        _native.adam_set_stream_copy_out_min_numel(previous)
+
+
+def misaligned(numel: int, offset: int, dtype=torch.float32) -> torch.Tensor:
+    """A contiguous view that starts offset elements into a (64-byte aligned) allocation."""
+    return torch.zeros(numel + offset, dtype=dtype)[offset:]
+
+
+def run_misaligned(isa, numel, offsets, copy_dtype, grad_dtype=torch.float32, steps=3):
+    """Kernel and reference on buffers starting offsets[name] elements past an aligned
+    allocation; returns (ours, ref, copies_equal) like run_flat."""
+    gen = torch.Generator().manual_seed(numel)
+    init = torch.randn(numel, generator=gen)
+    ours = [misaligned(numel, offsets[name]) for name in ("param", "exp_avg", "exp_avg_sq")]
+    ours[0].copy_(init)
+    ref = [init.clone(), torch.zeros(numel), torch.zeros(numel)]
+    grad = misaligned(numel, offsets["grad"], grad_dtype)
+    copy_out = misaligned(numel, offsets["copy_out"], copy_dtype)
+    hyper = dict(**HYPER, **DECAY_VARIANTS["adamw_decay"])
+    copies_equal = True
+    with forced_isa(isa):
+        for step in range(1, steps + 1):
+            grad.copy_(torch.randn(numel, generator=gen))
+            adam_step_flat(*ours[:1], grad, *ours[1:], step=step, copy_out=copy_out, **hyper)
+            reference_step(ref[0], grad, ref[1], ref[2], step=step, **hyper)
+            copies_equal &= torch.equal(copy_out, ref[0].to(copy_dtype))
+    return ours, ref, copies_equal
+
+
+# Sizes around the vector widths (8, 16), the prefetch distance (512 + 16) and the threads'
+# 64 Ki-element ranges; offsets put copy_out 2..30 bytes past a 32-byte boundary, so the
+# streaming path must peel a head of every length, and the fp32 buffers off their lines.
+MEMORY_SIZES = [1, 5, 15, 16, 31, 527, 529, 1040, 4097, 2 * 2**16 + 77]
+COPY_OUT_OFFSETS = [0, 1, 3, 7, 8, 15]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("numel", MEMORY_SIZES)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "cached"])
+def test_copy_out_paths_bit_exact_on_odd_sizes_and_alignments(isa, numel, stream):
+    threshold = 0 if stream else 2**62
+    for copy_offset in COPY_OUT_OFFSETS:
+        offsets = dict(param=copy_offset % 4, grad=copy_offset % 3, exp_avg=copy_offset % 5,
+                       exp_avg_sq=1, copy_out=copy_offset)
+        with stream_copy_out_from(threshold):
+            ours, ref, copies_equal = run_misaligned(isa, numel, offsets, torch.bfloat16)
+        assert_states_equal(ours, ref)
+        assert copies_equal, f"copy_out offset {copy_offset}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_streamed_fp16_copy_out_with_16bit_grad_bit_exact(isa, grad_dtype):
+    offsets = dict(param=0, grad=3, exp_avg=0, exp_avg_sq=0, copy_out=5)
+    with stream_copy_out_from(0):
+        ours, ref, copies_equal = run_misaligned(isa, 2 * 2**16 + 77, offsets, torch.float16,
+                                                 grad_dtype=grad_dtype)
+    assert_states_equal(ours, ref)
+    assert copies_equal
+
+
+def test_large_steps_stream_the_copy_out_by_default():
+    # The load-time threshold is a working set of half the last-level cache at 30 B/element:
+    # positive, and far below the sizes tools/bench_adam.py measures (100M params).
+    threshold = _native.adam_stream_copy_out_min_numel()
+    assert offload.native_info()["adam_stream_copy_out_min_numel"] == threshold
+    assert 0 < threshold < 100_000_000
+    with stream_copy_out_from(12345):
+        assert _native.adam_stream_copy_out_min_numel() == 12345
+    assert _native.adam_stream_copy_out_min_numel() == threshold
+
+
 # ---- CPUAdam against torch.optim itself -------------------------------------------------
 
 def close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

@@ -1,13 +1,25 @@
-"""Smoke test of tools/bench_train.py: --quick runs every offload row in its own subprocess
-and produces a table and JSON rows with the measurements the lead's benchmark reads."""
+"""Smoke tests of the benchmarks: tools/bench_train.py --quick runs every offload row in its
+own subprocess and produces a table and JSON rows with the measurements the lead's benchmark
+reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
+tools/bench_adam.py prints every row, and its native bandwidth yardsticks compute what they
+claim to (their timing is never asserted); tools/bench_io.py runs every writer and its
+aiofiles baseline reads cold."""
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from offload import _native
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "bench_train.py"
+ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
 
 
 def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
@@ -45,3 +57,145 @@ def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
     assert "baseline bf16: plain PyTorch step" in table
     assert "overlap" in table
     assert not any(swap.iterdir()), "swap files left behind"
+
+
+def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):
+    out = tmp_path / "rows.json"
+    swap = tmp_path / "swap"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--nproc", "2", "--quick", "--dtypes", "fp32",
+         "--swap-dir", str(swap), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)  # shared CPUs: slack
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    report = json.loads(out.read_text())
+    rows = {r["row"]: r for r in report["rows"]}
+    assert list(rows) == ["ddp", "stage0", "stage1", "stage2", "stage3"]
+    assert report["config"]["batch"] == 2 and report["config"]["nproc"] == 2
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["step_seconds"] > 0 and len(row["step_seconds_all"]) == 2
+        ranks = row["per_rank"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["peak_rss_bytes"] > 0 for r in ranks)
+        assert row["peak_rss_bytes"] == max(r["peak_rss_bytes"] for r in ranks)
+        # The row's step is the slowest rank's: never shorter than a rank's own median.
+        assert row["step_seconds"] >= min(r["step_seconds"] for r in ranks)
+
+    def each(row, key):
+        return [r[key] for r in rows[row]["per_rank"]]
+
+    # ddp: every rank holds both Adam moments and a gradient of every parameter.
+    from offload.gpt import GPT, GPTConfig
+
+    model_cfg = report["config"]["model"]
+    numel = sum(p.numel() for p in GPT(GPTConfig(**model_cfg)).parameters())
+    assert each("ddp", "optimizer_state_bytes") == [2 * 4 * numel] * 2
+    assert each("ddp", "gradient_bytes") == [4 * numel] * 2
+    # Offload, fp32 (the compute copy is the master): stage 0 holds both moments on every
+    # rank, stage 1 half of them (each unit's shard padded to a page), stage 2 also half the
+    # gradients.
+    page_slack = len(rows["stage0"]["units"]) * 2 * 4096
+    full_state = each("stage0", "optimizer_state_bytes")
+    full_grad = each("stage0", "gradient_bytes")
+    assert full_state[0] == full_state[1] >= 2 * 4 * numel
+    for stage in ("stage1", "stage2", "stage3"):
+        for half in each(stage, "optimizer_state_bytes"):
+            assert full_state[0] / 2 <= half <= full_state[0] / 2 + page_slack, (stage, half)
+    assert all(g >= full_grad[0] for g in each("stage1", "gradient_bytes"))
+    assert sum(each("stage2", "gradient_bytes")) == sum(each("stage3", "gradient_bytes")) == full_grad[0]
+    # Stage 3 also halves the compute copies at home (fp32: they are the masters).
+    assert each("ddp", "parameter_bytes") == [4 * numel] * 2
+    for stage in ("stage0", "stage1", "stage2"):
+        assert each(stage, "parameter_bytes")[0] >= 4 * numel
+    for half in each("stage3", "parameter_bytes"):
+        assert each("stage0", "parameter_bytes")[0] / 2 <= half <= each("stage0", "parameter_bytes")[0] / 2 + page_slack
+    for stage in ("stage0", "stage1", "stage2", "stage3"):
+        assert all(r > 0 for r in each(stage, "nvme_read_per_step")), stage
+        assert all(w > 0 for w in each(stage, "nvme_written_per_step")), stage
+        assert all(d > 0 for d in each(stage, "device_peak_bytes")), stage
+
+    table = proc.stdout
+    for name in ("ddp", "stage0", "stage1", "stage2", "stage3", "x ddp", "opt MiB/rank", "param MiB/rank"):
+        assert name in table
+    assert "baseline fp32: DDP step" in table
+    assert not any(swap.iterdir()), "swap files left behind"
+
+
+def test_bench_adam_prints_limits_every_isa_and_the_copy_out_cost():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, str(ADAM_TOOL), "--sizes", "300K"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    for row in ["stream triad, torch (16 B)", "stream triad, NT stores (12 B)",
+                "adam traffic, no math (28 B)", "torch AdamW fused", "torch AdamW foreach"]:
+        assert row in table
+    for isa in _native.adam_available_isas():
+        assert f"offload {isa} fp32" in table and f"offload {isa} +bf16 copy" in table
+    assert "of triad" in table and "of traffic" in table
+    assert "bf16 copy-out, time over the fp32 step: " in table
+
+
+@pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_stream_triad_computes_b_plus_scalar_c_at_any_alignment(numel, offset):
+    # offset shifts a off 16-byte alignment: the streaming stores need a scalar head.
+    gen = torch.Generator().manual_seed(numel)
+    b, c = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    a = torch.full((numel + offset,), float("nan"))[offset:]
+    _native.stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), numel, 0.5)
+    torch.testing.assert_close(a, b + 0.5 * c, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("numel", [1, 527, 529, 2 * 2**16 + 77])
+def test_adam_traffic_adds_grad_to_param_and_both_moments(numel):
+    gen = torch.Generator().manual_seed(numel)
+    param, grad, exp_avg, exp_avg_sq = (torch.randn(numel, generator=gen) for _ in range(4))
+    expected = [t + grad for t in (param, exp_avg, exp_avg_sq)]
+    _native.adam_traffic(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                         exp_avg_sq.data_ptr(), numel)
+    for got, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(got, want)
+
+
+BENCH_IO = REPO_ROOT / "tools" / "bench_io.py"
+
+
+def _load_bench_io():
+    spec = importlib.util.spec_from_file_location("bench_io", BENCH_IO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_io_drops_the_aiofiles_file_from_the_page_cache(tmp_path):
+    bench_io = _load_bench_io()
+    path = tmp_path / "cached.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    if bench_io.page_cache_fraction(str(path)) < 0.9:
+        pytest.skip("this filesystem does not keep written files in the page cache")
+    remaining = bench_io.drop_from_page_cache(str(path))
+    if remaining > 0.9:
+        pytest.skip("this filesystem cannot drop its pages (tmpfs)")
+    assert remaining < 0.05
+
+
+def test_bench_io_small_run_has_every_writer_and_the_summary(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_IO), "--dir", str(tmp_path), "--size", "8MiB",
+         "--block-sizes", "1", "--depths", "2"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    for backend in ("io_uring", "libaio", "threads"):
+        assert f"engine:{backend} " in table or f"engine:{backend} failed" in proc.stderr
+    assert "python pwrite loop" in table and "engine best:" in table
+    if shutil.which("fio"):
+        assert "fio:io_uring" in table and "vs fio best" in table and "same cell" in table
+    if importlib.util.find_spec("aiofiles"):
+        assert "aiofiles" in table and "vs aiofiles, buffered + fsync, cold read" in table
+        assert "still cached" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # its work directory is removed

@@ -246,3 +246,20 @@ def test_export_writes_a_state_dict_that_plain_pytorch_loads(tmp_path):
         assert torch.equal(v, expected[k]), k
     bad = run_cli("export", str(tmp_path / "missing"), str(tmp_path / "x.pt"))
     assert bad.returncode != 0 and "missing" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_doctor_reports_a_missing_native_build_instead_of_crashing(tmp_path):
+    import shutil
+
+    package = os.path.dirname(importlib.util.find_spec("offload").origin)
+    copy = tmp_path / "offload"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("_native*.so", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "offload", "doctor", "--swap-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert proc.returncode != 0
+    assert "FAIL  native build" in proc.stdout and "No module named 'offload._native'" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "import offload; offload.wrap"], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert "offload.wrap needs the native extension" in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
 """The asynchronous I/O engine: round trips on every backend, error reporting, fallback."""
+import gc
 import os
 import subprocess
 import sys
@@ -228,6 +229,38 @@ def test_aligned_empty():
         aligned_empty(6, dtype=torch.float32)
 
 
+def _vm_flags_of(address):
+    """VmFlags of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA buffers come pinned")
+def test_large_buffers_ask_for_huge_pages_and_are_freed():
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("kernel without transparent huge pages")
+    nbytes = (6 << 20) + 12345  # whole huge pages plus a 4 KiB-page tail
+    buf = aligned_empty(nbytes)
+    address = buf.data_ptr()
+    assert address % (2 << 20) == 0 and buf.numel() == nbytes
+    assert "hg" in _vm_flags_of(address)  # MADV_HUGEPAGE
+    assert "hg" not in _vm_flags_of(address + (6 << 20))  # the tail is not rounded up
+    buf.copy_(random_bytes(nbytes, seed=3))
+    view = buf[4096:8192].clone()
+    assert torch.equal(view, random_bytes(nbytes, seed=3)[4096:8192])
+    del buf
+    gc.collect()
+    assert _vm_flags_of(address) is None or "hg" not in _vm_flags_of(address)  # unmapped
+
+
 def test_thousands_of_small_requests_complete(engine, tmp_path):
     path = tmp_path / "small.bin"
     page = 4096
@@ -265,3 +298,108 @@ def test_wait_releases_the_gil(tmp_path):
             stop.set()
             thread.join()
         assert len(ticks) > 1
+
+
+def _fds_open_on(directory):
+    """Targets of this process's descriptors that lie in ``directory`` (removed files end in
+    ' (deleted)')."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since listdir
+            continue
+        if target.startswith(str(directory) + os.sep):
+            found.append(target)
+    return found
+
+
+def test_file_stays_open_between_requests(engine, tmp_path):
+    path = tmp_path / "kept.bin"
+    data = aligned_empty(64 << 10)
+    data.copy_(random_bytes(64 << 10, seed=11))
+    for i in range(8):
+        engine.write_from(data[i * 8192:(i + 1) * 8192], path, i * 8192).wait()
+    back = aligned_empty(64 << 10)
+    for i in range(8):
+        engine.read_into(back[i * 8192:(i + 1) * 8192], path, i * 8192).wait()
+    assert torch.equal(back, data)
+    assert engine.num_open_files == 1
+    assert _fds_open_on(tmp_path) == [str(path)]
+
+
+def test_replaced_file_is_opened_anew(engine, tmp_path):
+    path = tmp_path / "x.bin"
+    engine.write_from(aligned_empty(4096).fill_(1), path, 0).wait()
+    replacement = tmp_path / "new.bin"
+    replacement.write_bytes(bytes([2]) * 4096)
+    os.replace(replacement, path)
+    back = aligned_empty(4096)
+    engine.read_into(back, path, 0).wait()
+    assert bool((back == 2).all())
+    engine.write_from(aligned_empty(4096).fill_(3), path, 0).wait()
+    assert path.read_bytes() == bytes([3]) * 4096  # written to the file now at the path
+
+
+def test_write_after_remove_creates_the_file_again(engine, tmp_path):
+    path = tmp_path / "x.bin"
+    engine.write_from(aligned_empty(4096).fill_(1), path, 0).wait()
+    os.unlink(path)
+    engine.write_from(aligned_empty(4096).fill_(4), path, 0).wait()
+    assert path.read_bytes() == bytes([4]) * 4096
+    assert not [t for t in _fds_open_on(tmp_path) if t.endswith("(deleted)")]
+
+
+def test_file_opened_for_reading_is_reopened_for_writing(engine, tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(bytes([5]) * 8192)
+    back = aligned_empty(8192)
+    engine.read_into(back, path, 0).wait()
+    assert bool((back == 5).all())
+    engine.write_from(aligned_empty(4096).fill_(6), path, 4096).wait()
+    engine.read_into(back, path, 0).wait()
+    assert bool((back[:4096] == 5).all()) and bool((back[4096:] == 6).all())
+    assert engine.num_open_files == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_files_keep_at_most_max_open_files_open(tmp_path, backend):
+    num_files, limit = 40, 4
+    sources = [aligned_empty(8192) for _ in range(num_files)]
+    for i, src in enumerate(sources):
+        src.copy_(random_bytes(8192, seed=100 + i))
+    with IOEngine(backend, queue_depth=8, max_open_files=limit) as io:
+        # All in flight at once: a file evicted from the cache stays open for its request.
+        handles = [io.write_from(s, tmp_path / f"{i}.bin", 0) for i, s in enumerate(sources)]
+        assert [h.wait() for h in handles] == [8192] * num_files
+        backs = [aligned_empty(8192) for _ in range(num_files)]
+        for round_ in range(2):
+            handles = [io.read_into(b, tmp_path / f"{i}.bin", 0) for i, b in enumerate(backs)]
+            io.wait_all()
+            assert all(torch.equal(b, s) for b, s in zip(backs, sources))
+        assert io.num_open_files == limit
+        assert len(_fds_open_on(tmp_path)) == limit
+    assert _fds_open_on(tmp_path) == []  # close() lets go of every file
+
+
+def test_close_files_frees_removed_files(engine, tmp_path):
+    path = tmp_path / "x.bin"
+    engine.write_from(aligned_empty(1 << 20), path, 0).wait()
+    os.unlink(path)
+    assert _fds_open_on(tmp_path) == [f"{path} (deleted)"]  # space still held
+    engine.close_files()
+    assert engine.num_open_files == 0 and _fds_open_on(tmp_path) == []
+    with pytest.raises(FileNotFoundError, match="x.bin"):
+        engine.read_into(aligned_empty(4096), path, 0).wait()
+
+
+def test_no_file_cache_when_max_open_files_is_zero(tmp_path):
+    with IOEngine("threads", max_open_files=0) as io:
+        data = aligned_empty(8192).fill_(7)
+        io.write_from(data, tmp_path / "x.bin", 0).wait()
+        back = aligned_empty(8192)
+        io.read_into(back, tmp_path / "x.bin", 0).wait()
+        assert torch.equal(back, data)
+        assert io.num_open_files == 0 and _fds_open_on(tmp_path) == []
+    with pytest.raises(ValueError, match="max_open_files"):
+        IOEngine("threads", max_open_files=-1)

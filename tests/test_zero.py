@@ -89,13 +89,16 @@ def _train_worker(rank, port, config, data, out_dir):
         per_rank = GLOBAL_BATCH // WORLD
         losses = []
         with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-            for b in data:
+            for i, b in enumerate(data):
                 mine = b[rank * per_rank:(rank + 1) * per_rank]
                 loss = engine(mine[:, :-1], mine[:, 1:])
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
+                if i == len(data) // 2:
+                    host_peak_midway = engine.stats()["host_peak_bytes"]
             result = {"state": engine.state_dict(), "stats": engine.stats(),
+                      "host_peak_midway": host_peak_midway,
                       "grad_norm": engine._last_grad_norm, "losses": losses}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -159,6 +162,8 @@ def test_two_ranks_on_half_batches_equal_one_process_and_shard_memory(
         expected = sum(2 * 4 * even_range(t, r, WORLD).state_numel for t in trainable)
         assert opt_bytes[r] == expected
         assert opt_bytes[r] <= single["optimizer_state_bytes"] / 2 + num_units * 2 * 4096
+    # Host buffers are made once: none is added after the first steps.
+    assert all(res["stats"]["host_peak_bytes"] == res["host_peak_midway"] for res in results)
     param_bytes = [res["stats"]["parameter_bytes"] for res in results]
     if stage == 3:  # fp32: each rank's compute chunks are its master shards
         assert param_bytes == [sum(4 * even_range(t, r, WORLD).state_numel for t in trainable)
@@ -322,6 +327,9 @@ def _budgeted_worker(rank, port, config, data, out_dir):
     try:
         config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"rank{rank}"))
         os.makedirs(config["swap_dir"])
+        # Small optimizer pieces: a block's shard is updated in several (a multiple of 4096
+        # elements keeps every piece on a page in fp32 and 16-bit buffers alike).
+        offload.engine.OPTIMIZER_PIECE_NUMEL = 4096
 
         def build():
             torch.manual_seed(0)
@@ -353,8 +361,9 @@ def _budgeted_worker(rank, port, config, data, out_dir):
 def test_stage_3_gathers_units_within_the_budget_and_equals_stage_0_bit_for_bit(tmp_path):
     """bf16 on NVMe with frozen parameters and a tight device budget: every fetch
     all-gathers the unit's chunks (trainable prefix and frozen tail) from the ranks' swap
-    files; the weights after 4 steps equal plain data parallel (stage 0) exactly, and each
-    rank's compute copies at home are half of stage 0's."""
+    files, and the optimizer updates each shard in several pieces; the weights after 4 steps
+    equal plain data parallel (stage 0) exactly, and each rank's compute copies at home are
+    half of stage 0's."""
     data = batches(4)
     runs = {}
     for stage in (0, 3):
@@ -508,3 +517,45 @@ def test_a_save_refused_on_rank_0_is_refused_on_every_rank(tmp_path):
     assert "rank 0 failed" in message and "not a directory" in message, message
     assert (tmp_path / "not-a-dir").read_text() == "a file"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _buffers_worker(rank, port, out_dir):
+    _init(rank, port)
+    try:
+        g = torch.Generator().manual_seed(7)
+        data = [torch.randn(8, 8, generator=g) * (1 + i) for i in range(5)]
+        mine = [x[rank * 4:(rank + 1) * 4] for x in data]
+        ddp_model = _bn_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+        opt = make_opt(ddp.parameters())
+        for x in mine:
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model = _bn_model()
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=2)) as engine:
+            for x in mine:
+                engine.backward(engine(x).pow(2).mean())
+                engine.step()
+            state = engine.state_dict()
+        torch.save({"ddp": ddp_model.state_dict(), "offload": state}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_follow_rank_0_before_each_forward_like_ddp(tmp_path):
+    """BatchNorm running statistics: each forward starts from rank 0's, as DDP's
+    broadcast_buffers does, so every rank ends where DDP's same rank ends."""
+    run_ranks(_buffers_worker, str(tmp_path))
+    results = load_results(tmp_path)
+    for r, res in enumerate(results):
+        assert set(res["offload"]) == set(res["ddp"])
+        assert max_rel_error(res["offload"], res["ddp"]) < REL_TOL, r
+    # the last forward ran on different batches: the ranks' statistics differ, as with DDP
+    assert not torch.equal(results[0]["offload"]["1.running_mean"], results[1]["offload"]["1.running_mean"])

@@ -41,11 +41,36 @@ Overlap efficiency (NVMe rows) = max(compute-only step, io-only step) / this row
     python tools/bench_train.py                       # full size, every row, fp32 + bf16
     python tools/bench_train.py --quick               # tiny GPT, 2+2 steps, < 1 minute
     python tools/bench_train.py --rows plain nvme-prefetch io-only --dtypes bf16 --json out.json
+
+Several ranks (--nproc N, N >= 2; ZeRO stages, issue 8). Each row is a fresh set of N worker
+processes on this node (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in their environment,
+as torchrun sets them; a free port per row), every rank on global_batch / N of the same global
+batch (--batch, rounded up to a multiple of N), torch threads = cores / N per rank unless
+--threads says otherwise. Rows per dtype:
+  ddp              torch DistributedDataParallel (default settings) + torch.optim.AdamW
+                   (fused, foreach if fused fails); gloo on --device cpu, NCCL on --device
+                   cuda (one GPU per rank). The baseline.
+  stage0..stage3   offload with OffloadConfig(stage=S) (--stages), both tiers on --tier
+                   (host, or nvme with prefetch and a swap dir per rank), the device budget
+                   as above. The engine's own collectives run on gloo either way.
+A step is timed from a barrier (untimed) to the end of the optimizer step, on every rank; a
+row's step time is the median over steps of the slowest rank's time. Per rank: peak RSS,
+and from engine.stats() parameter_bytes (compute copies at home: the rank's chunks at stage
+3), optimizer_state_bytes (fp32 master apart from the compute copy +
+Adam moments), gradient_bytes (fp32 gradient buffers), device_peak_bytes, and NVMe bytes
+read / written per step. For ddp the same columns come from the torch objects: Adam moments
+in optimizer.state, param.grad (DDP's reducer buckets hold about as much again), and
+torch.cuda.max_memory_allocated on CUDA. A row that fails on any rank prints FAILED with the
+first failing rank's error; the other ranks of that row are stopped and the next row runs.
+The exit status is 1 when a row failed.
+
+    python tools/bench_train.py --nproc 2 --dtypes fp32              # ddp + stages 0-3 on NVMe
+    python tools/bench_train.py --nproc 2 --quick --tier host --stages 1 2
+    python tools/bench_train.py --nproc 2 --device cuda              # needs 2 GPUs
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -73,6 +98,8 @@ ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "io
 NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch")
 DS_ROWS = ("ds-cpu", "ds-nvme")
 DTYPES = ("fp32", "bf16")
+STAGES = (0, 1, 2, 3)
+TIERS = ("host", "nvme")
 
 FULL_MODEL = dict(vocab_size=32000, seq_len=256, d_model=1024, num_heads=16, num_layers=8,
                   qkv_bias=True, tie_embeddings=False)
@@ -96,6 +123,37 @@ def make_batch(model_cfg: dict, batch: int):
     return idx, targets
 
 
+def rank_batch(spec: dict, device="cpu"):
+    """This process's part of the global batch: all of it on one process, the rank's
+    ``batch / nproc`` rows with several (every row of the table sees the same samples)."""
+    idx, targets = make_batch(spec["model"], spec["batch"])
+    if spec.get("nproc"):
+        per_rank = spec["batch"] // spec["nproc"]
+        part = slice(spec["rank"] * per_rank, (spec["rank"] + 1) * per_rank)
+        idx, targets = idx[part], targets[part]
+    return idx.to(device), targets.to(device)
+
+
+def step_barrier(spec: dict):
+    """With several ranks: a barrier before each step, so that every rank's clock starts
+    together and the slowest rank's time is the step's; None on one process."""
+    if not spec.get("nproc"):
+        return None
+    import torch.distributed as dist
+
+    if spec["device"] == "cuda":
+        return lambda: dist.barrier(device_ids=[spec["local_rank"]])
+    return dist.barrier
+
+
+def end_of_step(spec: dict):
+    """Waits for queued device work, so a step's clock stops when the step is done."""
+    if spec.get("device") == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def build_gpt(model_cfg: dict, meta: bool):
     import torch
     from offload.gpt import GPT, GPTConfig
@@ -117,11 +175,14 @@ def make_adamw(params):
         return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, foreach=True), "foreach"
 
 
-def timed_loop(step_fn, warmup: int, steps: int, probe=None):
-    """Runs warmup + steps calls of step_fn(); returns per-step seconds of the timed ones and,
-    when ``probe`` is given, the list of probe results per timed step."""
+def timed_loop(step_fn, warmup: int, steps: int, before_step=None):
+    """Runs warmup + steps calls of step_fn(), each after an untimed ``before_step()`` when
+    given; returns per-step seconds of the timed ones and the list of what step_fn returned
+    in each of them."""
     seconds, probes = [], []
     for i in range(warmup + steps):
+        if before_step is not None:
+            before_step()
         start = time.perf_counter()
         extra = step_fn()
         elapsed = time.perf_counter() - start
@@ -167,7 +228,13 @@ def bench_units(name: str, module) -> bool:
 
 def offload_config(spec: dict, device_budget):
     row = spec["row"]
-    common = dict(device="cpu", dtype=spec["dtype"], unit_predicate=bench_units)
+    device = f"cuda:{spec['local_rank']}" if spec.get("device") == "cuda" else "cpu"
+    common = dict(device=device, dtype=spec["dtype"], unit_predicate=bench_units)
+    if spec.get("nproc"):
+        tier = spec["tier"]
+        config = dict(common, stage=spec["stage"], param_tier=tier, optimizer_tier=tier,
+                      device_budget=device_budget)
+        return dict(config, swap_dir=spec["swap_dir"], prefetch=True) if tier == "nvme" else config
     if row == "compute-only":
         return dict(common, param_tier="device", optimizer_tier="host", device_budget=None)
     if row == "host":
@@ -219,7 +286,7 @@ def wrap_with_budget(spec: dict):
 
 def run_offload(spec: dict) -> dict:
     engine, info = wrap_with_budget(spec)
-    idx, targets = make_batch(spec["model"], spec["batch"])
+    idx, targets = rank_batch(spec, engine.device)
     keys = ("bytes_read_nvme", "bytes_written_nvme", "io_wait_seconds")
 
     def snapshot():
@@ -233,6 +300,7 @@ def run_offload(spec: dict) -> dict:
         engine.backward(loss)
         s2, t2 = snapshot()
         engine.step()
+        end_of_step(spec)
         s3, t3 = snapshot()
         return {
             "forward_seconds": t1 - t0, "backward_seconds": t2 - t1, "optimizer_seconds": t3 - t2,
@@ -246,7 +314,7 @@ def run_offload(spec: dict) -> dict:
         }
 
     try:
-        seconds, probes = timed_loop(step, spec["warmup"], spec["steps"])
+        seconds, probes = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
         stats = engine.stats()
         units = [{"name": u.name, "compute_bytes": u.compute_numel * (4 if spec["dtype"] == "fp32" else 2),
                   "master_bytes": u.master_numel * 4} for u in engine.units]
@@ -259,7 +327,55 @@ def run_offload(spec: dict) -> dict:
                 nvme_read_per_step=read, nvme_written_per_step=written,
                 io_wait_seconds=phases["io_wait_seconds"],
                 device_peak_bytes=stats["device_peak_bytes"], host_peak_bytes=stats["host_peak_bytes"],
-                nvme_bytes=stats["nvme_bytes"])
+                nvme_bytes=stats["nvme_bytes"], optimizer_state_bytes=stats["optimizer_state_bytes"],
+                parameter_bytes=stats["parameter_bytes"],
+                gradient_bytes=stats["gradient_bytes"], world_size=stats["world_size"])
+
+
+def run_ddp(spec: dict) -> dict:
+    """Plain torch DistributedDataParallel on this rank's part of the batch: the baseline of
+    the --nproc table."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", spec["local_rank"]) if cuda else torch.device("cpu")
+    model = build_gpt(spec["model"], meta=False).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[spec["local_rank"]] if cuda else None)
+    opt, flavour = make_adamw(ddp.parameters())
+    idx, targets = rank_batch(spec, device)
+    bf16 = spec["dtype"] == "bf16"
+    grad_bytes = []
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = ddp(idx, targets)
+        loss.backward()
+        if not grad_bytes:
+            grad_bytes.append(sum(p.grad.nbytes for p in model.parameters() if p.grad is not None))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end_of_step(spec)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
+    except RuntimeError as error:
+        # Every rank takes this path together: fused=True fails the same way on each.
+        if flavour != "fused":
+            raise
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+        flavour = f"foreach (fused failed: {str(error).splitlines()[0][:80]})"
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
+    moments = sum(t.nbytes for state in opt.state.values() for k, t in state.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    backend = "nccl" if cuda else "gloo"
+    return {"step_seconds_all": seconds, "note": f"DDP {backend}, AdamW {flavour}",
+            "optimizer_state_bytes": moments, "gradient_bytes": grad_bytes[0],
+            "parameter_bytes": sum(p.nbytes for p in ddp.parameters()),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "nvme_read_per_step": 0, "nvme_written_per_step": 0}
 
 
 def _split(total: int, weights, page: int = PAGE_BYTES):
@@ -402,12 +518,37 @@ def run_deepspeed(spec: dict) -> dict:
     return {"step_seconds_all": seconds, "note": f"deepspeed {deepspeed.__version__}"}
 
 
+def init_rank(spec: dict) -> dict:
+    """With --nproc: this process's rank from torchrun-style environment variables, its swap
+    dir, its device, and the default process group (gloo on CPU, NCCL on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    spec = dict(spec, rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]))
+    if spec.get("swap_dir"):
+        spec["swap_dir"] = os.path.join(spec["swap_dir"], f"rank{spec['rank']}")
+        os.makedirs(spec["swap_dir"], exist_ok=True)
+    backend = "gloo"
+    if spec["device"] == "cuda":
+        torch.cuda.set_device(spec["local_rank"])
+        backend = "nccl"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=spec["collective_timeout"]))
+    assert dist.get_world_size() == spec["nproc"], (dist.get_world_size(), spec["nproc"])
+    return spec
+
+
 def worker_main(spec: dict) -> int:
     import torch
 
+    # Before offload is imported: its native pool takes torch's thread count.
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    if spec.get("nproc"):
+        spec = init_rank(spec)
     row = spec["row"]
-    if row == "plain":
+    if row == "ddp":
+        result = run_ddp(spec)
+    elif row == "plain":
         result = run_plain(spec)
     elif row == "io-only":
         result = run_io_only(spec)
@@ -417,17 +558,39 @@ def worker_main(spec: dict) -> int:
         result = run_offload(spec)
     result.update(row=row, dtype=spec["dtype"], step_seconds=statistics.median(result["step_seconds_all"]),
                   peak_rss_bytes=peak_rss_bytes())
+    if spec.get("nproc"):
+        import torch.distributed as dist
+
+        result["rank"] = spec["rank"]
+        dist.destroy_process_group()
     sys.stdout.flush()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 
 # ---------------------------------------------------------------------------- parent side
-def run_row(spec: dict, timeout_s: float) -> dict:
-    """One configuration in a fresh subprocess; failures become a row with an error."""
+def worker_command(spec: dict):
+    """The command line and environment of a worker process running ``spec``."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    return cmd, env
+
+
+def error_line(output: str, returncode: int) -> tuple:
+    """The line of a failed worker's output that says what went wrong, and its last lines."""
+    # torch prefixes a rank's traceback lines with "[rank<r>]: ".
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"Error|error|Exception|Killed", ln)]
+    tail = (errors or lines or [f"exit status {returncode}"])[-1].strip()
+    if returncode < 0:
+        tail = f"killed by signal {-returncode}; last: {tail}"
+    return tail[:300], "\n".join(lines[-30:])
+
+
+def run_row(spec: dict, timeout_s: float) -> dict:
+    """One configuration in a fresh subprocess; failures become a row with an error."""
+    cmd, env = worker_command(spec)
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -438,13 +601,88 @@ def run_row(spec: dict, timeout_s: float) -> dict:
             result = json.loads(line[len(RESULT_PREFIX):])
             result["wall_seconds"] = time.perf_counter() - start
             return result
-    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"Error|error|Exception|Killed", ln)]
-    tail = (errors or lines or [f"exit status {proc.returncode}"])[-1].strip()
-    if proc.returncode < 0:
-        tail = f"killed by signal {-proc.returncode}; last: {tail}"
-    return {"row": spec["row"], "dtype": spec["dtype"], "error": tail[:300],
-            "stderr_tail": "\n".join(lines[-30:])}
+    error, tail = error_line(proc.stderr + proc.stdout, proc.returncode)
+    return {"row": spec["row"], "dtype": spec["dtype"], "error": error, "stderr_tail": tail}
+
+
+# Seconds the other ranks of a row get to exit by themselves once one rank has failed (they
+# usually do, with a collective error) before they are killed.
+RANK_FAILURE_GRACE_SECONDS = 20.0
+PER_RANK_KEYS = ("rank", "peak_rss_bytes", "parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
+                 "device_peak_bytes", "nvme_read_per_step", "nvme_written_per_step",
+                 "io_wait_seconds", "step_seconds")
+
+
+def run_ranks(spec: dict, timeout_s: float) -> dict:
+    """One configuration on ``spec["nproc"]`` fresh worker processes, one per rank, with the
+    environment torchrun would give them. Returns one row: per step the slowest rank's
+    time, the per-rank measurements under "per_rank", or the first failing rank's error."""
+    nproc = spec["nproc"]
+    cmd, env = worker_command(spec)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc))
+    start = time.perf_counter()
+    procs, outputs = [], []
+    try:
+        for rank in range(nproc):
+            out = tempfile.TemporaryFile(mode="w+")  # files, not pipes: nobody reads until the end
+            outputs.append(out)
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+        failed_at, timed_out, failure_order = None, False, []
+        while True:
+            running = [p.poll() is None for p in procs]  # a list: every rank polled
+            now = time.perf_counter()
+            for rank, p in enumerate(procs):
+                if p.returncode not in (None, 0) and rank not in failure_order:
+                    failure_order.append(rank)
+                    failed_at = failed_at or now
+            if not any(running):
+                break
+            timed_out = now - start > timeout_s
+            if timed_out or (failed_at and now - failed_at > RANK_FAILURE_GRACE_SECONDS):
+                hung = [r for r, p in enumerate(procs) if p.poll() is None]
+                for r in hung:
+                    procs[r].kill()
+                for r in hung:
+                    procs[r].wait()
+                break
+            time.sleep(0.1)
+        texts = []
+        for out in outputs:
+            out.seek(0)
+            texts.append(out.read())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out in outputs:
+            out.close()
+    wall = time.perf_counter() - start
+    results = []
+    for rank, text in enumerate(texts):
+        found = [ln for ln in text.splitlines() if ln.startswith(RESULT_PREFIX)]
+        results.append(json.loads(found[-1][len(RESULT_PREFIX):]) if found else None)
+    if timed_out and not failure_order:
+        return {"row": spec["row"], "dtype": spec["dtype"],
+                "error": f"timed out after {timeout_s:.0f} s (ranks {hung} still running)"}
+    if failure_order or any(r is None for r in results):
+        # The first rank to fail is the cause; the others mostly report the broken collective.
+        rank = (failure_order or [r for r, res in enumerate(results) if res is None])[0]
+        error, tail = error_line(texts[rank], procs[rank].returncode)
+        return {"row": spec["row"], "dtype": spec["dtype"], "error": f"rank {rank}: {error}",
+                "stderr_tail": tail}
+    merged = dict(results[0])  # what every rank has alike (note, budget, units, ...)
+    merged["step_seconds_all"] = [max(steps) for steps in zip(*(r["step_seconds_all"] for r in results))]
+    merged["step_seconds"] = statistics.median(merged["step_seconds_all"])
+    merged["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in results)
+    merged["per_rank"] = [{k: r.get(k) for k in PER_RANK_KEYS} for r in results]
+    for key in PER_RANK_KEYS:
+        if key not in ("peak_rss_bytes", "step_seconds"):
+            merged.pop(key, None)  # per rank only: rank 0's figure alone would mislead
+    merged["wall_seconds"] = wall
+    return merged
 
 
 def deepspeed_importable() -> tuple:
@@ -499,6 +737,45 @@ def print_table(results: list, out=sys.stdout) -> None:
                   f"peak RSS {plain['peak_rss_bytes'] / GiB:.2f} GiB", file=out)
 
 
+def per_rank(row: dict, key: str, scale: float, spec: str) -> str:
+    """``key`` of every rank, scaled, joined by '/' (rank 0 first); '-' where not measured."""
+    values = [r.get(key) for r in row["per_rank"]]
+    if all(v is None for v in values):
+        return "-"
+    return "/".join(fmt(None if v is None else v / scale, spec) for v in values)
+
+
+def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
+    """The --nproc table: one line per row; per-rank columns list rank 0/rank 1/..."""
+    by_key = {(r["row"], r["dtype"]): r for r in results}
+    header = (f"{'config':8s} {'tier':4s} {'dtype':5s} {'step s':>8s} {'x ddp':>6s} {'RSS GiB':>7s}  "
+              f"{'RSS GiB/rank':14s} {'param MiB/rank':14s} {'opt MiB/rank':14s} {'grad MiB/rank':14s} "
+              f"{'dev pk MiB/rank':15s} {'rd GB/st/rank':14s} {'wr GB/st/rank':14s} note")
+    print(f"{nproc} ranks; per-rank columns: rank 0/rank 1/...; RSS GiB = the largest rank's", file=out)
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in results:
+        tier = "-" if r["row"] == "ddp" else r.get("tier", "?")
+        if "error" in r:
+            print(f"{r['row']:8s} {tier:4s} {r['dtype']:5s} FAILED: {r['error']}", file=out)
+            continue
+        ddp = by_key.get(("ddp", r["dtype"]), {})
+        ratio = r["step_seconds"] / ddp["step_seconds"] if ddp.get("step_seconds") else None
+        print(f"{r['row']:8s} {tier:4s} {r['dtype']:5s} {r['step_seconds']:8.3f} {fmt(ratio, '6.2f')} "
+              f"{r['peak_rss_bytes'] / GiB:7.2f}  {per_rank(r, 'peak_rss_bytes', GiB, '.2f'):14s} "
+              f"{per_rank(r, 'parameter_bytes', 1 << 20, '.1f'):14s} "
+              f"{per_rank(r, 'optimizer_state_bytes', 1 << 20, '.1f'):14s} "
+              f"{per_rank(r, 'gradient_bytes', 1 << 20, '.1f'):14s} "
+              f"{per_rank(r, 'device_peak_bytes', 1 << 20, '.1f'):15s} "
+              f"{per_rank(r, 'nvme_read_per_step', GB, '.3f'):14s} "
+              f"{per_rank(r, 'nvme_written_per_step', GB, '.3f'):14s} {r.get('note', '')}", file=out)
+    for dtype in dict.fromkeys(r["dtype"] for r in results):
+        ddp = by_key.get(("ddp", dtype))
+        if ddp and "error" not in ddp:
+            print(f"baseline {dtype}: DDP step {ddp['step_seconds']:.3f} s, "
+                  f"peak RSS {ddp['peak_rss_bytes'] / GiB:.2f} GiB (largest rank)", file=out)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -517,6 +794,16 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds per row before it is killed")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="N >= 2 ranks on this node: ddp + offload ZeRO stages (see above)")
+    p.add_argument("--stages", nargs="+", type=int, choices=STAGES, default=list(STAGES),
+                   help="with --nproc: ZeRO stages to run (default 0 1 2 3)")
+    p.add_argument("--tier", choices=TIERS, default="nvme",
+                   help="with --nproc: home of params and optimizer states (default nvme)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="with --nproc: cpu (gloo) or cuda (NCCL for ddp, one GPU per rank)")
+    p.add_argument("--collective-timeout", type=float, default=300.0,
+                   help="with --nproc: seconds a collective may wait for the other ranks")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -525,13 +812,101 @@ def parse_args(argv=None):
         p.error("--warmup must be >= 0")
     if not 0 < args.budget_fraction <= 1:
         p.error("--budget-fraction must be in (0, 1]")
+    if args.nproc is None:
+        given = [f"--{name}" for name, default in (("stages", list(STAGES)), ("tier", "nvme"),
+                                                    ("device", "cpu")) if getattr(args, name) != default]
+        if given:
+            p.error(f"{' '.join(given)}: only with --nproc")
+    else:
+        if args.nproc < 2:
+            p.error("--nproc must be >= 2 (one process: leave --nproc out)")
+        if args.rows is not None:
+            p.error("--rows picks single-process rows; with --nproc the rows are ddp and --stages")
+        if args.device == "cuda":
+            cuda_problem = cuda_unusable(args.nproc)
+            if cuda_problem:
+                p.error(f"--device cuda: {cuda_problem}")
     return args
+
+
+def cuda_unusable(nproc: int):
+    """Why --device cuda cannot run nproc ranks here (NCCL wants one GPU per rank), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"CUDA is not available on this machine (torch {torch.__version__}, {built}); use --device cpu"
+    if torch.cuda.device_count() < nproc:
+        return (f"{nproc} ranks need {nproc} GPUs (NCCL runs one rank per GPU), "
+                f"this machine has {torch.cuda.device_count()}")
+    if not torch.distributed.is_nccl_available():
+        return "this torch build has no NCCL"
+    return None
+
+
+def main_nproc(args) -> int:
+    """--nproc: ddp and the offload stages, each row a fresh set of args.nproc ranks."""
+    nproc = args.nproc
+    model = QUICK_MODEL if args.quick else FULL_MODEL
+    batch = args.batch or (QUICK_BATCH if args.quick else FULL_BATCH)
+    global_batch = -(-batch // nproc) * nproc  # every rank gets the same number of samples
+    base = {
+        "model": model, "batch": global_batch, "nproc": nproc, "device": args.device,
+        "tier": args.tier, "collective_timeout": args.collective_timeout,
+        "steps": args.steps or (2 if args.quick else 5),
+        "warmup": args.warmup if args.warmup is not None else 2,
+        "budget_fraction": args.budget_fraction,
+        # The ranks share the cores; one thread each in --quick (see main()).
+        "threads": args.threads or (1 if args.quick else max(1, (os.cpu_count() or 1) // nproc)),
+    }
+    own_swap = args.swap_dir is None
+    swap_root = tempfile.mkdtemp(prefix="bench_train-") if own_swap else os.path.abspath(args.swap_dir)
+    os.makedirs(swap_root, exist_ok=True)
+    usage = shutil.disk_usage(swap_root)
+    print(f"model {model}, global batch {global_batch} ({global_batch // nproc} per rank), {nproc} ranks "
+          f"on {args.device} ({'NCCL' if args.device == 'cuda' else 'gloo'} for ddp), {base['threads']} "
+          f"torch threads per rank, {base['warmup']} warm-up + {base['steps']} timed steps; tier "
+          f"{args.tier}; swap dir {swap_root} ({usage.free / GiB:.0f} GiB free)", flush=True)
+    if batch != global_batch:
+        print(f"--batch {batch} rounded up to {global_batch}, a multiple of {nproc} ranks", flush=True)
+
+    rows = [("ddp", None)] + [(f"stage{stage}", stage) for stage in args.stages]
+    results = []
+    try:
+        for dtype in args.dtypes:
+            for row, stage in rows:
+                spec = dict(base, row=row, dtype=dtype, stage=stage)
+                row_swap = None
+                if stage is not None and args.tier == "nvme":
+                    row_swap = tempfile.mkdtemp(prefix=f"{row}-{dtype}-", dir=swap_root)
+                    spec["swap_dir"] = row_swap  # each rank uses rank<r>/ under it
+                try:
+                    result = run_ranks(spec, args.row_timeout)
+                finally:
+                    if row_swap:
+                        shutil.rmtree(row_swap, ignore_errors=True)
+                result["tier"] = None if stage is None else args.tier
+                results.append(result)
+                status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
+                print(f"  {row:8s} {dtype:5s} {status}", file=sys.stderr, flush=True)
+    finally:
+        if own_swap:
+            shutil.rmtree(swap_root, ignore_errors=True)
+
+    print()
+    print_nproc_table(results, nproc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": base, "rows": results}, f, indent=1)
+    return 1 if any("error" in r for r in results) else 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker_main(json.loads(args.worker))
+    if args.nproc is not None:
+        return main_nproc(args)
 
     rows = list(args.rows or ROWS)
     deepspeed_note = None

@@ -1,11 +1,13 @@
 // Dispatch for the Adam kernels: ISA choice (once, at load time), per-step coefficients,
 // and splitting a step across the native thread pool.
-#include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+
+#include <unistd.h>
 
 #include "adam/adam.h"
 #include "adam/adam_kernels.h"
@@ -14,12 +16,25 @@
 namespace offload::adam {
 namespace {
 
-// Work is cut into chunks of a multiple of this many elements (a multiple of every vector
-// width, so a chunk starts as aligned as the buffer does); 64 Ki elements move ~1.8 MB, large
-// enough that the pool's hand-off is noise.
-constexpr std::size_t kChunkNumel = std::size_t{1} << 16;
-// Below this a step runs on the calling thread: waking the pool costs more than it saves.
-constexpr std::size_t kParallelMinNumel = 2 * kChunkNumel;
+// Threads get ranges of a multiple of this many elements (a multiple of every vector width,
+// so a range starts as aligned as the buffer does); 64 Ki elements move ~1.8 MB, large enough
+// that the pool's hand-off is noise.
+constexpr std::size_t kGrainNumel = std::size_t{1} << 16;
+
+// Bytes a step moves per element with a 16-bit copy-out: see [Note: Adam memory traffic].
+constexpr std::size_t kStepBytesPerElement = 30;
+
+std::size_t default_stream_copy_out_min_numel() {
+  long llc_bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (llc_bytes <= 0) llc_bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (llc_bytes <= 0) llc_bytes = long{32} << 20;  // unknown: a typical server L3 share
+  return static_cast<std::size_t>(llc_bytes) / 2 / kStepBytesPerElement;
+}
+
+std::atomic<std::size_t>& stream_copy_out_min() {
+  static std::atomic<std::size_t> numel{default_stream_copy_out_min_numel()};
+  return numel;
+}
 
 bool cpu_has(Isa isa) {
   switch (isa) {
@@ -95,7 +110,7 @@ detail::Coefficients coefficients(const Hyperparameters& h) {
   return k;
 }
 
-using Kernel = void (*)(const Buffers&, const detail::Coefficients&);
+using Kernel = void (*)(const Buffers&, const detail::Coefficients&, bool);
 
 Kernel kernel_for(Isa isa) {
   switch (isa) {
@@ -166,28 +181,24 @@ void set_isa(Isa isa) {
   s.error.clear();
 }
 
+std::size_t stream_copy_out_min_numel() { return stream_copy_out_min().load(); }
+
+void set_stream_copy_out_min_numel(std::size_t numel) { stream_copy_out_min() = numel; }
+
 void step(const Buffers& buffers, const Hyperparameters& hyper) {
   check(buffers);
   const Kernel kernel = kernel_for(selected_isa());
   const detail::Coefficients k = coefficients(hyper);
   const std::size_t n = buffers.numel;
-  if (n == 0) return;
-  if (n < kParallelMinNumel || offload::num_threads() == 1) {
-    kernel(buffers, k);
-    return;
-  }
-  // A few long contiguous chunks per thread rather than many short ones: each thread's
-  // streams stay sequential for the hardware prefetcher, and 4 chunks per thread still
-  // balance a thread that is slowed by others.
-  const std::size_t per_thread = 4 * static_cast<std::size_t>(offload::num_threads());
-  const std::size_t chunk_numel =
-      std::max(kChunkNumel, (n / per_thread + kChunkNumel - 1) / kChunkNumel * kChunkNumel);
-  const std::size_t num_chunks = (n + chunk_numel - 1) / chunk_numel;
+  // Decided once for the whole step, not per thread range: it is the step's working set
+  // that outgrows the cache. A copy_out that is not 2-byte aligned can never reach the
+  // alignment streaming stores need (torch never hands us one).
+  const bool stream_copy_out = buffers.copy_out != nullptr && n >= stream_copy_out_min_numel() &&
+                               reinterpret_cast<std::uintptr_t>(buffers.copy_out) % 2 == 0;
   const std::size_t grad_bytes = element_bytes(buffers.grad_dtype);
-  offload::parallel_for(num_chunks, [&](std::size_t chunk) {
-    const std::size_t begin = chunk * chunk_numel;
+  offload::parallel_ranges(n, kGrainNumel, [&](std::size_t begin, std::size_t end) {
     Buffers part = buffers;
-    part.numel = std::min(chunk_numel, n - begin);
+    part.numel = end - begin;
     part.param += begin;
     part.grad = static_cast<const char*>(buffers.grad) + begin * grad_bytes;
     part.exp_avg += begin;
@@ -195,7 +206,7 @@ void step(const Buffers& buffers, const Hyperparameters& hyper) {
     if (buffers.copy_out != nullptr) {
       part.copy_out = static_cast<char*>(buffers.copy_out) + begin * 2;
     }
-    kernel(part, k);
+    kernel(part, k, stream_copy_out);
   });
 }
 

@@ -61,6 +61,13 @@ struct Buffers {
 // std::runtime_error when OFFLOAD_FORCE_ISA named an ISA this CPU cannot run.
 void step(const Buffers& buffers, const Hyperparameters& hyper);
 
+// Steps over at least this many elements write the copy-out with streaming stores (see
+// [Note: Adam memory traffic] in adam_kernels.h). By default the element count whose
+// working set (30 B/element) is half the last-level cache, beyond which the copy-out would
+// leave the cache before the device copy reads it. Results never depend on it.
+std::size_t stream_copy_out_min_numel();
+void set_stream_copy_out_min_numel(std::size_t numel);  // for tests and benchmarks
+
 Isa selected_isa();
 void set_isa(Isa isa);                // throws std::runtime_error if this CPU lacks it
 std::vector<Isa> available_isas();    // slowest first; always contains kScalar

@@ -1,6 +1,7 @@
-// AVX2+FMA kernel (F16C for fp16): 8 floats per vector. The tail is copied into padded
-// stack buffers and run through the same vector code, so every element sees identical
-// instructions. bf16 narrowing uses integer round-to-nearest-even (torch's rounding).
+// AVX2+FMA kernel (F16C for fp16): 8 floats per vector. The head (when the copy-out is
+// streamed) and the tail are copied into padded stack buffers and run through the same
+// vector code, so every element sees identical instructions. bf16 narrowing uses integer
+// round-to-nearest-even (torch's rounding).
 //
 // Only intrinsics and this file's own functions are compiled for the AVX2 target (see the
 // matching note in adam_avx512.cpp).
@@ -50,7 +51,9 @@ inline __m128i narrow(__m256 x) {
   }
 }
 
-template <DType G, bool kCopyOut, DType C>
+// One vector of 8 elements at i. kStream: the copy-out is written with a streaming store,
+// which needs copy_out + i 16-byte aligned.
+template <DType G, bool kCopyOut, DType C, bool kStream>
 inline void update(const Buffers& b, const Coefficients& k, std::size_t i) {
   __m256 g = _mm256_mul_ps(load_grad<G>(b.grad, i), _mm256_set1_ps(k.grad_scale));
   __m256 p = _mm256_loadu_ps(b.param + i);
@@ -71,30 +74,37 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i) {
   _mm256_storeu_ps(b.exp_avg + i, m);
   _mm256_storeu_ps(b.exp_avg_sq + i, v);
   if constexpr (kCopyOut) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(b.copy_out) + i),
-                     narrow<C>(p));
+    auto* out = reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(b.copy_out) + i);
+    if constexpr (kStream) {
+      _mm_stream_si128(out, narrow<C>(p));
+    } else {
+      _mm_storeu_si128(out, narrow<C>(p));
+    }
   }
 }
 
-template <DType G, bool kCopyOut, DType C>
-void run(const Buffers& b, const Coefficients& k) {
-  std::size_t i = 0;
-  for (; i + 8 <= b.numel; i += 8) update<G, kCopyOut, C>(b, k, i);
-  const std::size_t rest = b.numel - i;
-  if (rest == 0) return;
+inline void prefetch_inputs(const Buffers& b, std::size_t i, std::size_t grad_bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(b.param + i), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(b.grad) + i * grad_bytes, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(b.exp_avg + i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(b.exp_avg_sq + i), _MM_HINT_T0);
+}
 
-  // Tail: zero-padded copies; the padding lanes compute harmless values that are dropped.
+// Elements [i, i + count), count < 8, run through the same vector code on zero-padded
+// copies; the padding lanes compute harmless values that are dropped.
+template <DType G, bool kCopyOut, DType C>
+void update_partial(const Buffers& b, const Coefficients& k, std::size_t i, std::size_t count) {
   constexpr std::size_t kGradBytes = G == DType::kFloat32 ? 4 : 2;
   alignas(32) float param[8] = {}, exp_avg[8] = {}, exp_avg_sq[8] = {};
   alignas(32) unsigned char grad[8 * kGradBytes] = {};
   alignas(32) std::uint16_t copy_out[8] = {};
-  for (std::size_t j = 0; j < rest; ++j) {
+  for (std::size_t j = 0; j < count; ++j) {
     param[j] = b.param[i + j];
     exp_avg[j] = b.exp_avg[i + j];
     exp_avg_sq[j] = b.exp_avg_sq[i + j];
   }
   const auto* grad_src = static_cast<const unsigned char*>(b.grad) + i * kGradBytes;
-  for (std::size_t j = 0; j < rest * kGradBytes; ++j) grad[j] = grad_src[j];
+  for (std::size_t j = 0; j < count * kGradBytes; ++j) grad[j] = grad_src[j];
   Buffers padded = b;
   padded.param = param;
   padded.grad = grad;
@@ -102,8 +112,8 @@ void run(const Buffers& b, const Coefficients& k) {
   padded.exp_avg_sq = exp_avg_sq;
   padded.copy_out = copy_out;
   padded.numel = 8;
-  update<G, kCopyOut, C>(padded, k, 0);
-  for (std::size_t j = 0; j < rest; ++j) {
+  update<G, kCopyOut, C, false>(padded, k, 0);
+  for (std::size_t j = 0; j < count; ++j) {
     b.param[i + j] = param[j];
     b.exp_avg[i + j] = exp_avg[j];
     b.exp_avg_sq[i + j] = exp_avg_sq[j];
@@ -111,20 +121,51 @@ void run(const Buffers& b, const Coefficients& k) {
   }
 }
 
+// See [Note: Adam memory traffic] in adam_kernels.h.
+template <DType G, bool kCopyOut, DType C, bool kStream>
+void run(const Buffers& b, const Coefficients& k) {
+  constexpr std::size_t kGradBytes = G == DType::kFloat32 ? 4 : 2;
+  const std::size_t n = b.numel;
+  std::size_t i = 0;
+  if constexpr (kStream) {
+    // Streaming stores need copy_out + i 16-byte aligned: run the few elements before that
+    // boundary through the padded path (same arithmetic, so the same results).
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(b.copy_out) % 16 / 2;
+    std::size_t head = (8 - misaligned) % 8;
+    if (head > n) head = n;
+    if (head > 0) update_partial<G, kCopyOut, C>(b, k, 0, head);
+    i = head;
+  }
+  // Two vectors (one 64-byte line of each fp32 stream) per prefetch.
+  for (; i + kPrefetchNumel + 16 <= n; i += 16) {
+    prefetch_inputs(b, i + kPrefetchNumel, kGradBytes);
+    update<G, kCopyOut, C, kStream>(b, k, i);
+    update<G, kCopyOut, C, kStream>(b, k, i + 8);
+  }
+  for (; i + 8 <= n; i += 8) update<G, kCopyOut, C, kStream>(b, k, i);
+  if (i < n) update_partial<G, kCopyOut, C>(b, k, i, n - i);
+  // Streaming stores are weakly ordered: make them visible before the pool reports done.
+  if constexpr (kStream) _mm_sfence();
+}
+
 template <DType G>
-void run_grad(const Buffers& b, const Coefficients& k) {
-  if (b.copy_out == nullptr) return run<G, false, DType::kFloat32>(b, k);
-  if (b.copy_out_dtype == DType::kBFloat16) return run<G, true, DType::kBFloat16>(b, k);
-  return run<G, true, DType::kFloat16>(b, k);
+void run_grad(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
+  if (b.copy_out == nullptr) return run<G, false, DType::kFloat32, false>(b, k);
+  if (b.copy_out_dtype == DType::kBFloat16) {
+    return stream_copy_out ? run<G, true, DType::kBFloat16, true>(b, k)
+                           : run<G, true, DType::kBFloat16, false>(b, k);
+  }
+  return stream_copy_out ? run<G, true, DType::kFloat16, true>(b, k)
+                         : run<G, true, DType::kFloat16, false>(b, k);
 }
 
 }  // namespace
 
-void step_avx2(const Buffers& b, const Coefficients& k) {
+void step_avx2(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
   switch (b.grad_dtype) {
-    case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
-    case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);
-    case DType::kFloat16: return run_grad<DType::kFloat16>(b, k);
+    case DType::kFloat32: return run_grad<DType::kFloat32>(b, k, stream_copy_out);
+    case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k, stream_copy_out);
+    case DType::kFloat16: return run_grad<DType::kFloat16>(b, k, stream_copy_out);
   }
 }
 

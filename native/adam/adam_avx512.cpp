@@ -1,5 +1,5 @@
-// AVX-512 kernel: 16 floats per vector, masked loads/stores for the tail so every element
-// goes through the same instructions. Conversions: bf16 widening is a shift; bf16
+// AVX-512 kernel: 16 floats per vector, masked loads/stores for the head and tail so every
+// element goes through the same instructions. Conversions: bf16 widening is a shift; bf16
 // narrowing is done with integer round-to-nearest-even rather than VCVTNEPS2BF16, which
 // flushes denormals to zero and would disagree with torch; fp16 uses VCVTPS2PH/VCVTPH2PS.
 //
@@ -66,7 +66,16 @@ inline void store(float* p, __m512 x, __mmask16 mask, bool tail) {
   }
 }
 
-template <DType G, bool kCopyOut, DType C, bool kTail, bool kStream = false>
+inline void prefetch_inputs(const Buffers& b, std::size_t i, std::size_t grad_bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(b.param + i), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(b.grad) + i * grad_bytes, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(b.exp_avg + i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(b.exp_avg_sq + i), _MM_HINT_T0);
+}
+
+// One vector of 16 elements at i (kTail: only the lanes in mask). kStream: the copy-out is
+// written with a streaming store, which needs copy_out + i 32-byte aligned.
+template <DType G, bool kCopyOut, DType C, bool kTail, bool kStream>
 inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mmask16 mask) {
   __m512 g = _mm512_mul_ps(load_grad<G, kTail>(b.grad, i, mask), _mm512_set1_ps(k.grad_scale));
   __m512 p = load(b.param + i, mask, kTail);
@@ -89,10 +98,9 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mma
   if constexpr (kCopyOut) {
     auto* out = static_cast<std::uint16_t*>(b.copy_out) + i;
     const __m256i h = narrow<C>(p);
-    if (kTail) {
+    if constexpr (kTail) {
       _mm256_mask_storeu_epi16(out, mask, h);
-    } else if (kStream) {
-      // copy_out is only written: a streaming store skips reading its lines first.
+    } else if constexpr (kStream) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
@@ -100,35 +108,53 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i, __mma
   }
 }
 
-template <DType G, bool kCopyOut, DType C>
+inline __mmask16 first_lanes(std::size_t count) {
+  return static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// See [Note: Adam memory traffic] in adam_kernels.h.
+template <DType G, bool kCopyOut, DType C, bool kStream>
 void run(const Buffers& b, const Coefficients& k) {
+  constexpr std::size_t kGradBytes = G == DType::kFloat32 ? 4 : 2;
+  const std::size_t n = b.numel;
   std::size_t i = 0;
-  const bool stream = kCopyOut && reinterpret_cast<std::uintptr_t>(b.copy_out) % 32 == 0;
-  if (stream) {
-    for (; i + 16 <= b.numel; i += 16) update<G, kCopyOut, C, false, true>(b, k, i, 0xFFFF);
-    _mm_sfence();
+  if constexpr (kStream) {
+    // Streaming stores need copy_out + i 32-byte aligned: run the few elements before that
+    // boundary through the masked path (same arithmetic, so the same results).
+    const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(b.copy_out) % 32 / 2;
+    std::size_t head = (16 - misaligned) % 16;
+    if (head > n) head = n;
+    if (head > 0) update<G, kCopyOut, C, true, false>(b, k, 0, first_lanes(head));
+    i = head;
   }
-  for (; i + 16 <= b.numel; i += 16) update<G, kCopyOut, C, false>(b, k, i, 0xFFFF);
-  if (i < b.numel) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (b.numel - i)) - 1u);
-    update<G, kCopyOut, C, true>(b, k, i, mask);
+  for (; i + kPrefetchNumel + 16 <= n; i += 16) {
+    prefetch_inputs(b, i + kPrefetchNumel, kGradBytes);
+    update<G, kCopyOut, C, false, kStream>(b, k, i, 0xFFFF);
   }
+  for (; i + 16 <= n; i += 16) update<G, kCopyOut, C, false, kStream>(b, k, i, 0xFFFF);
+  if (i < n) update<G, kCopyOut, C, true, false>(b, k, i, first_lanes(n - i));
+  // Streaming stores are weakly ordered: make them visible before the pool reports done.
+  if constexpr (kStream) _mm_sfence();
 }
 
 template <DType G>
-void run_grad(const Buffers& b, const Coefficients& k) {
-  if (b.copy_out == nullptr) return run<G, false, DType::kFloat32>(b, k);
-  if (b.copy_out_dtype == DType::kBFloat16) return run<G, true, DType::kBFloat16>(b, k);
-  return run<G, true, DType::kFloat16>(b, k);
+void run_grad(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
+  if (b.copy_out == nullptr) return run<G, false, DType::kFloat32, false>(b, k);
+  if (b.copy_out_dtype == DType::kBFloat16) {
+    return stream_copy_out ? run<G, true, DType::kBFloat16, true>(b, k)
+                           : run<G, true, DType::kBFloat16, false>(b, k);
+  }
+  return stream_copy_out ? run<G, true, DType::kFloat16, true>(b, k)
+                         : run<G, true, DType::kFloat16, false>(b, k);
 }
 
 }  // namespace
 
-void step_avx512(const Buffers& b, const Coefficients& k) {
+void step_avx512(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
   switch (b.grad_dtype) {
-    case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
-    case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);
-    case DType::kFloat16: return run_grad<DType::kFloat16>(b, k);
+    case DType::kFloat32: return run_grad<DType::kFloat32>(b, k, stream_copy_out);
+    case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k, stream_copy_out);
+    case DType::kFloat16: return run_grad<DType::kFloat16>(b, k, stream_copy_out);
   }
 }
 

@@ -110,7 +110,7 @@ void run_grad(const Buffers& b, const Coefficients& k) {
 
 }  // namespace
 
-void step_scalar(const Buffers& b, const Coefficients& k) {
+void step_scalar(const Buffers& b, const Coefficients& k, bool /*stream_copy_out*/) {
   switch (b.grad_dtype) {
     case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
     case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);

@@ -51,6 +51,13 @@ void register_adam(py::module_& m) {
         "One Adam/AdamW step over flat buffers given by address (dtype codes: 0 float32, "
         "1 bfloat16, 2 float16). Releases the GIL. Callers must pass valid, non-overlapping "
         "buffers of numel elements: use offload.optim.adam_step_flat, which checks them.");
+  m.def("adam_stream_copy_out_min_numel", &adam::stream_copy_out_min_numel,
+        "Steps over at least this many elements write the copy-out with streaming stores "
+        "(chosen at load time from the last-level cache size).");
+  m.def("adam_set_stream_copy_out_min_numel", &adam::set_stream_copy_out_min_numel,
+        py::arg("numel"),
+        "Change the streaming-store threshold for later steps (for tests and benchmarks); "
+        "results do not depend on it.");
   m.def("adam_selected_isa", [] { return std::string(adam::isa_name(adam::selected_isa())); },
         "Instruction set the Adam kernel runs on; raises if OFFLOAD_FORCE_ISA was invalid.");
   m.def("adam_available_isas",

@@ -50,9 +50,9 @@ void register_io(py::module_& m) {
       });
 
   py::class_<Engine>(m, "IOEngineCore")
-      .def(py::init<const std::string&, std::size_t, unsigned>(), py::arg("backend"),
-           py::arg("block_bytes"), py::arg("queue_depth"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(py::init<const std::string&, std::size_t, unsigned, std::size_t>(),
+           py::arg("backend"), py::arg("block_bytes"), py::arg("queue_depth"),
+           py::arg("max_open_files"), py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
           [](Engine& e, bool is_write, std::uintptr_t address, std::size_t nbytes,
@@ -63,6 +63,9 @@ void register_io(py::module_& m) {
           py::arg("offset"), py::call_guard<py::gil_scoped_release>())
       .def("wait_all", &Engine::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def("close_files", &Engine::close_files, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_open_files", &Engine::num_open_files)
+      .def_property_readonly("num_opens", &Engine::num_opens)
       .def_property_readonly("backend", &Engine::backend_name)
       .def_property_readonly("num_buffered_opens", &Engine::num_buffered_opens);
 }

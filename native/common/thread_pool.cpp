@@ -123,6 +123,24 @@ void parallel_for(std::size_t num_tasks, const std::function<void(std::size_t)>&
   pool().run(num_tasks, fn);
 }
 
+void parallel_ranges(std::size_t numel, std::size_t grain,
+                     const std::function<void(std::size_t, std::size_t)>& fn) {
+  if (numel == 0) return;
+  if (grain == 0) throw std::invalid_argument("parallel_ranges: grain must be > 0");
+  const std::size_t threads = static_cast<std::size_t>(num_threads());
+  if (numel < 2 * grain || threads == 1) {
+    fn(0, numel);
+    return;
+  }
+  const std::size_t per_range = numel / (4 * threads);
+  const std::size_t range_numel = std::max(grain, (per_range + grain - 1) / grain * grain);
+  const std::size_t num_ranges = (numel + range_numel - 1) / range_numel;
+  parallel_for(num_ranges, [&](std::size_t r) {
+    const std::size_t begin = r * range_numel;
+    fn(begin, std::min(numel, begin + range_numel));
+  });
+}
+
 int num_threads() { return pool().size(); }
 
 void set_num_threads(int n) {

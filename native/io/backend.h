@@ -34,12 +34,13 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
-  // Queues ops for the kernel. The caller never has more than queue_depth ops in flight.
+  // Queues ops for the kernel. A backend may hold them until the next reap(), so the caller
+  // always reaps after submitting. The caller never has more than queue_depth ops in flight.
   // Throws std::system_error only when the backend itself is broken; per-op failures are
   // reported as completions.
   virtual void submit(const BlockOp* ops, std::size_t num_ops) = 0;
-  // Writes up to max_completions completions to out; blocks until at least one when
-  // wait is true. Returns how many were written.
+  // Hands any held ops to the kernel, then writes up to max_completions completions to out;
+  // blocks until at least one when wait is true. Returns how many were written.
   virtual std::size_t reap(BlockCompletion* out, std::size_t max_completions, bool wait) = 0;
 };
 

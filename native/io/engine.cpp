@@ -1,9 +1,6 @@
 #include "io/engine.h"
 
-#include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -73,8 +70,12 @@ void Request::fail(int err, const std::string& what) {
                    std::to_string(error_code_) + ")";
 }
 
-Engine::Engine(const std::string& backend, std::size_t block_bytes, unsigned queue_depth)
-    : backend_name_(backend), block_bytes_(block_bytes), queue_depth_(queue_depth) {
+Engine::Engine(const std::string& backend, std::size_t block_bytes, unsigned queue_depth,
+               std::size_t max_open_files)
+    : backend_name_(backend),
+      block_bytes_(block_bytes),
+      queue_depth_(queue_depth),
+      files_(max_open_files) {
   if (block_bytes == 0 || !is_aligned(block_bytes) || block_bytes > (1u << 30))
     throw std::invalid_argument("block_bytes must be a positive multiple of 4096 up to 1 GiB, got " +
                                 std::to_string(block_bytes));
@@ -99,29 +100,7 @@ void Engine::close() {
   work_ready_.notify_all();
   if (driver_.joinable()) driver_.join();
   backend_.reset();
-}
-
-void Engine::open_file(Request& r) {
-  int flags = (r.is_write_ ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC;
-  int fd = ::open(r.path_.c_str(), flags | O_DIRECT, 0600);
-  bool direct = fd >= 0;
-  if (fd < 0 && errno == EINVAL) fd = ::open(r.path_.c_str(), flags, 0600);
-  if (fd < 0) {
-    r.fail(errno, std::string("open of '") + r.path_ + "' for " +
-                      (r.is_write_ ? "write" : "read"));
-    return;
-  }
-  if (direct) {
-    // tmpfs accepts O_DIRECT since Linux 6.6 but serves it from the page cache; treat it as
-    // buffered so the caller learns that its data does not bypass RAM.
-    struct statfs fs;
-    if (fstatfs(fd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)) {
-      if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) == 0) direct = false;
-    }
-  }
-  if (!direct) num_buffered_opens_.fetch_add(1);
-  r.fd_ = fd;
-  r.direct_ = direct;
+  files_.clear();
 }
 
 std::shared_ptr<Request> Engine::submit(bool is_write, void* buf, std::size_t nbytes,
@@ -136,13 +115,15 @@ std::shared_ptr<Request> Engine::submit(bool is_write, void* buf, std::size_t nb
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) throw std::logic_error("I/O engine is closed");
   }
-  open_file(*r);
-  if (!r->failed_ && r->direct_)
+  int err = 0;
+  r->file_ = files_.acquire(path, is_write, &err);
+  if (!r->file_)
+    r->fail(err, std::string("open of '") + path + "' for " + (is_write ? "write" : "read"));
+  else if (r->file_->direct)
     r->bounced_ = !is_aligned(reinterpret_cast<std::uintptr_t>(buf)) || !is_aligned(offset) ||
                   !is_aligned(nbytes);
   if (r->failed_ || nbytes == 0) {
-    if (r->fd_ >= 0) ::close(r->fd_);
-    r->fd_ = -1;
+    r->file_.reset();
     r->done_.store(true, std::memory_order_release);
     return r;
   }
@@ -164,7 +145,7 @@ BlockOp Engine::op_for(std::uint64_t slot) const {
   const Block& b = blocks_[slot];
   const Request& r = *b.request;
   std::size_t start = b.request_offset + b.done_bytes;
-  return BlockOp{r.fd_, r.is_write_, r.buf_ + start, b.nbytes - b.done_bytes,
+  return BlockOp{r.file_->fd, r.is_write_, r.buf_ + start, b.nbytes - b.done_bytes,
                  static_cast<off_t>(r.offset_ + start), slot};
 }
 
@@ -185,7 +166,7 @@ bool Engine::on_completion(Block& b, long result) {
   if (b.done_bytes == b.nbytes) return true;
   // Short transfer. Zero progress, or an O_DIRECT remainder that cannot be aligned, means
   // the end of the file (reads) or of the space (writes), not a transient condition.
-  if (moved == 0 || (r.direct_ && !is_aligned(moved))) {
+  if (moved == 0 || (r.file_->direct && !is_aligned(moved))) {
     if (r.is_write_) r.fail(ENOSPC, what() + " (short write)");
     else r.fail(ENODATA, what() + " (end of file reached)");
     return true;
@@ -195,10 +176,9 @@ bool Engine::on_completion(Block& b, long result) {
 
 void Engine::finish(const std::shared_ptr<Request>& rp) {
   Request& r = *rp;
-  if (!r.failed_ && r.is_write_ && !r.direct_ && ::fdatasync(r.fd_) != 0)
+  if (!r.failed_ && r.is_write_ && !r.file_->direct && ::fdatasync(r.file_->fd) != 0)
     r.fail(errno, "fdatasync after " + describe(r, true, r.nbytes_, r.offset_, r.nbytes_, r.offset_));
-  ::close(r.fd_);
-  r.fd_ = -1;
+  r.file_.reset();  // closes the file if the cache has let go of it
   {
     std::lock_guard<std::mutex> lock(r.mutex_);
     r.done_.store(true, std::memory_order_release);
@@ -216,11 +196,12 @@ void Engine::run_bounced(Request& r) {
   std::uint64_t end = align_up(r.offset_ + r.nbytes_);
   std::size_t span = static_cast<std::size_t>(end - start);
   std::size_t lead = static_cast<std::size_t>(r.offset_ - start);
+  const int fd = r.file_->fd;
   auto what = [&] { return describe(r, r.is_write_, r.nbytes_, r.offset_, r.nbytes_, r.offset_); };
   AlignedBuffer bounce(span);
   if (!bounce.data()) return r.fail(ENOMEM, what() + " (bounce buffer)");
   if (!r.is_write_) {
-    long long got = full_transfer(r.fd_, false, bounce.data(), span, start);
+    long long got = full_transfer(fd, false, bounce.data(), span, start);
     if (got < 0) return r.fail(static_cast<int>(-got), what());
     if (static_cast<std::uint64_t>(got) < lead + r.nbytes_)
       return r.fail(ENODATA, what() + " (end of file reached)");
@@ -228,28 +209,28 @@ void Engine::run_bounced(Request& r) {
     return;
   }
   struct stat st;
-  if (fstat(r.fd_, &st) != 0) return r.fail(errno, what() + " (fstat)");
+  if (fstat(fd, &st) != 0) return r.fail(errno, what() + " (fstat)");
   // Read-modify-write of the partial first and last blocks; past EOF they read as zeros.
   std::memset(bounce.data(), 0, span);
   bool partial_head = lead != 0;
   bool partial_tail = end != r.offset_ + r.nbytes_;
   if (partial_head) {
-    long long got = full_transfer(r.fd_, false, bounce.data(), kAlignBytes, start);
+    long long got = full_transfer(fd, false, bounce.data(), kAlignBytes, start);
     if (got < 0) return r.fail(static_cast<int>(-got), what() + " (read-modify-write)");
   }
   if (partial_tail && (span > kAlignBytes || !partial_head)) {
-    long long got = full_transfer(r.fd_, false, bounce.data() + span - kAlignBytes, kAlignBytes,
+    long long got = full_transfer(fd, false, bounce.data() + span - kAlignBytes, kAlignBytes,
                                   end - kAlignBytes);
     if (got < 0) return r.fail(static_cast<int>(-got), what() + " (read-modify-write)");
   }
   std::memcpy(bounce.data() + lead, r.buf_, r.nbytes_);
-  long long put = full_transfer(r.fd_, true, bounce.data(), span, start);
+  long long put = full_transfer(fd, true, bounce.data(), span, start);
   if (put < 0) return r.fail(static_cast<int>(-put), what());
   if (static_cast<std::size_t>(put) < span) return r.fail(ENOSPC, what() + " (short write)");
   // The padded write may have grown the file past the request's end; give it back the size
   // a plain pwrite would have left.
   std::uint64_t want_size = std::max<std::uint64_t>(st.st_size, r.offset_ + r.nbytes_);
-  if (end > want_size && ::ftruncate(r.fd_, static_cast<off_t>(want_size)) != 0)
+  if (end > want_size && ::ftruncate(fd, static_cast<off_t>(want_size)) != 0)
     return r.fail(errno, what() + " (ftruncate to " + std::to_string(want_size) + ")");
 }
 

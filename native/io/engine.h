@@ -2,8 +2,10 @@
 // Backend by one driver thread.
 //
 // [Note: request lifecycle]
-// submit() opens the file in the calling thread (O_DIRECT unless the filesystem cannot honor
-// it) and queues a Request; an open failure completes the request at once with that error,
+// submit() takes the file from the FileCache in the calling thread (opened O_DIRECT unless the
+// filesystem cannot honor it; see [Note: file cache] in file_cache.h) and queues a Request; the
+// Request holds the file open until it is finished. An open failure completes the request at
+// once with that error,
 // so every error, whatever its stage, is observed through Request::wait(). The driver thread
 // takes blocks of at most block_bytes from the queue head while fewer than queue_depth are in
 // flight, hands them to the backend, reaps completions, continues short transfers, and
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "io/backend.h"
+#include "io/file_cache.h"
 
 namespace offload::io {
 
@@ -54,8 +57,7 @@ class Request {
   char* buf_ = nullptr;
   std::size_t nbytes_ = 0;
   std::uint64_t offset_ = 0;
-  int fd_ = -1;
-  bool direct_ = false;
+  std::shared_ptr<OpenFile> file_;  // released by Engine::finish
   bool bounced_ = false;
   // Progress, touched only by the driver thread.
   std::size_t issued_bytes_ = 0;
@@ -71,9 +73,11 @@ class Request {
 
 class Engine {
  public:
+  // max_open_files: descriptors kept open between requests (0: open and close per request).
   // Throws std::invalid_argument for bad arguments and std::system_error when the backend
   // cannot be created on this kernel.
-  Engine(const std::string& backend, std::size_t block_bytes, unsigned queue_depth);
+  Engine(const std::string& backend, std::size_t block_bytes, unsigned queue_depth,
+         std::size_t max_open_files);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -87,8 +91,13 @@ class Engine {
   void close();
 
   const std::string& backend_name() const { return backend_name_; }
-  // Files opened without O_DIRECT because their filesystem cannot honor it.
-  std::uint64_t num_buffered_opens() const { return num_buffered_opens_.load(); }
+  // Closes the cached descriptors (requests in flight keep theirs until they finish), so
+  // files removed after moving bytes with this engine give their space back now.
+  void close_files() { files_.clear(); }
+  std::size_t num_open_files() const { return files_.size(); }
+  // Opens so far, and those of them without O_DIRECT because the filesystem cannot honor it.
+  std::uint64_t num_opens() const { return files_.num_opens(); }
+  std::uint64_t num_buffered_opens() const { return files_.num_buffered_opens(); }
 
  private:
   struct Block {
@@ -104,13 +113,12 @@ class Engine {
   bool on_completion(Block& block, long result);
   void finish(const std::shared_ptr<Request>& request);
   void run_bounced(Request& request);
-  void open_file(Request& request);
 
   std::string backend_name_;
   std::size_t block_bytes_;
   unsigned queue_depth_;
   std::unique_ptr<Backend> backend_;
-  std::atomic<std::uint64_t> num_buffered_opens_{0};
+  FileCache files_;
 
   std::mutex mutex_;
   std::condition_variable work_ready_;
