@@ -961,9 +961,8 @@ class Engine:
         self._maybe_update_early()
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
-        if (t.device == self.device and t.dtype == self.compute_dtype
-                and t.untyped_storage().data_ptr() == self._device.arena_storage_ptr):
-            offset = t.storage_offset()
+        offset = self._device.offset_of(t) if t.device == self.device and t.dtype == self.compute_dtype else None
+        if offset is not None:
             for u in self.units:
                 if u.device_offset is not None and u.compute_state.value in (Residency.LOADED, Residency.IN_USE) \
                         and u.device_offset <= offset < u.device_offset + u.compute_numel:
@@ -976,8 +975,7 @@ class Engine:
             u = self.units[saved.unit_index]
             self._need(u)
             self._wait_ready(u)
-            return self._device.arena.as_strided(saved.size, saved.stride,
-                                                 u.device_offset + saved.relative_offset)
+            return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
         return saved
 
     @torch.no_grad()

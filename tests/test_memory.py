@@ -88,6 +88,7 @@ def test_host_buffers_are_mappings_of_their_own_given_back_when_dropped():
     # [Note: host buffers outside the heap] A 12 MiB staging buffer from malloc would land in
     # its heap once malloc's mmap threshold has grown (it does as activations are freed).
     import torch
+    from offload.io import HUGE_PAGE_BYTES
     from offload.tiers import HostTier
 
     if torch.cuda.is_available():
@@ -96,7 +97,7 @@ def test_host_buffers_are_mappings_of_their_own_given_back_when_dropped():
     num_bytes = 12 << 20
     buf = host.allocate(num_bytes // 4, torch.float32)
     address = buf.data_ptr()
-    assert address % 4096 == 0
+    assert address % HUGE_PAGE_BYTES == 0  # [Note: huge-page buffers]: swap I/O at full speed
     start, end, path = _mapping_of(address)
     assert path != "[heap]" and end - address >= num_bytes  # (the kernel may merge neighbours)
     assert host.used_bytes == host.peak_bytes == num_bytes
@@ -154,3 +155,20 @@ def test_wrap_of_a_meta_model_holds_one_unit_twice_at_most(tmp_path):
     assert report["wrap_peak_bytes"] < expected + unit // 2, (
         f"wrap peaked {report['wrap_peak_bytes'] / 2**20:.0f} MiB over its start, expected "
         f"about {expected / 2**20:.0f} MiB")
+
+
+def test_views_of_a_huge_page_cpu_arena_map_back_to_their_arena_offsets():
+    # The 2 MiB-aligned arena starts inside its mapping, so a view's storage offset is not
+    # its arena offset; saved parameters are recorded and rebuilt by arena offsets.
+    import torch
+    from offload.tiers import DeviceTier
+
+    arena = DeviceTier(torch.device("cpu"), torch.float32, capacity_numel=3 << 20, budget_bytes=12 << 20)
+    slot = 1 << 20
+    weight = arena.view(slot, 4096).view(64, 64)
+    saved = weight.t()  # as autograd saves it for a Linear's backward
+    offset = arena.offset_of(saved)
+    assert offset == slot
+    rebuilt = arena.strided_view(saved.size(), saved.stride(), offset)
+    assert rebuilt.data_ptr() == saved.data_ptr() and torch.equal(rebuilt, saved)
+    assert arena.offset_of(torch.zeros(4)) is None

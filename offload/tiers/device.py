@@ -36,7 +36,10 @@ class DeviceTier:
             self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype).zero_()
         else:
             self.arena = torch.zeros(capacity_numel, dtype=dtype, device=device)
-        self.arena_storage_ptr = self.arena.untyped_storage().data_ptr()
+        # A huge-page arena starts inside its mapping (aligned from within): views of the
+        # arena are recognized and rebuilt by offsets in its storage, not in the arena.
+        self._storage_ptr = self.arena.untyped_storage().data_ptr()
+        self._storage_offset = self.arena.storage_offset()
         self._free: List[Tuple[int, int]] = [(0, capacity_numel)] if capacity_numel else []
         self.slot_bytes = 0
         self.transient_bytes = 0
@@ -86,6 +89,16 @@ class DeviceTier:
 
     def view(self, offset: int, numel: int) -> torch.Tensor:
         return self.arena[offset:offset + numel]
+
+    def offset_of(self, t: torch.Tensor) -> Optional[int]:
+        """The arena element where ``t``'s data starts, or None when t does not view the arena."""
+        if t.untyped_storage().data_ptr() != self._storage_ptr:
+            return None
+        return t.storage_offset() - self._storage_offset
+
+    def strided_view(self, size: torch.Size, stride: Tuple[int, ...], offset: int) -> torch.Tensor:
+        """A view of the arena from element ``offset`` (the inverse of ``offset_of``)."""
+        return self.arena.as_strided(size, stride, self._storage_offset + offset)
 
     def hold_transient(self, num_bytes: int) -> None:
         """Count bytes the runtime holds on the device briefly (a gradient on its way out)."""

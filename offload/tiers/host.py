@@ -16,11 +16,15 @@ from typing import Optional
 
 import torch
 
-from offload.io import aligned_empty
+from offload.io import HUGE_PAGE_BYTES, aligned_empty
 
 
 def mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor on anonymous pages of its own (zero until first written)."""
+    """An uninitialized tensor on anonymous pages of its own. From 2 MiB up these are
+    ``aligned_empty``'s huge-page mappings ([Note: huge-page buffers] in offload/io.py: swap
+    I/O into them runs at full speed), below that a page-aligned mapping of 4 KiB pages."""
+    if num_bytes >= HUGE_PAGE_BYTES and not torch.cuda.is_available():
+        return aligned_empty(num_bytes, dtype)
     if num_bytes == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype)  # the tensor keeps the map
