@@ -117,6 +117,25 @@ def load_results(out_dir):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
+def run_stages(worker, stages, config, data, tmp_path):
+    """Each stage's results on every rank: ``worker`` on 2 ranks with ``config`` and
+    ``stage`` set, a swap directory of its own under tmp_path/stageS."""
+    runs = {}
+    for stage in stages:
+        out = tmp_path / f"stage{stage}"
+        swap = out / "swap"
+        swap.mkdir(parents=True)
+        run_ranks(worker, dict(config, stage=stage, swap_dir=str(swap)), data, str(out))
+        runs[stage] = load_results(out)
+    return runs
+
+
+def assert_same_states(runs, a, b):
+    for r in range(WORLD):
+        for k, v in runs[a][r]["state"].items():
+            assert torch.equal(v, runs[b][r]["state"][k]), (r, k)
+
+
 CASES = [  # (stage, tier, gradient_accumulation_steps, max_grad_norm)
     (0, "host", 1, None), (0, "nvme", 2, 0.5),
     (1, "host", 1, None), (1, "nvme", 2, 0.5),
@@ -364,18 +383,10 @@ def test_stage_3_gathers_units_within_the_budget_and_equals_stage_0_bit_for_bit(
     files, and the optimizer updates each shard in several pieces; the weights after 4 steps
     equal plain data parallel (stage 0) exactly, and each rank's compute copies at home are
     half of stage 0's."""
-    data = batches(4)
-    runs = {}
-    for stage in (0, 3):
-        out = tmp_path / f"stage{stage}"
-        swap = out / "swap"
-        swap.mkdir(parents=True)
-        run_ranks(_budgeted_worker, dict(stage=stage, dtype="bf16", param_tier="nvme",
-                                         optimizer_tier="nvme", swap_dir=str(swap)), data, str(out))
-        runs[stage] = load_results(out)
+    runs = run_stages(_budgeted_worker, (0, 3), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme"),
+                      batches(4), tmp_path)
+    assert_same_states(runs, 0, 3)
     for r in range(WORLD):
-        for k, v in runs[0][r]["state"].items():
-            assert torch.equal(v, runs[3][r]["state"][k]), (r, k)
         stats = runs[3][r]["stats"]
         assert stats["device_peak_bytes"] <= stats["device_budget_bytes"]
         assert stats["prefetch_hits"] > 0
@@ -398,18 +409,9 @@ def test_shard_ranges_cover_the_prefix_once():
 def test_bf16_stage_1_on_nvme_equals_stage_0_bit_for_bit(tmp_path):
     """The shard path with states on NVMe: a separate shard-sized fp32 master and moments
     read and written whole, the bf16 compute copy gathered and written back."""
-    data = batches(4)
-    runs = {}
-    for stage in (0, 1):
-        out = tmp_path / f"stage{stage}"
-        swap = out / "swap"
-        swap.mkdir(parents=True)
-        run_ranks(_train_worker, dict(stage=stage, dtype="bf16", param_tier="nvme",
-                                      optimizer_tier="nvme", swap_dir=str(swap)), data, str(out))
-        runs[stage] = load_results(out)
-    for r in range(WORLD):
-        for k, v in runs[0][r]["state"].items():
-            assert torch.equal(v, runs[1][r]["state"][k]), (r, k)
+    runs = run_stages(_train_worker, (0, 1), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme"),
+                      batches(4), tmp_path)
+    assert_same_states(runs, 0, 1)
 
 
 def _checkpoint_worker(rank, port, config, data, out_dir, phase):

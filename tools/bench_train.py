@@ -730,11 +730,17 @@ def print_table(results: list, out=sys.stdout) -> None:
               f"{fmt(None if written is None else written / GB, '8.3f')} "
               f"{fmt(r.get('io_wait_seconds'), '7.3f')} "
               f"{fmt(overlap_efficiency(r, by_key), '7.2f')}  {r.get('note', '')}", file=out)
+    print_baselines(results, "plain", "plain PyTorch step", "", out)
+
+
+def print_baselines(results: list, row: str, what: str, rss_note: str, out) -> None:
+    """One line per dtype: the baseline row's step time and peak RSS."""
+    by_key = {(r["row"], r["dtype"]): r for r in results}
     for dtype in dict.fromkeys(r["dtype"] for r in results):
-        plain = by_key.get(("plain", dtype))
-        if plain and "error" not in plain:
-            print(f"baseline {dtype}: plain PyTorch step {plain['step_seconds']:.3f} s, "
-                  f"peak RSS {plain['peak_rss_bytes'] / GiB:.2f} GiB", file=out)
+        base = by_key.get((row, dtype))
+        if base and "error" not in base:
+            print(f"baseline {dtype}: {what} {base['step_seconds']:.3f} s, "
+                  f"peak RSS {base['peak_rss_bytes'] / GiB:.2f} GiB{rss_note}", file=out)
 
 
 def per_rank(row: dict, key: str, scale: float, spec: str) -> str:
@@ -769,11 +775,7 @@ def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
               f"{per_rank(r, 'device_peak_bytes', 1 << 20, '.1f'):15s} "
               f"{per_rank(r, 'nvme_read_per_step', GB, '.3f'):14s} "
               f"{per_rank(r, 'nvme_written_per_step', GB, '.3f'):14s} {r.get('note', '')}", file=out)
-    for dtype in dict.fromkeys(r["dtype"] for r in results):
-        ddp = by_key.get(("ddp", dtype))
-        if ddp and "error" not in ddp:
-            print(f"baseline {dtype}: DDP step {ddp['step_seconds']:.3f} s, "
-                  f"peak RSS {ddp['peak_rss_bytes'] / GiB:.2f} GiB (largest rank)", file=out)
+    print_baselines(results, "ddp", "DDP step", " (largest rank)", out)
 
 
 def parse_args(argv=None):
