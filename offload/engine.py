@@ -223,7 +223,9 @@ class Engine:
                 group_of[p] = gi
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
-        self._unmaterialized = self._replace_meta_parameters(specs)
+        # Meta parameters get storage-less stand-ins, put into the model and the optimizer
+        # only once every check below has passed: a refused wrap leaves both as they were.
+        meta_replacements = self._meta_stand_ins(specs)
         self.units = [_Unit(spec, compute_element_bytes) for spec in specs]
         self._root = self.units[0]
         # [zero] Several ranks: shard sizes per unit, and every rank wraps the same thing.
@@ -250,6 +252,7 @@ class Engine:
         self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
+        self._unmaterialized = self._install_stand_ins(meta_replacements)
 
         # 4. Tiers.
         self.stats_counters = Stats()
@@ -539,19 +542,24 @@ class Engine:
                 for _ in range(self.config.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial placement
-    def _replace_meta_parameters(self, specs: List[UnitSpec]) -> set:
+    @staticmethod
+    def _meta_stand_ins(specs: List[UnitSpec]) -> Dict[nn.Parameter, nn.Parameter]:
         """A meta tensor's storage cannot be swapped for a real one, so each meta parameter
-        is replaced by a CPU parameter with no storage yet, in every module that holds it
-        (ties stay ties) and in the optimizer's param groups. Returns the new parameters."""
+        gets a CPU parameter with no storage yet; the unit specs refer to the stand-ins from
+        here on. Returns {meta parameter: stand-in}."""
         new_of: Dict[nn.Parameter, nn.Parameter] = {}
         for spec in specs:
             for e in spec.entries:
                 if e.param.is_meta:
-                    new = nn.Parameter(torch.empty(0, dtype=e.param.dtype), requires_grad=e.param.requires_grad)
-                    new_of[e.param] = new
-                    e.param = new
-        if not new_of:
-            return set()
+                    if e.param not in new_of:
+                        new_of[e.param] = nn.Parameter(torch.empty(0, dtype=e.param.dtype),
+                                                       requires_grad=e.param.requires_grad)
+                    e.param = new_of[e.param]
+        return new_of
+
+    def _install_stand_ins(self, new_of: Dict[nn.Parameter, nn.Parameter]) -> set:
+        """Puts the stand-ins in every module that holds their meta parameter (ties stay
+        ties) and in the optimizer's param groups. Returns the stand-ins."""
         for module in self.module.modules():
             for name, p in module._parameters.items():
                 if p is not None and p in new_of:

@@ -398,6 +398,31 @@ def test_meta_model_materializes_unit_by_unit_like_reset_parameters():
         assert all(l == l for l in losses)
 
 
+def test_refused_wrap_leaves_a_meta_model_and_its_optimizer_untouched():
+    """A wrap refused for its budget must not have swapped the model's meta parameters
+    for stand-ins: the same model and optimizer wrap fine afterwards, with the right
+    initial values."""
+    torch.manual_seed(7)
+    eager = GPT(CFG)
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        meta_model = GPT(CFG)
+    opt = make_opt(meta_model.parameters())
+    params_before = dict(meta_model.named_parameters())
+    groups_before = [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="device_budget"):
+        offload.wrap(meta_model, opt, config=dict(param_tier="host", device_budget=64))
+    assert all(p.is_meta for p in meta_model.parameters())
+    assert dict(meta_model.named_parameters()).keys() == params_before.keys()
+    assert all(p is params_before[n] for n, p in meta_model.named_parameters())
+    assert all(a is b for g, before in zip(opt.param_groups, groups_before)
+               for a, b in zip(g["params"], before))
+    with offload.wrap(meta_model, opt, config=dict(param_tier="host", device_budget=budget_for(eager, 0.6))) as engine:
+        sd = engine.state_dict()
+        for k, v in eager.state_dict().items():
+            assert torch.equal(sd[k], v), k
+
+
 def test_config_from_dict_and_json(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"device_budget": "2MiB", "param_tier": "host", "dtype": "bf16"}))
