@@ -28,6 +28,7 @@ buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts th
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import threading
@@ -35,7 +36,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -160,6 +161,40 @@ class _StagingSlot:
         self.pending_writes: List[Any] = []
 
 
+# Spans kept for export_trace: the most recent ones (about 100 per step of a 10-unit
+# model), so a long run's timeline stays a few MiB.
+TIMELINE_SPANS = 1 << 16
+
+
+def _request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str, float, float]]:
+    """Trace spans of finished NVMe requests (is_write, bytes, IOHandle), each
+    direction spread over numbered lanes in which no two spans overlap (a request goes to
+    the lowest-numbered lane that is free when it starts)."""
+    import heapq
+
+    spans: List[Tuple[str, str, float, float]] = []
+    for is_write, direction in ((False, "read"), (True, "write")):
+        done = []
+        for w, nbytes, handle in requests:
+            times = handle.times() if w == is_write and hasattr(handle, "times") else None
+            if times is not None:  # finished (a test's stand-in handle has no times)
+                done.append((*times, nbytes))
+        done.sort()
+        free: List[int] = []                   # lane numbers free now (a heap)
+        busy: List[Tuple[float, int]] = []     # (end, lane) of the spans running
+        lanes_used = 0
+        for start, end, nbytes in done:
+            while busy and busy[0][0] <= start:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            if free:
+                lane = heapq.heappop(free)
+            else:
+                lane, lanes_used = lanes_used, lanes_used + 1
+            heapq.heappush(busy, (end, lane))
+            spans.append((f"nvme {direction} {lane}", f"{direction} {format_size(nbytes)}", start, end))
+    return spans
+
+
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          config: "OffloadConfig | dict | str | None" = None, *,
          init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
@@ -198,6 +233,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+        self._timeline_origin = time.perf_counter()  # time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config
         self.module = model
@@ -314,8 +350,9 @@ class Engine:
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
         self._next_slot = 0
-        self._timeline: List[Tuple[str, str, float, float]] = []
-        self._timeline_origin = time.perf_counter()
+        # The most recent spans only: a long run keeps a bounded timeline.
+        self._timeline: Deque[Tuple[str, str, float, float]] = collections.deque(maxlen=TIMELINE_SPANS)
+        self._forward_started = 0.0
         self._tick = 0
         self._micro_step = 0
         self._loss_scale = config.initial_loss_scale if config.dtype == "fp16" else 1.0
@@ -895,6 +932,7 @@ class Engine:
         self._forward_depth += 1
         if self._forward_depth > 1:
             return
+        self._forward_started = time.perf_counter()
         self._wait_optimizer()
         if self._partition is not None and self.module.training and self._buffers:  # [zero]
             self._partition.broadcast_buffers(self._buffers)
@@ -928,6 +966,7 @@ class Engine:
             self._saved_hooks.pop().__exit__(None, None, None)
         if self._root.compute_state == Residency.IN_USE:
             self._root.compute_state.to(Residency.LOADED)
+        self._trace_span("phase", "forward", self._forward_started, time.perf_counter())
 
     def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> Any:
         u.compute_started = time.perf_counter()
@@ -1260,6 +1299,7 @@ class Engine:
             calls_done = 0 < u.calls <= u.backward_done
             if trace_done or calls_done:
                 u.updated = True
+                self.stats_counters.count("early_updates")
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
                 u.update_in_device = self._prefetcher.pass_complete and self._device_copy_updatable(u)
@@ -1789,6 +1829,13 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
+        early = [u.name for u in self.units if u.updated]
+        if early:  # [Note: early updates]
+            raise RuntimeError(
+                f"state_dict() between backward() and step(): the optimizer already updated "
+                f"{len(early)} unit(s) during backward ({', '.join(early[:4])}"
+                f"{', ...' if len(early) > 4 else ''}) and not the others yet, so the weights would "
+                "mix two steps; call it after step()")
         values: Dict[int, Dict[int, torch.Tensor]] = {}
         entry_of: Dict[nn.Parameter, Tuple[_Unit, ParamEntry]] = {}
         for u in self.units:
@@ -1872,6 +1919,7 @@ class Engine:
             "backward_seconds": s.seconds["backward"],
             "total_optimizer_seconds": s.seconds["optimizer"],
             "skipped_steps": s.counts["skipped_steps"],
+            "early_updates": s.counts["early_updates"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._loss_scale,
             "num_units": len(self.units),
@@ -1908,19 +1956,35 @@ class Engine:
         self._timeline.append((lane, name, start, end))
 
     def export_trace(self, path: str) -> None:
-        """Write the timeline as Chrome/Perfetto trace-event JSON: one lane each for compute
-        per unit, copies to the device, NVMe reads and writes, and Adam per unit.
+        """Write the most recent part of the timeline (``TIMELINE_SPANS`` spans, and the
+        NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event JSON:
+        lanes for the phases (forward, backward, optimizer step), compute per unit, copies
+        to the device, NVMe reads, NVMe writes and Adam per unit. See tools/trace_summary.py
+        for a text summary.
 
-        Spans of transfers end when the engine observed them complete (a wait returned),
-        which can be later than the bytes arrived; compute spans of backward run from one
-        unit's backward start to the next's."""
+        NVMe requests run from their first block's issue to their completion, as the I/O
+        engine saw them; several are in flight at once, so each direction is spread over
+        numbered lanes ("nvme read 0", "nvme read 1", ...) in which no two overlap. Other
+        transfer spans end when the engine observed them complete (a wait returned), which
+        can be later than the bytes arrived; compute spans of backward run from one unit's
+        backward start to the next's."""
         import json
 
-        lanes = {"phase": 0, "compute": 1, "copy": 2, "nvme read": 3, "nvme write": 4, "adam": 5}
-        events = [{"name": name, "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
-                  for lane, tid in lanes.items() for name in ("thread_name",)]
-        for lane, name, start, end in list(self._timeline):
-            events.append({"name": name, "cat": lane, "ph": "X", "pid": 1, "tid": lanes[lane],
+        spans = list(self._timeline)
+        if self._nvme is not None:
+            spans.extend(_request_spans(list(self._nvme.recent)))
+        order = ["phase", "compute", "copy"]
+        order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme read")},
+                        key=lambda lane: int(lane.rsplit(" ", 1)[1]))
+        order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme write")},
+                        key=lambda lane: int(lane.rsplit(" ", 1)[1]))
+        order.append("adam")
+        lanes = {lane: tid for tid, lane in enumerate(order)}
+        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+                  for lane, tid in lanes.items()]
+        for lane, name, start, end in spans:
+            kind = lane.rsplit(" ", 1)[0] if lane.startswith("nvme") else lane  # "nvme read 3"
+            events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": lanes[lane],
                            "ts": (start - self._timeline_origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -30,7 +30,7 @@ import os
 import tempfile
 import time
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,6 +131,13 @@ class IOHandle:
 
     def done(self) -> bool:
         return self._request.done()
+
+    def times(self) -> Optional[Tuple[float, float]]:
+        """(first block issued, finished) in ``time.perf_counter()`` seconds once the
+        request is done, else None."""
+        if not self._request.done():
+            return None
+        return self._request.started, self._request.finished
 
     def wait(self) -> int:
         """Blocks until finished; returns the bytes moved or raises ``OSError``."""

@@ -20,6 +20,54 @@ from offload import _native
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "bench_train.py"
 ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
+SUMMARY_TOOL = REPO_ROOT / "tools" / "trace_summary.py"
+
+
+def load_tool(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_summary_takes_the_union_of_each_lane_inside_each_phase(tmp_path):
+    """Two overlapping NVMe reads count once; spans are clipped to the phase; the busiest
+    lane and the main thread's idle share follow from the unions."""
+    def span(cat, name, start_ms, end_ms, tid=1):
+        return {"name": name, "cat": cat, "ph": "X", "pid": 1, "tid": tid,
+                "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3}
+
+    events = [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "phase"}},
+        span("phase", "forward", 0, 100), span("phase", "backward", 100, 300),
+        span("phase", "optimizer step", 300, 400),
+        span("compute", "forward a", 0, 40), span("compute", "forward b", 60, 100),
+        span("nvme read", "read 1 MiB", 10, 50, 3), span("nvme read", "read 1 MiB", 30, 70, 4),
+        span("nvme write", "write 1 MiB", 60, 80, 5),
+        span("compute", "backward b", 100, 300),
+        span("adam", "adam b (early)", 250, 350),  # half in backward, half in the step
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = {r["phase"]: r for r in load_tool(SUMMARY_TOOL).summarize(str(path))}
+    forward = rows["forward"]
+    assert forward["seconds"] == pytest.approx(0.1)
+    assert forward["busy"]["nvme read"] == pytest.approx(0.06)   # 10..70, counted once
+    assert forward["busy"]["nvme any"] == pytest.approx(0.07)    # 10..80
+    assert forward["busy"]["compute"] == pytest.approx(0.08)
+    assert forward["busiest"] == "compute"
+    assert forward["main_idle"] == pytest.approx(0.2)
+    assert rows["backward"]["busy"]["adam"] == pytest.approx(0.05)
+    step = rows["optimizer step"]
+    assert step["busy"]["adam"] == pytest.approx(0.05) and step["busiest"] == "adam"
+    assert step["main_idle"] == pytest.approx(1.0)
+
+
+def test_trace_summary_cli_names_a_file_that_is_not_a_trace(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    proc = subprocess.run([sys.executable, str(SUMMARY_TOOL), str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "bad.json" in proc.stderr
 
 
 def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
@@ -28,7 +76,7 @@ def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--quick", "--no-deepspeed", "--dtypes", "bf16",
-         "--swap-dir", str(swap), "--json", str(out)],
+         "--swap-dir", str(swap), "--json", str(out), "--trace-dir", str(tmp_path / "traces")],
         capture_output=True, text=True, env=env, timeout=900)  # shared CPUs: slack
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -57,6 +105,13 @@ def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
     assert "baseline bf16: plain PyTorch step" in table
     assert "overlap" in table
     assert not any(swap.iterdir()), "swap files left behind"
+    # --trace-dir: each NVMe row exported its trace, summarized after the table.
+    for name in ("nvme-noprefetch", "nvme-prefetch"):
+        assert Path(rows[name]["trace"]) == tmp_path / "traces" / f"{name}-bf16.json"
+        assert f"trace of {name} bf16" in table
+    summary = table.split("trace of nvme-prefetch bf16", 1)[1]
+    for phase in ("forward", "backward", "optimizer step"):
+        assert phase in summary
 
 
 def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):

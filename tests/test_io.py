@@ -314,6 +314,27 @@ def _fds_open_on(directory):
     return found
 
 
+def test_handle_times_are_perf_counter_seconds_of_issue_and_finish(engine, tmp_path):
+    """IOHandle.times(): (first block issued, finished) on time.perf_counter's clock (the
+    engine's trace lines them up with Python's spans)."""
+    import time
+
+    path = tmp_path / "f"
+    buf = aligned_empty(4 << 20)
+    buf.fill_(3)
+    before = time.perf_counter()
+    handle = engine.write_from(buf, path)
+    handle.wait()
+    after = time.perf_counter()
+    started, finished = handle.times()
+    assert before <= started <= finished <= after
+    missing = engine.read_into(aligned_empty(4096), tmp_path / "missing")
+    with pytest.raises(OSError):
+        missing.wait()
+    started, finished = missing.times()  # failed at open: no block was issued
+    assert started == finished and before <= started <= time.perf_counter()
+
+
 def test_file_stays_open_between_requests(engine, tmp_path):
     path = tmp_path / "kept.bin"
     data = aligned_empty(64 << 10)

@@ -372,3 +372,75 @@ def test_export_trace_writes_chrome_trace_events_per_lane(tmp_path):
     assert any(n.startswith("forward blocks.") for n in names)
     assert any(n.startswith("backward blocks.") for n in names)
     assert any(n.startswith("adam blocks.") for n in names)
+    assert {"nvme read", "nvme write"} <= lanes
+    phases = [e["name"] for e in spans if e["cat"] == "phase"]
+    assert phases.count("forward") == 3 and phases.count("backward") == 3
+    assert phases.count("optimizer step") == 3
+    # NVMe requests overlap; each numbered lane holds spans that do not.
+    lane_names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    by_lane = {}
+    for e in spans:
+        by_lane.setdefault(lane_names[e["tid"]], []).append((e["ts"], e["ts"] + e["dur"]))
+    nvme_lanes = [name for name in by_lane if name.startswith("nvme")]
+    assert "nvme read 0" in nvme_lanes and "nvme write 0" in nvme_lanes
+    for name in nvme_lanes:
+        intervals = sorted(by_lane[name])
+        assert all(a[1] <= b[0] for a, b in zip(intervals, intervals[1:])), name
+    # Spans are named by direction and size.
+    for e in spans:
+        if e["cat"] in ("nvme read", "nvme write"):
+            assert e["name"].split(" ", 1)[0] == e["cat"].split(" ")[1], e
+
+
+def test_trace_keeps_only_the_most_recent_spans_and_requests(tmp_path, monkeypatch):
+    """A long run must not grow the timeline without bound: the engine keeps the last
+    TIMELINE_SPANS spans and the NVMe tier the last TRACE_REQUESTS requests."""
+    import json
+
+    import offload.engine
+    import offload.tiers.nvme
+
+    monkeypatch.setattr(offload.engine, "TIMELINE_SPANS", 40)
+    monkeypatch.setattr(offload.tiers.nvme, "TRACE_REQUESTS", 30)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                  device_budget=140 * 1024)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        train_offload(engine, batches(4))
+        assert engine.stats()["bytes_read_nvme"] > 0
+        engine.export_trace(str(tmp_path / "trace.json"))
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    nvme = [e for e in spans if e["cat"].startswith("nvme")]
+    assert len(spans) - len(nvme) == 40
+    assert 0 < len(nvme) <= 30
+    # the kept spans are the last ones: the final optimizer step is among them
+    assert max(e["ts"] for e in spans if e["cat"] == "phase" and e["name"] == "optimizer step") >= \
+        max(e["ts"] for e in spans if e["cat"] == "compute")
+
+
+def test_state_dict_between_backward_and_step_is_refused_after_early_updates(tmp_path):
+    """Early updates change some units during backward: a state_dict taken before step()
+    would mix two steps, so it is refused with the remedy; after step() it matches a run
+    that never asked."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ref = copy.deepcopy(model)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                  device_budget=140 * 1024)
+    data = batches(3)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine, \
+            offload.wrap(ref, make_opt(ref.parameters()), config=dict(config, swap_dir=str(tmp_path / "ref"))) as other:
+        train_offload(engine, data[:2])
+        train_offload(other, data[:2])
+        before = engine.stats()["early_updates"]
+        engine.backward(gpt_loss(engine, data[2]))
+        assert engine.stats()["early_updates"] > before
+        with pytest.raises(RuntimeError, match=r"between backward\(\) and step\(\).*call it after step"):
+            engine.state_dict()
+        engine.step()
+        train_offload(other, data[2:])
+        after, expected = engine.state_dict(), other.state_dict()
+        assert after.keys() == expected.keys()
+        for k in expected:
+            assert torch.equal(after[k], expected[k]), k

@@ -316,6 +316,10 @@ def run_offload(spec: dict) -> dict:
     try:
         seconds, probes = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
         stats = engine.stats()
+        if spec.get("trace_dir"):
+            trace = os.path.join(spec["trace_dir"], f"{spec['row']}-{spec['dtype']}.json")
+            engine.export_trace(trace)
+            info = dict(info, trace=trace)
         units = [{"name": u.name, "compute_bytes": u.compute_numel * (4 if spec["dtype"] == "fp32" else 2),
                   "master_bytes": u.master_numel * 4} for u in engine.units]
     finally:
@@ -733,6 +737,19 @@ def print_table(results: list, out=sys.stdout) -> None:
     print_baselines(results, "plain", "plain PyTorch step", "", out)
 
 
+def print_trace_summaries(results: list, out=sys.stdout) -> None:
+    """The busiest lane per phase of each exported trace (its last step)."""
+    tools_dir = os.path.dirname(os.path.abspath(__file__))
+    if tools_dir not in sys.path:
+        sys.path.insert(0, tools_dir)
+    import trace_summary
+
+    for r in results:
+        if r.get("trace") and os.path.exists(r["trace"]):
+            print(f"\ntrace of {r['row']} {r['dtype']} ({r['trace']}), last step:", file=out)
+            trace_summary.print_summary(trace_summary.summarize(r["trace"], steps=1), out)
+
+
 def print_baselines(results: list, row: str, what: str, rss_note: str, out) -> None:
     """One line per dtype: the baseline row's step time and peak RSS."""
     by_key = {(r["row"], r["dtype"]): r for r in results}
@@ -796,6 +813,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds per row before it is killed")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="NVMe rows export their engine's trace (Engine.export_trace) here as "
+                        "ROW-DTYPE.json, and a summary of its last step (tools/trace_summary.py) "
+                        "is printed after the table")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="N >= 2 ranks on this node: ddp + offload ZeRO stages (see above)")
     p.add_argument("--stages", nargs="+", type=int, choices=STAGES, default=list(STAGES),
@@ -931,6 +952,9 @@ def main(argv=None) -> int:
         "threads": args.threads or (1 if args.quick else None),
         "pipeline_depth": 3,  # OffloadConfig.optimizer_pipeline_depth default
     }
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        base["trace_dir"] = os.path.abspath(args.trace_dir)
     own_swap = args.swap_dir is None
     swap_root = tempfile.mkdtemp(prefix="bench_train-") if own_swap else os.path.abspath(args.swap_dir)
     os.makedirs(swap_root, exist_ok=True)
@@ -968,6 +992,7 @@ def main(argv=None) -> int:
 
     print()
     print_table(results)
+    print_trace_summaries(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {k: v for k, v in base.items()}, "deepspeed": deepspeed_note,

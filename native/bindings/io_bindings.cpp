@@ -39,6 +39,10 @@ void register_io(py::module_& m) {
 
   py::class_<Request, std::shared_ptr<Request>>(m, "IORequest")
       .def("done", &Request::done)
+      .def_property_readonly("started", &Request::started,
+                             "time.perf_counter() seconds when the first block was issued (once done)")
+      .def_property_readonly("finished", &Request::finished,
+                             "time.perf_counter() seconds when the request finished (once done)")
       .def("wait", [](Request& r) {
         long long n;
         {

@@ -9,8 +9,18 @@
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
+#include <ctime>
 
 namespace offload::io {
+
+namespace {
+double monotonic_seconds() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+}  // namespace
+
 namespace {
 
 bool is_aligned(std::uint64_t v) { return v % kAlignBytes == 0; }
@@ -124,6 +134,7 @@ std::shared_ptr<Request> Engine::submit(bool is_write, void* buf, std::size_t nb
                   !is_aligned(nbytes);
   if (r->failed_ || nbytes == 0) {
     r->file_.reset();
+    r->started_ = r->finished_at_ = monotonic_seconds();
     r->done_.store(true, std::memory_order_release);
     return r;
   }
@@ -179,6 +190,8 @@ void Engine::finish(const std::shared_ptr<Request>& rp) {
   if (!r.failed_ && r.is_write_ && !r.file_->direct && ::fdatasync(r.file_->fd) != 0)
     r.fail(errno, "fdatasync after " + describe(r, true, r.nbytes_, r.offset_, r.nbytes_, r.offset_));
   r.file_.reset();  // closes the file if the cache has let go of it
+  r.finished_at_ = monotonic_seconds();
+  if (r.started_ == 0.0) r.started_ = r.finished_at_;  // failed before a block was issued
   {
     std::lock_guard<std::mutex> lock(r.mutex_);
     r.done_.store(true, std::memory_order_release);
@@ -192,6 +205,7 @@ void Engine::finish(const std::shared_ptr<Request>& rp) {
 }
 
 void Engine::run_bounced(Request& r) {
+  r.started_ = monotonic_seconds();
   std::uint64_t start = align_down(r.offset_);
   std::uint64_t end = align_up(r.offset_ + r.nbytes_);
   std::size_t span = static_cast<std::size_t>(end - start);
@@ -262,6 +276,7 @@ void Engine::drive() {
         std::uint64_t slot = free_slots_.back();
         free_slots_.pop_back();
         std::size_t n = std::min(block_bytes_, r->nbytes_ - r->issued_bytes_);
+        if (r->issued_bytes_ == 0) r->started_ = monotonic_seconds();
         blocks_[slot] = Block{r, r->issued_bytes_, n, 0};
         r->issued_bytes_ += n;
         ++r->blocks_in_flight_;

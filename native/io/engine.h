@@ -46,6 +46,11 @@ class Request {
   int error_code() const { return error_code_; }
   const std::string& error_message() const { return error_message_; }
   const std::string& path() const { return path_; }
+  // CLOCK_MONOTONIC seconds (Python's time.perf_counter on Linux) at which the first block
+  // went to the backend and at which the request finished; valid once done(). A request
+  // that failed before any block was issued has started() == finished().
+  double started() const { return started_; }
+  double finished() const { return finished_at_; }
 
  private:
   friend class Engine;
@@ -61,9 +66,11 @@ class Request {
   bool bounced_ = false;
   // Progress, touched only by the driver thread.
   std::size_t issued_bytes_ = 0;
+  double started_ = 0.0;
   unsigned blocks_in_flight_ = 0;
   bool failed_ = false;
   // Result, published by done_.
+  double finished_at_ = 0.0;
   int error_code_ = 0;
   std::string error_message_;
   std::atomic<bool> done_{false};

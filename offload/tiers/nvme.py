@@ -1,15 +1,24 @@
 """The NVMe tier: extents of swap files, moved by the native I/O engine."""
 from __future__ import annotations
 
+import collections
 import threading
+from typing import Any, Deque, Tuple
 
 import torch
 
 from offload.io import IOEngine, SwapSpace
 
 
+# Requests kept for the engine's trace (export_trace): the most recent ones only, so a long
+# run holds a bounded amount (a few MiB) whatever its length.
+TRACE_REQUESTS = 1 << 15
+
+
 class NvmeTier:
-    """Owns the run's SwapSpace and IOEngine; counts the bytes it moves."""
+    """Owns the run's SwapSpace and IOEngine; counts the bytes it moves and keeps the most
+    recent requests (``recent``: (is_write, bytes, handle)) for the trace. A handle holds its
+    buffer only until it is waited for, which the engine always does."""
 
     def __init__(self, swap_dir: str, reserve_bytes: int, backend: str, block_bytes: int,
                  queue_depth: int) -> None:
@@ -23,6 +32,7 @@ class NvmeTier:
         self.bytes_read = 0
         self.bytes_written = 0
         self._count_lock = threading.Lock()  # the fetch path and the optimizer worker both move bytes
+        self.recent: Deque[Tuple[bool, int, Any]] = collections.deque(maxlen=TRACE_REQUESTS)
 
     def allocate(self, num_bytes: int):
         return self.space.allocate(num_bytes)
@@ -30,15 +40,19 @@ class NvmeTier:
     def read(self, dst: torch.Tensor, extent):
         """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``."""
         assert dst.numel() * dst.element_size() == extent.nbytes
+        handle = self.io.read_into(dst, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_read += extent.nbytes
-        return self.io.read_into(dst, extent.path, extent.offset)
+            self.recent.append((False, extent.nbytes, handle))
+        return handle
 
     def write(self, src: torch.Tensor, extent):
         assert src.numel() * src.element_size() == extent.nbytes
+        handle = self.io.write_from(src, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_written += extent.nbytes
-        return self.io.write_from(src, extent.path, extent.offset)
+            self.recent.append((True, extent.nbytes, handle))
+        return handle
 
     @property
     def used_bytes(self) -> int:
