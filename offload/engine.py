@@ -1320,7 +1320,8 @@ class Engine:
             self._update_early_staged(u)
         else:
             self._update_in_place(u, 1.0)
-        self._trace_span("adam", f"adam {u.name} (early)", start, time.perf_counter())
+        # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
+        self._trace_span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
     def _update_early_staged(self, u: _Unit) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
@@ -1959,7 +1960,8 @@ class Engine:
         """Write the most recent part of the timeline (``TIMELINE_SPANS`` spans, and the
         NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event JSON:
         lanes for the phases (forward, backward, optimizer step), compute per unit, copies
-        to the device, NVMe reads, NVMe writes and Adam per unit. See tools/trace_summary.py
+        to the device, NVMe reads, NVMe writes, the updates started during backward (per
+        unit, waits included: "optimizer") and the Adam kernel per unit or piece ("adam"). See tools/trace_summary.py
         for a text summary.
 
         NVMe requests run from their first block's issue to their completion, as the I/O
@@ -1978,7 +1980,7 @@ class Engine:
                         key=lambda lane: int(lane.rsplit(" ", 1)[1]))
         order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme write")},
                         key=lambda lane: int(lane.rsplit(" ", 1)[1]))
-        order.append("adam")
+        order += ["optimizer", "adam"]
         lanes = {lane: tid for tid, lane in enumerate(order)}
         events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
                   for lane, tid in lanes.items()]

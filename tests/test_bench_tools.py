@@ -45,7 +45,8 @@ def test_trace_summary_takes_the_union_of_each_lane_inside_each_phase(tmp_path):
         span("nvme read", "read 1 MiB", 10, 50, 3), span("nvme read", "read 1 MiB", 30, 70, 4),
         span("nvme write", "write 1 MiB", 60, 80, 5),
         span("compute", "backward b", 100, 300),
-        span("adam", "adam b (early)", 250, 350),  # half in backward, half in the step
+        span("adam", "adam b", 250, 350),  # half in backward, half in the step
+        span("optimizer", "update b (early)", 240, 400),  # wraps the update: never "busiest"
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
@@ -60,6 +61,7 @@ def test_trace_summary_takes_the_union_of_each_lane_inside_each_phase(tmp_path):
     assert rows["backward"]["busy"]["adam"] == pytest.approx(0.05)
     step = rows["optimizer step"]
     assert step["busy"]["adam"] == pytest.approx(0.05) and step["busiest"] == "adam"
+    assert step["busy"]["optimizer"] == pytest.approx(0.1)
     assert step["main_idle"] == pytest.approx(1.0)
 
 

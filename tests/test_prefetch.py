@@ -372,7 +372,7 @@ def test_export_trace_writes_chrome_trace_events_per_lane(tmp_path):
     assert any(n.startswith("forward blocks.") for n in names)
     assert any(n.startswith("backward blocks.") for n in names)
     assert any(n.startswith("adam blocks.") for n in names)
-    assert {"nvme read", "nvme write"} <= lanes
+    assert {"nvme read", "nvme write", "optimizer"} <= lanes  # early updates: steps 2 and 3
     phases = [e["name"] for e in spans if e["cat"] == "phase"]
     assert phases.count("forward") == 3 and phases.count("backward") == 3
     assert phases.count("optimizer step") == 3

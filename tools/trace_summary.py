@@ -2,11 +2,12 @@
 busy and which lane was the busiest.
 
 For each phase (forward, backward, optimizer step), over its last --steps occurrences: the
-phase's wall time, then for each lane kind (compute, copy, nvme read, nvme write, adam, and
-"nvme any" = reads or writes) the time at least one span of that kind was running inside the
+phase's wall time, then for each lane kind (compute, copy, nvme read, nvme write, "nvme any"
+= reads or writes, "optimizer" = a unit's whole update started during backward, waits
+included, and "adam" = the Adam kernel itself) the time at least one span of that kind was running inside the
 phase (the union of the spans, clipped to the phase), as seconds and as a share of the phase.
 NVMe requests overlap (many in flight): their union says how long the disk had work queued,
-not how many bytes moved. The busiest lane is the kind with the largest union; "main idle"
+not how many bytes moved. The busiest lane is the resource (compute, copy, nvme any, adam) with the largest union; "main idle"
 is the share of the phase with no compute span: on the main thread that is waiting (for
 fetches in forward and backward, for the optimizer pipeline in the step).
 
@@ -20,7 +21,10 @@ import sys
 from typing import Dict, List, Tuple
 
 PHASES = ("forward", "backward", "optimizer step")
-KINDS = ("compute", "copy", "nvme read", "nvme write", "nvme any", "adam")
+KINDS = ("compute", "copy", "nvme read", "nvme write", "nvme any", "optimizer", "adam")
+# What can be a bottleneck: the main thread's compute, the copy worker, the disk, the Adam
+# kernel ("optimizer" spans wrap whole updates, waits included, so they are not one).
+RESOURCES = ("compute", "copy", "nvme any", "adam")
 
 
 def _union(intervals: List[Tuple[float, float]], lo: float, hi: float) -> float:
@@ -57,7 +61,7 @@ def summarize(path: str, steps: int = 1) -> List[Dict]:
             continue
         seconds = sum(end - start for start, end in chosen)
         busy = {kind: sum(_union(spans[kind], start, end) for start, end in chosen) for kind in KINDS}
-        busiest = max(busy, key=busy.get)
+        busiest = max(RESOURCES, key=busy.get)
         rows.append({"phase": phase, "occurrences": len(chosen), "seconds": seconds, "busy": busy,
                      "busiest": busiest,
                      "main_idle": 1.0 - busy["compute"] / seconds if seconds > 0 else 0.0})
