@@ -383,12 +383,18 @@ def test_eval_and_no_grad_forward_work_between_steps():
     engine.close()
 
 
-def test_meta_model_materializes_unit_by_unit_like_reset_parameters():
-    torch.manual_seed(7)
+def eager_and_meta_gpt(seed=7):
+    """The same GPT built eagerly and on the meta device, from the same seed."""
+    torch.manual_seed(seed)
     eager = GPT(CFG)
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     with torch.device("meta"):
         meta_model = GPT(CFG)
+    return eager, meta_model
+
+
+def test_meta_model_materializes_unit_by_unit_like_reset_parameters():
+    eager, meta_model = eager_and_meta_gpt()
     opt = make_opt(meta_model.parameters())
     with offload.wrap(meta_model, opt, config=dict(param_tier="host", device_budget=budget_for(eager, 0.6))) as engine:
         sd = engine.state_dict()
@@ -402,11 +408,7 @@ def test_refused_wrap_leaves_a_meta_model_and_its_optimizer_untouched():
     """A wrap refused for its budget must not have swapped the model's meta parameters
     for stand-ins: the same model and optimizer wrap fine afterwards, with the right
     initial values."""
-    torch.manual_seed(7)
-    eager = GPT(CFG)
-    torch.manual_seed(7)
-    with torch.device("meta"):
-        meta_model = GPT(CFG)
+    eager, meta_model = eager_and_meta_gpt()
     opt = make_opt(meta_model.parameters())
     params_before = dict(meta_model.named_parameters())
     groups_before = [list(g["params"]) for g in opt.param_groups]

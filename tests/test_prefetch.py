@@ -353,14 +353,20 @@ def test_prefetch_overlaps_io_with_compute(tmp_path):
     assert on_misses == [0] * len(on_misses), "steady state: every unit was prefetched"
 
 
+def nvme_gpt_engine(tmp_path, name="swap"):
+    """A small GPT with params and optimizer on NVMe under a budget that evicts."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name),
+                  device_budget=140 * 1024)
+    return model, offload.wrap(model, make_opt(model.parameters()), config=config)
+
+
 def test_export_trace_writes_chrome_trace_events_per_lane(tmp_path):
     import json
 
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
-                  device_budget=140 * 1024)
-    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+    _, engine = nvme_gpt_engine(tmp_path)
+    with engine:
         train_offload(engine, batches(3))
         engine.export_trace(str(tmp_path / "trace.json"))
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -402,11 +408,8 @@ def test_trace_keeps_only_the_most_recent_spans_and_requests(tmp_path, monkeypat
 
     monkeypatch.setattr(offload.engine, "TIMELINE_SPANS", 40)
     monkeypatch.setattr(offload.tiers.nvme, "TRACE_REQUESTS", 30)
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
-                  device_budget=140 * 1024)
-    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+    _, engine = nvme_gpt_engine(tmp_path)
+    with engine:
         train_offload(engine, batches(4))
         assert engine.stats()["bytes_read_nvme"] > 0
         engine.export_trace(str(tmp_path / "trace.json"))
@@ -423,14 +426,10 @@ def test_state_dict_between_backward_and_step_is_refused_after_early_updates(tmp
     """Early updates change some units during backward: a state_dict taken before step()
     would mix two steps, so it is refused with the remedy; after step() it matches a run
     that never asked."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    ref = copy.deepcopy(model)
-    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
-                  device_budget=140 * 1024)
+    _, engine = nvme_gpt_engine(tmp_path)
+    _, other = nvme_gpt_engine(tmp_path, "ref")  # the same seed: the same model
     data = batches(3)
-    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine, \
-            offload.wrap(ref, make_opt(ref.parameters()), config=dict(config, swap_dir=str(tmp_path / "ref"))) as other:
+    with engine, other:
         train_offload(engine, data[:2])
         train_offload(other, data[:2])
         before = engine.stats()["early_updates"]
