@@ -36,7 +36,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 from torch import nn
@@ -841,7 +841,19 @@ class Engine:
 
     def _finish_fetch(self, u: _Unit) -> None:
         pending, u.pending = u.pending, None
-        u.ready_event = pending()
+        try:
+            u.ready_event = pending()
+        except BaseException as error:
+            # The slot holds no valid copy: back to HOME, so that a later use reads it again
+            # (the home copy is untouched; nothing else changed).
+            u.compute_state.to(Residency.HOME)
+            if u is not self._root:
+                self._device.free(u.device_offset, u.compute_numel)
+                u.device_offset = None
+            if isinstance(error, OSError):
+                raise OSError(error.errno, f"fetching unit {u.name!r} to the device failed ({error}); "
+                              "its home copy is unchanged and the next use reads it again") from error
+            raise
         u.compute_state.to(Residency.LOADED)
         self._trace_span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
         self._bind(u)
@@ -1381,14 +1393,23 @@ class Engine:
             for u in self.units:  # a device copy the failed updates were writing into
                 if u.update_in_device:
                     self._release(u)
-            error = errors[0]
-            if isinstance(error, OSError):
-                self._failure = {"fatal": True, "message": (
-                    f"swap I/O failed while updating units during backward ({error}); some units "
-                    "were updated and others not: resume from the last checkpoint "
-                    "(engine.load_checkpoint(DIR) or a new process)")}
-                raise OSError(error.errno, self._failure["message"]) from error
-            raise error
+            self._fail_step(errors[0], "while updating units during backward")
+
+    def _fail_step(self, error: BaseException, where: str) -> NoReturn:
+        """[Note: swap I/O failures] An update loop stopped part-way ``where``: some units
+        hold this step's states and others the last one's, so the engine refuses to go on
+        (a fatal failure) whatever stopped it: a swap I/O error (re-raised as an OSError
+        with the message), an interrupt, a failed collective [zero] or a bug (re-raised as
+        itself)."""
+        cause = f"swap I/O failed ({error})" if isinstance(error, OSError) else \
+            f"{type(error).__name__} ({error})" if str(error) else type(error).__name__
+        self._failure = {"fatal": True, "message": (
+            f"{cause} {where}; some units were updated and others not, so the in-memory state "
+            "mixes two steps: resume from the last checkpoint (engine.load_checkpoint(DIR) or "
+            "a new process)")}
+        if isinstance(error, OSError):
+            raise OSError(error.errno, self._failure["message"]) from error
+        raise error
 
     def _prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
@@ -1504,14 +1525,8 @@ class Engine:
             self._drain(reads[1])
             for handles in writes:
                 self._drain(handles)
-            if isinstance(error, OSError):
-                where = f"unit {current.name!r}" if current is not None else "a unit"
-                self._failure = {"fatal": True, "message": (
-                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
-                    f"working on {where} ({error}); some units were updated and others not: "
-                    "resume from the last checkpoint (engine.load_checkpoint(DIR) or a new process)")}
-                raise OSError(error.errno, self._failure["message"]) from error
-            raise
+            where = f"unit {current.name!r}" if current is not None else "a unit"
+            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step} while working on {where}")
 
     def _update_shard(self, u: _Unit, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
         """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
@@ -1721,15 +1736,8 @@ class Engine:
                 self._root_prestaged = None
             for slot in self._slots:
                 self._drain(slot.pending_writes)
-            if isinstance(error, OSError):
-                where = f"unit {current.name!r}" if current is not None else "a unit"
-                self._failure = {"fatal": True, "message": (
-                    f"swap I/O failed in the optimizer step at micro-step {self._micro_step} while "
-                    f"working on {where} ({error}); some units were updated and others not, so "
-                    "the in-memory state mixes two steps: resume from the last checkpoint "
-                    "(engine.load_checkpoint(DIR) or a new process)")}
-                raise OSError(error.errno, self._failure["message"]) from error
-            raise
+            where = f"unit {current.name!r}" if current is not None else "a unit"
+            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step} while working on {where}")
         self._raise_write_errors()
 
     def _finish_slot_writes(self, s: int) -> None:

@@ -63,7 +63,7 @@ class Residency(enum.Enum):
 
 LEGAL_TRANSITIONS: Dict[Residency, Tuple[Residency, ...]] = {
     Residency.HOME: (Residency.LOADING,),
-    Residency.LOADING: (Residency.LOADED,),
+    Residency.LOADING: (Residency.LOADED, Residency.HOME),  # HOME: the transfer failed
     Residency.LOADED: (Residency.IN_USE, Residency.HOME, Residency.STORING),
     Residency.IN_USE: (Residency.LOADED, Residency.STORING),
     Residency.STORING: (Residency.HOME, Residency.LOADED),

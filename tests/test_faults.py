@@ -236,6 +236,69 @@ def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path
         assert_same_state(engine.state_dict(), final)
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["early-updates", "step-pipeline"])
+def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_loaded(
+        max_grad_norm, tmp_path, monkeypatch):
+    """Ctrl-C (or any exception) part-way through the updates leaves some units at the new
+    step and others at the old one; even a KeyboardInterrupt, which is not an I/O error,
+    must leave the engine refusing to train or save until a checkpoint is loaded. Without
+    clipping the updates run during backward on the optimizer worker (the interrupt comes
+    back through step()); with it, in step()'s own pipeline."""
+    import offload.engine
+
+    config = nvme_config(tmp_path, max_grad_norm=max_grad_norm)
+    with make_engine(config) as ref:
+        run(ref, 0, 5)
+        final = ref.state_dict()
+    with make_engine(config) as engine:
+        run(engine, 0, 2)
+        engine.save_checkpoint(str(tmp_path / "before"))
+        real, calls = offload.engine.adam_step_flat, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:  # the Adam of some unit after the first ones
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(offload.engine, "adam_step_flat", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _forward_backward(engine, 2)
+            engine.step()
+        monkeypatch.setattr(offload.engine, "adam_step_flat", real)
+        with pytest.raises(EngineFailedError, match="KeyboardInterrupt.*resume from the last checkpoint"):
+            engine.save_checkpoint(str(tmp_path / "mixed"))
+        assert not os.path.exists(tmp_path / "mixed")
+        with pytest.raises(EngineFailedError):
+            _forward_backward(engine, 2)
+        engine.load_checkpoint(str(tmp_path / "before"))
+        run(engine, 2, 3)
+        assert_same_state(engine.state_dict(), final)
+
+
+def test_failed_fetch_in_forward_names_the_unit_and_the_next_pass_reads_it_again(tmp_path):
+    """A swap read that fails while a compute copy is fetched changes no state: forward
+    raises an OSError naming the unit, and once the disk answers again training goes on
+    as if that forward never happened."""
+    config = nvme_config(tmp_path)
+    with make_engine(config) as ref:
+        run(ref, 0, 4)
+        final = ref.state_dict()
+    with make_engine(config) as engine:
+        run(engine, 0, 2)
+        engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the failed pass leaves the recorded trace
+            with pytest.raises(OSError, match="fetching unit .* to the device failed") as info:
+                _forward_backward(engine, 2)
+        assert info.value.errno == errno.EIO
+        engine._nvme.io = engine._nvme.io._io
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run(engine, 2, 2)
+        assert_same_state(engine.state_dict(), final)
+
+
 def test_failed_write_without_room_to_hold_the_states_stops_the_engine(tmp_path):
     config = nvme_config(tmp_path)
     with make_engine(config) as probe:

@@ -270,6 +270,69 @@ def test_a_rank_that_dies_raises_on_the_others_naming_it(stage, first_collective
     assert first_collective in message, message
 
 
+class _FailingReads:
+    """Stands in for a rank's I/O engine: every read fails with EIO."""
+
+    class _Failed:
+        def wait(self):
+            raise OSError(5, "Input/output error (injected)")
+
+        def done(self):
+            return True
+
+    def __init__(self, io):
+        self._io = io
+
+    def read_into(self, tensor, path, offset=0):
+        return self._Failed()
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+
+def _swap_failure_worker(rank, port, out_dir):
+    _init(rank, port)
+    config = dict(stage=2, param_tier="nvme", optimizer_tier="nvme", collective_timeout_seconds=5,
+                  swap_dir=os.path.join(out_dir, f"swap{rank}"), device_budget=100_000)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    b = batches(1)[0][rank * 2:rank * 2 + 2]
+    engine.backward(engine(b[:, :-1], b[:, 1:]))
+    engine.step()
+    result = {}
+    try:
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        if rank == 1:  # after backward: the reads that fail are the optimizer step's
+            engine._nvme.io = _FailingReads(engine._nvme.io)
+        engine.step()
+        result["step"] = "no error"
+    except (OSError, RuntimeError) as exc:
+        result["step"] = f"{type(exc).__name__}: {exc}"
+    try:
+        engine(b[:, :-1], b[:, 1:])
+        result["after"] = "no error"
+    except Exception as exc:
+        result["after"] = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+def test_a_swap_failure_on_one_rank_stops_both_engines(tmp_path):
+    """Stage 2 on NVMe: rank 1's swap reads fail in the optimizer step. Rank 1 raises the
+    I/O error; rank 0, whose update then waits on rank 1 in an all-gather, raises a
+    collective error naming it. Each has updated some units and not others, so both
+    engines refuse to go on until a checkpoint is loaded."""
+    run_ranks(_swap_failure_worker, str(tmp_path))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert results[1]["step"].startswith("OSError") and "swap I/O failed" in results[1]["step"], results[1]
+    assert results[0]["step"].startswith("RuntimeError") and "rank 1" in results[0]["step"], results[0]
+    for r in range(WORLD):
+        assert results[r]["after"].startswith("EngineFailedError"), (r, results[r])
+        assert "resume from the last checkpoint" in results[r]["after"], (r, results[r])
+
+
 def _hanging_worker(rank, port, out_dir):
     _init(rank, port)
     config = dict(stage=1, collective_timeout_seconds=2)
