@@ -211,14 +211,36 @@ def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, tmp
         assert_same_state(fresh.state_dict(), final)
 
 
-def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path):
-    config = nvme_config(tmp_path, param_tier="host")
+def five_steps_and_an_engine_after_two(config, tmp_path):
+    """The state after 5 steps of a reference run, and an engine after its first 2 steps
+    that saved a checkpoint then (tmp_path/before)."""
     with make_engine(config) as ref:
         run(ref, 0, 5)
         final = ref.state_dict()
-    with make_engine(config) as engine:
-        run(engine, 0, 2)
-        engine.save_checkpoint(str(tmp_path / "before"))
+    engine = make_engine(config)
+    run(engine, 0, 2)
+    engine.save_checkpoint(str(tmp_path / "before"))
+    return final, engine
+
+
+def assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final, message):
+    """After a step stopped part-way (micro-step 2 of batches 0..4): saving and training
+    are refused with ``message``, nothing is written, and loading the checkpoint saved
+    after step 2 (tmp_path/before) makes the rest of the run end at ``final``."""
+    with pytest.raises(EngineFailedError, match=message):
+        engine.save_checkpoint(str(tmp_path / "mixed"))
+    assert not os.path.exists(tmp_path / "mixed")
+    with pytest.raises(EngineFailedError):
+        _forward_backward(engine, 2)
+    engine.load_checkpoint(str(tmp_path / "before"))
+    run(engine, 2, 3)
+    assert_same_state(engine.state_dict(), final)
+
+
+def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path):
+    config = nvme_config(tmp_path, param_tier="host")
+    final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
+    with engine:
         # Installed before backward: units are updated (their states read) during backward.
         engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=2)
         _forward_backward(engine, 2)
@@ -226,14 +248,7 @@ def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path
             engine.step()
         assert info.value.errno == errno.EIO
         engine._nvme.io = engine._nvme.io._io
-        with pytest.raises(EngineFailedError, match="resume from the last checkpoint"):
-            engine.save_checkpoint(str(tmp_path / "mixed"))
-        assert not os.path.exists(tmp_path / "mixed")
-        with pytest.raises(EngineFailedError):
-            _forward_backward(engine, 2)
-        engine.load_checkpoint(str(tmp_path / "before"))
-        run(engine, 2, 3)
-        assert_same_state(engine.state_dict(), final)
+        assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final, "resume from the last checkpoint")
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["early-updates", "step-pipeline"])
@@ -247,12 +262,8 @@ def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_l
     import offload.engine
 
     config = nvme_config(tmp_path, max_grad_norm=max_grad_norm)
-    with make_engine(config) as ref:
-        run(ref, 0, 5)
-        final = ref.state_dict()
-    with make_engine(config) as engine:
-        run(engine, 0, 2)
-        engine.save_checkpoint(str(tmp_path / "before"))
+    final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
+    with engine:
         real, calls = offload.engine.adam_step_flat, []
 
         def interrupted(*args, **kwargs):
@@ -266,14 +277,8 @@ def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_l
             _forward_backward(engine, 2)
             engine.step()
         monkeypatch.setattr(offload.engine, "adam_step_flat", real)
-        with pytest.raises(EngineFailedError, match="KeyboardInterrupt.*resume from the last checkpoint"):
-            engine.save_checkpoint(str(tmp_path / "mixed"))
-        assert not os.path.exists(tmp_path / "mixed")
-        with pytest.raises(EngineFailedError):
-            _forward_backward(engine, 2)
-        engine.load_checkpoint(str(tmp_path / "before"))
-        run(engine, 2, 3)
-        assert_same_state(engine.state_dict(), final)
+        assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final,
+                                                    "KeyboardInterrupt.*resume from the last checkpoint")
 
 
 def test_failed_fetch_in_forward_names_the_unit_and_the_next_pass_reads_it_again(tmp_path):

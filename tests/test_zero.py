@@ -238,15 +238,21 @@ def test_bf16_stage_2_equals_stage_0_bit_for_bit(tmp_path):
         single["optimizer_state_bytes"] / 2 + num_units * 3 * 4096
 
 
-def _failing_worker(rank, port, out_dir, stage):
+def _engine_after_one_step(rank, port, config):
+    """This rank's engine over the test GPT after one step on its half batch, and that batch."""
     _init(rank, port)
-    config = dict(stage=stage, param_tier="host", collective_timeout_seconds=30)
     torch.manual_seed(0)
     model = GPT(CFG)
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
     b = batches(1)[0][rank * 2:rank * 2 + 2]
     engine.backward(engine(b[:, :-1], b[:, 1:]))
     engine.step()
+    return engine, b
+
+
+def _failing_worker(rank, port, out_dir, stage):
+    engine, b = _engine_after_one_step(rank, port, dict(stage=stage, param_tier="host",
+                                                        collective_timeout_seconds=30))
     if rank == 1:
         os._exit(0)  # dies without a word; spawn must not kill rank 0 for it
     message = "no error"
@@ -291,15 +297,9 @@ class _FailingReads:
 
 
 def _swap_failure_worker(rank, port, out_dir):
-    _init(rank, port)
     config = dict(stage=2, param_tier="nvme", optimizer_tier="nvme", collective_timeout_seconds=5,
                   swap_dir=os.path.join(out_dir, f"swap{rank}"), device_budget=100_000)
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
-    b = batches(1)[0][rank * 2:rank * 2 + 2]
-    engine.backward(engine(b[:, :-1], b[:, 1:]))
-    engine.step()
+    engine, b = _engine_after_one_step(rank, port, config)
     result = {}
     try:
         engine.backward(engine(b[:, :-1], b[:, 1:]))
