@@ -133,6 +133,13 @@ class OffloadConfig:
     optimizer_pipeline_depth: int = 3
     """Host staging slots of the optimizer step pipeline (read ahead, update, write back)."""
 
+    overlap_step_with_forward: bool = True
+    """When units are updated during backward (no max_grad_norm, not fp16, one rank, prefetch
+    on) and the optimizer states are on NVMe: step() queues the remaining updates and
+    returns; they finish in the order the next forward needs the units, each unit's fetch
+    waiting for its own update. A failed update is raised by the next call that needs it
+    (forward of that unit, backward, step, zero_grad, state_dict, checkpoints, close)."""
+
     initial_loss_scale: float = 2.0**16
     """fp16 only: starting dynamic loss scale."""
 
@@ -201,7 +208,7 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")
-        for name in ("prefetch", "skip_nonfinite_steps"):
+        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 

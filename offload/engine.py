@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
+import itertools
 import math
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Tuple
 
@@ -147,6 +149,8 @@ class _Unit:
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         self.updated = False         # Adam already ran on it in this optimizer step
         self.update_in_device = False  # [Note: updates through the device copy]
+        # [Note: deferred updates] completion of its update queued on the optimizer worker
+        self.update_ticket: Optional[Future] = None
         self.stale = False           # its device copy predates its last update
 
 
@@ -340,7 +344,13 @@ class Engine:
         self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
                                and not config.skip_nonfinite_steps and self._partition is None)
         self._early_updates = False
-        self._early_futures: List[Any] = []
+        self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
+        # [Note: deferred updates] units waiting for the worker, best first:
+        # (priority, sequence, unit index, unit, hyperparameters, ticket)
+        self._update_heap: List[Tuple[float, int, int, _Unit, List[Dict[str, Any]], Future]] = []
+        self._update_lock = threading.Lock()
+        self._update_sequence = itertools.count()
+        self._step_pending = False  # a deferred step's updates or bookkeeping are not done
         self._stale_units: List[_Unit] = []
         self._root_prestaged: Optional[List[Any]] = None
         # [Note: swap I/O failures] which piece each staging slot is writing back, and the
@@ -764,6 +774,7 @@ class Engine:
         else move it now."""
         self._tick += 1
         u.last_use = self._tick
+        self._settle_unit(u)  # [Note: deferred updates]
         state = u.compute_state.value
         if state in (Residency.LOADED, Residency.IN_USE):
             return
@@ -879,8 +890,8 @@ class Engine:
         """Drop u's device copy (its home copy is current)."""
         if self._param_tier == "device" or u.compute_state != Residency.LOADED:
             return
-        if u.update_in_device and self._early_futures:
-            self._wait_optimizer()  # the optimizer worker may still be updating this copy
+        if u.update_in_device and u.update_ticket is not None:
+            wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
         u.update_in_device = False
         u.compute_state.to(Residency.HOME)
         u.stale = False
@@ -918,6 +929,8 @@ class Engine:
         for v in plan.evict:
             self._release(self.units[v])
         for f in plan.fetch:
+            if self._pending_update(self.units[f]):
+                break  # [Note: deferred updates] not before its update; the later ones after it
             if not self._start_fetch(self.units[f], evict=False):
                 break  # the free space is in pieces: the rest comes on demand
 
@@ -945,7 +958,8 @@ class Engine:
         if self._forward_depth > 1:
             return
         self._forward_started = time.perf_counter()
-        self._wait_optimizer()
+        if not self._step_pending:  # [Note: deferred updates] else each fetch waits for its unit
+            self._wait_optimizer()
         if self._partition is not None and self.module.training and self._buffers:  # [zero]
             self._partition.broadcast_buffers(self._buffers)
         key = self._pass_key(args, kwargs)
@@ -1132,6 +1146,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
+        self._settle_all()  # [Note: deferred updates] the last step's updates are done
         scaled = loss / self._accumulation_steps
         if self._loss_scale != 1.0:
             scaled = scaled * self._loss_scale
@@ -1139,7 +1154,7 @@ class Engine:
         self._early_updates = self._early_allowed and self._prefetcher.enabled and \
             (self._micro_step + 1) % self._accumulation_steps == 0
         self._backward_unit = None
-        if self._early_updates and self._staged_step and self._root.trainable \
+        if self._early_updates and self._staged_step and self._root.trainable and not self._defers_updates() \
                 and not self._root.updated and self._root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
@@ -1178,6 +1193,7 @@ class Engine:
         self._prefetch_next_pass()
 
     def zero_grad(self) -> None:
+        self._settle_all()
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
             u.updated = False
@@ -1250,13 +1266,18 @@ class Engine:
         if self._failure is not None:
             raise EngineFailedError(f"{what}: {self._failure['message']}")
 
-    def _quiesce(self) -> None:
+    def _quiesce(self, raise_errors: bool = True) -> None:
         """Nothing in flight afterwards: early updates done, fetches landed."""
+        self._settle_all(raise_errors)
         self._wait_optimizer()
         self._drain_fetches()
 
     def _optimizer_step(self) -> None:
         self._check_not_failed("step")
+        self._settle_all()
+        if self._defers_updates():
+            self._defer_updates()
+            return
         self._wait_optimizer()
         if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
             self._partition.finish_gradients(self.units)
@@ -1315,11 +1336,118 @@ class Engine:
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
                 u.update_in_device = self._prefetcher.pass_complete and self._device_copy_updatable(u)
-                self._early_futures.append(self._optimizer_worker.submit(self._update_early, u))
+                self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
                 if self._param_tier != "device" and not u.update_in_device:
                     self._stale_units.append(u)
 
-    def _update_early(self, u: _Unit) -> None:
+    def _hyperparameters(self) -> List[Dict[str, Any]]:
+        """The optimizer's per-group settings now, for an update that runs later (an LR
+        scheduler may change the groups meanwhile)."""
+        return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
+
+    def _queue_update(self, u: _Unit, groups: List[Dict[str, Any]], priority: float) -> None:
+        """Queue u's update on the optimizer worker; u.update_ticket completes with it. The
+        worker takes the lowest ``priority`` first, then the order of queueing."""
+        ticket: Future = Future()
+        u.update_ticket = ticket
+        with self._update_lock:
+            heapq.heappush(self._update_heap, (priority, next(self._update_sequence), u.index, u, groups, ticket))
+        self._early_futures.append(ticket)
+        self._optimizer_worker.submit(self._run_next_update)
+
+    def _run_next_update(self) -> None:
+        """On the optimizer worker: the best queued update (one per _queue_update call)."""
+        with self._update_lock:
+            _, _, _, u, groups, ticket = heapq.heappop(self._update_heap)
+        try:
+            self._update_early(u, groups)
+        except BaseException as error:  # noqa: B902 - reported through the ticket
+            ticket.set_exception(error)
+        else:
+            ticket.set_result(None)
+
+    def _reprioritize(self, priority: Callable[[_Unit], float]) -> None:
+        with self._update_lock:
+            self._update_heap = [(priority(u), n, i, u, g, t) for _, n, i, u, g, t in self._update_heap]
+            heapq.heapify(self._update_heap)
+
+    def _defers_updates(self) -> bool:
+        """[Note: deferred updates] Whether step() leaves the updates to the optimizer
+        worker and returns: with early updates, optimizer states on NVMe and prefetch."""
+        return self.config.overlap_step_with_forward and self._early_allowed and self._staged_step \
+            and self._prefetcher.enabled
+
+    def _defer_updates(self) -> None:
+        """[Note: deferred updates] step() without waiting for Adam: the units not updated
+        during backward are queued on the optimizer worker, and everything still queued
+        there is reordered to the order in which the next training forward needs the
+        units (the root first), so that forward starts as soon as its first units are
+        done and overlaps the rest of the updates. Each unit's fetch waits for its own
+        update (_settle_unit); the step's bookkeeping (gradient norm, zero_grad, write
+        errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
+        or close (_settle_all), which is also where a failed update is raised."""
+        first_use: Dict[int, int] = {}
+        key = self._last_train_key
+        for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
+            first_use.setdefault(index, position)
+
+        def priority(u: _Unit) -> float:
+            return -1.0 if u is self._root else float(first_use.get(u.index, len(first_use)))
+
+        groups = self._hyperparameters()
+        self._drain_fetches()  # what is in flight lands before device copies are judged
+        for u in self.units:
+            if any(u.has_grad) and not u.updated:
+                u.updated = True
+                u.update_in_device = self._device_copy_updatable(u)
+                self._queue_update(u, groups, priority(u))
+                self.stats_counters.count("deferred_updates")
+        self._reprioritize(priority)
+        self._stale_units.clear()
+        for u in self.units:  # device copies that the updates do not write are stale now
+            if u.compute_state == Residency.LOADED and not u.update_in_device:
+                self._release(u)
+        self._step_pending = True
+
+    def _pending_update(self, u: _Unit) -> bool:
+        return u.update_ticket is not None and not u.update_ticket.done()
+
+    def _settle_unit(self, u: _Unit) -> None:
+        """[Note: deferred updates] Wait for u's queued update; a failed one stops the
+        engine (see _wait_optimizer)."""
+        ticket = u.update_ticket
+        if ticket is None:
+            return
+        if not ticket.done():
+            with self.stats_counters.timed("optimizer_wait"):
+                wait_futures([ticket])
+        u.update_ticket = None
+        u.update_in_device = False  # its device copy, if any, holds the update now
+        if ticket.exception() is not None or self._write_errors:
+            self._settle_all()  # raises: a failed update, or a home this fetch may read is not written
+
+    def _settle_all(self, raise_errors: bool = True) -> None:
+        """[Note: deferred updates] Finish the last deferred step: wait for its updates,
+        then take the gradient norm, zero the gradients and report swap write failures
+        (recorded as the engine's failure either way; raised when ``raise_errors``)."""
+        if not self._step_pending:
+            return
+        self._step_pending = False
+        try:
+            try:
+                self._wait_optimizer()
+            finally:
+                for u in self.units:
+                    u.update_ticket = None
+                    u.update_in_device = False
+            self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
+            self.zero_grad()
+            self._raise_write_errors()
+        except BaseException:
+            if raise_errors:
+                raise
+
+    def _update_early(self, u: _Unit, groups: List[Dict[str, Any]]) -> None:
         start = time.perf_counter()
         u.early_grad_squares, u.early_nonfinite = 0.0, None
         for k, e in enumerate(u.trainable):
@@ -1329,13 +1457,13 @@ class Engine:
                     u.early_nonfinite = e
                 u.early_grad_squares += square
         if self._staged_step:
-            self._update_early_staged(u)
+            self._update_early_staged(u, groups)
         else:
-            self._update_in_place(u, 1.0)
+            self._update_in_place(u, 1.0, groups)
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._trace_span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
-    def _update_early_staged(self, u: _Unit) -> None:
+    def _update_early_staged(self, u: _Unit, groups: List[Dict[str, Any]]) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
         unit's first piece, see backward), in a ring: piece i+1's reads are in flight while
         Adam updates piece i (with two or more slots), piece i-1's writes after it."""
@@ -1359,7 +1487,7 @@ class Engine:
                 self._wait_all(handles)
                 if num_slots > 1 and i + 1 < len(pieces):
                     issue_reads(i + 1)
-                self._update_staged(u, lo, hi, steps, self._slots[index], 1.0)
+                self._update_staged(u, lo, hi, steps, self._slots[index], 1.0, groups)
                 if in_device:
                     self._write_through(u, lo, hi, self._slots[index])
                 self._slot_writer[index] = (u, lo, hi)
@@ -1369,6 +1497,9 @@ class Engine:
         finally:  # nothing may stay in flight into a slot (errors are reported already)
             for _, handles in reads.values():
                 self._drain(handles)
+        if self._defers_updates():  # [Note: deferred updates] a fetch may read u's home next
+            for index in range(1, len(self._slots)):
+                self._finish_slot_writes(index)
         u.steps = steps
         self._release_grad(u)
 
@@ -1378,6 +1509,8 @@ class Engine:
         is fatal: the units updated early and the rest no longer belong to one step."""
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
+        for u in self.units:
+            u.update_ticket = None if u.update_ticket in futures else u.update_ticket
         with self.stats_counters.timed("optimizer_wait"):
             for f in futures:
                 try:
@@ -1419,9 +1552,11 @@ class Engine:
         budget = self.config.prefetch_units
         for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
             u = self.units[index]
+            if self._pending_update(u):
+                break  # [Note: deferred updates] fetches go in the order of use
             if u.compute_state == Residency.HOME and not self._start_fetch(u, evict=False):
                 break
-        if self._root.compute_state == Residency.HOME:
+        if self._root.compute_state == Residency.HOME and not self._pending_update(self._root):
             self._start_fetch(self._root, evict=False)
 
     # ------------------------------------------------------------------ Adam over ranges
@@ -1434,10 +1569,13 @@ class Engine:
 
     def _adam_range(self, u: _Unit, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
-                    compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True) -> None:
+                    compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,
+                    groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
-        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo."""
-        groups = self.optimizer.param_groups
+        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo.
+        ``groups``: the hyperparameters taken when the update was queued (default: the
+        optimizer's param groups now)."""
+        groups = self.optimizer.param_groups if groups is None else groups
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
             if a >= b:
@@ -1474,13 +1612,14 @@ class Engine:
             return self._device.view(u.device_offset, u.compute_numel)
         return None
 
-    def _update_in_place(self, u: _Unit, grad_factor: float) -> None:
+    def _update_in_place(self, u: _Unit, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """Adam on a unit whose master and moments live on the host."""
         steps = self._next_steps(u)
         moments = u.moments_home
         start = time.perf_counter()
         self._adam_range(u, 0, u.master_numel, steps, self._master_home(u), moments[:u.master_numel],
-                         moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor)
+                         moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor,
+                         groups=groups)
         self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
         u.steps = steps
         self._release_grad(u)
@@ -1618,7 +1757,7 @@ class Engine:
                 (slot.moments[n:2 * n], _sub(u.moments_home, (u.master_numel + lo) * _FP32_BYTES, n * _FP32_BYTES))]
 
     def _update_staged(self, u: _Unit, lo: int, hi: int, steps: List[int], slot: _StagingSlot,
-                       grad_factor: float) -> None:
+                       grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
         n = hi - lo
         home = self._master_home(u)
         master = slot.master[:n] if _on_nvme(home) else home[lo:hi]
@@ -1633,7 +1772,8 @@ class Engine:
             target = self._compute_target(u)
             compute_out, staging = (None if target is None else target[lo:hi]), False
         start = time.perf_counter()
-        self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor)
+        self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
+                         groups=groups)
         self._trace_span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
     def _device_copy_updatable(self, u: _Unit) -> bool:
@@ -1838,6 +1978,7 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
+        self._settle_all()
         early = [u.name for u in self.units if u.updated]
         if early:  # [Note: early updates]
             raise RuntimeError(
@@ -1873,7 +2014,7 @@ class Engine:
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
         offload/checkpoint.py."""
-        self._quiesce()
+        self._quiesce(raise_errors=False)  # what failed before is what the load recovers from
         checkpoint.load(self, ckpt_dir)
         self.zero_grad()
 
@@ -1929,6 +2070,7 @@ class Engine:
             "total_optimizer_seconds": s.seconds["optimizer"],
             "skipped_steps": s.counts["skipped_steps"],
             "early_updates": s.counts["early_updates"],
+            "deferred_updates": s.counts["deferred_updates"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._loss_scale,
             "num_units": len(self.units),
@@ -2010,6 +2152,9 @@ class Engine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        # [Note: deferred updates] the last step's updates finish before the tiers close;
+        # its bookkeeping is moot now, but not a failed swap write (reported below)
+        deferred, self._step_pending = self._step_pending, False
         try:
             self._wait_optimizer()
             self._drain_fetches()
@@ -2020,6 +2165,11 @@ class Engine:
             h.remove()
         self._hook_handles.clear()
         self._close_tiers()
+        if deferred and self._write_errors:
+            (unit, first), *_ = self._write_errors
+            raise OSError(first.errno, f"close(): swap writes of the last optimizer step failed (unit "
+                          f"{unit.name!r}: {first}), so that step is lost; call save_checkpoint(DIR) "
+                          "before close() to keep it")
 
     def __enter__(self) -> "Engine":
         return self

@@ -176,9 +176,20 @@ def _forward_backward(engine, i):
     engine.backward(engine(b[:, :-1], b[:, 1:]))
 
 
+def step_and_settle(engine):
+    """step(), then zero_grad(): with overlap_step_with_forward step() may return before
+    its updates finish, and then their errors come from the next call."""
+    engine.step()
+    engine.zero_grad()
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["deferred", "in-step"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, tmp_path):
-    config = nvme_config(tmp_path)
+def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, overlap, tmp_path):
+    config = nvme_config(tmp_path, overlap_step_with_forward=overlap)
     with make_engine(config) as ref:
         run(ref, 0, 3)
         after_fault_step = ref.state_dict()
@@ -191,7 +202,7 @@ def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, tmp
         engine._nvme.io = FaultyIO(engine._nvme.io, err, fail_write=3)  # the second unit's master
         _forward_backward(engine, 2)
         with pytest.raises(OSError, match="save_checkpoint") as info:
-            engine.step()
+            step_and_settle(engine)
         assert info.value.errno == err
         assert_same_state(engine.state_dict(), after_fault_step)  # read from the held copies
         with pytest.raises(EngineFailedError, match="held in host RAM"):
@@ -237,31 +248,34 @@ def assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final, message
     assert_same_state(engine.state_dict(), final)
 
 
-def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(tmp_path):
-    config = nvme_config(tmp_path, param_tier="host")
+@OVERLAP
+def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(overlap, tmp_path):
+    config = nvme_config(tmp_path, param_tier="host", overlap_step_with_forward=overlap)
     final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
     with engine:
         # Installed before backward: units are updated (their states read) during backward.
         engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=2)
         _forward_backward(engine, 2)
         with pytest.raises(OSError, match="resume from the last checkpoint") as info:
-            engine.step()
+            step_and_settle(engine)
         assert info.value.errno == errno.EIO
         engine._nvme.io = engine._nvme.io._io
         assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final, "resume from the last checkpoint")
 
 
+@OVERLAP
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["early-updates", "step-pipeline"])
 def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_loaded(
-        max_grad_norm, tmp_path, monkeypatch):
+        max_grad_norm, overlap, tmp_path, monkeypatch):
     """Ctrl-C (or any exception) part-way through the updates leaves some units at the new
     step and others at the old one; even a KeyboardInterrupt, which is not an I/O error,
     must leave the engine refusing to train or save until a checkpoint is loaded. Without
     clipping the updates run during backward on the optimizer worker (the interrupt comes
-    back through step()); with it, in step()'s own pipeline."""
+    back through step(), or the next call when step() defers them); with it, in step()'s
+    own pipeline."""
     import offload.engine
 
-    config = nvme_config(tmp_path, max_grad_norm=max_grad_norm)
+    config = nvme_config(tmp_path, max_grad_norm=max_grad_norm, overlap_step_with_forward=overlap)
     final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
     with engine:
         real, calls = offload.engine.adam_step_flat, []
@@ -275,7 +289,7 @@ def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_l
         monkeypatch.setattr(offload.engine, "adam_step_flat", interrupted)
         with pytest.raises(KeyboardInterrupt):
             _forward_backward(engine, 2)
-            engine.step()
+            step_and_settle(engine)
         monkeypatch.setattr(offload.engine, "adam_step_flat", real)
         assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final,
                                                     "KeyboardInterrupt.*resume from the last checkpoint")
@@ -291,6 +305,7 @@ def test_failed_fetch_in_forward_names_the_unit_and_the_next_pass_reads_it_again
         final = ref.state_dict()
     with make_engine(config) as engine:
         run(engine, 0, 2)
+        engine.zero_grad()  # the last step's deferred updates are done: the next read is a fetch
         engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the failed pass leaves the recorded trace
@@ -312,7 +327,7 @@ def test_failed_write_without_room_to_hold_the_states_stops_the_engine(tmp_path)
         _forward_backward(engine, 0)
         engine._nvme.io = FaultyIO(engine._nvme.io, errno.ENOSPC, fail_write=1)
         with pytest.raises(OSError, match="more than the host can spare.*resume from the last checkpoint"):
-            engine.step()
+            step_and_settle(engine)
         engine._nvme.io = engine._nvme.io._io
         with pytest.raises(EngineFailedError):
             engine.save_checkpoint(str(tmp_path / "ckpt"))

@@ -443,3 +443,84 @@ def test_state_dict_between_backward_and_step_is_refused_after_early_updates(tmp
         assert after.keys() == expected.keys()
         for k in expected:
             assert torch.equal(after[k], expected[k]), k
+
+
+# ---------------------------------------------------------------------------- deferred updates
+def train_with_schedule(engine, data, eval_batch=None):
+    """Steps with an LR scheduler that changes the rate right after every step (an update
+    still queued must use the rate of its own step) and, when given, an eval forward and
+    a state_dict between steps."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: 1.0 / (1 + i))
+    evals = []
+    for b in data:
+        engine.backward(gpt_loss(engine, b))
+        engine.step()
+        schedule.step()
+        if eval_batch is not None:
+            engine.eval()
+            with torch.no_grad():
+                evals.append(engine(eval_batch[:, :-1]))
+            engine.train()
+    return evals
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_deferred_updates_equal_updates_inside_step_bit_for_bit(dtype, tmp_path):
+    """overlap_step_with_forward: step() returns with updates still queued; the next
+    forward waits per unit. Same numbers as the updates done inside step(), with an LR
+    scheduler stepping right after step() and eval forwards between steps."""
+    data, probe = batches(5), batches(1, seed=9)[0]
+    results = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / str(overlap)),
+                      device_budget=140 * 1024 * (2 if dtype == "fp32" else 1), dtype=dtype,
+                      overlap_step_with_forward=overlap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eval passes are a trace kind of their own
+            with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+                evals = train_with_schedule(engine, data, probe)
+                stats = engine.stats()
+                results[overlap] = (engine.state_dict(), evals, stats)
+    on, off = results[True], results[False]
+    assert on[2]["deferred_updates"] > 0 and off[2]["deferred_updates"] == 0
+    for k in off[0]:
+        assert torch.equal(on[0][k], off[0][k]), k
+    for a, b in zip(on[1], off[1]):
+        assert torch.equal(a, b)
+
+
+def test_step_returns_before_its_deferred_updates_finish(tmp_path):
+    """With slow swap I/O the updates queued by step() are still running when it returns
+    (the trace shows them after the step phase), and the next forward's first unit is
+    updated before the others (the queue follows the next forward's order)."""
+    import json
+
+    torch.manual_seed(0)
+    model = Sleepy(8, 0.0)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                  device_budget=4096 * 8, prefetch_units=2)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+    x = torch.randn(4, 32)
+    try:
+        for _ in range(3):
+            engine.backward(engine(x))
+            engine.step()
+        engine.backward(engine(x))  # waits for the last step's updates: their spans are in
+        engine.export_trace(str(tmp_path / "trace.json"))
+        engine.step()
+    finally:
+        engine.close()
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    last_step = max((e for e in spans if e["name"] == "optimizer step"), key=lambda e: e["ts"])
+    step_end = last_step["ts"] + last_step["dur"]
+    after = [e for e in spans if e["cat"] == "optimizer" and e["ts"] + e["dur"] > step_end]
+    assert after, "every update had finished when step() returned"
+    # updates that started after step() began run in the next forward's order
+    queued = sorted((e for e in spans if e["cat"] == "optimizer" and e["ts"] >= last_step["ts"]),
+                    key=lambda e: e["ts"])
+    names = [e["name"].split()[1] for e in queued]
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
+    assert blocks == sorted(blocks), names

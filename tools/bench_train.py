@@ -814,7 +814,7 @@ def parse_args(argv=None):
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds per row before it is killed")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
     p.add_argument("--trace-dir", default=None, metavar="DIR",
-                   help="NVMe rows export their engine's trace (Engine.export_trace) here as "
+                   help="offload rows export their engine's trace (Engine.export_trace) here as "
                         "ROW-DTYPE.json, and a summary of its last step (tools/trace_summary.py) "
                         "is printed after the table")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
