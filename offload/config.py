@@ -130,6 +130,11 @@ class OffloadConfig:
     prefetch_units: int = 2
     """How many units ahead the prefetcher may bring compute copies (within device_budget)."""
 
+    prefetch_bytes: Size = None
+    """Bytes of compute copies the prefetcher may have on the device or on their way ahead of
+    their use (the units of its window, counted in order of use), e.g. "256MiB"; None: as
+    much as device_budget leaves. Also bounded by prefetch_units."""
+
     optimizer_pipeline_depth: int = 3
     """Host staging slots of the optimizer step pipeline (read ahead, update, write back)."""
 
@@ -156,7 +161,7 @@ class OffloadConfig:
         device = self.device
         if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise ValueError(f"device: got {device!r}; accepted values are 'auto', 'cpu', 'cuda', 'cuda:N'")
-        for name in ("device_budget", "host_budget", "io_block_bytes"):
+        for name in ("device_budget", "host_budget", "io_block_bytes", "prefetch_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         _one_of("param_tier", self.param_tier, ("device", "host", "nvme"))
         _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme"))

@@ -314,7 +314,7 @@ class Engine:
 
         # 6. Prefetch, the workers that move and update units, hooks.
         self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
-        self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units)
+        self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units, max_bytes_ahead=config.prefetch_bytes)
         self._last_needed: Optional[_Unit] = None
         self._last_train_key: Optional[Tuple[Any, ...]] = None
         self._backward_unit: Optional[_Unit] = None

@@ -55,14 +55,17 @@ class PrefetchPlan:
 
 def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[int],
                   resident: FrozenSet[int], in_flight: FrozenSet[int], pinned: FrozenSet[int],
-                  free_bytes: int, max_units_ahead: int) -> PrefetchPlan:
+                  free_bytes: int, max_units_ahead: int,
+                  max_bytes_ahead: Optional[int] = None) -> PrefetchPlan:
     """What to move next. ``position`` is the trace index of the next unit to be needed.
 
     Walks the next ``max_units_ahead`` distinct units of the trace; a unit not yet on the
     device (nor in flight) is fetched if it fits in ``free_bytes`` after evicting resident,
     unpinned units whose next use is later than its own (farthest first). Stops at the first
     unit that cannot be placed, so fetches happen in trace order. Never plans beyond
-    ``free_bytes`` plus what it evicts.
+    ``free_bytes`` plus what it evicts, nor (when given) beyond ``max_bytes_ahead`` bytes of
+    units of the window on the device or on their way (counted in trace order, those
+    already there included).
     """
     fetch: List[int] = []
     evict: List[int] = []
@@ -70,6 +73,7 @@ def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[
     victims = sorted((u for u in resident if u not in pinned),
                      key=lambda u: trace.next_use(u, position), reverse=True)
     seen: set = set()
+    ahead = 0  # bytes of window units on the device or on their way
     for pos in range(position, len(trace)):
         u = trace.units[pos]
         if u in seen:
@@ -78,8 +82,11 @@ def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[
         if len(seen) > max_units_ahead:
             break
         if (u in resident and u not in evict) or u in in_flight:
+            ahead += unit_bytes[u]
             continue
         need = unit_bytes[u]
+        if max_bytes_ahead is not None and ahead + need > max_bytes_ahead:
+            break
         while free < need and victims and trace.next_use(victims[0], position) > pos:
             v = victims.pop(0)
             evict.append(v)
@@ -88,6 +95,7 @@ def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[
             break
         fetch.append(u)
         free -= need
+        ahead += need
     return PrefetchPlan(tuple(fetch), tuple(evict))
 
 
@@ -100,9 +108,11 @@ class Prefetcher:
     """
 
     def __init__(self, enabled: bool, max_units_ahead: int,
-                 warn: Callable[[str], None] = lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=4)) -> None:
+                 warn: Callable[[str], None] = lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=4),
+                 *, max_bytes_ahead: Optional[int] = None) -> None:
         self.enabled = enabled
         self.max_units_ahead = max_units_ahead
+        self.max_bytes_ahead = max_bytes_ahead
         self._warn = warn
         self._traces: Dict[Hashable, ExecutionTrace] = {}
         self._warned: set = set()
@@ -178,7 +188,7 @@ class Prefetcher:
             return PrefetchPlan((), ())
         return plan_prefetch(self._trace, self._position, unit_bytes=unit_bytes, resident=resident,
                              in_flight=in_flight, pinned=pinned, free_bytes=free_bytes,
-                             max_units_ahead=self.max_units_ahead)
+                             max_units_ahead=self.max_units_ahead, max_bytes_ahead=self.max_bytes_ahead)
 
     def next_use(self, unit: int) -> float:
         """Trace distance to the next use of ``unit`` in this pass (NEVER when unknown)."""

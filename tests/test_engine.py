@@ -441,6 +441,7 @@ def test_config_from_dict_and_json(tmp_path):
     ({"optimizer_tier": "device"}, "optimizer_tier"),
     ({"dtype": "fp8"}, "dtype"),
     ({"device_budget": "lots"}, "device_budget"),
+    ({"prefetch_bytes": "some"}, "prefetch_bytes"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
     ({"max_grad_norm": -1.0}, "max_grad_norm"),
     ({"param_tier": "nvme"}, "swap_dir"),

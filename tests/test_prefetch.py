@@ -41,18 +41,19 @@ def planner_inputs(draw):
                            min_size=num_units, max_size=num_units))
     extra_free = draw(st.integers(0, 300))
     ahead = draw(st.integers(0, 5))
-    return ExecutionTrace(tuple(collapsed)), sizes, position, states, extra_free, ahead
+    max_bytes = draw(st.one_of(st.none(), st.integers(0, 300)))
+    return ExecutionTrace(tuple(collapsed)), sizes, position, states, extra_free, ahead, max_bytes
 
 
 @settings(max_examples=400, deadline=None)
 @given(planner_inputs())
 def test_planner_never_plans_beyond_the_budget(inputs):
-    trace, sizes, position, states, free, ahead = inputs
+    trace, sizes, position, states, free, ahead, max_bytes = inputs
     resident = frozenset(u for u, s in enumerate(states) if s in ("resident", "pinned"))
     pinned = frozenset(u for u, s in enumerate(states) if s == "pinned")
     in_flight = frozenset(u for u, s in enumerate(states) if s == "in_flight")
     plan = plan_prefetch(trace, position, unit_bytes=sizes, resident=resident, in_flight=in_flight,
-                         pinned=pinned, free_bytes=free, max_units_ahead=ahead)
+                         pinned=pinned, free_bytes=free, max_units_ahead=ahead, max_bytes_ahead=max_bytes)
     # budget: what it fetches fits in the free bytes plus what it evicts
     assert sum(sizes[u] for u in plan.fetch) <= free + sum(sizes[u] for u in plan.evict)
     # only unpinned resident units are evicted, each once; only absent units are fetched
@@ -65,6 +66,12 @@ def test_planner_never_plans_beyond_the_budget(inputs):
             window.append(u)
     window = window[:ahead]
     assert list(plan.fetch) == [u for u in window if u in plan.fetch]
+    # look-ahead bytes: the window's units on the device or on their way, up to the last
+    # one fetched, stay within max_bytes
+    if max_bytes is not None and plan.fetch:
+        upto = window[:window.index(plan.fetch[-1]) + 1]
+        there = [u for u in upto if u in plan.fetch or u in in_flight or (u in resident and u not in plan.evict)]
+        assert sum(sizes[u] for u in there) <= max_bytes
     # an evicted unit is never needed before a unit fetched in its place
     for v in plan.evict:
         assert all(trace.next_use(v, position) > trace.next_use(f, position) for f in plan.fetch)
@@ -524,3 +531,26 @@ def test_step_returns_before_its_deferred_updates_finish(tmp_path):
     names = [e["name"].split()[1] for e in queued]
     blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
     assert blocks == sorted(blocks), names
+
+
+def test_prefetch_bytes_bounds_how_much_is_brought_ahead(tmp_path):
+    """prefetch_bytes=0 leaves every fetch to the moment of use (only units that stayed on
+    the device, as after an update through their device copy, are there when needed);
+    without it the same run prefetches. Either way the numbers are the same."""
+    results = {}
+    for limit in (None, 0):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / str(limit)),
+                      device_budget=140 * 1024, prefetch_bytes=limit)
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            train_offload(engine, batches(2))
+            before = engine.stats()
+            train_offload(engine, batches(2, seed=5))
+            after = engine.stats()
+            results[limit] = (after["prefetch_hits"] - before["prefetch_hits"],
+                              after["prefetch_misses"] - before["prefetch_misses"], engine.state_dict())
+    (hits, misses, state), (hits0, misses0, state0) = results[None], results[0]
+    assert misses0 > misses and hits0 < hits
+    for k in state:
+        assert torch.equal(state[k], state0[k]), k
