@@ -149,8 +149,10 @@ class _Unit:
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         self.updated = False         # Adam already ran on it in this optimizer step
         self.update_in_device = False  # [Note: updates through the device copy]
-        # [Note: deferred updates] completion of its update queued on the optimizer worker
+        # [Note: deferred updates] completion of its update queued on the optimizer worker,
+        # and the swap writes of that update (a fetch must not read the home before them)
         self.update_ticket: Optional[Future] = None
+        self.home_writes: List[Any] = []
         self.stale = False           # its device copy predates its last update
 
 
@@ -884,7 +886,10 @@ class Engine:
                 raise RuntimeError(
                     f"device budget exhausted fetching unit {u.name!r}: units in use or in "
                     f"flight {busy}; raise device_budget")
-            self._release(max(victims, key=lambda v: (self._prefetcher.next_use(v.index), -v.last_use)))
+            # not one still being updated in place when another will do: it would have to
+            # wait for that update ([Note: deferred updates])
+            self._release(max(victims, key=lambda v: (not self._pending_update(v),
+                                                      self._prefetcher.next_use(v.index), -v.last_use)))
 
     def _release(self, u: _Unit) -> None:
         """Drop u's device copy (its home copy is current)."""
@@ -924,7 +929,8 @@ class Engine:
             resident=frozenset(u.index for u in others
                                if u.compute_state.value in (Residency.LOADED, Residency.IN_USE)),
             in_flight=frozenset(u.index for u in others if u.compute_state == Residency.LOADING),
-            pinned=frozenset(u.index for u in others if u.compute_state == Residency.IN_USE) | {current},
+            pinned=frozenset(u.index for u in others
+                             if u.compute_state == Residency.IN_USE or self._pending_update(u)) | {current},
             free_bytes=self._device.free_bytes)
         for v in plan.evict:
             self._release(self.units[v])
@@ -1410,7 +1416,9 @@ class Engine:
         self._step_pending = True
 
     def _pending_update(self, u: _Unit) -> bool:
-        return u.update_ticket is not None and not u.update_ticket.done()
+        """u's queued update, or its swap writes, are not done yet."""
+        return u.update_ticket is not None and (
+            not u.update_ticket.done() or not all(h.done() for h in u.home_writes))
 
     def _settle_unit(self, u: _Unit) -> None:
         """[Note: deferred updates] Wait for u's queued update; a failed one stops the
@@ -1418,9 +1426,15 @@ class Engine:
         ticket = u.update_ticket
         if ticket is None:
             return
-        if not ticket.done():
-            with self.stats_counters.timed("optimizer_wait"):
-                wait_futures([ticket])
+        with self.stats_counters.timed("optimizer_wait"):
+            wait_futures([ticket])
+            writes, u.home_writes = u.home_writes, []
+            try:
+                for handle in writes:  # the home is current before anything reads it
+                    handle.wait()
+            except OSError:
+                self._settle_all()  # waits for the rest and reports the failed write
+                raise
         u.update_ticket = None
         u.update_in_device = False  # its device copy, if any, holds the update now
         if ticket.exception() is not None or self._write_errors:
@@ -1440,6 +1454,7 @@ class Engine:
                 for u in self.units:
                     u.update_ticket = None
                     u.update_in_device = False
+                    u.home_writes = []
             self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
             self.zero_grad()
             self._raise_write_errors()
@@ -1472,6 +1487,7 @@ class Engine:
         num_slots = len(self._slots) - 1
         reads: Dict[int, Tuple[int, List[Any]]] = {}
         in_device = u.update_in_device
+        u.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
 
         def issue_reads(i: int) -> None:
             index = 1 + self._next_slot % num_slots
@@ -1492,14 +1508,12 @@ class Engine:
                     self._write_through(u, lo, hi, self._slots[index])
                 self._slot_writer[index] = (u, lo, hi)
                 self._issue_writes(u, lo, hi, self._slots[index])
+                writes.extend(self._slots[index].pending_writes)
                 if num_slots == 1 and i + 1 < len(pieces):
                     issue_reads(i + 1)
         finally:  # nothing may stay in flight into a slot (errors are reported already)
             for _, handles in reads.values():
                 self._drain(handles)
-        if self._defers_updates():  # [Note: deferred updates] a fetch may read u's home next
-            for index in range(1, len(self._slots)):
-                self._finish_slot_writes(index)
         u.steps = steps
         self._release_grad(u)
 

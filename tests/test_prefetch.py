@@ -232,6 +232,9 @@ class SlowDevice:
                 raise self.error
             return self.result
 
+        def done(self):
+            return self.event.is_set()
+
     def _serve(self):
         while True:
             item = self._queue.get()
@@ -525,8 +528,10 @@ def test_step_returns_before_its_deferred_updates_finish(tmp_path):
     step_end = last_step["ts"] + last_step["dur"]
     after = [e for e in spans if e["cat"] == "optimizer" and e["ts"] + e["dur"] > step_end]
     assert after, "every update had finished when step() returned"
-    # updates that started after step() began run in the next forward's order
-    queued = sorted((e for e in spans if e["cat"] == "optimizer" and e["ts"] >= last_step["ts"]),
+    # the updates that started between step() and the next backward ran in the order the
+    # next forward needs the units
+    next_backward = min(e["ts"] for e in spans if e["name"] == "backward" and e["ts"] > last_step["ts"])
+    queued = sorted((e for e in spans if e["cat"] == "optimizer" and last_step["ts"] <= e["ts"] < next_backward),
                     key=lambda e: e["ts"])
     names = [e["name"].split()[1] for e in queued]
     blocks = [int(n.split(".")[1]) for n in names if n.startswith("blocks.")]
