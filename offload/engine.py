@@ -1001,10 +1001,11 @@ class Engine:
         self._trace_span("phase", "forward", self._forward_started, time.perf_counter())
 
     def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> Any:
-        u.compute_started = time.perf_counter()
+        start = time.perf_counter()
         u.calls += 1
         self._need(u)
         self._wait_ready(u)
+        u.compute_started = self._trace_wait(f"forward {u.name}", start)
         if u.compute_state == Residency.LOADED:
             u.compute_state.to(Residency.IN_USE)
         if not torch.is_grad_enabled():
@@ -1034,9 +1035,10 @@ class Engine:
         now = time.perf_counter()
         if self._backward_unit is not None and self._backward_unit is not u:
             self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
-        self._backward_unit, self._backward_started = u, now
+        self._backward_unit = u
         self._need(u)
         self._wait_ready(u)
+        self._backward_started = self._trace_wait(f"backward {u.name}", now)
         self._maybe_update_early()
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
@@ -2120,10 +2122,19 @@ class Engine:
     def _trace_span(self, lane: str, name: str, start: float, end: float) -> None:
         self._timeline.append((lane, name, start, end))
 
+    def _trace_wait(self, what: str, start: float) -> float:
+        """A "wait" span from ``start`` to now when the main thread waited there (for a fetch
+        or an update) before ``what`` could run; returns now."""
+        now = time.perf_counter()
+        if now - start > 1e-4:
+            self._trace_span("wait", f"before {what}", start, now)
+        return now
+
     def export_trace(self, path: str) -> None:
         """Write the most recent part of the timeline (``TIMELINE_SPANS`` spans, and the
         NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event JSON:
-        lanes for the phases (forward, backward, optimizer step), compute per unit, copies
+        lanes for the phases (forward, backward, optimizer step), compute per unit, the main
+        thread's waits before a unit could run (for its fetch or its update), copies
         to the device, NVMe reads, NVMe writes, the updates started during backward (per
         unit, waits included: "optimizer") and the Adam kernel per unit or piece ("adam"). See tools/trace_summary.py
         for a text summary.
@@ -2139,7 +2150,7 @@ class Engine:
         spans = list(self._timeline)
         if self._nvme is not None:
             spans.extend(_request_spans(list(self._nvme.recent)))
-        order = ["phase", "compute", "copy"]
+        order = ["phase", "compute", "wait", "copy"]
         order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme read")},
                         key=lambda lane: int(lane.rsplit(" ", 1)[1]))
         order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme write")},

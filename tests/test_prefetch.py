@@ -528,6 +528,9 @@ def test_step_returns_before_its_deferred_updates_finish(tmp_path):
     step_end = last_step["ts"] + last_step["dur"]
     after = [e for e in spans if e["cat"] == "optimizer" and e["ts"] + e["dur"] > step_end]
     assert after, "every update had finished when step() returned"
+    # the next forward waited for them: "wait" spans before its units, after step()
+    assert any(e["cat"] == "wait" and e["name"].startswith("before forward") and e["ts"] >= step_end
+               for e in spans)
     # the updates that started between step() and the next backward ran in the order the
     # next forward needs the units
     next_backward = min(e["ts"] for e in spans if e["name"] == "backward" and e["ts"] > last_step["ts"])

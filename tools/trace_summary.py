@@ -2,14 +2,17 @@
 busy and which lane was the busiest.
 
 For each phase (forward, backward, optimizer step), over its last --steps occurrences: the
-phase's wall time, then for each lane kind (compute, copy, nvme read, nvme write, "nvme any"
-= reads or writes, "optimizer" = a unit's whole update started during backward, waits
-included, and "adam" = the Adam kernel itself) the time at least one span of that kind was running inside the
-phase (the union of the spans, clipped to the phase), as seconds and as a share of the phase.
+phase's wall time, then for each lane kind (compute, wait, copy, nvme read, nvme write,
+"nvme any" = reads or writes, "optimizer" = a unit's whole update on the worker, its waits
+included, and "adam" = the Adam kernel itself) the time at least one span of that kind was
+running inside the phase (the union of the spans, clipped to the phase), as seconds and as
+a share of the phase.
 NVMe requests overlap (many in flight): their union says how long the disk had work queued,
-not how many bytes moved. The busiest lane is the resource (compute, copy, nvme any, adam) with the largest union; "main idle"
-is the share of the phase with no compute span: on the main thread that is waiting (for
-fetches in forward and backward, for the optimizer pipeline in the step).
+not how many bytes moved. "wait" is the main thread waiting before a unit could run (for
+its fetch or, with deferred updates, its update). The busiest lane is the resource
+(compute, copy, nvme any, adam) with the largest union; "main idle" is the share of the
+phase with no compute span: on the main thread that is waiting (for fetches and updates in
+forward and backward, for the optimizer pipeline in the step).
 
     python tools/trace_summary.py trace.json [--steps 2]
 """
@@ -21,7 +24,7 @@ import sys
 from typing import Dict, List, Tuple
 
 PHASES = ("forward", "backward", "optimizer step")
-KINDS = ("compute", "copy", "nvme read", "nvme write", "nvme any", "optimizer", "adam")
+KINDS = ("compute", "wait", "copy", "nvme read", "nvme write", "nvme any", "optimizer", "adam")
 # What can be a bottleneck: the main thread's compute, the copy worker, the disk, the Adam
 # kernel ("optimizer" spans wrap whole updates, waits included, so they are not one).
 RESOURCES = ("compute", "copy", "nvme any", "adam")
