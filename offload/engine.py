@@ -153,6 +153,13 @@ class _Unit:
         # and the swap writes of that update (a fetch must not read the home before them)
         self.update_ticket: Optional[Future] = None
         self.home_writes: List[Any] = []
+
+    def forget_update(self) -> None:
+        """Its queued update and that update's writes are done (or reported elsewhere);
+        a device copy it was writing into holds the update now."""
+        self.update_ticket = None
+        self.home_writes = []
+        self.update_in_device = False
         self.stale = False           # its device copy predates its last update
 
 
@@ -176,8 +183,6 @@ def _request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str
     """Trace spans of finished NVMe requests (is_write, bytes, IOHandle), each
     direction spread over numbered lanes in which no two spans overlap (a request goes to
     the lowest-numbered lane that is free when it starts)."""
-    import heapq
-
     spans: List[Tuple[str, str, float, float]] = []
     for is_write, direction in ((False, "read"), (True, "write")):
         done = []
@@ -1430,15 +1435,13 @@ class Engine:
             return
         with self.stats_counters.timed("optimizer_wait"):
             wait_futures([ticket])
-            writes, u.home_writes = u.home_writes, []
             try:
-                for handle in writes:  # the home is current before anything reads it
+                for handle in u.home_writes:  # the home is current before anything reads it
                     handle.wait()
             except OSError:
                 self._settle_all()  # waits for the rest and reports the failed write
                 raise
-        u.update_ticket = None
-        u.update_in_device = False  # its device copy, if any, holds the update now
+        u.forget_update()
         if ticket.exception() is not None or self._write_errors:
             self._settle_all()  # raises: a failed update, or a home this fetch may read is not written
 
@@ -1454,9 +1457,7 @@ class Engine:
                 self._wait_optimizer()
             finally:
                 for u in self.units:
-                    u.update_ticket = None
-                    u.update_in_device = False
-                    u.home_writes = []
+                    u.forget_update()
             self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
             self.zero_grad()
             self._raise_write_errors()
@@ -1526,7 +1527,8 @@ class Engine:
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
         for u in self.units:
-            u.update_ticket = None if u.update_ticket in futures else u.update_ticket
+            if u.update_ticket in futures:
+                u.update_ticket = None
         with self.stats_counters.timed("optimizer_wait"):
             for f in futures:
                 try:
@@ -2134,10 +2136,10 @@ class Engine:
         """Write the most recent part of the timeline (``TIMELINE_SPANS`` spans, and the
         NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event JSON:
         lanes for the phases (forward, backward, optimizer step), compute per unit, the main
-        thread's waits before a unit could run (for its fetch or its update), copies
-        to the device, NVMe reads, NVMe writes, the updates started during backward (per
-        unit, waits included: "optimizer") and the Adam kernel per unit or piece ("adam"). See tools/trace_summary.py
-        for a text summary.
+        thread's waits before a unit could run (for its fetch or its update), copies to the
+        device, NVMe reads, NVMe writes, the updates on the optimizer worker (per unit, waits
+        included: "optimizer") and the Adam kernel per unit or piece ("adam"). See
+        tools/trace_summary.py for a text summary.
 
         NVMe requests run from their first block's issue to their completion, as the I/O
         engine saw them; several are in flight at once, so each direction is spread over
@@ -2150,12 +2152,12 @@ class Engine:
         spans = list(self._timeline)
         if self._nvme is not None:
             spans.extend(_request_spans(list(self._nvme.recent)))
-        order = ["phase", "compute", "wait", "copy"]
-        order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme read")},
-                        key=lambda lane: int(lane.rsplit(" ", 1)[1]))
-        order += sorted({lane for lane, _, _, _ in spans if lane.startswith("nvme write")},
-                        key=lambda lane: int(lane.rsplit(" ", 1)[1]))
-        order += ["optimizer", "adam"]
+        def numbered(prefix: str) -> List[str]:  # "nvme read 0", "nvme read 1", ...
+            return sorted({lane for lane, _, _, _ in spans if lane.startswith(prefix)},
+                          key=lambda lane: int(lane.rsplit(" ", 1)[1]))
+
+        order = ["phase", "compute", "wait", "copy", *numbered("nvme read "), *numbered("nvme write "),
+                 "optimizer", "adam"]
         lanes = {lane: tid for tid, lane in enumerate(order)}
         events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
                   for lane, tid in lanes.items()]
