@@ -153,6 +153,12 @@ class _Unit:
         # and the swap writes of that update (a fetch must not read the home before them)
         self.update_ticket: Optional[Future] = None
         self.home_writes: List[Any] = []
+        self.update_started = False  # the worker has taken it (set under _update_lock)
+        # [Note: updates fill the device copy] its queued update writes the new compute
+        # copy into a device slot that holds nothing yet (update_in_device is set too);
+        # after_update: its fetch in flight waits for its update (either way)
+        self.update_fill = False
+        self.after_update = False
 
     def forget_update(self) -> None:
         """Its queued update and that update's writes are done (or reported elsewhere);
@@ -160,6 +166,8 @@ class _Unit:
         self.update_ticket = None
         self.home_writes = []
         self.update_in_device = False
+        self.update_started = False
+        self.update_fill = False
         self.stale = False           # its device copy predates its last update
 
 
@@ -859,6 +867,7 @@ class Engine:
 
     def _finish_fetch(self, u: _Unit) -> None:
         pending, u.pending = u.pending, None
+        u.after_update = False
         try:
             u.ready_event = pending()
         except BaseException as error:
@@ -940,10 +949,79 @@ class Engine:
         for v in plan.evict:
             self._release(self.units[v])
         for f in plan.fetch:
-            if self._pending_update(self.units[f]):
+            u = self.units[f]
+            if self._pending_update(u):
+                if self._prefetch_updating(u):
+                    continue
                 break  # [Note: deferred updates] not before its update; the later ones after it
-            if not self._start_fetch(self.units[f], evict=False):
+            if not self._start_fetch(u, evict=False):
                 break  # the free space is in pieces: the rest comes on demand
+
+    def _prefetch_updating(self, u: _Unit) -> bool:
+        """[Note: updates fill the device copy] Bring u, whose deferred update is queued or
+        running, to a free device slot (no eviction) in time for its use: an update not yet
+        started writes the new compute copy into the slot as it goes (the part past the
+        trainable prefix, if any, is read from home now: no update writes it); a started
+        one is followed by a read of the home once its swap writes are done, on the copy
+        worker. The slot is "in flight" until then. False when that cannot be: another kind
+        of engine, u already on the device or no free slot; the caller then stops, so that
+        the units after u do not take the room u needs."""
+        if not self._device_copy_updates or u.compute_state != Residency.HOME:
+            return False
+        with self._update_lock:
+            if u.update_ticket is None:
+                return False
+            offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
+            if offset is None:
+                return False
+            u.device_offset = offset
+            fill = not u.update_started
+            u.update_in_device = u.update_fill = fill
+        u.compute_state.to(Residency.LOADING)
+        u.fetch_started = time.perf_counter()
+        u.after_update = True
+        dst = self._device.view(u.device_offset, u.compute_numel)
+        size = dst.element_size()
+        ticket = u.update_ticket
+
+        def wait_update() -> None:
+            wait_futures([ticket])
+            if ticket.exception() is not None:
+                raise ticket.exception()
+
+        if fill:
+            tail = padded_numel(u.spec.trainable_numel, size)
+            handles = []
+            if tail < u.compute_numel:
+                extent = _sub(u.compute_home, tail * size, (u.compute_numel - tail) * size)
+                handles.append(self._nvme.read(dst[tail:], extent))
+                self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
+
+            def pending() -> None:
+                self._wait_all(handles)
+                wait_update()
+            u.pending = pending
+            self.stats_counters.count("update_fills")
+        else:
+            def read_after_update() -> None:
+                wait_update()
+                for handle in u.home_writes:  # all issued once the update is done
+                    handle.wait()
+                self._nvme.read(dst, u.compute_home).wait()
+            future = self._copy_worker.submit(read_after_update)
+            u.pending = lambda: (future.result(), None)[1]
+            self.stats_counters.add_bytes("nvme_to_device", u.compute_numel * size)
+        return True
+
+    def _land_fills(self) -> None:
+        """Finish the fetches that waited for updates now over (_prefetch_updating): the
+        slot of a failed one goes back (that error is reported with the update's own)."""
+        for u in self.units:
+            if u.after_update and u.compute_state == Residency.LOADING:
+                try:
+                    self._finish_fetch(u)
+                except BaseException:  # noqa: B902 - the update's ticket reports it
+                    pass
 
     def _wait_ready(self, u: _Unit) -> None:
         if u.ready_event is not None:
@@ -1372,6 +1450,7 @@ class Engine:
         """On the optimizer worker: the best queued update (one per _queue_update call)."""
         with self._update_lock:
             _, _, _, u, groups, ticket = heapq.heappop(self._update_heap)
+            u.update_started = True  # from here on no fill is attached (_prefetch_updating)
         try:
             self._update_early(u, groups)
         except BaseException as error:  # noqa: B902 - reported through the ticket
@@ -1456,6 +1535,7 @@ class Engine:
             try:
                 self._wait_optimizer()
             finally:
+                self._land_fills()
                 for u in self.units:
                     u.forget_update()
             self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
@@ -1489,7 +1569,7 @@ class Engine:
         pieces = self._pieces(u)
         num_slots = len(self._slots) - 1
         reads: Dict[int, Tuple[int, List[Any]]] = {}
-        in_device = u.update_in_device
+        in_device, fill = u.update_in_device, u.update_fill
         u.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
 
         def issue_reads(i: int) -> None:
@@ -1497,7 +1577,7 @@ class Engine:
             self._next_slot += 1
             self._finish_slot_writes(index)  # the slot's previous piece is on disk first
             lo, hi = pieces[i]
-            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index], in_device))
+            reads[i] = (index, self._issue_reads(u, lo, hi, self._slots[index], in_device and not fill))
 
         try:
             issue_reads(0)
@@ -1541,6 +1621,7 @@ class Engine:
                 except OSError as error:
                     errors.append(error)
         if errors:
+            self._land_fills()
             for u in self.units:  # a device copy the failed updates were writing into
                 if u.update_in_device:
                     self._release(u)
@@ -1571,11 +1652,17 @@ class Engine:
         for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
             u = self.units[index]
             if self._pending_update(u):
+                if self._prefetch_updating(u):
+                    continue
                 break  # [Note: deferred updates] fetches go in the order of use
             if u.compute_state == Residency.HOME and not self._start_fetch(u, evict=False):
                 break
-        if self._root.compute_state == Residency.HOME and not self._pending_update(self._root):
-            self._start_fetch(self._root, evict=False)
+        root = self._root
+        if root.compute_state == Residency.HOME:
+            if self._pending_update(root):
+                self._prefetch_updating(root)
+            else:
+                self._start_fetch(root, evict=False)
 
     # ------------------------------------------------------------------ Adam over ranges
     def _next_steps(self, u: _Unit) -> List[int]:
@@ -2089,6 +2176,7 @@ class Engine:
             "skipped_steps": s.counts["skipped_steps"],
             "early_updates": s.counts["early_updates"],
             "deferred_updates": s.counts["deferred_updates"],
+            "update_fills": s.counts["update_fills"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._loss_scale,
             "num_units": len(self.units),

@@ -541,6 +541,103 @@ def test_step_returns_before_its_deferred_updates_finish(tmp_path):
     assert blocks == sorted(blocks), names
 
 
+def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
+    """[Note: updates fill the device copy] With slow swap I/O the updates step() leaves
+    are still queued when the next forward's prefetcher looks ahead: those units get their
+    device slots then, and their updates write the new compute copies into them (no read
+    of the home afterwards); one already being updated is read once its writes are done.
+    Against the same run with those units left to on-demand fetches: the same numbers, no
+    prefetch misses in the steady state (4 a step without), and each fill saves exactly
+    one read of a unit's compute copy."""
+    results = {}
+    for fill in (True, False):
+        torch.manual_seed(0)
+        model = Sleepy(8, 0.0)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / str(fill)),
+                      device_budget=4096 * 8, prefetch_units=2)
+        x = torch.randn(4, 32)
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            if not fill:
+                engine._prefetch_updating = lambda u: False  # the behaviour before fills
+            engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+            per_step = []
+            for _ in range(6):
+                before = engine.stats()
+                engine.backward(engine(x))
+                engine.step()
+                after = engine.stats()
+                per_step.append({k: after[k] - before[k]
+                                 for k in ("update_fills", "prefetch_misses", "bytes_read_nvme")})
+            engine.zero_grad()
+            block_bytes = engine.units[1].compute_numel * 4
+            assert all(u.compute_numel == engine.units[1].compute_numel for u in engine.units[1:])
+            results[fill] = (per_step[3:], engine.state_dict())
+    (on, state_on), (off, state_off) = results[True], results[False]
+    for with_fills, without in zip(on, off):
+        assert with_fills["update_fills"] > 0 and without["update_fills"] == 0
+        assert with_fills["prefetch_misses"] == 0 < without["prefetch_misses"]
+        saved = without["bytes_read_nvme"] - with_fills["bytes_read_nvme"]
+        assert saved == with_fills["update_fills"] * block_bytes
+    for k in state_off:
+        assert torch.equal(state_on[k], state_off[k]), k
+
+
+@pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")  # the failed pass
+def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, monkeypatch):
+    """[Note: updates fill the device copy] A deferred update that fails while the next
+    forward has device slots waiting for updates: the error comes out of that forward, no
+    slot is left in flight or unaccounted for, and loading the last checkpoint makes the
+    rest of the run end where an undisturbed one does."""
+    import offload.engine
+
+    def sleepy_engine(name):
+        torch.manual_seed(0)
+        model = Sleepy(8, 0.0)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name),
+                      device_budget=4096 * 8, prefetch_units=2)
+        engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+        engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+        return engine
+
+    def train(engine, steps):
+        for _ in range(steps):
+            engine.backward(engine(x))
+            engine.step()
+
+    x = torch.randn(4, 32)
+    with sleepy_engine("ref") as ref:
+        train(ref, 6)
+        ref.zero_grad()
+        final = ref.state_dict()
+    with sleepy_engine("swap") as engine:
+        train(engine, 3)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        fills = engine.stats()["update_fills"]
+        train(engine, 1)  # its updates are still queued when step() returns
+        real, calls = offload.engine.adam_step_flat, []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 7:  # two parameters a unit: the fourth unit updated from here
+                raise RuntimeError("injected Adam failure")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(offload.engine, "adam_step_flat", failing)
+        with pytest.raises(RuntimeError, match="injected Adam failure"):
+            engine.backward(engine(x))
+        monkeypatch.setattr(offload.engine, "adam_step_flat", real)
+        assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
+        assert not [u.name for u in engine.units if u.compute_state == offload.engine.Residency.LOADING]
+        held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)
+        assert engine._device.slot_bytes == held
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        train(engine, 3)
+        engine.zero_grad()
+        after = engine.state_dict()
+    for k in final:
+        assert torch.equal(after[k], final[k]), k
+
+
 def test_prefetch_bytes_bounds_how_much_is_brought_ahead(tmp_path):
     """prefetch_bytes=0 leaves every fetch to the moment of use (only units that stayed on
     the device, as after an update through their device copy, are there when needed);
