@@ -13,7 +13,9 @@ A checkpoint is a directory of raw little-endian files plus ``manifest.json``:
                       exp_avg_sq | the compute copy of frozen parameters (compute dtype).
                       Trainable compute copies are derived (fp32: the master itself;
                       bf16/fp16: the master rounded to nearest even, as the Adam kernel writes
-                      them), so they are not stored.
+                      them; bf16 with a split master: rounded half away from zero, see
+                      [Note: split master] in native/adam/master_split.cpp), so they are not
+                      stored.
   buffers.bin         the model's persistent buffers (byte offsets in the manifest).
   rng-torch-cpu.bin, rng-torch-cuda-N.bin   torch's RNG states (``-rank-RRRRR`` per rank).
 
@@ -146,9 +148,7 @@ def unit_master(engine: "Engine", u: "_Unit") -> torch.Tensor:
     dirty = engine._dirty.get(u.index, {})
     if "master" in dirty:
         return dirty["master"]
-    if engine._merged:
-        return engine._load(u.compute_home, u.master_numel, torch.float32)
-    return engine._load(u.master_home, u.master_numel, torch.float32)
+    return engine._read_master(u)
 
 
 def unit_moments(engine: "Engine", u: "_Unit") -> torch.Tensor:
@@ -791,9 +791,13 @@ def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], r
                           moments[s.state_numel + ux - s.lo:s.state_numel + uy - s.lo])
     frozen = [e for e in u.spec.entries if not e.trainable]
     home_dtype = torch.float32 if engine._merged else engine.compute_dtype
+    low = None
     if p is None:
         compute = torch.zeros(u.compute_numel, dtype=engine.compute_dtype)
-        compute[:t].copy_(master)
+        if engine._split_master and u.trainable:  # [Note: split master]
+            low = engine._split_master_into(u, master, compute)
+        else:
+            compute[:t].copy_(master)
         for e in frozen:
             reader.read_param(saved[e.fqn], "value", 0, e.numel, compute[e.offset:e.offset + e.numel])
     else:
@@ -809,7 +813,9 @@ def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], r
         engine._release(u)  # a device copy of this unit is stale from now on
         engine._store(u.compute_home, compute)  # merged: fp32, the master itself
     if u.trainable:
-        if not engine._merged:
+        if low is not None:
+            engine._store(u.master_home, low)
+        elif not engine._merged:
             shard = torch.zeros(s.state_numel, dtype=torch.float32)
             shard[:s.numel].copy_(master[s.lo - lo:s.hi - lo])
             engine._store(u.master_home, shard)

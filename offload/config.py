@@ -145,6 +145,14 @@ class OffloadConfig:
     waiting for its own update. A failed update is raised by the next call that needs it
     (forward of that unit, backward, step, zero_grad, state_dict, checkpoints, close)."""
 
+    split_master: bool = True
+    """bf16 compute with the optimizer states on NVMe and the compute copies at home on
+    "host" or "nvme" (one rank, or ZeRO stage 0): keep the fp32 master at home as its low 16 bits only,
+    the high 16 being the bf16 compute copy ([Note: split master]). Lossless for the master;
+    2 B per parameter less on NVMe and less to read and write at every update. The compute
+    copy is then the master rounded half away from zero instead of to nearest even: they
+    differ only at exact ties, by one bf16 ulp. False: a whole fp32 master apart."""
+
     initial_loss_scale: float = 2.0**16
     """fp16 only: starting dynamic loss scale."""
 
@@ -213,7 +221,7 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")
-        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward"):
+        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 

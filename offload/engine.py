@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 from offload import checkpoint
 from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
-from offload.optim import adam_step_flat
+from offload.optim import adam_step_flat, join_master, split_master
 from offload.prefetch import NEVER, Prefetcher
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
@@ -175,10 +175,12 @@ class _StagingSlot:
     """Host buffers the optimizer pipeline reads one unit's states into."""
 
     def __init__(self, host: HostTier, master_numel: int, compute_numel: int,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, low_numel: int = 0) -> None:
         self.master = host.allocate(master_numel, torch.float32)
         self.moments = host.allocate(2 * master_numel, torch.float32)
         self.compute = host.allocate(compute_numel, compute_dtype) if compute_numel else None
+        # [Note: split master] the master's low halves, read and written in its place
+        self.low = host.allocate(low_numel, torch.int16) if low_numel else None
         self.pending_writes: List[Any] = []
 
 
@@ -297,6 +299,10 @@ class Engine:
         # [Note: updates through the device copy]
         self._device_copy_updates = self.device.type == "cpu" and config.param_tier == "nvme" \
             and self._partition is None
+        # [Note: split master] the master at home is its low half; the compute copy the high
+        self._split_master = config.split_master and config.dtype == "bf16" and \
+            config.optimizer_tier == "nvme" and config.param_tier != "device" and \
+            not (self._partition is not None and self._partition.shards_state)
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -434,10 +440,18 @@ class Engine:
             if self._param_tier == "nvme":
                 total += self._compute_home_numel(u) * (_FP32_BYTES if self._merged else element_bytes)
             if self._optimizer_tier == "nvme" and u.trainable:
-                if not self._merged:
+                if self._split_master:
+                    total += self._low_numel(u) * 2
+                elif not self._merged:
                     total += u.shard.state_numel * _FP32_BYTES
                 total += 2 * u.shard.state_numel * _FP32_BYTES
         return total
+
+    @staticmethod
+    def _low_numel(u: _Unit) -> int:
+        """[Note: split master] Low halves of u's master at home: as many as its 16-bit
+        compute copy has trainable elements, padded to whole pages."""
+        return padded_numel(u.spec.trainable_numel, 2)
 
     def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
         grads = sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES
@@ -554,7 +568,14 @@ class Engine:
 
     def _slot_bytes(self, element_bytes: int) -> int:
         master, compute = self._slot_shape()
-        return 3 * master * _FP32_BYTES + compute * element_bytes
+        return 3 * master * _FP32_BYTES + compute * element_bytes + self._slot_low_numel() * 2
+
+    def _slot_low_numel(self) -> int:
+        """[Note: split master] Low halves one staging slot holds: a piece, padded as a
+        16-bit prefix is."""
+        if not self._split_master:
+            return 0
+        return min(max((u.master_numel for u in self.units), default=0), OPTIMIZER_PIECE_NUMEL) + 2048
 
     def _check_host_budget(self, element_bytes: int) -> None:
         budget = self.config.host_budget
@@ -582,7 +603,9 @@ class Engine:
                 u.compute_home = self._allocate_home(self._param_tier, self._compute_home_numel(u), dtype)
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
-                if not self._merged:
+                if self._split_master:
+                    u.master_home = self._allocate_home(self._optimizer_tier, self._low_numel(u), torch.int16)
+                elif not self._merged:
                     u.master_home = self._allocate_home(self._optimizer_tier, state_numel, torch.float32)
                 u.moments_home = self._allocate_home(self._optimizer_tier, 2 * state_numel, torch.float32)
         if self._param_tier != "device":
@@ -600,7 +623,7 @@ class Engine:
         if not self._staged_step:
             return []
         master, compute = self._slot_shape()
-        return [_StagingSlot(self._host, master, compute, self.compute_dtype)
+        return [_StagingSlot(self._host, master, compute, self.compute_dtype, self._slot_low_numel())
                 for _ in range(self.config.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial placement
@@ -695,6 +718,7 @@ class Engine:
             e.param.data = self._placeholder
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
+        low = self._split_master_into(u, master, compute) if self._split_master and u.trainable else None
         if self._param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
@@ -703,13 +727,40 @@ class Engine:
             self._store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
             s = u.shard  # [zero] this rank's part only
-            if not self._merged:
+            if low is not None:
+                self._store(u.master_home, low)
+            elif not self._merged:
                 master_shard = torch.zeros(s.state_numel, dtype=torch.float32)
                 master_shard[:s.numel].copy_(master[s.lo:s.hi])
                 self._store(u.master_home, master_shard)
             self._store_zeros(u.moments_home)
         if self._param_tier == "device":
             self._bind(u)
+
+    def _split_master_into(self, u: _Unit, master: torch.Tensor, compute: torch.Tensor) -> torch.Tensor:
+        """[Note: split master] Round u's fp32 master (its trainable prefix, from element 0)
+        into the high halves ``compute[:t]`` (its bf16 compute copy) and return the low
+        halves as the master's home holds them."""
+        t = u.spec.trainable_numel
+        low = torch.zeros(self._low_numel(u), dtype=torch.int16)
+        split_master(master[:t].contiguous(), compute[:t], low[:t])
+        return low
+
+    def _read_master(self, u: _Unit, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """u's fp32 master as its home holds it (this rank's shard at stage >= 1; merged:
+        the compute copy's prefix). Split ([Note: split master]): joined from the low
+        halves at home and the compute copy (``compute``: the whole copy, when the caller
+        has it already)."""
+        if self._merged:
+            return self._load(u.compute_home, u.master_numel, torch.float32)
+        if not self._split_master:
+            return self._load(u.master_home, u.shard.state_numel, torch.float32)
+        n = self._low_numel(u)
+        if compute is None:
+            compute = self._load(u.compute_home, n, self.compute_dtype)
+        master = torch.empty(n, dtype=torch.float32)
+        join_master(compute[:n].contiguous(), self._load(u.master_home, n, torch.int16), master)
+        return master[:u.master_numel]
 
     @staticmethod
     def _home_chunks(u: _Unit, full: torch.Tensor) -> torch.Tensor:
@@ -1843,7 +1894,17 @@ class Engine:
         (a merged master from u's device copy when ``in_device``)."""
         handles, n = [], hi - lo
         home = self._master_home(u)
-        if in_device and self._merged:  # [Note: updates through the device copy]
+        if self._split_master:  # [Note: split master] the low halves, and the high ones
+            end, extent = self._half_extent(u, u.master_home, lo, hi)
+            handles.append(self._nvme.read(slot.low[:end - lo], extent))
+            if slot.compute is not None and in_device:  # [Note: updates through the device copy]
+                end = min(hi, u.spec.trainable_numel)
+                slot.compute[:end - lo].copy_(self._device.view(u.device_offset + lo, end - lo))
+                self.stats_counters.add_bytes("device_to_host", (end - lo) * 2)
+            elif slot.compute is not None:
+                end, extent = self._half_extent(u, u.compute_home, lo, hi)
+                handles.append(self._nvme.read(slot.compute[:end - lo], extent))
+        elif in_device and self._merged:  # [Note: updates through the device copy]
             slot.master[:n].copy_(self._device.view(u.device_offset + lo, n))
             self.stats_counters.add_bytes("device_to_host", n * _FP32_BYTES)
         elif _on_nvme(home):
@@ -1851,6 +1912,14 @@ class Engine:
         if _on_nvme(u.moments_home):
             handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
         return handles
+
+    @staticmethod
+    def _half_extent(u: _Unit, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
+        """(end, extent) of piece [lo, hi) of a 16-bit home that starts with u's trainable
+        prefix (the compute copy; split, the master's low halves): the last piece runs on
+        to the prefix's padded end, so that every request covers whole pages."""
+        end = padded_numel(u.spec.trainable_numel, 2) if hi == u.master_numel else hi
+        return end, _sub(home, lo * 2, (end - lo) * 2)
 
     def _moment_parts(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
         """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]:
@@ -1866,19 +1935,27 @@ class Engine:
         n = hi - lo
         home = self._master_home(u)
         master = slot.master[:n] if _on_nvme(home) else home[lo:hi]
+        high = None
+        if self._split_master:  # [Note: split master] the master from its halves
+            high = slot.compute[:n] if slot.compute is not None else u.compute_home[lo:hi]  # nvme / host
+            join_master(high, slot.low[:n], master)
         if _on_nvme(u.moments_home):
             exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
         else:
             exp_avg = u.moments_home[lo:hi]
             exp_avg_sq = u.moments_home[u.master_numel + lo:u.master_numel + hi]
-        if slot.compute is not None:
+        if high is not None:  # split again below, not rounded by the kernel
+            compute_out, staging = None, False
+        elif slot.compute is not None:
             compute_out, staging = slot.compute[:n], True
         else:
             target = self._compute_target(u)
             compute_out, staging = (None if target is None else target[lo:hi]), False
         start = time.perf_counter()
         self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
-                         groups=groups)
+                         copy_to_device=high is None, groups=groups)
+        if high is not None:
+            split_master(master, high, slot.low[:n])
         self._trace_span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
     def _device_copy_updatable(self, u: _Unit) -> bool:
@@ -1909,7 +1986,10 @@ class Engine:
         """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
         writes, n = [], hi - lo
         home = self._master_home(u)
-        if _on_nvme(home):
+        if self._split_master:  # [Note: split master] the high halves go with the compute copy
+            end, extent = self._half_extent(u, home, lo, hi)
+            writes.append(self._nvme.write(slot.low[:end - lo], extent))
+        elif _on_nvme(home):
             writes.append(self._nvme.write(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
         if _on_nvme(u.moments_home):
             writes.extend(self._nvme.write(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
@@ -2045,7 +2125,7 @@ class Engine:
                               f"RAM would take {format_size(held + need)}, more than the host can spare")
             dirty = {}
             if master_on_nvme:
-                dirty["master"] = self._load(self._master_home(u), u.master_numel, torch.float32)
+                dirty["master"] = self._read_master(u)[:u.master_numel].clone()
             if moments_on_nvme:
                 dirty["moments"] = self._load(u.moments_home, 2 * u.master_numel, torch.float32)
             self._dirty[u.index] = dirty
@@ -2138,7 +2218,7 @@ class Engine:
         if u.index in self._dirty and "master" in self._dirty[u.index]:
             master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
         elif u.trainable and not self._merged:
-            master = self._load(u.master_home, u.shard.state_numel, torch.float32)
+            master = self._read_master(u, compute)
             if self._partition is not None and self._partition.shards_state:  # [zero] collective
                 master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
         out = {}

@@ -17,7 +17,7 @@ import torch
 
 from offload import _native
 
-__all__ = ["CPUAdam", "adam_step_flat"]
+__all__ = ["CPUAdam", "adam_step_flat", "join_master", "split_master"]
 
 # Dtype codes understood by the native kernel (native/adam/adam.h, enum DType).
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -108,6 +108,26 @@ def adam_step_flat(
         copy_out=0 if copy_out is None else copy_out.data_ptr(),
         copy_out_dtype=0 if copy_out is None else _COPY_OUT_DTYPE_CODES[copy_out.dtype],
     )
+
+
+def split_master(master: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
+    """[Note: split master] Store fp32 ``master`` as two 16-bit halves: ``high`` (bf16) is
+    the master rounded half away from zero, which makes it the bf16 compute copy; ``low``
+    (int16) holds the master's low 16 bits. ``join_master`` gives the master back bit for
+    bit (a NaN as a NaN). The compute copy differs from rounding to nearest even only at
+    exact ties, by one bf16 ulp. Contiguous CPU tensors of one length."""
+    _check_flat("master", master, (torch.float32,), None)
+    _check_flat("high", high, (torch.bfloat16,), master.numel())
+    _check_flat("low", low, (torch.int16,), master.numel())
+    _native.split_master(master.data_ptr(), high.data_ptr(), low.data_ptr(), master.numel())
+
+
+def join_master(high: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
+    """The fp32 ``master`` from the halves ``split_master`` made (see there)."""
+    _check_flat("master", master, (torch.float32,), None)
+    _check_flat("high", high, (torch.bfloat16,), master.numel())
+    _check_flat("low", low, (torch.int16,), master.numel())
+    _native.join_master(high.data_ptr(), low.data_ptr(), master.data_ptr(), master.numel())
 
 
 # Group options torch.optim.Adam/AdamW keep that this optimizer cannot honour, with the

@@ -8,7 +8,8 @@ checks that the two agree. Per trainable parameter, with ``e`` the compute dtype
 
   compute copy   e B      home: param_tier. With fp32 compute and param_tier != "device" the
                           compute copy *is* the fp32 master ("merged"): 4 B, no master.
-  fp32 master    4 B      home: optimizer_tier (0 when merged)
+  fp32 master    4 B      home: optimizer_tier (0 when merged; 2 B, its low half, when
+                          split: bf16, optimizer_tier "nvme", param_tier not "device")
   Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32)
   fp32 gradients 4 B      home: host (accumulated over micro-steps)
 
@@ -205,9 +206,11 @@ class Placement:
 
 
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
-          pipeline_depth: int = 3) -> Placement:
+          pipeline_depth: int = 3, split_master: bool = True) -> Placement:
     e = _ELEMENT_BYTES[dtype]
     merged = dtype == "fp32" and param_tier != "device"
+    # [Note: split master] (Config.split_master): the master at home is its low half
+    split = split_master and dtype == "bf16" and optimizer_tier == "nvme" and param_tier != "device"
     units = shape.units
     compute_numel = [padded_numel(u.total_numel, e) for u in units]
     master_numel = [padded_numel(u.trainable_numel, _FP32_BYTES) for u in units]
@@ -216,6 +219,9 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
 
     compute_bytes = sum(n * home_element for n in compute_numel)
     master_bytes = 0 if merged else sum(m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    prefix_bytes = sum(padded_numel(u.trainable_numel, 2) * 2 for u in units if u.trainable_numel)
+    if split:
+        master_bytes = prefix_bytes
     moments_bytes = sum(2 * m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
     grad_bytes = sum(u.trainable_numel for u in units) * _FP32_BYTES
 
@@ -234,7 +240,8 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
         slot_master = min(max(master_numel, default=0), OPTIMIZER_PIECE_NUMEL)
         # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
         slot_compute = slot_master + 2048 if (param_tier == "nvme" and not merged) else 0
-        staging = pipeline_depth * (3 * slot_master * _FP32_BYTES + slot_compute * e)
+        slot_low = slot_master + 2048 if split else 0
+        staging = pipeline_depth * (3 * slot_master * _FP32_BYTES + slot_compute * e + slot_low * 2)
     host_parts = {
         "fp32 gradients": grad_bytes,
         "compute copies": compute_bytes if param_tier == "host" else 0,
@@ -247,7 +254,8 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
         ((master_bytes + moments_bytes) if optimizer_tier == "nvme" else 0)
 
     state_tier = {"compute copy": param_tier, "fp32 gradients": "host",
-                  "fp32 master": "merged with compute copy" if merged else optimizer_tier,
+                  "fp32 master": "merged with compute copy" if merged else
+                  f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier,
                   "Adam moments": optimizer_tier}
     state_bytes = {"compute copy": compute_bytes if param_tier != "device" else sum(device_compute),
                    "fp32 gradients": grad_bytes, "fp32 master": master_bytes,
@@ -261,8 +269,12 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     traffic["device_to_host"] += shape.num_trainable * e
     master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
     trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
-    optimizer_io = (trainable_master * _FP32_BYTES if master_on_nvme else 0) + \
+    optimizer_io = (trainable_master * _FP32_BYTES if master_on_nvme and not split else 0) + \
         (2 * trainable_master * _FP32_BYTES if optimizer_tier == "nvme" else 0)
+    if split:  # the low halves, and the high ones: the compute copy, read from its home
+        optimizer_io += prefix_bytes
+        if param_tier == "nvme":
+            traffic["nvme_read"] += prefix_bytes
     traffic["nvme_read"] += optimizer_io
     traffic["nvme_write"] += optimizer_io
     if param_tier == "nvme" and not merged:
@@ -367,7 +379,8 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
              "   (4 B and no separate master when fp32 and param_tier != device)",
              f"  fp32 gradients  4 B/param   {format_size(n * 4):>12}   (host)",
-             f"  fp32 master     4 B/param   {format_size(n * 4):>12}",
+             f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
+             ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
              f"  Adam moments    8 B/param   {format_size(n * 8):>12}",
              ""]
     header = (f"{'param_tier':<11}{'opt_tier':<9}{'device':>12}{'host':>12}{'nvme':>12}  "

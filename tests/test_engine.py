@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.gpt import GPT, GPTConfig
-from offload.units import OPTIMIZER_PIECE_NUMEL
+from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
 # fp32 parity bound from the issue. The engine runs the same fp32 operations in the same
@@ -236,8 +236,9 @@ def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir)
     with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
         piece_numel = min(max(u.master_numel for u in engine.units), OPTIMIZER_PIECE_NUMEL)
         # per slot: master + exp_avg + exp_avg_sq pieces, and with bf16 the new compute copy
-        # (a 16-bit prefix is padded to 2048 elements)
-        slot_bytes = 3 * piece_numel * 4 + (0 if dtype == "fp32" else (piece_numel + 2048) * 2)
+        # and the master's low halves ([Note: split master]; a 16-bit prefix is padded to
+        # 2048 elements)
+        slot_bytes = 3 * piece_numel * 4 + (0 if dtype == "fp32" else 2 * (piece_numel + 2048) * 2)
         staging_bytes = engine.config.optimizer_pipeline_depth * slot_bytes
         assert engine.stats()["host_bytes"] == staging_bytes
         for b in batches(2):
@@ -248,13 +249,16 @@ def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir)
         assert engine.stats()["host_peak_bytes"] == staging_bytes + trainable_numel * 4
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_resident_units_are_updated_through_their_device_copy(dtype, swap_dir):
+@pytest.mark.parametrize("dtype,split", [("fp32", False), ("bf16", True), ("bf16", False)],
+                         ids=["fp32", "bf16-split", "bf16-whole"])
+def test_resident_units_are_updated_through_their_device_copy(dtype, split, swap_dir):
     # [Note: updates through the device copy] With room for every unit, all are resident
     # when Adam runs (the block early, once the pass needs nothing else; the root in the
     # step): the next pass fetches nothing, and with fp32 the master comes from the device
-    # copy. Per step NVMe then moves the moments in, and master + moments (+ the 16-bit
-    # compute copy) out, and the weights are those of plain PyTorch.
+    # copy, as, split, its high halves do ([Note: split master]). Per step NVMe then moves
+    # the moments (+ the low halves, or a whole bf16 master) in, and master (or low
+    # halves) + moments (+ the 16-bit compute copy) out, and the weights are those of
+    # plain PyTorch.
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=1)
     ref = GPT(cfg)
@@ -265,7 +269,7 @@ def test_resident_units_are_updated_through_their_device_copy(dtype, swap_dir):
     # Updates inside step(): with them deferred into the next forward, a step's I/O would
     # straddle the windows measured here.
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, dtype=dtype, device="cpu",
-                  overlap_step_with_forward=False)
+                  overlap_step_with_forward=False, split_master=split)
     with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
         moved = []
         for b in data:
@@ -278,8 +282,12 @@ def test_resident_units_are_updated_through_their_device_copy(dtype, swap_dir):
         state = engine.state_dict()
         master_bytes = sum(u.master_numel for u in engine.units) * 4
         compute_bytes = 0 if dtype == "fp32" else sum(u.compute_numel for u in engine.units) * 2
-    read = 2 * master_bytes + (0 if dtype == "fp32" else master_bytes)
-    written = 3 * master_bytes + compute_bytes
+        low_bytes = sum(padded_numel(u.spec.trainable_numel, 2) for u in engine.units) * 2
+        assert engine.stats()["optimizer_state_bytes"] == 2 * master_bytes + (
+            low_bytes if split else 0 if dtype == "fp32" else master_bytes)
+    own_master = low_bytes if split else 0 if dtype == "fp32" else master_bytes
+    read = 2 * master_bytes + own_master
+    written = 2 * master_bytes + (own_master if dtype != "fp32" else master_bytes) + compute_bytes
     assert moved[2:] == [(read, written)] * 2  # steady state: from the third step on
     if dtype == "fp32":
         assert max_rel_error(state, ref.state_dict()) < REL_TOL

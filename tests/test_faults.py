@@ -188,8 +188,9 @@ OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["deferred", "in
 
 @OVERLAP
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(err, overlap, tmp_path):
-    config = nvme_config(tmp_path, overlap_step_with_forward=overlap)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: a split master ([Note: split master])
+def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(dtype, err, overlap, tmp_path):
+    config = nvme_config(tmp_path, overlap_step_with_forward=overlap, dtype=dtype)
     with make_engine(config) as ref:
         run(ref, 0, 3)
         after_fault_step = ref.state_dict()

@@ -17,7 +17,8 @@ Rows (--rows):
   io-only          no compute: replays the swap traffic of one NVMe step through
                    offload.io.IOEngine (per unit: read the compute copy in forward, again in
                    backward in reverse order, then a read + write of master and moments in
-                   the optimizer's pipelined order), with the byte counts per phase measured
+                   the optimizer's pipelined order; with bf16 the master is its low halves
+                   plus the compute copy, see split_master), with the byte counts per phase measured
                    from engine.stats() of the NVMe row of the same dtype.
   ds-cpu, ds-nvme  DeepSpeed ZeRO-3, offload_param + offload_optimizer to cpu / nvme (when
                    deepspeed imports; DS_ACCELERATOR=cpu, gloo, world size 1). bf16 via autocast.

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,11 @@ void step(const Buffers& buffers, const Hyperparameters& hyper);
 // leave the cache before the device copy reads it. Results never depend on it.
 std::size_t stream_copy_out_min_numel();
 void set_stream_copy_out_min_numel(std::size_t numel);  // for tests and benchmarks
+
+// [Note: split master] (master_split.cpp): fp32 <-> (bf16 high half, 16-bit low half),
+// lossless both ways; single-threaded loops the compiler vectorizes.
+void split_master(const float* master, std::uint16_t* high, std::uint16_t* low, std::size_t numel);
+void join_master(const std::uint16_t* high, const std::uint16_t* low, float* master, std::size_t numel);
 
 Isa selected_isa();
 void set_isa(Isa isa);                // throws std::runtime_error if this CPU lacks it

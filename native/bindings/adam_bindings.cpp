@@ -51,6 +51,28 @@ void register_adam(py::module_& m) {
         "One Adam/AdamW step over flat buffers given by address (dtype codes: 0 float32, "
         "1 bfloat16, 2 float16). Releases the GIL. Callers must pass valid, non-overlapping "
         "buffers of numel elements: use offload.optim.adam_step_flat, which checks them.");
+  m.def(
+      "split_master",
+      [](std::uintptr_t master, std::uintptr_t high, std::uintptr_t low, std::size_t numel) {
+        adam::split_master(reinterpret_cast<const float*>(master),
+                           reinterpret_cast<std::uint16_t*>(high),
+                           reinterpret_cast<std::uint16_t*>(low), numel);
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("master"), py::arg("high"),
+      py::arg("low"), py::arg("numel"),
+      "fp32 master -> bf16 high half (rounded half away from zero) and 16-bit low half, by "
+      "address; use offload.optim.split_master, which checks the buffers.");
+  m.def(
+      "join_master",
+      [](std::uintptr_t high, std::uintptr_t low, std::uintptr_t master, std::size_t numel) {
+        adam::join_master(reinterpret_cast<const std::uint16_t*>(high),
+                          reinterpret_cast<const std::uint16_t*>(low),
+                          reinterpret_cast<float*>(master), numel);
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("high"), py::arg("low"),
+      py::arg("master"), py::arg("numel"),
+      "The fp32 master back from its halves (see split_master), by address; use "
+      "offload.optim.join_master, which checks the buffers.");
   m.def("adam_stream_copy_out_min_numel", &adam::stream_copy_out_min_numel,
         "Steps over at least this many elements write the copy-out with streaming stores "
         "(chosen at load time from the last-level cache size).");
