@@ -582,6 +582,86 @@ def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
         assert torch.equal(state_on[k], state_off[k]), k
 
 
+def test_fills_with_eval_passes_and_a_scheduler_give_the_numbers_of_updates_inside_step(tmp_path):
+    """[Note: updates fill the device copy] Eval forwards between steps (their own trace)
+    meet units whose deferred updates are queued: they get filled slots too. With an LR
+    scheduler stepping right after step(), the run gives the numbers of the same run with
+    the updates done inside step() (no deferral, so no fills)."""
+    x = torch.randn(4, 32)
+    results = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = Sleepy(8, 0.0)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / str(overlap)),
+                      device_budget=4096 * 8, prefetch_units=2, overlap_step_with_forward=overlap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eval passes are a trace kind of their own
+            with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+                engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+                schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: 1.0 / (1 + i))
+                evals = []
+                for _ in range(5):
+                    engine.backward(engine(x))
+                    engine.step()
+                    schedule.step()
+                    engine.eval()
+                    with torch.no_grad():
+                        evals.append(engine(x))
+                    engine.train()
+                engine.zero_grad()
+                results[overlap] = (engine.stats()["update_fills"], evals, engine.state_dict())
+    (fills, evals, state), (no_fills, evals_ref, state_ref) = results[True], results[False]
+    assert fills > 0 and no_fills == 0
+    for a, b in zip(evals, evals_ref):
+        assert torch.equal(a, b)
+    for k in state_ref:
+        assert torch.equal(state[k], state_ref[k]), k
+
+
+def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
+    """[Note: updates fill the device copy] step() returns with updates queued and a slot
+    waiting for one of them; a checkpoint loaded right then lands it, replaces every state,
+    and the run goes on as one that loaded the checkpoint from a fresh engine."""
+    x = torch.randn(4, 32)
+
+    def sleepy_engine(name, seed):
+        torch.manual_seed(seed)
+        model = Sleepy(8, 0.0)
+        config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name),
+                      device_budget=4096 * 16, prefetch_units=2)  # room left after backward
+        engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+        engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+        return engine
+
+    def train(engine, steps):
+        for _ in range(steps):
+            engine.backward(engine(x))
+            engine.step()
+
+    with sleepy_engine("a", 0) as engine:
+        train(engine, 2)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        train(engine, 2)
+        train(engine, 1)  # step() returns with updates queued
+        # what the next pass's prefetcher would do: a slot for a unit whose update waits
+        waiting = [u for u in engine.units if engine._pending_update(u) and not u.update_started
+                   and u.compute_state == offload.engine.Residency.HOME]
+        assert waiting and engine._prefetch_updating(waiting[-1])
+        assert waiting[-1].compute_state == offload.engine.Residency.LOADING
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert all(u.compute_state != offload.engine.Residency.LOADING for u in engine.units)
+        train(engine, 2)
+        engine.zero_grad()
+        resumed = engine.state_dict()
+    with sleepy_engine("b", 1) as fresh:
+        fresh.load_checkpoint(str(tmp_path / "ckpt"))
+        train(fresh, 2)
+        fresh.zero_grad()
+        expected = fresh.state_dict()
+    for k in expected:
+        assert torch.equal(resumed[k], expected[k]), k
+
+
 @pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")  # the failed pass
 def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, monkeypatch):
     """[Note: updates fill the device copy] A deferred update that fails while the next
