@@ -573,9 +573,7 @@ class Engine:
     def _slot_low_numel(self) -> int:
         """[Note: split master] Low halves one staging slot holds: a piece, padded as a
         16-bit prefix is."""
-        if not self._split_master:
-            return 0
-        return min(max((u.master_numel for u in self.units), default=0), OPTIMIZER_PIECE_NUMEL) + 2048
+        return self._slot_shape()[0] + 2048 if self._split_master else 0
 
     def _check_host_budget(self, element_bytes: int) -> None:
         budget = self.config.host_budget
@@ -1891,7 +1889,8 @@ class Engine:
     def _issue_reads(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot,
                      in_device: bool = False) -> List[Any]:
         """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
-        (a merged master from u's device copy when ``in_device``)."""
+        (a merged master from u's device copy when ``in_device``; split, the low halves,
+        and the high ones from the compute copy at home or, ``in_device``, on the device)."""
         handles, n = [], hi - lo
         home = self._master_home(u)
         if self._split_master:  # [Note: split master] the low halves, and the high ones
