@@ -55,18 +55,21 @@ def bf16_engine(swap_dir, split, param_tier="nvme", seed=0, **extra):
     return offload.wrap(model, make_opt(model.parameters()), config=config)
 
 
-@pytest.mark.parametrize("param_tier", ["nvme", "host"])
-def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_tier, tmp_path):
+@pytest.mark.parametrize("param_tier,extra", [
+    ("nvme", {}), ("host", {}),
+    # step()'s own pipeline (clipping needs every gradient first), over accumulated micro-batches
+    ("nvme", {"max_grad_norm": 1.0, "gradient_accumulation_steps": 2})], ids=["nvme", "host", "nvme-clipped"])
+def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_tier, extra, tmp_path):
     """After some steps every unit's compute copy at home is its master rounded half away
     from zero, and the master's home holds the low halves, 2 B per element instead of 4:
     the difference shows in the NVMe bytes to the byte. The loss curve is the one of a
     whole fp32 master: the runs differ only where a master sat exactly on a tie, where
     the compute copies differ by one bf16 ulp, and Adam carries that on."""
     data = batches(6)
-    with bf16_engine(tmp_path / "whole", False, param_tier) as whole:
+    with bf16_engine(tmp_path / "whole", False, param_tier, **extra) as whole:
         whole_losses = train_offload(whole, data)
         whole_bytes = whole.stats()["nvme_bytes"]
-    with bf16_engine(tmp_path / "split", True, param_tier) as engine:
+    with bf16_engine(tmp_path / "split", True, param_tier, **extra) as engine:
         losses = train_offload(engine, data)
         engine.zero_grad()
         state = engine.state_dict()
