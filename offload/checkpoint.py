@@ -202,7 +202,7 @@ def _owned_states(engine: "Engine", u: "_Unit", lo: int, hi: int) -> Tuple[torch
         return master[lo:hi], moments[lo:hi], moments[u.master_numel + lo:u.master_numel + hi]
     s = u.shard  # whole at stage 0; the home buffers start at element s.lo
     if not engine._merged:
-        master, base = engine._load(u.master_home, s.state_numel, torch.float32), s.lo
+        master, base = engine._read_master(u), s.lo
     elif u.param_shard is not None:  # the rank's compute chunks: its master shard first
         master, base = engine._load(u.compute_home, u.param_shard.home_numel, torch.float32), s.lo
     else:
@@ -795,14 +795,17 @@ def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], r
     if p is None:
         compute = torch.zeros(u.compute_numel, dtype=engine.compute_dtype)
         if engine._split_master and u.trainable:  # [Note: split master]
-            low = engine._split_master_into(u, master, compute)
+            low = engine._split_master_into(u, master, compute[:t], 0)
         else:
             compute[:t].copy_(master)
         for e in frozen:
             reader.read_param(saved[e.fqn], "value", 0, e.numel, compute[e.offset:e.offset + e.numel])
     else:
         compute = torch.zeros(p.home_numel, dtype=home_dtype)
-        compute[:s.numel].copy_(master)
+        if engine._split_master and u.trainable:  # [Note: split master]
+            low = engine._split_master_into(u, master, compute[:s.numel], s.lo)
+        else:
+            compute[:s.numel].copy_(master)
         f = p.frozen
         chunk = compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel]
         for e, x, y, ux, uy in each_overlap(frozen, f.lo, f.hi, p.frozen_start):

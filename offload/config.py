@@ -147,7 +147,7 @@ class OffloadConfig:
 
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on
-    "host" or "nvme" (one rank, or ZeRO stage 0): keep the fp32 master at home as its low 16 bits only,
+    "host" or "nvme" (any ZeRO stage): keep the fp32 master at home as its low 16 bits only,
     the high 16 being the bf16 compute copy ([Note: split master]). Lossless for the master;
     2 B per parameter less on NVMe and less to read and write at every update. The compute
     copy is then the master rounded half away from zero instead of to nearest even: they

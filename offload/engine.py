@@ -301,8 +301,7 @@ class Engine:
             and self._partition is None
         # [Note: split master] the master at home is its low half; the compute copy the high
         self._split_master = config.split_master and config.dtype == "bf16" and \
-            config.optimizer_tier == "nvme" and config.param_tier != "device" and \
-            not (self._partition is not None and self._partition.shards_state)
+            config.optimizer_tier == "nvme" and config.param_tier != "device"
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
@@ -449,9 +448,10 @@ class Engine:
 
     @staticmethod
     def _low_numel(u: _Unit) -> int:
-        """[Note: split master] Low halves of u's master at home: as many as its 16-bit
-        compute copy has trainable elements, padded to whole pages."""
-        return padded_numel(u.spec.trainable_numel, 2)
+        """[Note: split master] Low halves of u's master at home: one per element of its
+        trainable prefix ([zero] of this rank's shard), padded to whole pages as a 16-bit
+        prefix is."""
+        return padded_numel(u.shard.numel, 2)
 
     def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
         grads = sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES
@@ -496,8 +496,10 @@ class Engine:
             compute = largest if self._partition.shards_params else max(u.compute_numel for u in self.units)
             sizes["compute"] = home_element_bytes * compute
         if self._optimizer_tier == "nvme":
-            if not self._merged:
+            if not self._merged:  # split: where the master is joined, updated and split again
                 sizes["master"] = largest * _FP32_BYTES
+            if self._split_master:
+                sizes["low"] = (largest + 2048) * 2
             sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * _FP32_BYTES
         return sizes
 
@@ -524,7 +526,10 @@ class Engine:
             elif lo < u.param_shard.trainable_chunk_numel:  # stage 3: the rank's chunk
                 end = min(hi, u.param_shard.trainable_chunk_numel)
                 homes.append(("compute", _sub(u.compute_home, lo * size, (end - lo) * size), dtype))
-        if not self._merged and _on_nvme(u.master_home):
+        if self._split_master:  # [Note: split master] the low halves, to whole pages
+            end = self._low_numel(u) if hi == state_numel else hi
+            homes.append(("low", _sub(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
+        elif not self._merged and _on_nvme(u.master_home):
             homes.append(("master", _sub(u.master_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
         if _on_nvme(u.moments_home):
             homes.append(("exp_avg", _sub(u.moments_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
@@ -540,14 +545,19 @@ class Engine:
         views: Dict[str, torch.Tensor] = {}
         handles = []
         for role, extent, dtype in self._shard_homes(u, lo, hi):
-            buf = self._update_buffers.get(f"{role}{buffer_set}")
-            if buf is None:
-                element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
-                buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
-                self._update_buffers[f"{role}{buffer_set}"] = buf
-            views[role] = buf[:extent.nbytes].view(dtype)
+            views[role] = self._update_buffer(role, buffer_set)[:extent.nbytes].view(dtype)
             handles.append(self._nvme.read(views[role], extent))
+        if self._split_master:  # [Note: split master] the master is joined here, not read
+            views["master"] = self._update_buffer("master", buffer_set).view(torch.float32)[:hi - lo]
         return views, handles
+
+    def _update_buffer(self, role: str, buffer_set: int) -> torch.Tensor:
+        buf = self._update_buffers.get(f"{role}{buffer_set}")
+        if buf is None:
+            element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
+            buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
+            self._update_buffers[f"{role}{buffer_set}"] = buf
+        return buf
 
     def _start_shard_writes(self, u: _Unit, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
         return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u, lo, hi)]
@@ -716,7 +726,8 @@ class Engine:
             e.param.data = self._placeholder
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
-        low = self._split_master_into(u, master, compute) if self._split_master and u.trainable else None
+        t = u.spec.trainable_numel
+        low = self._split_master_into(u, master, compute[:t], 0) if self._split_master and u.trainable else None
         if self._param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
@@ -735,30 +746,38 @@ class Engine:
         if self._param_tier == "device":
             self._bind(u)
 
-    def _split_master_into(self, u: _Unit, master: torch.Tensor, compute: torch.Tensor) -> torch.Tensor:
-        """[Note: split master] Round u's fp32 master (its trainable prefix, from element 0)
-        into the high halves ``compute[:t]`` (its bf16 compute copy) and return the low
-        halves as the master's home holds them."""
-        t = u.spec.trainable_numel
-        low = torch.zeros(self._low_numel(u), dtype=torch.int16)
-        split_master(master[:t].contiguous(), compute[:t], low[:t])
-        return low
+    def _split_master_into(self, u: _Unit, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
+        """[Note: split master] Round ``master`` (fp32, elements [start, start + n) of u's
+        trainable prefix) into ``high`` (its bf16 compute copy there, n elements) and return
+        the low halves of this rank's shard ([zero] within that range) as the master's home
+        holds them."""
+        low = torch.empty(high.numel(), dtype=torch.int16)
+        split_master(master[:high.numel()].contiguous(), high, low)
+        s = u.shard
+        home = torch.zeros(self._low_numel(u), dtype=torch.int16)
+        home[:s.numel].copy_(low[s.lo - start:s.hi - start])
+        return home
 
     def _read_master(self, u: _Unit, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
         """u's fp32 master as its home holds it (this rank's shard at stage >= 1; merged:
         the compute copy's prefix). Split ([Note: split master]): joined from the low
-        halves at home and the compute copy (``compute``: the whole copy, when the caller
-        has it already)."""
+        halves at home and the shard's compute copy (``compute``: the whole copy in full
+        coordinates, when the caller has it already)."""
         if self._merged:
             return self._load(u.compute_home, u.master_numel, torch.float32)
         if not self._split_master:
             return self._load(u.master_home, u.shard.state_numel, torch.float32)
-        n = self._low_numel(u)
-        if compute is None:
-            compute = self._load(u.compute_home, n, self.compute_dtype)
-        master = torch.empty(n, dtype=torch.float32)
-        join_master(compute[:n].contiguous(), self._load(u.master_home, n, torch.int16), master)
-        return master[:u.master_numel]
+        s = u.shard
+        if compute is not None:
+            high = compute[s.lo:s.hi]
+        elif u.param_shard is not None:  # [zero] stage 3: the rank's chunk starts with its shard
+            high = self._load(u.compute_home, s.numel, self.compute_dtype)
+        else:
+            high = self._load(u.compute_home, s.hi, self.compute_dtype)[s.lo:]
+        master = torch.zeros(s.state_numel, dtype=torch.float32)
+        low = self._load(u.master_home, self._low_numel(u), torch.int16)
+        join_master(high.contiguous(), low[:s.numel], master[:s.numel])
+        return master
 
     @staticmethod
     def _home_chunks(u: _Unit, full: torch.Tensor) -> torch.Tensor:
@@ -1845,9 +1864,14 @@ class Engine:
         exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not _on_nvme(u.moments_home) else None)
         exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not _on_nvme(u.moments_home) else None)
         compute_out = None if self._merged or full is None else full[s.lo:s.hi]
+        if self._split_master and s.numel:  # [Note: split master] the high halves are the shard's compute copy
+            join_master(compute_out, views["low"][:s.numel], master[:s.numel])
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
-                             compute_out, False, grad_factor, copy_to_device=False)
+                             None if self._split_master else compute_out, False, grad_factor,
+                             copy_to_device=False)
+        if self._split_master and s.numel:
+            split_master(master[:s.numel], compute_out, views["low"][:s.numel])
         self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
         if full is not None:
             self._partition.all_gather_shards(u, full, in_full_coordinates=True)
@@ -1878,9 +1902,13 @@ class Engine:
         master = chunk if self._merged else host_or_view("master", u.master_home, lo)
         exp_avg = host_or_view("exp_avg", moments, lo)
         exp_avg_sq = host_or_view("exp_avg_sq", moments, s.state_numel + lo)
+        if self._split_master:  # [Note: split master] the high halves are the chunk
+            join_master(chunk[:numel], views["low"][:numel], master[:numel])
         self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
-                         exp_avg_sq[:numel], None if self._merged else chunk[:numel], False,
-                         grad_factor, copy_to_device=False)
+                         exp_avg_sq[:numel], None if self._merged or self._split_master else chunk[:numel],
+                         False, grad_factor, copy_to_device=False)
+        if self._split_master:
+            split_master(master[:numel], chunk[:numel], views["low"][:numel])
         self._trace_span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
 
     def _master_home(self, u: _Unit) -> Any:
@@ -2124,7 +2152,7 @@ class Engine:
                               f"RAM would take {format_size(held + need)}, more than the host can spare")
             dirty = {}
             if master_on_nvme:
-                dirty["master"] = self._read_master(u)[:u.master_numel].clone()
+                dirty["master"] = self._read_master(u)
             if moments_on_nvme:
                 dirty["moments"] = self._load(u.moments_home, 2 * u.master_numel, torch.float32)
             self._dirty[u.index] = dirty

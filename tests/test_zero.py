@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import offload
 from offload.checkpoint import export_checkpoint
 from offload.gpt import GPT, GPTConfig
+from offload.units import padded_numel
 from offload.zero import even_range
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
@@ -446,10 +447,8 @@ def test_stage_3_gathers_units_within_the_budget_and_equals_stage_0_bit_for_bit(
     files, and the optimizer updates each shard in several pieces; the weights after 4 steps
     equal plain data parallel (stage 0) exactly, and each rank's compute copies at home are
     half of stage 0's."""
-    # split_master=False: stage 0 would split the master and round the compute copy half away
-    # from zero, where the shard path keeps a whole master and rounds to nearest even
-    runs = run_stages(_budgeted_worker, (0, 3), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme",
-                                                     split_master=False), batches(4), tmp_path)
+    runs = run_stages(_budgeted_worker, (0, 3), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme"),
+                      batches(4), tmp_path)
     assert_same_states(runs, 0, 3)
     for r in range(WORLD):
         stats = runs[3][r]["stats"]
@@ -472,12 +471,20 @@ def test_shard_ranges_cover_the_prefix_once():
 
 
 def test_bf16_stage_1_on_nvme_equals_stage_0_bit_for_bit(tmp_path):
-    """The shard path with states on NVMe: a separate shard-sized fp32 master and moments
-    read and written whole, the bf16 compute copy gathered and written back."""
-    runs = run_stages(_train_worker, (0, 1), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme",
-                                                  split_master=False),  # as at stage 3 above
+    """The shard path with states on NVMe: the shard's master, split ([Note: split master]:
+    its low halves at home, the high ones the shard's part of the bf16 compute copy), and
+    moments read and written whole, the compute copy gathered and written back. Each rank
+    keeps 2 B of master per element of its shard, padded to a page, and 8 B of moments."""
+    runs = run_stages(_train_worker, (0, 1), dict(dtype="bf16", param_tier="nvme", optimizer_tier="nvme"),
                       batches(4), tmp_path)
     assert_same_states(runs, 0, 1)
+    model = GPT(CFG)
+    trainable = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    trainable.insert(0, sum(p.numel() for p in model.parameters()) - sum(trainable))
+    for r in range(WORLD):
+        shards = [even_range(t, r, WORLD) for t in trainable]
+        expected = sum(2 * padded_numel(s.numel, 2) + 2 * 4 * s.state_numel for s in shards)
+        assert runs[1][r]["stats"]["optimizer_state_bytes"] == expected
 
 
 def _checkpoint_worker(rank, port, config, data, out_dir, phase):
