@@ -866,9 +866,10 @@ class Engine:
         with self.stats_counters.timed("fetch_wait"):
             self._finish_fetch(u)
 
-    def _start_fetch(self, u: _Unit, evict: bool) -> bool:
+    def _start_fetch(self, u: _Unit, evict: bool, after: Optional[Callable[[], None]] = None) -> bool:
         """Begin moving u's compute copy into a device slot; False when no slot is free and
-        ``evict`` is off."""
+        ``evict`` is off. ``after``: the copy worker calls it first and moves the copy once
+        it returns ([Note: updates fill the device copy]: a fetch behind an update)."""
         if u.device_offset is None:
             offset = self._allocate_slot(u) if evict else self._device.allocate(u.compute_numel)
             if offset is None:
@@ -878,7 +879,14 @@ class Engine:
         dst = self._device.view(u.device_offset, u.compute_numel)
         num_bytes = u.compute_numel * dst.element_size()
         u.fetch_started = time.perf_counter()
-        if self._gathers:  # [zero] stage 3: [Note: parameter all-gathers]
+        if after is not None:
+            assert not self._gathers, "no deferred updates at stage 3"
+            move = self._move_home_to_device(u, dst)
+            future = self._copy_worker.submit(lambda: (after(), move()))
+            u.pending = lambda: (future.result(), None)[1]
+            on_cpu_from_nvme = self._param_tier == "nvme" and self.device.type == "cpu"
+            self.stats_counters.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
+        elif self._gathers:  # [zero] stage 3: [Note: parameter all-gathers]
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
             u.pending = future.result
             home_bytes = self._compute_home_numel(u) * dst.element_size()
@@ -903,6 +911,17 @@ class Engine:
             u.pending = lambda: event
             self.stats_counters.add_bytes("host_to_device", num_bytes)
         return True
+
+    def _move_home_to_device(self, u: _Unit, dst: torch.Tensor) -> Callable[[], None]:
+        """The transfers of _start_fetch done whole in the calling thread (the copy worker)."""
+        home = u.compute_home
+        if self._param_tier == "nvme" and self.device.type == "cpu":
+            return lambda: self._nvme.read(dst, home).wait()
+        if self._param_tier == "nvme":
+            return lambda: self._nvme_to_device(dst, home)
+        if self.device.type == "cpu":
+            return lambda: dst.copy_(home)
+        return lambda: self._device.copy_in(dst, home).synchronize()
 
     def _nvme_to_device(self, dst: torch.Tensor, home: Any) -> None:
         """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
@@ -1027,29 +1046,25 @@ class Engine:
 
     def _prefetch_updating(self, u: _Unit) -> bool:
         """[Note: updates fill the device copy] Bring u, whose deferred update is queued or
-        running, to a free device slot (no eviction) in time for its use: an update not yet
-        started writes the new compute copy into the slot as it goes (the part past the
-        trainable prefix, if any, is read from home now: no update writes it); a started
-        one is followed by a read of the home once its swap writes are done, on the copy
-        worker. The slot is "in flight" until then. False when that cannot be: another kind
-        of engine, u already on the device or no free slot; the caller then stops, so that
-        the units after u do not take the room u needs."""
-        if not self._device_copy_updates or u.compute_state != Residency.HOME:
+        running, to a free device slot (no eviction) in time for its use. On a CPU device
+        with the compute copies on NVMe, an update not yet started writes the new compute
+        copy into the slot as it goes (the part past the trainable prefix, if any, is read
+        from home now: no update writes it). Otherwise the slot's fetch is chained behind
+        the update and its swap writes, on the copy worker. The slot is "in flight" until
+        then. False when that cannot be: u already on the device, or no free slot; the
+        caller then stops, so that the units after u do not take the room u needs."""
+        if self._param_tier == "device" or u.compute_state != Residency.HOME:
             return False
         with self._update_lock:
             if u.update_ticket is None:
                 return False
-            offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
-            if offset is None:
-                return False
-            u.device_offset = offset
-            fill = not u.update_started
-            u.update_in_device = u.update_fill = fill
-        u.compute_state.to(Residency.LOADING)
-        u.fetch_started = time.perf_counter()
-        u.after_update = True
-        dst = self._device.view(u.device_offset, u.compute_numel)
-        size = dst.element_size()
+            fill = self._device_copy_updates and not u.update_started
+            if fill:
+                offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
+                if offset is None:
+                    return False
+                u.device_offset = offset
+                u.update_in_device = u.update_fill = True
         ticket = u.update_ticket
 
         def wait_update() -> None:
@@ -1057,28 +1072,32 @@ class Engine:
             if ticket.exception() is not None:
                 raise ticket.exception()
 
-        if fill:
-            tail = padded_numel(u.spec.trainable_numel, size)
-            handles = []
-            if tail < u.compute_numel:
-                extent = _sub(u.compute_home, tail * size, (u.compute_numel - tail) * size)
-                handles.append(self._nvme.read(dst[tail:], extent))
-                self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
-
-            def pending() -> None:
-                self._wait_all(handles)
-                wait_update()
-            u.pending = pending
-            self.stats_counters.count("update_fills")
-        else:
-            def read_after_update() -> None:
+        if not fill:
+            def wait_update_and_writes() -> None:
                 wait_update()
                 for handle in u.home_writes:  # all issued once the update is done
                     handle.wait()
-                self._nvme.read(dst, u.compute_home).wait()
-            future = self._copy_worker.submit(read_after_update)
-            u.pending = lambda: (future.result(), None)[1]
-            self.stats_counters.add_bytes("nvme_to_device", u.compute_numel * size)
+            if not self._start_fetch(u, evict=False, after=wait_update_and_writes):
+                return False
+            u.after_update = True
+            return True
+        u.compute_state.to(Residency.LOADING)
+        u.fetch_started = time.perf_counter()
+        u.after_update = True
+        dst = self._device.view(u.device_offset, u.compute_numel)
+        size = dst.element_size()
+        tail = padded_numel(u.spec.trainable_numel, size)
+        handles = []
+        if tail < u.compute_numel:
+            extent = _sub(u.compute_home, tail * size, (u.compute_numel - tail) * size)
+            handles.append(self._nvme.read(dst[tail:], extent))
+            self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
+
+        def pending() -> None:
+            self._wait_all(handles)
+            wait_update()
+        u.pending = pending
+        self.stats_counters.count("update_fills")
         return True
 
     def _land_fills(self) -> None:

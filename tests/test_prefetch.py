@@ -594,6 +594,32 @@ def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
         assert torch.equal(state_on[k], state_off[k]), k
 
 
+def test_fetches_behind_deferred_updates_keep_the_prefetch_going_with_compute_copies_on_the_host(tmp_path):
+    """[Note: updates fill the device copy] With the compute copies at home on the host, a
+    unit whose deferred update is pending gets its slot ahead of use all the same, its copy
+    moved on the copy worker once the update is done (no fill there: the update writes the
+    host copy). Against the run that leaves such units to on-demand fetches: no prefetch
+    misses in the steady state, and the same numbers."""
+    x = torch.randn(4, 32)
+    results = {}
+    for chained in (True, False):
+        with slow_sleepy_engine(tmp_path / str(chained), param_tier="host") as engine:
+            if not chained:
+                engine._prefetch_updating = lambda u: False  # the behaviour before
+            train_sleepy(engine, x, 3)
+            before = engine.stats()
+            train_sleepy(engine, x, 3)
+            after = engine.stats()
+            engine.zero_grad()
+            assert after["deferred_updates"] + after["early_updates"] > 0
+            results[chained] = (after["prefetch_misses"] - before["prefetch_misses"], after["update_fills"],
+                                engine.state_dict())
+    (misses, fills, state), (misses_before, _, state_before) = results[True], results[False]
+    assert misses == 0 < misses_before and fills == 0
+    for k in state_before:
+        assert torch.equal(state[k], state_before[k]), k
+
+
 def test_fills_with_eval_passes_and_a_scheduler_give_the_numbers_of_updates_inside_step(tmp_path):
     """[Note: updates fill the device copy] Eval forwards between steps (their own trace)
     meet units whose deferred updates are queued: they get filled slots too. With an LR
