@@ -560,6 +560,13 @@ def train_sleepy(engine, x, steps):
         engine.step()
 
 
+def state_after(engine, x, steps):
+    """The weights after ``steps`` more steps, with the last step's updates finished."""
+    train_sleepy(engine, x, steps)
+    engine.zero_grad()
+    return engine.state_dict()
+
+
 def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
     """[Note: updates fill the device copy] With slow swap I/O the updates step() leaves
     are still queued when the next forward's prefetcher looks ahead: those units get their
@@ -667,14 +674,10 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         assert waiting[-1].compute_state == offload.engine.Residency.LOADING
         engine.load_checkpoint(str(tmp_path / "ckpt"))
         assert all(u.compute_state != offload.engine.Residency.LOADING for u in engine.units)
-        train_sleepy(engine, x, 2)
-        engine.zero_grad()
-        resumed = engine.state_dict()
+        resumed = state_after(engine, x, 2)
     with slow_sleepy_engine(tmp_path / "b", seed=1, budget_units=16) as fresh:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
-        train_sleepy(fresh, x, 2)
-        fresh.zero_grad()
-        expected = fresh.state_dict()
+        expected = state_after(fresh, x, 2)
     for k in expected:
         assert torch.equal(resumed[k], expected[k]), k
 
@@ -689,9 +692,7 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
 
     x = torch.randn(4, 32)
     with slow_sleepy_engine(tmp_path / "ref") as ref:
-        train_sleepy(ref, x, 6)
-        ref.zero_grad()
-        final = ref.state_dict()
+        final = state_after(ref, x, 6)
     with slow_sleepy_engine(tmp_path / "swap") as engine:
         train_sleepy(engine, x, 3)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
@@ -714,9 +715,7 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
         held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)
         assert engine._device.slot_bytes == held
         engine.load_checkpoint(str(tmp_path / "ckpt"))
-        train_sleepy(engine, x, 3)
-        engine.zero_grad()
-        after = engine.state_dict()
+        after = state_after(engine, x, 3)
     for k in final:
         assert torch.equal(after[k], final[k]), k
 
