@@ -53,7 +53,7 @@ import re
 import secrets
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -141,88 +141,6 @@ def _manifest_checksum(manifest: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-# ---------------------------------------------------------------------- reading unit state
-def unit_master(engine: "Engine", u: "_Unit") -> torch.Tensor:
-    """fp32 master of u's trainable prefix (master_numel elements) on a single process, from
-    wherever it is current: the engine's dirty copy after a failed swap write, else its home."""
-    dirty = engine._dirty.get(u.index, {})
-    if "master" in dirty:
-        return dirty["master"]
-    return engine._read_master(u)
-
-
-def unit_moments(engine: "Engine", u: "_Unit") -> torch.Tensor:
-    dirty = engine._dirty.get(u.index, {})
-    if "moments" in dirty:
-        return dirty["moments"]
-    return engine._load(u.moments_home, 2 * u.master_numel, torch.float32)
-
-
-def unit_compute(engine: "Engine", u: "_Unit") -> torch.Tensor:
-    """The whole compute copy as the tier holds it (frozen parameters are read from here);
-    not at stage 3, where the home holds the rank's chunks only."""
-    assert u.param_shard is None
-    if engine._param_tier == "device":
-        return engine._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
-    dtype = torch.float32 if engine._merged else engine.compute_dtype
-    return engine._load(u.compute_home, u.compute_numel, dtype)
-
-
-def _world(engine: "Engine") -> Tuple[int, int]:
-    p = engine._partition
-    return (0, 1) if p is None else (p.rank, p.world_size)
-
-
-def _saved_ranges(engine: "Engine", u: "_Unit") -> Tuple[Tuple[int, int], Tuple[int, int]]:
-    """[Note: sharded checkpoints] The elements of u this rank writes: ``[lo, hi)`` of the
-    trainable prefix (master and moments) and ``[lo, hi)`` of the frozen tail (counted from
-    the tail's start)."""
-    rank, world_size = _world(engine)
-    frozen = [e for e in u.spec.entries if not e.trainable]
-    frozen_numel = u.spec.total_numel - frozen[0].offset if frozen else 0
-    whole = ((0, u.spec.trainable_numel), (0, frozen_numel))
-    if world_size == 1:
-        return whole
-    nothing = ((0, 0), (0, 0))
-    stage = engine._partition.stage
-    if stage == 0:  # every rank holds everything: rank 0 writes it
-        return whole if rank == 0 else nothing
-    trainable = (u.shard.lo, u.shard.hi)
-    if u.param_shard is not None:
-        f = u.param_shard.frozen
-        return trainable, (f.lo, f.hi)
-    return trainable, whole[1] if rank == 0 else (0, 0)
-
-
-def _owned_states(engine: "Engine", u: "_Unit", lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """master, exp_avg, exp_avg_sq of elements [lo, hi) of u's trainable prefix, which this
-    rank keeps (its shard, or everything)."""
-    if engine._partition is None:
-        master, moments = unit_master(engine, u), unit_moments(engine, u)
-        return master[lo:hi], moments[lo:hi], moments[u.master_numel + lo:u.master_numel + hi]
-    s = u.shard  # whole at stage 0; the home buffers start at element s.lo
-    if not engine._merged:
-        master, base = engine._read_master(u), s.lo
-    elif u.param_shard is not None:  # the rank's compute chunks: its master shard first
-        master, base = engine._load(u.compute_home, u.param_shard.home_numel, torch.float32), s.lo
-    else:
-        master, base = engine._load(u.compute_home, u.compute_numel, torch.float32), 0
-    moments = engine._load(u.moments_home, 2 * s.state_numel, torch.float32)
-    return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
-            moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
-
-
-def _owned_frozen(engine: "Engine", u: "_Unit", lo: int, hi: int) -> torch.Tensor:
-    """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
-    if u.param_shard is None:
-        start = next(e.offset for e in u.spec.entries if not e.trainable)
-        return unit_compute(engine, u)[start + lo:start + hi]
-    p = u.param_shard
-    dtype = torch.float32 if engine._merged else engine.compute_dtype
-    home = engine._load(u.compute_home, p.home_numel, dtype)
-    return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
-
-
 # ---------------------------------------------------------------------- save
 def _aliases(module: nn.Module) -> Tuple[Dict[nn.Parameter, List[str]], Dict[str, torch.Tensor]]:
     """Every state_dict key of each parameter (ties give several), and the buffers."""
@@ -266,20 +184,6 @@ def _rng_python() -> Dict[str, Any]:
     return state
 
 
-def _check_savable(engine: "Engine") -> None:
-    if engine._closed:
-        raise RuntimeError("save_checkpoint: engine is closed")
-    if engine._failure is not None and engine._failure["fatal"]:
-        raise EngineFailedError(f"save_checkpoint: {engine._failure['message']}")
-    pending = engine._micro_step % engine._accumulation_steps
-    if pending or any(any(u.has_grad) for u in engine.units):
-        raise ValueError(
-            f"save_checkpoint: gradients of {pending or 'un-stepped'} micro-batch(es) are "
-            f"pending (micro-step {engine._micro_step}, gradient_accumulation_steps="
-            f"{engine._accumulation_steps}); save right after the engine.step() call that "
-            "updates the parameters (an accumulation boundary)")
-
-
 def _clean_stale(parent: str) -> None:
     """[Note: atomic checkpoint directory] Leftovers of dead processes in ``parent``."""
     try:
@@ -303,14 +207,12 @@ class _Ranks:
     every rank reports its error (or none); when one failed, all raise, naming it."""
 
     def __init__(self, engine: "Engine", what: str) -> None:
-        self.partition = engine._partition
-        self.rank, self.world_size = _world(engine)
+        self.engine = engine
+        self.rank, self.world_size, _ = engine.checkpoint_world()
         self.what = what
 
     def gather(self, phase: str, value: Any) -> List[Any]:
-        if self.partition is None:
-            return [value]
-        return self.partition.all_gather_object(f"{self.what} ({phase})", value)
+        return self.engine.gather_from_ranks(f"{self.what} ({phase})", value)
 
     def agree(self, phase: str, error: Optional[BaseException]) -> None:
         """Raise ``error`` here, or an error naming the first rank that had one."""
@@ -336,7 +238,7 @@ def save(engine: "Engine", ckpt_dir: str) -> None:
     """[Note: sharded checkpoints] Every rank writes its part into one directory, which
     rank 0 prepares beforehand and completes (manifest, rename) afterwards."""
     ranks = _Ranks(engine, "save_checkpoint")
-    ranks.agree("checks", _attempt(lambda: _check_savable(engine))[1])
+    ranks.agree("checks", _attempt(lambda: engine.check_checkpoint_allowed(saving=True))[1])
     target = os.path.abspath(os.fspath(ckpt_dir).rstrip("/") or "/")
     tmp, error = _attempt(lambda: _prepare_directory(target)) if ranks.rank == 0 else (None, None)
     ranks.agree("directory", error)
@@ -391,7 +293,7 @@ def _complete(engine: "Engine", target: str, tmp: str, everyone: List[Dict[str, 
 def _write_rank(engine: "Engine", tmp: str) -> Dict[str, Any]:
     """This rank's files: its part of every unit, its RNG states, and (rank 0) the buffers.
     Returns their sizes and hashes, the pieces each parameter got, and the Python RNGs."""
-    rank, world_size = _world(engine)
+    rank, world_size, _ = engine.checkpoint_world()
     suffix = f"-rank-{rank:05d}" if world_size > 1 else ""
     files: Dict[str, Dict[str, Any]] = {}
     pieces: Dict[str, List[Dict[str, Any]]] = {}
@@ -444,16 +346,14 @@ def _manifest(engine: "Engine", everyone: List[Dict[str, Any]]) -> Dict[str, Any
                 record.update(group_index=e.group_index, step=u.steps[k])
             entries.append(record)
         units.append({"name": u.name, "entries": entries})
-    partition = engine._partition
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "world_size": len(everyone),
-        "stage": partition.stage if partition is not None else 0,
+        "stage": engine.checkpoint_world()[2],
         "config": engine.config.to_dict(),
         "compute_dtype": _dtype_name(engine.compute_dtype),
-        "engine": {"micro_step": engine._micro_step, "loss_scale": engine._loss_scale,
-                   "good_steps": engine._good_steps, "last_grad_norm": engine._last_grad_norm},
+        "engine": engine.training_counters(),
         "param_groups": [_jsonable_group(g, i) for i, g in enumerate(engine.optimizer.param_groups)],
         "rng": {"ranks": [written["rng"] for written in everyone]},
         "units": units,
@@ -469,7 +369,7 @@ def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
                 files: Dict[str, Dict[str, Any]]) -> List[Tuple[str, Dict[str, Any]]]:
     """This rank's part of one unit (see the module docstring): (fqn, piece) pairs;
     [Note: bounded checkpoint memory]."""
-    (t_lo, t_hi), (f_lo, f_hi) = _saved_ranges(engine, u)
+    (t_lo, t_hi), (f_lo, f_hi) = engine.checkpoint_ranges(u)
     if t_lo >= t_hi and f_lo >= f_hi:
         return []
     file_name = f"unit-{u.index:05d}{suffix}.bin"
@@ -477,7 +377,7 @@ def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
     pieces = []
     try:
         if t_lo < t_hi:
-            master, exp_avg, exp_avg_sq = _owned_states(engine, u, t_lo, t_hi)
+            master, exp_avg, exp_avg_sq = engine.read_trainable_state(u, t_lo, t_hi)
             sections = [writer.write(master), writer.write(exp_avg), writer.write(exp_avg_sq)]
             del master, exp_avg, exp_avg_sq
             for e in u.trainable:
@@ -488,7 +388,7 @@ def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
                                            "master": sections[0] + at, "exp_avg": sections[1] + at,
                                            "exp_avg_sq": sections[2] + at}))
         if f_lo < f_hi:
-            values = _owned_frozen(engine, u, f_lo, f_hi)
+            values = engine.read_frozen_values(u, f_lo, f_hi)
             section, size, dtype = writer.write(values), values.element_size(), _dtype_name(values.dtype)
             del values
             frozen = [e for e in u.spec.entries if not e.trainable]
@@ -694,8 +594,7 @@ def _match_model(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str) -> D
 def load(engine: "Engine", ckpt_dir: str) -> None:
     """[Note: sharded checkpoints] Every rank verifies its share of the files, then reads
     the elements it keeps from whichever files hold them."""
-    if engine._closed:
-        raise RuntimeError("load_checkpoint: engine is closed")
+    engine.check_checkpoint_allowed(saving=False)
     ranks = _Ranks(engine, "load_checkpoint")
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
 
@@ -710,25 +609,25 @@ def load(engine: "Engine", ckpt_dir: str) -> None:
                       f"rank(s), this run has {ranks.world_size}: the states are re-partitioned; "
                       "random number generators continue from those of the nearest saved rank",
                       RuntimeWarning, stacklevel=3)
-    engine._failure = {"fatal": True, "message": (
-        f"load_checkpoint({ckpt_dir!r}) did not finish, so the engine holds a mix of states; "
-        "load a checkpoint again before training")}
+    unfinished = (f"load_checkpoint({ckpt_dir!r}) did not finish, so the engine holds a mix of states; "
+                  "load a checkpoint again before training")
+    engine.begin_state_load(unfinished)
 
     def load_states() -> None:
         reader = _PieceReader(ckpt_dir, manifest["files"])
         try:
             for u in engine.units:               # 2. unit by unit into the tiers
-                _load_unit(engine, u, saved, reader)
+                engine.write_unit_state(u, _unit_reader(u, saved, reader),
+                                        [saved[e.fqn]["step"] for e in u.trainable])
         finally:
             reader.close()
         _load_rest(engine, manifest, ckpt_dir, ranks.rank)
     error = _attempt(load_states)[1]
     if isinstance(error, OSError):
         error = OSError(error.errno, f"load_checkpoint({ckpt_dir!r}) failed while writing the states "
-                        f"into their tiers: {error}; {engine._failure['message']}")
+                        f"into their tiers: {error}; {unfinished}")
     ranks.agree("loading", error)
-    engine._dirty.clear()
-    engine._failure = None
+    engine.finish_state_load()
 
 
 class _PieceReader:
@@ -764,67 +663,22 @@ class _PieceReader:
         self._handles.clear()
 
 
-@torch.no_grad()
-def _load_unit(engine: "Engine", u: "_Unit", saved: Dict[str, Dict[str, Any]], reader: _PieceReader) -> None:
-    """The elements of u this rank keeps: master and moments of its shard (all of them on
-    one process or at stage 0), and the compute copy as its home holds it (whole, or the
-    rank's chunks at stage 3). Trainable compute values are derived from the master (the
-    master rounded as the Adam kernel rounds it)."""
-    s = u.shard
-    p = u.param_shard
-    t = u.spec.trainable_numel
-    lo, hi = (s.lo, s.hi) if p is not None else (0, t)  # master elements the compute copy needs
-    master = torch.zeros(hi - lo, dtype=torch.float32)
-    moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
-
-    def each_overlap(entries: List[Any], a: int, b: int, base: int) -> Any:
-        for e in entries:
-            x, y = max(e.offset - base, a), min(e.offset - base + e.numel, b)
-            if x < y:
-                yield e, x - (e.offset - base), y - (e.offset - base), x, y
-
-    for e, x, y, ux, uy in each_overlap(u.trainable, lo, hi, 0):
-        reader.read_param(saved[e.fqn], "master", x, y, master[ux - lo:uy - lo])
-    for e, x, y, ux, uy in each_overlap(u.trainable, s.lo, s.hi, 0):
-        reader.read_param(saved[e.fqn], "exp_avg", x, y, moments[ux - s.lo:uy - s.lo])
-        reader.read_param(saved[e.fqn], "exp_avg_sq", x, y,
-                          moments[s.state_numel + ux - s.lo:s.state_numel + uy - s.lo])
+def _unit_reader(u: "_Unit", saved: Dict[str, Dict[str, Any]],
+                 reader: _PieceReader) -> Callable[[str, int, int, torch.Tensor], None]:
+    """``read(section, lo, hi, out)`` for Engine.write_unit_state: elements [lo, hi) of u's
+    trainable prefix ("master", "exp_avg", "exp_avg_sq") or of its frozen tail ("value",
+    counted from the tail's start), from the pieces of the parameters that overlap them."""
     frozen = [e for e in u.spec.entries if not e.trainable]
-    home_dtype = torch.float32 if engine._merged else engine.compute_dtype
-    low = None
-    if p is None:
-        compute = torch.zeros(u.compute_numel, dtype=engine.compute_dtype)
-        if engine._split_master and u.trainable:  # [Note: split master]
-            low = engine._split_master_into(u, master, compute[:t], 0)
-        else:
-            compute[:t].copy_(master)
-        for e in frozen:
-            reader.read_param(saved[e.fqn], "value", 0, e.numel, compute[e.offset:e.offset + e.numel])
-    else:
-        compute = torch.zeros(p.home_numel, dtype=home_dtype)
-        if engine._split_master and u.trainable:  # [Note: split master]
-            low = engine._split_master_into(u, master, compute[:s.numel], s.lo)
-        else:
-            compute[:s.numel].copy_(master)
-        f = p.frozen
-        chunk = compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel]
-        for e, x, y, ux, uy in each_overlap(frozen, f.lo, f.hi, p.frozen_start):
-            reader.read_param(saved[e.fqn], "value", x, y, chunk[ux - f.lo:uy - f.lo])
-    if engine._param_tier == "device":
-        engine._device.view(u.device_offset, u.compute_numel).copy_(compute)
-    else:
-        engine._release(u)  # a device copy of this unit is stale from now on
-        engine._store(u.compute_home, compute)  # merged: fp32, the master itself
-    if u.trainable:
-        if low is not None:
-            engine._store(u.master_home, low)
-        elif not engine._merged:
-            shard = torch.zeros(s.state_numel, dtype=torch.float32)
-            shard[:s.numel].copy_(master[s.lo - lo:s.hi - lo])
-            engine._store(u.master_home, shard)
-        engine._store(u.moments_home, moments)
-    u.steps = [saved[e.fqn]["step"] for e in u.trainable]
-    u.has_grad = [False] * len(u.trainable)
+    tail = frozen[0].offset if frozen else 0
+
+    def read(section: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        entries, base = (frozen, tail) if section == "value" else (u.trainable, 0)
+        for e in entries:
+            start = e.offset - base
+            a, b = max(start, lo), min(start + e.numel, hi)
+            if a < b:
+                reader.read_param(saved[e.fqn], section, a - start, b - start, out[a - lo:b - lo])
+    return read
 
 
 def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str, rank: int) -> None:
@@ -844,11 +698,7 @@ def _load_rest(engine: "Engine", manifest: Dict[str, Any], ckpt_dir: str, rank: 
                 group[key].fill_(value)
             else:
                 group[key] = tuple(value) if isinstance(value, list) else value
-    counters = manifest["engine"]
-    engine._micro_step = counters["micro_step"]
-    engine._loss_scale = counters["loss_scale"]
-    engine._good_steps = counters["good_steps"]
-    engine._last_grad_norm = counters["last_grad_norm"]
+    engine.restore_training_counters(manifest["engine"])
     saved_ranks = manifest["rng"]["ranks"]
     rng = saved_ranks[min(rank, len(saved_ranks) - 1)]
     for device, file_name in rng["torch"].items():
