@@ -2393,20 +2393,15 @@ class Engine:
     def read_trainable_state(self, u: _Unit, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 master, exp_avg and exp_avg_sq of elements [lo, hi) of u's trainable prefix,
         which this rank keeps (its shard, or everything), from wherever they are current."""
-        if self._partition is None:  # [Note: swap I/O failures] a failed write's copy is current
-            dirty = self._dirty.get(u.index, {})
-            master = dirty["master"] if "master" in dirty else self._read_master(u)
-            moments = dirty["moments"] if "moments" in dirty else \
-                self._load(u.moments_home, 2 * u.master_numel, torch.float32)
-            return master[lo:hi], moments[lo:hi], moments[u.master_numel + lo:u.master_numel + hi]
-        s = u.shard  # whole at stage 0; the home buffers start at element s.lo
-        if not self._merged:
-            master, base = self._read_master(u), s.lo
-        elif u.param_shard is not None:  # the rank's compute chunks: its master shard first
-            master, base = self._load(u.compute_home, u.param_shard.home_numel, torch.float32), s.lo
-        else:
-            master, base = self._load(u.compute_home, u.compute_numel, torch.float32), 0
-        moments = self._load(u.moments_home, 2 * s.state_numel, torch.float32)
+        s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
+        # [Note: swap I/O failures] after a failed write the host copy is current (the staged
+        # step that keeps one runs only where the shard is whole)
+        dirty = self._dirty.get(u.index, {})
+        master = dirty["master"] if "master" in dirty else self._read_master(u)
+        # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
+        base = 0 if self._merged and u.param_shard is None else s.lo
+        moments = dirty["moments"] if "moments" in dirty else \
+            self._load(u.moments_home, 2 * s.state_numel, torch.float32)
         return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
                 moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
 

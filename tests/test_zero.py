@@ -594,6 +594,68 @@ def test_a_save_refused_on_rank_0_is_refused_on_every_rank(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+class _FailingWrite:
+    """Stands in for a rank's I/O engine: its first write fails with ENOSPC (writing nothing)."""
+
+    class _Failed:
+        def wait(self):
+            raise OSError(28, "No space left on device (injected)")
+
+        def done(self):
+            return True
+
+    def __init__(self, io):
+        self._io = io
+        self.failed = False
+
+    def write_from(self, tensor, path, offset=0):
+        if self.failed:
+            return self._io.write_from(tensor, path, offset)
+        self.failed = True
+        return self._Failed()
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+
+def _held_copies_worker(rank, port, out_dir):
+    config = dict(stage=0, param_tier="nvme", optimizer_tier="nvme",
+                  swap_dir=os.path.join(out_dir, f"swap{rank}"))
+    engine, b = _engine_after_one_step(rank, port, config)
+    try:
+        result = {"step": "no error"}
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        if rank == 0:  # the rank that writes the checkpoint at stage 0
+            engine._nvme.io = _FailingWrite(engine._nvme.io)
+        try:
+            engine.step()
+            engine.zero_grad()  # a deferred step's errors come from here
+        except OSError as exc:
+            result["step"] = str(exc)
+        if rank == 0:
+            engine._nvme.io = engine._nvme.io._io
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+        result["state"] = engine.state_dict()
+        engine.close()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stage_0_saves_the_copies_held_after_a_failed_swap_write(tmp_path):
+    """Stage 0 on NVMe: a swap write of rank 0 (which writes the checkpoint) fails in the
+    optimizer step; the updated states it holds in host RAM are what the checkpoint gets,
+    the same weights as rank 1's."""
+    run_ranks(_held_copies_worker, str(tmp_path))
+    results = load_results(str(tmp_path))
+    assert "save_checkpoint" in results[0]["step"] and results[1]["step"] == "no error", results[0]["step"]
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "weights.pt"))
+    exported = torch.load(tmp_path / "weights.pt")
+    for key, value in results[1]["state"].items():
+        assert torch.equal(results[0]["state"][key], value), key
+        assert torch.equal(exported[key], value), key
+
+
 def _bn_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
