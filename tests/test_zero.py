@@ -2,6 +2,7 @@
 1/world_size of the sharded state per rank, and fail with errors that name ranks instead of
 hanging (issue 8)."""
 import copy
+import errno
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from offload.checkpoint import export_checkpoint
 from offload.gpt import GPT, GPTConfig
 from offload.units import padded_numel
 from offload.zero import even_range
+from test_faults import FaultyIO
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
 REL_TOL = 1e-5
@@ -594,30 +596,6 @@ def test_a_save_refused_on_rank_0_is_refused_on_every_rank(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-class _FailingWrite:
-    """Stands in for a rank's I/O engine: its first write fails with ENOSPC (writing nothing)."""
-
-    class _Failed:
-        def wait(self):
-            raise OSError(28, "No space left on device (injected)")
-
-        def done(self):
-            return True
-
-    def __init__(self, io):
-        self._io = io
-        self.failed = False
-
-    def write_from(self, tensor, path, offset=0):
-        if self.failed:
-            return self._io.write_from(tensor, path, offset)
-        self.failed = True
-        return self._Failed()
-
-    def __getattr__(self, name):
-        return getattr(self._io, name)
-
-
 def _held_copies_worker(rank, port, out_dir):
     config = dict(stage=0, param_tier="nvme", optimizer_tier="nvme",
                   swap_dir=os.path.join(out_dir, f"swap{rank}"))
@@ -626,7 +604,7 @@ def _held_copies_worker(rank, port, out_dir):
         result = {"step": "no error"}
         engine.backward(engine(b[:, :-1], b[:, 1:]))
         if rank == 0:  # the rank that writes the checkpoint at stage 0
-            engine._nvme.io = _FailingWrite(engine._nvme.io)
+            engine._nvme.io = FaultyIO(engine._nvme.io, errno.ENOSPC, fail_write=1)
         try:
             engine.step()
             engine.zero_grad()  # a deferred step's errors come from here
