@@ -391,8 +391,7 @@ def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
             values = engine.read_frozen_values(u, f_lo, f_hi)
             section, size, dtype = writer.write(values), values.element_size(), _dtype_name(values.dtype)
             del values
-            frozen = [e for e in u.spec.entries if not e.trainable]
-            tail = frozen[0].offset
+            frozen, tail = u.spec.frozen_entries, u.spec.frozen_start
             for e in frozen:
                 a, b = max(e.offset - tail, f_lo), min(e.offset - tail + e.numel, f_hi)
                 if a < b:
@@ -668,8 +667,7 @@ def _unit_reader(u: "_Unit", saved: Dict[str, Dict[str, Any]],
     """``read(section, lo, hi, out)`` for Engine.write_unit_state: elements [lo, hi) of u's
     trainable prefix ("master", "exp_avg", "exp_avg_sq") or of its frozen tail ("value",
     counted from the tail's start), from the pieces of the parameters that overlap them."""
-    frozen = [e for e in u.spec.entries if not e.trainable]
-    tail = frozen[0].offset if frozen else 0
+    frozen, tail = u.spec.frozen_entries, u.spec.frozen_start
 
     def read(section: str, lo: int, hi: int, out: torch.Tensor) -> None:
         entries, base = (frozen, tail) if section == "value" else (u.trainable, 0)

@@ -2376,8 +2376,7 @@ class Engine:
         trainable prefix (master and moments) and ``[lo, hi)`` of the frozen tail (counted from
         the tail's start)."""
         rank, world_size, stage = self.checkpoint_world()
-        frozen = [e for e in u.spec.entries if not e.trainable]
-        frozen_numel = u.spec.total_numel - frozen[0].offset if frozen else 0
+        frozen_numel = u.spec.total_numel - u.spec.frozen_start
         whole = ((0, u.spec.trainable_numel), (0, frozen_numel))
         if world_size == 1:
             return whole
@@ -2412,7 +2411,7 @@ class Engine:
         if p is not None:  # [zero] stage 3: the rank's chunks, the frozen one second
             home = self._load(u.compute_home, p.home_numel, home_dtype)
             return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
-        start = next(e.offset for e in u.spec.entries if not e.trainable)
+        start = u.spec.frozen_start
         if self._param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
         else:
@@ -2445,7 +2444,7 @@ class Engine:
                 low = self._split_master_into(u, master, compute[:t], 0)
             else:
                 compute[:t].copy_(master)
-            frozen_start = next((e.offset for e in u.spec.entries if not e.trainable), u.spec.total_numel)
+            frozen_start = u.spec.frozen_start
             read("value", 0, u.spec.total_numel - frozen_start, compute[frozen_start:u.spec.total_numel])
         else:  # [zero] stage 3: the rank's chunks
             compute = torch.zeros(p.home_numel, dtype=home_dtype)

@@ -119,6 +119,15 @@ class UnitSpec:
     def trainable_entries(self) -> List[ParamEntry]:
         return [e for e in self.entries if e.trainable]
 
+    @property
+    def frozen_entries(self) -> List[ParamEntry]:
+        return [e for e in self.entries if not e.trainable]
+
+    @property
+    def frozen_start(self) -> int:
+        """Offset of the frozen tail (the first frozen entry; total_numel when none)."""
+        return next((e.offset for e in self.entries if not e.trainable), self.total_numel)
+
 
 UnitPredicate = Callable[[str, nn.Module], bool]
 

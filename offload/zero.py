@@ -228,9 +228,7 @@ class Partition:
             u.grad_numel = owned.numel
             u.grad_base = owned.lo
         if self.stage == 3:
-            entries = u.spec.entries
-            frozen_start = next((e.offset for e in entries if not e.trainable), u.spec.total_numel)
-            u.param_shard = ParamShard.of(t, frozen_start, u.spec.total_numel, self.rank,
+            u.param_shard = ParamShard.of(t, u.spec.frozen_start, u.spec.total_numel, self.rank,
                                           self.world_size, home_element_bytes)
             u.compute_numel = u.param_shard.slot_numel
 
