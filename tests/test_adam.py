@@ -235,6 +235,60 @@ def test_streamed_fp16_copy_out_with_16bit_grad_bit_exact(isa, grad_dtype):
     assert copies_equal
 
 
+VECTOR_ISAS = [isa for isa in ISAS if isa != "scalar"]
+# Infinities, denormals (VCVTNEPS2BF16 would flush them), ties, fp16 overflow. NaN inputs go
+# in only where no fp16 copy-out is made: the scalar kernel narrows every NaN to fp16 as
+# 0x7E00 with its sign, while VCVTPS2PH keeps the top of the payload, so a NaN with one
+# (torch casts NaN to bf16 as 0xFFFF) gives different fp16 bits.
+VECTOR_SPECIALS = [float("inf"), float("-inf"), 1e-40, -3e-39, 1e-45, 6e-8, 1.00390625,
+                   1.01171875, 65520.0, -70000.0, 3.0e38, 2.0**-24, 2.0**-25, 3 * 2.0**-26]
+
+
+def step_bits(isa, numel, grad_dtype, copy_dtype, stream, offset, hyper, specials):
+    """Three steps of isa's kernel on buffers offset elements past an aligned allocation
+    (copy_out by offset, so a streamed copy-out has a head of every length); returns every
+    output as integers, so that equal means equal bits, NaN included."""
+    gen = torch.Generator().manual_seed(numel * 100 + offset)
+    state = [misaligned(numel, offset % 4), misaligned(numel, offset % 5), misaligned(numel, 1)]
+    state[0].copy_(torch.randn(numel, generator=gen))
+    grad = misaligned(numel, offset % 3, grad_dtype)
+    copy_out = None if copy_dtype is None else misaligned(numel, offset, copy_dtype)
+    outputs = []
+    with forced_isa(isa), stream_copy_out_from(0 if stream else 2**62):
+        for step in range(1, 4):
+            g = torch.randn(numel, generator=gen)
+            if numel > len(specials):
+                where = torch.randperm(numel, generator=gen)[:len(specials)]
+                (g if step == 2 else state[0])[where] = torch.tensor(specials)
+            grad.copy_(g)
+            adam_step_flat(state[0], grad, state[1], state[2], step=step, copy_out=copy_out,
+                           **hyper)
+            if copy_out is not None:
+                outputs.append(copy_out.view(torch.int16).clone())
+    return [t.view(torch.int32).clone() for t in state] + outputs
+
+
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("copy_dtype", [None, torch.bfloat16, torch.float16])
+def test_vector_kernel_equals_scalar_bit_for_bit(isa, grad_dtype, copy_dtype):
+    # Every dtype path of every vector kernel this CPU runs (one loop template over per-ISA
+    # traits, native/adam/adam_simd.h) against the scalar reference: partial-vector heads and
+    # tails around each vector width and the prefetch distance, streamed and cached copy-out.
+    specials = VECTOR_SPECIALS + ([] if copy_dtype == torch.float16 else [float("nan")])
+    streams = (False, True) if copy_dtype is not None else (False,)
+    for numel in (1, 7, 15, 17, 33, 529, 1053):
+        for stream in streams:
+            for offset in (0, 1, 3, 7):
+                for variant, decay in DECAY_VARIANTS.items():
+                    hyper = dict(**HYPER, **decay)
+                    args = (numel, grad_dtype, copy_dtype, stream, offset, hyper, specials)
+                    ours = step_bits(isa, *args)
+                    ref = step_bits("scalar", *args)
+                    assert all(torch.equal(a, b) for a, b in zip(ours, ref)), (
+                        f"numel={numel} stream={stream} offset={offset} {variant}")
+
+
 def test_large_steps_stream_the_copy_out_by_default():
     # The load-time threshold is a working set of half the last-level cache at 30 B/element:
     # positive, and far below the sizes tools/bench_adam.py measures (100M params).
