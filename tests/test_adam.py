@@ -236,12 +236,12 @@ def test_streamed_fp16_copy_out_with_16bit_grad_bit_exact(isa, grad_dtype):
 
 
 VECTOR_ISAS = [isa for isa in ISAS if isa != "scalar"]
-# Infinities, denormals (VCVTNEPS2BF16 would flush them), ties, fp16 overflow. NaN inputs go
-# in only where no fp16 copy-out is made: the scalar kernel narrows every NaN to fp16 as
-# 0x7E00 with its sign, while VCVTPS2PH keeps the top of the payload, so a NaN with one
-# (torch casts NaN to bf16 as 0xFFFF) gives different fp16 bits.
+# Infinities, denormals (VCVTNEPS2BF16 would flush them), ties, fp16 overflow, NaN (with a
+# payload once the gradient went through bf16, which torch casts NaN to as 0xFFFF: every
+# kernel narrows it to fp16 keeping the payload's top bits, as VCVTPS2PH does).
 VECTOR_SPECIALS = [float("inf"), float("-inf"), 1e-40, -3e-39, 1e-45, 6e-8, 1.00390625,
-                   1.01171875, 65520.0, -70000.0, 3.0e38, 2.0**-24, 2.0**-25, 3 * 2.0**-26]
+                   1.01171875, 65520.0, -70000.0, 3.0e38, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
+                   float("nan")]
 
 
 def step_bits(isa, numel, grad_dtype, copy_dtype, stream, offset, hyper, specials):
@@ -275,14 +275,13 @@ def test_vector_kernel_equals_scalar_bit_for_bit(isa, grad_dtype, copy_dtype):
     # Every dtype path of every vector kernel this CPU runs (one loop template over per-ISA
     # traits, native/adam/adam_simd.h) against the scalar reference: partial-vector heads and
     # tails around each vector width and the prefetch distance, streamed and cached copy-out.
-    specials = VECTOR_SPECIALS + ([] if copy_dtype == torch.float16 else [float("nan")])
     streams = (False, True) if copy_dtype is not None else (False,)
     for numel in (1, 7, 15, 17, 33, 529, 1053):
         for stream in streams:
             for offset in (0, 1, 3, 7):
                 for variant, decay in DECAY_VARIANTS.items():
                     hyper = dict(**HYPER, **decay)
-                    args = (numel, grad_dtype, copy_dtype, stream, offset, hyper, specials)
+                    args = (numel, grad_dtype, copy_dtype, stream, offset, hyper, VECTOR_SPECIALS)
                     ours = step_bits(isa, *args)
                     ref = step_bits("scalar", *args)
                     assert all(torch.equal(a, b) for a, b in zip(ours, ref)), (
@@ -579,3 +578,18 @@ def test_native_threads_follow_env_else_torch():
     result = run_python(code, OFFLOAD_NUM_THREADS="1")
     assert result.stdout.split()[0] == "1"
     assert offload.CPUAdam is CPUAdam
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp16_copy_out_of_nan_keeps_the_payload_as_torch_does(isa):
+    # torch's cast (and VCVTPS2PH) keeps the top 10 payload bits of a NaN and sets the quiet
+    # bit; the scalar kernel used to write 0x7E00 for every NaN.
+    payloads = torch.tensor([0x7FC12345, 0x7F801000, -0x10000, 0x7FFFFFFF, -0x7F3EDCBB], dtype=torch.int32)
+    param = payloads.view(torch.float32).clone()
+    m, v = torch.zeros_like(param), torch.zeros_like(param)
+    copy_out = torch.empty(param.numel(), dtype=torch.float16)
+    with forced_isa(isa):
+        adam_step_flat(param, torch.zeros_like(param), m, v, step=1, copy_out=copy_out,
+                       **dict(HYPER, weight_decay=0.0))
+    expected = payloads.view(torch.float32).to(torch.float16)
+    assert torch.equal(copy_out.view(torch.int16), expected.view(torch.int16))

@@ -58,7 +58,10 @@ inline std::uint16_t float_to_fp16(float f) {
   const std::uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const std::uint32_t mantissa_bits = bits & 0x00000FFFu;
   const std::uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<std::uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  // A NaN keeps the top 10 bits of its payload and becomes quiet, as VCVTPS2PH (the vector
+  // kernels) and torch's cast do.
+  const std::uint32_t nan = 0x7E00u | ((w >> 13) & 0x3FFu);
+  return static_cast<std::uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? nan : nonsign));
 }
 
 template <DType G>
