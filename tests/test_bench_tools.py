@@ -98,6 +98,13 @@ def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
     slack = 4 * 4096 * num_units
     assert abs(io["nvme_read_per_step"] - nvme["nvme_read_per_step"]) <= slack
     assert abs(io["nvme_written_per_step"] - nvme["nvme_written_per_step"]) <= slack
+    # Each NVMe row compared its steps with replays of its own traffic, pair by pair; its
+    # RSS is that of the timed steps, before the replay's buffers.
+    for name in ("nvme-noprefetch", "nvme-prefetch"):
+        r = rows[name]
+        assert len(r["paired_step_seconds"]) == len(r["paired_io_seconds"]) == 2
+        assert all(t > 0 for t in r["paired_step_seconds"] + r["paired_io_seconds"])
+    assert "paired_step_seconds" not in rows["host"]
     # The budget the offloaded rows ran under is at least the asked fraction.
     assert nvme["device_budget_bytes"] >= 0.25 * nvme["compute_copy_bytes"]
 
@@ -256,3 +263,18 @@ def test_bench_io_small_run_has_every_writer_and_the_summary(tmp_path):
         assert "aiofiles" in table and "vs aiofiles, buffered + fsync, cold read" in table
         assert "still cached" not in proc.stderr
     assert list(tmp_path.iterdir()) == []  # its work directory is removed
+
+
+def test_overlap_is_paired_step_by_step_when_the_row_has_its_own_replays():
+    bench = load_tool(TOOL)
+    compute = {"row": "compute-only", "dtype": "bf16", "step_seconds": 1.0}
+    io_row = {"row": "io-only", "dtype": "bf16", "step_seconds": 3.0}
+    row = {"row": "nvme-prefetch", "dtype": "bf16", "step_seconds": 2.0}
+    by_key = {(r["row"], r["dtype"]): r for r in (compute, io_row, row)}
+    # Unpaired: against the io-only row, measured at another time.
+    assert bench.overlap_efficiency(row, by_key) == pytest.approx(3.0 / 2.0)
+    # Paired: each step against the replay right after it (the disk's speed of that moment),
+    # median over pairs; the io-only row is not used.
+    row.update(paired_step_seconds=[2.0, 4.0, 2.0], paired_io_seconds=[1.5, 3.6, 0.5])
+    assert bench.overlap_efficiency(row, by_key) == pytest.approx(0.75)  # 0.75, 0.9, 0.5
+    assert bench.overlap_efficiency(compute, by_key) is None

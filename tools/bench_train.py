@@ -36,8 +36,14 @@ or the first DeepSpeed row spends that time inside its step and may hit --row-ti
 A row that fails (DeepSpeed 0.19.8 NVMe param swap may stop with "Not enough buffers") is
 printed as FAILED with its error; the other rows go on.
 
-Overlap efficiency (NVMe rows) = max(compute-only step, io-only step) / this row's step:
-1.0 means I/O is fully hidden behind compute (or the reverse).
+Overlap efficiency (NVMe rows) = max(compute-only step, I/O-only step) / this row's step:
+1.0 means I/O is fully hidden behind compute (or the reverse). When the io-only row is asked
+for, each NVMe row also runs --steps more steps, each followed by a replay of its own swap
+traffic (the io-only row's replay), and the overlap is the median of the per-pair ratios: the
+disk's speed here drifts by 1.5x and more between minutes, so a step is compared with an
+I/O-only step taken seconds after it, not with the io-only row taken minutes later. The
+JSON keeps both lists (paired_step_seconds, paired_io_seconds); step time and RSS are those of
+the timed steps before the pairs.
 
     python tools/bench_train.py                       # full size, every row, fp32 + bf16
     python tools/bench_train.py --quick               # tiny GPT, 2+2 steps, < 1 minute
@@ -72,6 +78,7 @@ The exit status is 1 when a row failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -314,6 +321,7 @@ def run_offload(spec: dict) -> dict:
             "io_wait_seconds": s3["io_wait_seconds"] - s0["io_wait_seconds"],
         }
 
+    paired: dict = {}
     try:
         seconds, probes = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
         stats = engine.stats()
@@ -323,18 +331,39 @@ def run_offload(spec: dict) -> dict:
             info = dict(info, trace=trace)
         units = [{"name": u.name, "compute_bytes": u.compute_numel * (4 if spec["dtype"] == "fp32" else 2),
                   "master_bytes": u.master_numel * 4} for u in engine.units]
+        phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+        rss = peak_rss_bytes()  # the replay's buffers below are not the row's
+        if spec.get("paired_replay"):
+            paired = paired_replay(step, {"units": units, "phases": phases}, spec)
     finally:
         engine.close()
-    phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
     read = phases["forward_read"] + phases["backward_read"] + phases["optimizer_read"]
     written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
-    return dict(info, step_seconds_all=seconds, phases=phases, units=units,
+    return dict(info, **paired, peak_rss_bytes=rss, step_seconds_all=seconds, phases=phases, units=units,
                 nvme_read_per_step=read, nvme_written_per_step=written,
                 io_wait_seconds=phases["io_wait_seconds"],
                 device_peak_bytes=stats["device_peak_bytes"], host_peak_bytes=stats["host_peak_bytes"],
                 nvme_bytes=stats["nvme_bytes"], optimizer_state_bytes=stats["optimizer_state_bytes"],
                 parameter_bytes=stats["parameter_bytes"],
                 gradient_bytes=stats["gradient_bytes"], world_size=stats["world_size"])
+
+
+def paired_replay(engine_step, pattern: dict, spec: dict) -> dict:
+    """[Overlap efficiency, paired] spec["steps"] more engine steps, each followed by a replay
+    of the row's own swap traffic with no compute: the disk's speed drifts by 1.5x and more
+    between minutes here, so each step is compared with an I/O-only step taken seconds after
+    it rather than with the io-only row, taken minutes later."""
+    steps, replays = [], []
+    with replayer(pattern, spec) as (replay, _backend, _read, _written):
+        replay()  # untimed: the replay's buffers are touched for the first time
+        for _ in range(spec["steps"]):
+            start = time.perf_counter()
+            engine_step()
+            steps.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            replay()
+            replays.append(time.perf_counter() - start)
+    return {"paired_step_seconds": steps, "paired_io_seconds": replays}
 
 
 def run_ddp(spec: dict) -> dict:
@@ -389,12 +418,14 @@ def _split(total: int, weights, page: int = PAGE_BYTES):
     return [-(-int(total * w / weight_sum) // page) * page for w in weights]
 
 
-def run_io_only(spec: dict) -> dict:
-    """Replays one NVMe step's swap traffic (spec["pattern"]) with no compute."""
-    import torch
+@contextlib.contextmanager
+def replayer(pattern: dict, spec: dict):
+    """Yields (step, backend, bytes read, bytes written per step): step() replays one NVMe
+    step's swap traffic (``pattern``: the units and the median bytes per phase of an NVMe row)
+    with no compute, on a file of its own in spec["swap_dir"]; the file goes when the context
+    ends."""
     from offload.io import IOEngine, aligned_empty
 
-    pattern = spec["pattern"]
     units = pattern["units"]
     phases = pattern["phases"]
     compute_w = [u["compute_bytes"] for u in units]
@@ -457,12 +488,16 @@ def run_io_only(spec: dict) -> dict:
                         issue_read(k + depth - 1)
                 io.wait_all()
 
-            seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
-            backend = io.backend
+            yield step, io.backend, sum(forward) + sum(backward) + sum(opt_read), sum(opt_write)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    read = sum(forward) + sum(backward) + sum(opt_read)
-    written = sum(opt_write)
+
+
+def run_io_only(spec: dict) -> dict:
+    """Replays one NVMe step's swap traffic (spec["pattern"]) with no compute."""
+    pattern = spec["pattern"]
+    with replayer(pattern, spec) as (step, backend, read, written):
+        seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
     return {"step_seconds_all": seconds, "nvme_read_per_step": read, "nvme_written_per_step": written,
             "note": f"replay of {pattern['source']} ({backend})"}
 
@@ -561,8 +596,8 @@ def worker_main(spec: dict) -> int:
         result = run_deepspeed(spec)
     else:
         result = run_offload(spec)
-    result.update(row=row, dtype=spec["dtype"], step_seconds=statistics.median(result["step_seconds_all"]),
-                  peak_rss_bytes=peak_rss_bytes())
+    result.setdefault("peak_rss_bytes", peak_rss_bytes())
+    result.update(row=row, dtype=spec["dtype"], step_seconds=statistics.median(result["step_seconds_all"]))
     if spec.get("nproc"):
         import torch.distributed as dist
 
@@ -705,13 +740,18 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def overlap_efficiency(row: dict, by_key: dict):
+    """max(compute-only, I/O-only) / step: paired step by step with the row's own replays
+    when it has them (see paired_replay), else against the io-only row."""
     if row["row"] not in NVME_ROWS or "error" in row:
         return None
     compute = by_key.get(("compute-only", row["dtype"]), {}).get("step_seconds")
-    io = by_key.get(("io-only", row["dtype"]), {}).get("step_seconds")
-    if compute is None or io is None:
+    if compute is None:
         return None
-    return max(compute, io) / row["step_seconds"]
+    if row.get("paired_step_seconds"):
+        return statistics.median(max(compute, io) / step for step, io in
+                                 zip(row["paired_step_seconds"], row["paired_io_seconds"]))
+    io = by_key.get(("io-only", row["dtype"]), {}).get("step_seconds")
+    return None if io is None else max(compute, io) / row["step_seconds"]
 
 
 def print_table(results: list, out=sys.stdout) -> None:
@@ -736,6 +776,10 @@ def print_table(results: list, out=sys.stdout) -> None:
               f"{fmt(r.get('io_wait_seconds'), '7.3f')} "
               f"{fmt(overlap_efficiency(r, by_key), '7.2f')}  {r.get('note', '')}", file=out)
     print_baselines(results, "plain", "plain PyTorch step", "", out)
+    if any(r.get("paired_step_seconds") for r in results):
+        print("overlap: median over the NVMe row's extra steps of max(compute-only step, replay of "
+              "its own swap traffic right after it) / that step (paired; see the module docstring)",
+              file=out)
 
 
 def print_trace_summaries(results: list, out=sys.stdout) -> None:
@@ -971,6 +1015,8 @@ def main(argv=None) -> int:
         for dtype in args.dtypes:
             for row in rows:
                 spec = dict(base, row=row, dtype=dtype)
+                if row in NVME_ROWS and "io-only" in rows:
+                    spec["paired_replay"] = True
                 if row == "io-only":
                     source = next((r for r in reversed(results) if r["dtype"] == dtype
                                    and r["row"] in NVME_ROWS and "error" not in r), None)
