@@ -38,12 +38,13 @@ printed as FAILED with its error; the other rows go on.
 
 Overlap efficiency (NVMe rows) = max(compute-only step, I/O-only step) / this row's step:
 1.0 means I/O is fully hidden behind compute (or the reverse). When the io-only row is asked
-for, each NVMe row also runs --steps more steps, each followed by a replay of its own swap
-traffic (the io-only row's replay), and the overlap is the median of the per-pair ratios: the
-disk's speed here drifts by 1.5x and more between minutes, so a step is compared with an
-I/O-only step taken seconds after it, not with the io-only row taken minutes later. The
-JSON keeps both lists (paired_step_seconds, paired_io_seconds); step time and RSS are those of
-the timed steps before the pairs.
+for, each NVMe row also runs --steps more pairs of a timed step and, once the step's pending
+updates are done (engine.zero_grad()), a replay of its own swap traffic (the io-only row's
+replay); the overlap is the median of the per-pair ratios: the disk's speed here drifts by
+1.5x and more between minutes, so a step is compared with an I/O-only step taken seconds after
+it, not with the io-only row taken minutes later (see paired_replay). The JSON keeps both lists
+(paired_step_seconds, paired_io_seconds); step time and RSS are those of the timed steps
+before the pairs.
 
     python tools/bench_train.py                       # full size, every row, fp32 + bf16
     python tools/bench_train.py --quick               # tiny GPT, 2+2 steps, < 1 minute
@@ -334,7 +335,7 @@ def run_offload(spec: dict) -> dict:
         phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
         rss = peak_rss_bytes()  # the replay's buffers below are not the row's
         if spec.get("paired_replay"):
-            paired = paired_replay(step, {"units": units, "phases": phases}, spec)
+            paired = paired_replay(step, engine.zero_grad, {"units": units, "phases": phases}, spec)
     finally:
         engine.close()
     read = phases["forward_read"] + phases["backward_read"] + phases["optimizer_read"]
@@ -348,18 +349,26 @@ def run_offload(spec: dict) -> dict:
                 gradient_bytes=stats["gradient_bytes"], world_size=stats["world_size"])
 
 
-def paired_replay(engine_step, pattern: dict, spec: dict) -> dict:
-    """[Overlap efficiency, paired] spec["steps"] more engine steps, each followed by a replay
-    of the row's own swap traffic with no compute: the disk's speed drifts by 1.5x and more
-    between minutes here, so each step is compared with an I/O-only step taken seconds after
-    it rather than with the io-only row, taken minutes later."""
+def paired_replay(engine_step, settle, pattern: dict, spec: dict) -> dict:
+    """[Overlap efficiency, paired] spec["steps"] pairs of one more timed engine step and a
+    replay of the row's own swap traffic with no compute, right after it: the disk's speed
+    drifts by 1.5x and more between minutes here, so each step is compared with an I/O-only
+    step taken seconds after it rather than with the io-only row, taken minutes later.
+
+    A pair is: an untimed engine step, the timed one (its forward finishes the updates the
+    previous step left to the optimizer worker, as in the timed loop), ``settle()`` (untimed:
+    the updates the timed step left, and their swap writes, finish before the replay starts,
+    so that they do not slow the replay down), then the timed replay. Still in flight during
+    the replay's first moments: the prefetch of the next pass's first units."""
     steps, replays = [], []
     with replayer(pattern, spec) as (replay, _backend, _read, _written):
         replay()  # untimed: the replay's buffers are touched for the first time
         for _ in range(spec["steps"]):
+            engine_step()
             start = time.perf_counter()
             engine_step()
             steps.append(time.perf_counter() - start)
+            settle()
             start = time.perf_counter()
             replay()
             replays.append(time.perf_counter() - start)
