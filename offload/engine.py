@@ -735,16 +735,22 @@ class Engine:
         else:
             self._store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
-            s = u.shard  # [zero] this rank's part only
-            if low is not None:
-                self._store(u.master_home, low)
-            elif not self._merged:
-                master_shard = torch.zeros(s.state_numel, dtype=torch.float32)
-                master_shard[:s.numel].copy_(master[s.lo:s.hi])
-                self._store(u.master_home, master_shard)
+            self._store_master_home(u, master, 0, low)
             self._store_zeros(u.moments_home)
         if self._param_tier == "device":
             self._bind(u)
+
+    def _store_master_home(self, u: _Unit, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
+        """Write the master's home from ``master`` (fp32, u's trainable elements from
+        ``start``): split, ``low`` (the home's low halves, _split_master_into); merged,
+        nothing (the compute copy is the master); else this rank's shard ([zero]), padded."""
+        if low is not None:
+            self._store(u.master_home, low)
+        elif not self._merged:
+            s = u.shard
+            shard = torch.zeros(s.state_numel, dtype=torch.float32)
+            shard[:s.numel].copy_(master[s.lo - start:s.hi - start])
+            self._store(u.master_home, shard)
 
     def _split_master_into(self, u: _Unit, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
         """[Note: split master] Round ``master`` (fp32, elements [start, start + n) of u's
@@ -2460,12 +2466,7 @@ class Engine:
             self._release(u)  # a device copy of this unit is stale from now on
             self._store(u.compute_home, compute)  # merged: fp32, the master itself
         if u.trainable:
-            if low is not None:
-                self._store(u.master_home, low)
-            elif not self._merged:
-                shard = torch.zeros(s.state_numel, dtype=torch.float32)
-                shard[:s.numel].copy_(master[s.lo - lo:s.hi - lo])
-                self._store(u.master_home, shard)
+            self._store_master_home(u, master, lo, low)
             self._store(u.moments_home, moments)
         u.steps = list(steps)
         u.has_grad = [False] * len(u.trainable)

@@ -84,7 +84,8 @@ struct Avx2 {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
     rounded = _mm256_srli_epi32(rounded, 16);
-    // NaN lanes become torch's quiet NaN 0x7FC0: rounding their bits could give inf or -0.
+    // NaN lanes become c10::BFloat16's quiet NaN 0x7FC0 (as the scalar kernel): rounding
+    // their bits could give inf or -0.
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
     // Every lane is <= 0xFFFF, so the unsigned-saturating pack is exact.

@@ -76,7 +76,8 @@ struct Avx512 {
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
     rounded = _mm512_srli_epi32(rounded, 16);
-    // NaN lanes become torch's quiet NaN 0x7FC0: rounding their bits could give inf or -0.
+    // NaN lanes become c10::BFloat16's quiet NaN 0x7FC0 (as the scalar kernel): rounding
+    // their bits could give inf or -0.
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(rounded);

@@ -42,7 +42,8 @@
 //   fmadd(a, b, c)           a * b + c, rounded once
 //   widen_bf16, widen_fp16   16-bit values to float, exactly
 //   narrow_bf16              round to nearest even with integer arithmetic, NaN to the quiet
-//                            NaN 0x7FC0: torch's rounding (not VCVTNEPS2BF16, which flushes
+//                            NaN 0x7FC0 (c10::BFloat16's; torch's vectorized cast writes 0xFFFF,
+//                            also a NaN): torch's rounding (not VCVTNEPS2BF16, which flushes
 //                            denormals to zero and so disagrees with torch)
 //   narrow_fp16              VCVTPS2PH, round to nearest even
 #pragma once
