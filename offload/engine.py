@@ -28,7 +28,6 @@ buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts th
 """
 from __future__ import annotations
 
-import collections
 import functools
 import heapq
 import itertools
@@ -38,7 +37,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 from torch import nn
@@ -48,8 +47,8 @@ from offload import checkpoint
 from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat, join_master, split_master
-from offload.prefetch import NEVER, Prefetcher
-from offload.stats import Stats
+from offload.prefetch import Prefetcher
+from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
     OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel,
@@ -184,38 +183,6 @@ class _StagingSlot:
         self.pending_writes: List[Any] = []
 
 
-# Spans kept for export_trace: the most recent ones (about 100 per step of a 10-unit
-# model), so a long run's timeline stays a few MiB.
-TIMELINE_SPANS = 1 << 16
-
-
-def _request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str, float, float]]:
-    """Trace spans of finished NVMe requests (is_write, bytes, IOHandle), each
-    direction spread over numbered lanes in which no two spans overlap (a request goes to
-    the lowest-numbered lane that is free when it starts)."""
-    spans: List[Tuple[str, str, float, float]] = []
-    for is_write, direction in ((False, "read"), (True, "write")):
-        done = []
-        for w, nbytes, handle in requests:
-            times = handle.times() if w == is_write and hasattr(handle, "times") else None
-            if times is not None:  # finished (a test's stand-in handle has no times)
-                done.append((*times, nbytes))
-        done.sort()
-        free: List[int] = []                   # lane numbers free now (a heap)
-        busy: List[Tuple[float, int]] = []     # (end, lane) of the spans running
-        lanes_used = 0
-        for start, end, nbytes in done:
-            while busy and busy[0][0] <= start:
-                heapq.heappush(free, heapq.heappop(busy)[1])
-            if free:
-                lane = heapq.heappop(free)
-            else:
-                lane, lanes_used = lanes_used, lanes_used + 1
-            heapq.heappush(busy, (end, lane))
-            spans.append((f"nvme {direction} {lane}", f"{direction} {format_size(nbytes)}", start, end))
-    return spans
-
-
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          config: "OffloadConfig | dict | str | None" = None, *,
          init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
@@ -254,7 +221,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
-        self._timeline_origin = time.perf_counter()  # time 0 of export_trace
+        self._timeline = Timeline()  # its creation is time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config
         self.module = model
@@ -380,8 +347,6 @@ class Engine:
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
         self._next_slot = 0
-        # The most recent spans only: a long run keeps a bounded timeline.
-        self._timeline: Deque[Tuple[str, str, float, float]] = collections.deque(maxlen=TIMELINE_SPANS)
         self._forward_started = 0.0
         self._tick = 0
         self._micro_step = 0
@@ -975,7 +940,7 @@ class Engine:
                               "its home copy is unchanged and the next use reads it again") from error
             raise
         u.compute_state.to(Residency.LOADED)
-        self._trace_span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
+        self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
         self._bind(u)
 
     def _allocate_slot(self, u: _Unit) -> int:
@@ -1174,14 +1139,14 @@ class Engine:
             self._saved_hooks.pop().__exit__(None, None, None)
         if self._root.compute_state == Residency.IN_USE:
             self._root.compute_state.to(Residency.LOADED)
-        self._trace_span("phase", "forward", self._forward_started, time.perf_counter())
+        self._timeline.span("phase", "forward", self._forward_started, time.perf_counter())
 
     def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> Any:
         start = time.perf_counter()
         u.calls += 1
         self._need(u)
         self._wait_ready(u)
-        u.compute_started = self._trace_wait(f"forward {u.name}", start)
+        u.compute_started = self._timeline.wait(f"forward {u.name}", start)
         if u.compute_state == Residency.LOADED:
             u.compute_state.to(Residency.IN_USE)
         if not torch.is_grad_enabled():
@@ -1200,7 +1165,7 @@ class Engine:
     def _unit_post_forward(self, u: _Unit, module: nn.Module, args: Any, output: Any) -> None:
         if u.compute_state == Residency.IN_USE:
             u.compute_state.to(Residency.LOADED)
-        self._trace_span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
+        self._timeline.span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -1210,11 +1175,11 @@ class Engine:
         """The gradient of u's output has arrived: u's backward is next. Bring it back."""
         now = time.perf_counter()
         if self._backward_unit is not None and self._backward_unit is not u:
-            self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
+            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
         self._backward_unit = u
         self._need(u)
         self._wait_ready(u)
-        self._backward_started = self._trace_wait(f"backward {u.name}", now)
+        self._backward_started = self._timeline.wait(f"backward {u.name}", now)
         self._maybe_update_early()
 
     def _pack_saved(self, t: torch.Tensor) -> Any:
@@ -1354,9 +1319,9 @@ class Engine:
         finally:
             self._early_updates = False
         if self._backward_unit is not None:
-            self._trace_span("compute", f"backward {self._backward_unit.name}", self._backward_started,
+            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started,
                              time.perf_counter())
-        self._trace_span("phase", "backward", start, time.perf_counter())
+        self._timeline.span("phase", "backward", start, time.perf_counter())
 
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
@@ -1369,7 +1334,7 @@ class Engine:
         # step happened so they do not warn about calling scheduler.step() first.
         self.optimizer._opt_called = True
         end = time.perf_counter()
-        self._trace_span("phase", "optimizer step", start, end)
+        self._timeline.span("phase", "optimizer step", start, end)
         self._last_optimizer_seconds = end - start
         if self._last_step_end is not None:
             self._last_step_seconds = end - self._last_step_end
@@ -1652,7 +1617,7 @@ class Engine:
         else:
             self._update_in_place(u, 1.0, groups)
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
-        self._trace_span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
+        self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
     def _update_early_staged(self, u: _Unit, groups: List[Dict[str, Any]]) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
@@ -1818,7 +1783,7 @@ class Engine:
         self._adam_range(u, 0, u.master_numel, steps, self._master_home(u), moments[:u.master_numel],
                          moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor,
                          groups=groups)
-        self._trace_span("adam", f"adam {u.name}", start, time.perf_counter())
+        self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         u.steps = steps
         self._release_grad(u)
 
@@ -1897,7 +1862,7 @@ class Engine:
                              copy_to_device=False)
         if self._split_master and s.numel:
             split_master(master[:s.numel], compute_out, views["low"][:s.numel])
-        self._trace_span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
+        self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
         if full is not None:
             self._partition.all_gather_shards(u, full, in_full_coordinates=True)
         else:
@@ -1934,7 +1899,7 @@ class Engine:
                          False, grad_factor, copy_to_device=False)
         if self._split_master:
             split_master(master[:numel], chunk[:numel], views["low"][:numel])
-        self._trace_span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
+        self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
 
     def _master_home(self, u: _Unit) -> Any:
         return u.compute_home if self._merged else u.master_home
@@ -2008,7 +1973,7 @@ class Engine:
                          copy_to_device=high is None, groups=groups)
         if high is not None:
             split_master(master, high, slot.low[:n])
-        self._trace_span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
+        self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
     def _device_copy_updatable(self, u: _Unit) -> bool:
         """[Note: updates through the device copy] On a CPU device with the compute copies
@@ -2496,21 +2461,10 @@ class Engine:
         self._failure = None
 
     # ------------------------------------------------------------------ timeline
-    def _trace_span(self, lane: str, name: str, start: float, end: float) -> None:
-        self._timeline.append((lane, name, start, end))
-
-    def _trace_wait(self, what: str, start: float) -> float:
-        """A "wait" span from ``start`` to now when the main thread waited there (for a fetch
-        or an update) before ``what`` could run; returns now."""
-        now = time.perf_counter()
-        if now - start > 1e-4:
-            self._trace_span("wait", f"before {what}", start, now)
-        return now
-
     def export_trace(self, path: str) -> None:
-        """Write the most recent part of the timeline (``TIMELINE_SPANS`` spans, and the
-        NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event JSON:
-        lanes for the phases (forward, backward, optimizer step), compute per unit, the main
+        """Write the most recent part of the timeline (``offload.stats.TIMELINE_SPANS`` spans,
+        and the NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event
+        JSON: lanes for the phases (forward, backward, optimizer step), compute per unit, the main
         thread's waits before a unit could run (for its fetch or its update), copies to the
         device, NVMe reads, NVMe writes, the updates on the optimizer worker (per unit, waits
         included: "optimizer") and the Adam kernel per unit or piece ("adam"). See
@@ -2522,26 +2476,7 @@ class Engine:
         transfer spans end when the engine observed them complete (a wait returned), which
         can be later than the bytes arrived; compute spans of backward run from one unit's
         backward start to the next's."""
-        import json
-
-        spans = list(self._timeline)
-        if self._nvme is not None:
-            spans.extend(_request_spans(list(self._nvme.recent)))
-        def numbered(prefix: str) -> List[str]:  # "nvme read 0", "nvme read 1", ...
-            return sorted({lane for lane, _, _, _ in spans if lane.startswith(prefix)},
-                          key=lambda lane: int(lane.rsplit(" ", 1)[1]))
-
-        order = ["phase", "compute", "wait", "copy", *numbered("nvme read "), *numbered("nvme write "),
-                 "optimizer", "adam"]
-        lanes = {lane: tid for tid, lane in enumerate(order)}
-        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
-                  for lane, tid in lanes.items()]
-        for lane, name, start, end in spans:
-            kind = lane.rsplit(" ", 1)[0] if lane.startswith("nvme") else lane  # "nvme read 3"
-            events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": lanes[lane],
-                           "ts": (start - self._timeline_origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        self._timeline.export(path, list(self._nvme.recent) if self._nvme is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
     def _close_tiers(self) -> None:

@@ -1,11 +1,20 @@
-"""Counters and phase timers of one engine."""
+"""Counters, phase timers and the timeline of one engine."""
 from __future__ import annotations
 
+import collections
+import heapq
+import json
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Any, Deque, Dict, Iterator, List, Tuple
+
+from offload.config import format_size
+
+# Spans kept for export_trace: the most recent ones (about 100 per step of a 10-unit
+# model), so a long run's timeline stays a few MiB.
+TIMELINE_SPANS = 1 << 16
 
 
 class Stats:
@@ -35,3 +44,72 @@ class Stats:
             elapsed = time.perf_counter() - start
             with self._lock:
                 self.seconds[phase] += elapsed
+
+
+class Timeline:
+    """Spans (lane, name, start, end) in ``time.perf_counter()`` seconds, the most recent
+    ``TIMELINE_SPANS`` of them, for ``Engine.export_trace``. Time 0 is the creation. The
+    engine's threads append; a deque's append is atomic, so no lock."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self._spans: Deque[Tuple[str, str, float, float]] = collections.deque(maxlen=TIMELINE_SPANS)
+
+    def span(self, lane: str, name: str, start: float, end: float) -> None:
+        self._spans.append((lane, name, start, end))
+
+    def wait(self, what: str, start: float) -> float:
+        """A "wait" span from ``start`` to now when the main thread waited there (for a fetch
+        or an update) before ``what`` could run; returns now."""
+        now = time.perf_counter()
+        if now - start > 1e-4:
+            self.span("wait", f"before {what}", start, now)
+        return now
+
+    def export(self, path: str, requests: List[Tuple[bool, int, Any]]) -> None:
+        """Write the spans and those of the finished NVMe ``requests`` (is_write, bytes,
+        IOHandle) as Chrome/Perfetto trace-event JSON (see ``Engine.export_trace``)."""
+        spans = list(self._spans) + request_spans(requests)
+
+        def numbered(prefix: str) -> List[str]:  # "nvme read 0", "nvme read 1", ...
+            return sorted({lane for lane, _, _, _ in spans if lane.startswith(prefix)},
+                          key=lambda lane: int(lane.rsplit(" ", 1)[1]))
+
+        order = ["phase", "compute", "wait", "copy", *numbered("nvme read "), *numbered("nvme write "),
+                 "optimizer", "adam"]
+        lanes = {lane: tid for tid, lane in enumerate(order)}
+        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+                  for lane, tid in lanes.items()]
+        for lane, name, start, end in spans:
+            kind = lane.rsplit(" ", 1)[0] if lane.startswith("nvme") else lane  # "nvme read 3"
+            events.append({"name": name, "cat": kind, "ph": "X", "pid": 1, "tid": lanes[lane],
+                           "ts": (start - self.origin) * 1e6, "dur": max(end - start, 0.0) * 1e6})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str, float, float]]:
+    """Trace spans of finished NVMe requests (is_write, bytes, IOHandle), each
+    direction spread over numbered lanes in which no two spans overlap (a request goes to
+    the lowest-numbered lane that is free when it starts)."""
+    spans: List[Tuple[str, str, float, float]] = []
+    for is_write, direction in ((False, "read"), (True, "write")):
+        done = []
+        for w, nbytes, handle in requests:
+            times = handle.times() if w == is_write and hasattr(handle, "times") else None
+            if times is not None:  # finished (a test's stand-in handle has no times)
+                done.append((*times, nbytes))
+        done.sort()
+        free: List[int] = []                   # lane numbers free now (a heap)
+        busy: List[Tuple[float, int]] = []     # (end, lane) of the spans running
+        lanes_used = 0
+        for start, end, nbytes in done:
+            while busy and busy[0][0] <= start:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            if free:
+                lane = heapq.heappop(free)
+            else:
+                lane, lanes_used = lanes_used, lanes_used + 1
+            heapq.heappush(busy, (end, lane))
+            spans.append((f"nvme {direction} {lane}", f"{direction} {format_size(nbytes)}", start, end))
+    return spans

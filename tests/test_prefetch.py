@@ -413,10 +413,10 @@ def test_trace_keeps_only_the_most_recent_spans_and_requests(tmp_path, monkeypat
     TIMELINE_SPANS spans and the NVMe tier the last TRACE_REQUESTS requests."""
     import json
 
-    import offload.engine
+    import offload.stats
     import offload.tiers.nvme
 
-    monkeypatch.setattr(offload.engine, "TIMELINE_SPANS", 40)
+    monkeypatch.setattr(offload.stats, "TIMELINE_SPANS", 40)
     monkeypatch.setattr(offload.tiers.nvme, "TRACE_REQUESTS", 30)
     _, engine = nvme_gpt_engine(tmp_path)
     with engine:
