@@ -86,7 +86,7 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
             checks.fail("swap directory", f"cannot create files in {directory}: {e.strerror}",
                         f"grant write permission on {directory} or pass --swap-dir DIR you can write")
     if usable_dir and info is not None:
-        from offload.io import probe_directory
+        from offload.io import BACKENDS, probe_directory
         try:
             probe = probe_directory(directory)
         except (OSError, ValueError) as e:
@@ -98,7 +98,8 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
             broken = [f"{b} ({r['error']})" for b, r in probe["backends"].items() if not r["ok"]]
             if working:
                 checks.ok("I/O backends", f"working in {directory}: {', '.join(working)}; "
-                          f"fastest: {probe['best']}" + (f"; not working: {'; '.join(broken)}" if broken else ""))
+                          f"io_backend='auto' uses {probe['choice']} (the first of {', '.join(BACKENDS)} "
+                          "that works here)" + (f"; not working: {'; '.join(broken)}" if broken else ""))
             else:
                 checks.fail("I/O backends", f"none works in {directory}: {'; '.join(broken)}",
                             "pass --swap-dir DIR on a local ext4/xfs filesystem")

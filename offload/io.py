@@ -40,8 +40,9 @@ __all__ = ["IOEngine", "IOHandle", "aligned_empty", "probe_directory", "SwapSpac
            "ALIGN_BYTES", "HUGE_PAGE_BYTES"]
 
 ALIGN_BYTES = 4096
+# Every backend, in the order backend="auto" prefers them; see [Note: auto backend choice].
 BACKENDS = ("io_uring", "libaio", "threads")
-# Size of the auto probe's write+read; large enough to see queueing, small enough for startup.
+# Size of a backend check's aligned write+read: 8 blocks of 1 MiB go through the queue at once.
 _PROBE_BYTES = 8 << 20
 # Swap spaces use a few large files; 128 descriptors cover a terabyte of 8 GiB swap files.
 DEFAULT_MAX_OPEN_FILES = 128
@@ -152,8 +153,9 @@ class IOHandle:
 class IOEngine:
     """Asynchronous reads and writes of tensor bytes; see the module docstring.
 
-    backend: "auto" (probe which backends work and pick the fastest, see ``probe_directory``),
-        or one of "io_uring", "libaio", "threads".
+    backend: "auto" (the first of io_uring, libaio, threads that completes a real aligned
+        write+read in ``probe_dir``; see [Note: auto backend choice]), or one of "io_uring",
+        "libaio", "threads".
     block_bytes: largest single kernel request; larger requests are split. Multiple of 4096.
     queue_depth: blocks kept in flight at once.
     probe_dir: where "auto" probes (default: the temp directory); pass the swap directory so
@@ -317,38 +319,77 @@ def _time_backend(backend: str, directory: str) -> float:
     return seconds
 
 
+def _describe(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        return f"{error.strerror} (errno {error.errno})"
+    return str(error)
+
+
+def _check_backend(backend: str, directory: str) -> dict:
+    """{"ok", "seconds", "error"} of one real aligned write+read with ``backend`` in
+    ``directory``."""
+    try:
+        seconds = _time_backend(backend, directory)
+    except (OSError, RuntimeError) as error:
+        return {"ok": False, "seconds": None, "error": _describe(error)}
+    return {"ok": True, "seconds": seconds, "error": None}
+
+
+# [Note: auto backend choice]
+# backend="auto" takes the first backend of BACKENDS (io_uring, then libaio, then threads)
+# that this build has and that completes a real aligned write+read in the directory. It does
+# not pick by speed: one probe's time says nothing about the backends. On the development
+# VM the disk's speed drifts 1.5x between seconds, and the three backends move a mixed
+# read/write load of 12 MiB pieces at the same 1.6-1.8 GB/s (block 1-4 MiB, queue depth
+# 16-64, alternated in one process), so a pick by the fastest probe flipped between runs and
+# made them irreproducible. The order: io_uring hands over a batch and reaps completions in
+# one system call; libaio is the kernel's older asynchronous interface (truly asynchronous
+# only with O_DIRECT); threads (pread/pwrite) work everywhere.
+
+
+def _preferred(results: Dict[str, dict]) -> Optional[str]:
+    return next((b for b in BACKENDS if b in results and results[b]["ok"]), None)
+
+
 def probe_directory(path) -> dict:
-    """Which I/O backends work in ``path`` (a real aligned write+read each, timed) and whether
-    O_DIRECT works there. Used by ``IOEngine(backend="auto")`` and ``offload doctor``.
+    """Which I/O backends work in ``path`` (a real aligned write+read each) and whether O_DIRECT
+    works there. Used by ``offload doctor`` and ``offload profile``.
 
     Returns {"path", "o_direct", "o_direct_error", "backends": {name: {"ok", "seconds",
-    "error"}}, "best": name or None}.
+    "error"}}, "choice": name or None, "best": the same as "choice"}. "backends" lists the
+    backends of this build in the order "auto" prefers them. "choice" is the backend
+    ``IOEngine(backend="auto", probe_dir=path)`` uses: the first that works ([Note: auto
+    backend choice]). "seconds" is the time of that one 8 MiB write+read, for information
+    only: it is not a measure of the backend, and the choice does not look at it. "best" is
+    "choice" under its older name, kept for older callers; it no longer means the fastest.
     """
     path = os.path.abspath(_check_path(path))
     if not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
     report: dict = {"path": path}
     report.update(_o_direct_works(path))
-    report["backends"] = {}
-    for backend in _native.io_available_backends():
-        try:
-            seconds = _time_backend(backend, path)
-            report["backends"][backend] = {"ok": True, "seconds": seconds, "error": None}
-        except (OSError, RuntimeError) as error:
-            report["backends"][backend] = {"ok": False, "seconds": None, "error": str(error)}
-    working = [(r["seconds"], name) for name, r in report["backends"].items() if r["ok"]]
-    report["best"] = min(working)[1] if working else None
+    compiled = set(_native.io_available_backends())
+    report["backends"] = {b: _check_backend(b, path) for b in BACKENDS if b in compiled}
+    report["choice"] = report["best"] = _preferred(report["backends"])
     return report
 
 
 def _auto_backend(directory: str) -> str:
-    """Fastest working backend in ``directory``, probed once per directory per process."""
+    """The first backend of BACKENDS that works in ``directory`` ([Note: auto backend
+    choice]), found once per directory per process."""
     directory = os.path.abspath(directory)
     if directory not in _auto_choice_by_dir:
-        best = probe_directory(directory)["best"]
-        if best is None:
-            raise OSError(f"no I/O backend works in {directory}")
-        _auto_choice_by_dir[directory] = best
+        compiled = set(_native.io_available_backends())
+        results: Dict[str, dict] = {}
+        for backend in (b for b in BACKENDS if b in compiled):
+            results[backend] = _check_backend(backend, directory)
+            if results[backend]["ok"]:
+                break
+        choice = _preferred(results)
+        if choice is None:
+            raise OSError(f"no I/O backend works in {directory}: " + "; ".join(
+                f"{b}: {r['error']}" for b, r in results.items()))
+        _auto_choice_by_dir[directory] = choice
     return _auto_choice_by_dir[directory]
 
 

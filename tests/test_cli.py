@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import offload
+import offload.io
 from offload.gpt import GPT, GPTConfig
 from offload.plan import load_profile, place, shape_from_module
 
@@ -216,6 +217,10 @@ def test_doctor_passes_on_a_writable_directory(tmp_path):
     result = run_cli("doctor", "--swap-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout
     assert "O_DIRECT" in result.stdout and "RLIMIT_MEMLOCK" in result.stdout and "CUDA" in result.stdout
+    # The backend it names is the one io_backend="auto" really takes there.
+    with offload.io.IOEngine("auto", probe_dir=str(tmp_path)) as io:
+        assert f"io_backend='auto' uses {io.backend} (the first of io_uring, libaio, threads that " \
+               "works here)" in result.stdout, result.stdout
 
 
 def test_doctor_fails_naming_a_directory_it_cannot_use(tmp_path):

@@ -1,4 +1,5 @@
 """The asynchronous I/O engine: round trips on every backend, error reporting, fallback."""
+import errno
 import gc
 import os
 import subprocess
@@ -9,6 +10,8 @@ import warnings
 import pytest
 import torch
 
+import offload
+import offload.io
 from offload import _native
 from offload.io import IOEngine, aligned_empty, probe_directory
 
@@ -43,10 +46,11 @@ def test_backends_compiled_and_probed(tmp_path):
     assert "threads" in BACKENDS
     report = probe_directory(tmp_path)
     assert report["o_direct"] is True
-    assert report["best"] in BACKENDS
     assert all(r["ok"] for r in report["backends"].values())
-    with IOEngine("auto") as io:
-        assert io.backend in BACKENDS
+    first_working = next(b for b in offload.io.BACKENDS if b in BACKENDS)
+    assert report["choice"] == report["best"] == first_working
+    with IOEngine("auto", probe_dir=str(tmp_path)) as io:
+        assert io.backend == report["choice"]
 
 
 @pytest.mark.parametrize("nbytes", SIZES)
@@ -424,3 +428,73 @@ def test_no_file_cache_when_max_open_files_is_zero(tmp_path):
         assert io.num_open_files == 0 and _fds_open_on(tmp_path) == []
     with pytest.raises(ValueError, match="max_open_files"):
         IOEngine("threads", max_open_files=-1)
+
+
+# ---------------------------------------------------------------- which backend is used
+# [Note: auto backend choice] These tests fake which backends this build has and how each
+# one's check goes, so they pin the rule whatever this machine's kernel allows.
+
+def _fake_backends(monkeypatch, compiled, outcome):
+    """This build has ``compiled``; the check of a backend in a directory returns
+    ``outcome[backend]`` as its seconds, or raises it when it is an exception. Returns the
+    (backend, directory) of every check, in order."""
+    checks = []
+
+    def time_backend(backend, directory):
+        checks.append((backend, directory))
+        if isinstance(outcome[backend], BaseException):
+            raise outcome[backend]
+        return outcome[backend]
+
+    class FakeCore:  # an engine that starts whatever it is asked for and moves nothing
+        def __init__(self, backend, block_bytes, queue_depth, max_open_files):
+            self.backend = backend
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(_native, "io_available_backends", lambda: list(compiled))
+    monkeypatch.setattr(_native, "IOEngineCore", FakeCore)
+    monkeypatch.setattr(offload.io, "_time_backend", time_backend)
+    monkeypatch.setattr(offload.io, "_auto_choice_by_dir", {})
+    return checks
+
+
+REFUSED = OSError(errno.EPERM, "io_uring_setup: Operation not permitted")
+
+
+def test_auto_prefers_io_uring_then_libaio_then_threads_whatever_the_timings(monkeypatch, tmp_path):
+    # Timings that favour the least preferred backend, and a build that lists it first.
+    checks = _fake_backends(monkeypatch, ["threads", "libaio", "io_uring"],
+                            {"io_uring": 0.3, "libaio": 0.2, "threads": 0.1})
+    report = probe_directory(tmp_path)
+    assert list(report["backends"]) == ["io_uring", "libaio", "threads"]
+    assert [r["seconds"] for r in report["backends"].values()] == [0.3, 0.2, 0.1]  # still reported
+    assert report["choice"] == report["best"] == "io_uring"
+    checks.clear()
+    with IOEngine("auto", probe_dir=str(tmp_path)) as io:
+        assert io.backend == "io_uring"
+    assert checks == [("io_uring", str(tmp_path))]  # auto stops at the first that works
+
+
+def test_auto_takes_the_next_backend_when_the_preferred_one_fails(monkeypatch, tmp_path):
+    _fake_backends(monkeypatch, ["io_uring", "libaio", "threads"],
+                   {"io_uring": REFUSED, "libaio": 0.2, "threads": 0.1})
+    report = probe_directory(tmp_path)
+    assert report["backends"]["io_uring"] == {
+        "ok": False, "seconds": None, "error": "io_uring_setup: Operation not permitted (errno 1)"}
+    assert report["choice"] == report["best"] == "libaio"
+    with IOEngine("auto", probe_dir=str(tmp_path)) as io:
+        assert io.backend == "libaio"
+
+    _fake_backends(monkeypatch, ["io_uring", "threads"], {"io_uring": REFUSED, "threads": 0.5})
+    assert probe_directory(tmp_path)["choice"] == "threads"  # libaio not in this build
+    with IOEngine("auto", probe_dir=str(tmp_path)) as io:
+        assert io.backend == "threads"
+
+    _fake_backends(monkeypatch, ["io_uring", "threads"],
+                   {"io_uring": REFUSED, "threads": OSError("data read back differs")})
+    assert probe_directory(tmp_path)["choice"] is None
+    with pytest.raises(OSError, match=r"no I/O backend works in .*io_uring: io_uring_setup: "
+                                      r"Operation not permitted \(errno 1\); threads: data read back"):
+        IOEngine("auto", probe_dir=str(tmp_path))

@@ -44,8 +44,9 @@ class Backend {
   virtual std::size_t reap(BlockCompletion* out, std::size_t max_completions, bool wait) = 0;
 };
 
-// Names compiled into this build, fastest-first by expectation: "io_uring", "libaio",
-// "threads". Whether one works on this kernel is found out by constructing it.
+// Names compiled into this build: "io_uring", "libaio", "threads". Whether one works on this
+// kernel is found out by constructing it; which one backend="auto" takes is a fixed order of
+// preference kept in offload/io.py (BACKENDS), not this list's order.
 std::vector<std::string> compiled_backends();
 
 // Throws std::invalid_argument for an unknown name and std::system_error when the kernel
