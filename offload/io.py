@@ -393,4 +393,13 @@ def _auto_backend(directory: str) -> str:
     return _auto_choice_by_dir[directory]
 
 
+def check_backend(backend: str, directory: str) -> None:
+    """Raises ``OSError`` saying why, unless ``backend`` completes a real aligned write+read
+    in ``directory``."""
+    result = _check_backend(backend, os.path.abspath(directory))
+    if not result["ok"]:
+        raise OSError(f"I/O backend {backend!r} does not work in {os.path.abspath(directory)}: "
+                      f"{result['error']}")
+
+
 from offload.swap import Extent, SwapSpace  # noqa: E402  (swap.py imports probe helpers)

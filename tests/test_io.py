@@ -2,6 +2,7 @@
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,9 @@ import torch
 import offload
 import offload.io
 from offload import _native
+from offload.gpt import GPT, GPTConfig
 from offload.io import IOEngine, aligned_empty, probe_directory
+from offload.tiers import NvmeTier
 
 COMPILED_BACKENDS = list(_native.io_available_backends())
 
@@ -498,3 +501,40 @@ def test_auto_takes_the_next_backend_when_the_preferred_one_fails(monkeypatch, t
     with pytest.raises(OSError, match=r"no I/O backend works in .*io_uring: io_uring_setup: "
                                       r"Operation not permitted \(errno 1\); threads: data read back"):
         IOEngine("auto", probe_dir=str(tmp_path))
+
+
+def test_nvme_tier_checks_its_backend_in_the_swap_directory(monkeypatch, tmp_path):
+    swap_dir = str(tmp_path / "swap")
+    checks = _fake_backends(monkeypatch, ["io_uring", "libaio", "threads"],
+                            {"io_uring": 0.3, "libaio": 0.2, "threads": 0.1})
+    tier = NvmeTier(swap_dir, 0, "auto", 1 << 20, 8)
+    try:
+        assert tier.io.backend == "io_uring"
+    finally:
+        tier.close()
+    assert checks == [("io_uring", swap_dir)]  # probed where the swap files go, not in /tmp
+    checks.clear()
+    tier = NvmeTier(swap_dir, 0, "threads", 1 << 20, 8)
+    tier.close()
+    assert checks == [("threads", swap_dir)]
+
+
+def test_wrap_names_io_backend_when_it_fails_in_the_swap_directory(monkeypatch, tmp_path):
+    swap_dir = tmp_path / "swap"
+    swap_dir.mkdir()
+    failure = OSError(errno.EINVAL, "pwrite: Invalid argument")
+    _fake_backends(monkeypatch, ["io_uring", "libaio", "threads"],
+                   {"io_uring": failure, "libaio": failure, "threads": failure})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters())
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(swap_dir))
+    with pytest.raises(OSError, match=rf"io_backend='threads': I/O backend 'threads' does not work in "
+                                      rf"{re.escape(str(swap_dir))}: pwrite: Invalid argument \(errno 22\)"):
+        offload.wrap(model, opt, config=dict(config, io_backend="threads"))
+    with pytest.raises(OSError, match=rf"io_backend='auto': no I/O backend works in {re.escape(str(swap_dir))}: "
+                                      r"io_uring: .*; libaio: .*; threads: pwrite: Invalid argument"):
+        offload.wrap(model, opt, config=config)
+    assert os.listdir(swap_dir) == []  # no lock, no run directory, no probe file left
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

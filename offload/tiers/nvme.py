@@ -7,12 +7,25 @@ from typing import Any, Deque, Tuple
 
 import torch
 
-from offload.io import IOEngine, SwapSpace
+from offload.io import IOEngine, SwapSpace, check_backend
 
 
 # Requests kept for the engine's trace (export_trace): the most recent ones only, so a long
 # run holds a bounded amount (a few MiB) whatever its length.
 TRACE_REQUESTS = 1 << 15
+
+
+def _start_engine(swap_dir: str, backend: str, block_bytes: int, queue_depth: int) -> IOEngine:
+    """The run's I/O engine, its backend seen to complete a real aligned write+read in
+    ``swap_dir`` first ("auto": the first of io_uring, libaio, threads that does), so a
+    backend that fails there is an error naming io_backend before any swap file is written."""
+    try:
+        if backend != "auto":
+            check_backend(backend, swap_dir)
+        return IOEngine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth,
+                        probe_dir=swap_dir)
+    except OSError as error:
+        raise OSError(f"io_backend={backend!r}: {error}") from error
 
 
 class NvmeTier:
@@ -25,7 +38,7 @@ class NvmeTier:
         # SwapSpace runs its preflight (space, permissions, O_DIRECT) before creating files.
         self.space = SwapSpace(swap_dir, reserve_bytes=reserve_bytes)
         try:
-            self.io = IOEngine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth)
+            self.io = _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth)
         except BaseException:
             self.space.close()
             raise
