@@ -53,6 +53,24 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+# The names offload.io.BACKENDS holds, in the order io_backend="auto" prefers them; spelled
+# out here so a config can be checked without the native extension.
+IO_BACKENDS = ("io_uring", "libaio", "threads")
+
+
+def _check_backend_usable(backend: str) -> None:
+    """Refuses a backend this build lacks or the kernel refuses in this process."""
+    try:
+        from offload.io import backend_refusal
+    except ImportError:  # no native extension: wrap() says so itself, naming the fix
+        return
+    refusal = backend_refusal(backend)
+    if refusal is not None:
+        raise ValueError(
+            f"io_backend: {backend!r} cannot be used in this process: {refusal}; use 'auto' "
+            f"(the first of {', '.join(IO_BACKENDS)} that works) or another backend")
+
+
 def _one_of(name: str, value: Any, accepted: Tuple[Any, ...]) -> None:
     if value not in accepted:
         raise ValueError(f"{name}: got {value!r}; accepted values are {', '.join(map(repr, accepted))}")
@@ -116,7 +134,14 @@ class OffloadConfig:
     that form units. Not available from JSON."""
 
     io_backend: str = "auto"
-    """Backend of the native I/O engine: "auto" (probed), "io_uring", "threads"."""
+    """Backend of the native I/O engine: "auto", "io_uring", "libaio" or "threads". "auto"
+    takes the first of io_uring, libaio, threads that completes a real aligned write+read in
+    swap_dir, in that fixed order, not the fastest: the three move swap traffic at the same
+    speed within the disk's noise, and a fixed order keeps runs reproducible. A backend named
+    here that this build lacks or the kernel refuses (io_uring disabled by sysctl or
+    seccomp) is a ValueError when the config is built. With a tier on "nvme", wrap() checks
+    the backend ("auto": finds it) in swap_dir before any swap file is written; one that
+    fails there is an OSError naming io_backend, and the swap directory is left as it was."""
 
     io_block_bytes: Size = 1 << 20
     """Requests larger than this are split into blocks of this size, many in flight."""
@@ -179,7 +204,9 @@ class OffloadConfig:
             raise ValueError(
                 "stage: 3 shards the compute copies at their home tier, but param_tier='device' "
                 "keeps every unit whole on the device; use param_tier='host' or 'nvme' with stage 3")
-        _one_of("io_backend", self.io_backend, ("auto", "io_uring", "threads"))
+        _one_of("io_backend", self.io_backend, ("auto",) + IO_BACKENDS)
+        if self.io_backend != "auto":
+            _check_backend_usable(self.io_backend)
         if "nvme" in (self.param_tier, self.optimizer_tier):
             if not self.swap_dir:
                 raise ValueError(

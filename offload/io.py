@@ -47,6 +47,12 @@ _PROBE_BYTES = 8 << 20
 # Swap spaces use a few large files; 128 descriptors cover a terabyte of 8 GiB swap files.
 DEFAULT_MAX_OPEN_FILES = 128
 _auto_choice_by_dir: Dict[str, str] = {}
+# Why the kernel refused to start a backend in this process (None: it started), asked once
+# per process: seccomp filters only ever tighten, kernel.io_uring_disabled is rarely changed on
+# a running machine, and libaio's io_destroy alone takes ~40 ms on the development VM. A
+# backend refused after the answer was cached still fails where a run starts, with an OSError
+# (NvmeTier checks it in the swap directory).
+_refusal_by_backend: Dict[str, Optional[str]] = {}
 
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -400,6 +406,22 @@ def check_backend(backend: str, directory: str) -> None:
     if not result["ok"]:
         raise OSError(f"I/O backend {backend!r} does not work in {os.path.abspath(directory)}: "
                       f"{result['error']}")
+
+
+def backend_refusal(backend: str) -> Optional[str]:
+    """Why this process cannot use ``backend`` (one of BACKENDS) anywhere: not compiled into
+    this build, or refused by the kernel (io_uring disabled by sysctl or seccomp, no native
+    AIO). None when it starts. ``OffloadConfig`` asks this for an explicit io_backend."""
+    compiled = list(_native.io_available_backends())
+    if backend not in compiled:
+        return f"not compiled into this build (it has {', '.join(compiled)})"
+    if backend not in _refusal_by_backend:
+        try:
+            _native.IOEngineCore(backend, ALIGN_BYTES, 1, 0).close()
+            _refusal_by_backend[backend] = None
+        except (OSError, RuntimeError) as error:
+            _refusal_by_backend[backend] = f"the kernel refuses it: {_describe(error)}"
+    return _refusal_by_backend[backend]
 
 
 from offload.swap import Extent, SwapSpace  # noqa: E402  (swap.py imports probe helpers)

@@ -460,6 +460,7 @@ def _fake_backends(monkeypatch, compiled, outcome):
     monkeypatch.setattr(_native, "IOEngineCore", FakeCore)
     monkeypatch.setattr(offload.io, "_time_backend", time_backend)
     monkeypatch.setattr(offload.io, "_auto_choice_by_dir", {})
+    monkeypatch.setattr(offload.io, "_refusal_by_backend", {})
     return checks
 
 
@@ -501,6 +502,43 @@ def test_auto_takes_the_next_backend_when_the_preferred_one_fails(monkeypatch, t
     with pytest.raises(OSError, match=r"no I/O backend works in .*io_uring: io_uring_setup: "
                                       r"Operation not permitted \(errno 1\); threads: data read back"):
         IOEngine("auto", probe_dir=str(tmp_path))
+
+
+def test_config_accepts_every_backend_of_the_io_engine():
+    assert offload.config.IO_BACKENDS == offload.io.BACKENDS
+    for backend in BACKENDS:  # those this machine starts
+        assert offload.OffloadConfig(io_backend=backend).io_backend == backend
+    if "libaio" in BACKENDS:
+        assert offload.OffloadConfig.from_any({"io_backend": "libaio"}).io_backend == "libaio"
+    else:
+        with pytest.raises(ValueError, match="io_backend: 'libaio' cannot be used in this process"):
+            offload.OffloadConfig(io_backend="libaio")
+    with pytest.raises(ValueError, match="io_backend: got 'aio'; accepted values are "
+                                         "'auto', 'io_uring', 'libaio', 'threads'"):
+        offload.OffloadConfig(io_backend="aio")
+
+
+def test_config_refuses_a_backend_missing_from_the_build_or_refused_by_the_kernel(monkeypatch):
+    _fake_backends(monkeypatch, ["io_uring", "threads"], {})
+    with pytest.raises(ValueError, match=r"io_backend: 'libaio' cannot be used in this process: "
+                                         r"not compiled into this build \(it has io_uring, threads\)"):
+        offload.OffloadConfig(io_backend="libaio")
+
+    class RefusingCore:
+        def __init__(self, backend, *args):
+            if backend == "io_uring":  # as under seccomp or kernel.io_uring_disabled=2
+                raise OSError(errno.EPERM, "io_uring_setup: Operation not permitted", "")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(_native, "IOEngineCore", RefusingCore)
+    with pytest.raises(ValueError, match=r"io_backend: 'io_uring' cannot be used in this process: the "
+                                         r"kernel refuses it: io_uring_setup: Operation not permitted "
+                                         r"\(errno 1\); use 'auto'"):
+        offload.OffloadConfig(io_backend="io_uring")
+    assert offload.OffloadConfig(io_backend="threads").io_backend == "threads"
+    assert offload.OffloadConfig(io_backend="auto").io_backend == "auto"
 
 
 def test_nvme_tier_checks_its_backend_in_the_swap_directory(monkeypatch, tmp_path):
