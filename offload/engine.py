@@ -25,9 +25,24 @@ drops it when the unit is updated. Nothing then stays allocated for gradients be
 steps, no copy is made, and the memory of the gradients of one backward is that of plain
 PyTorch, given back as units are updated. The tier accounts these tensors like its own
 buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts them as moved.
+
+[Note: a failed wrap changes nothing] From the moment wrap first changes something the
+caller holds (the meta stand-ins go into the model and the optimizer) to its last step,
+every change is logged on one ExitStack as the way to undo it: module parameter and buffer
+slots and param groups get their old entries back, the model's own parameters their
+storage, the CPU RNG that initialized a meta model is rewound, hooks are removed, the swap
+files deleted and the half-built engine's buffers let go. Wrap failing anywhere in between
+thus leaves the model, the optimizer, the RNG and the swap directory as they were, and the
+same objects can be wrapped again. The price: a model not on the meta device keeps its
+storage until wrap has succeeded, not only until its unit is home, so where homes are on
+the host (their pages are touched as they are written) wrap's peak grows by up to the
+model's size. A meta model's stand-ins are dropped whole, their storage is not kept. What
+user code (``reset_parameters``, ``init_fn``) did besides initializing parameters is not
+undone.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import itertools
@@ -183,6 +198,13 @@ class _StagingSlot:
         self.pending_writes: List[Any] = []
 
 
+def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
+    """``table[key] = value``, the old entry put back when ``undo`` unwinds ([Note: a failed
+    wrap changes nothing])."""
+    undo.callback(table.__setitem__, key, table[key])
+    table[key] = value
+
+
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          config: "OffloadConfig | dict | str | None" = None, *,
          init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
@@ -248,7 +270,8 @@ class Engine:
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
-        # only once every check below has passed: a refused wrap leaves both as they were.
+        # only once every check below has passed, and taken out again if wrap fails after
+        # that ([Note: a failed wrap changes nothing]).
         meta_replacements = self._meta_stand_ins(specs)
         self.units = [_Unit(spec, compute_element_bytes) for spec in specs]
         self._root = self.units[0]
@@ -279,89 +302,96 @@ class Engine:
         self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
-        self._unmaterialized = self._install_stand_ins(meta_replacements)
 
-        # 4. Tiers.
-        self.stats_counters = Stats()
-        self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
-        self._host = HostTier(config.host_budget)
-        self._nvme: Optional[NvmeTier] = None
-        if needs_nvme:
-            self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
-                                  config.io_block_bytes, config.io_queue_depth)
-        try:
+        # From here on wrap changes what the caller holds: a failure anywhere below puts it
+        # all back ([Note: a failed wrap changes nothing]).
+        with contextlib.ExitStack() as undo:
+            # Last of all: the half-built engine lets go of its buffers (its traceback keeps
+            # it alive), so that wrapping again finds the memory free.
+            undo.callback(vars(self).clear)
+            self._unmaterialized = self._install_stand_ins(meta_replacements, undo)
+
+            # 4. Tiers.
+            self.stats_counters = Stats()
+            self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
+            self._host = HostTier(config.host_budget)
+            self._nvme: Optional[NvmeTier] = None
+            undo.callback(self._close_tiers)
+            if needs_nvme:
+                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
+                                      config.io_block_bytes, config.io_queue_depth)
             self._allocate_homes()
             self._slots = self._allocate_staging()
+
             # 5. Move every unit's state to its home tier (materializing meta models).
             self._placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-            self._move_to_homes(init_fn)
-        except BaseException:
-            self._close_tiers()
-            raise
+            self._move_to_homes(init_fn, undo)
 
-        # 6. Prefetch, the workers that move and update units, hooks.
-        self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
-        self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units, max_bytes_ahead=config.prefetch_bytes)
-        self._last_needed: Optional[_Unit] = None
-        self._last_train_key: Optional[Tuple[Any, ...]] = None
-        self._backward_unit: Optional[_Unit] = None
-        self._backward_started = 0.0
-        # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
-        # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
-        self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
-        home_dtype = torch.float32 if self._merged else self.compute_dtype
-        self._fetch_staging: List[torch.Tensor] = [
-            self._host.allocate(max(u.compute_numel for u in self.units), home_dtype)
-            for _ in range(config.prefetch_units + 1)
-        ] if self._param_tier == "nvme" and self.device.type == "cuda" and not self._gathers else []
-        # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
-        # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
-        self._gather_home: Optional[torch.Tensor] = self._host.allocate(
-            max(self._compute_home_numel(u) for u in self.units), home_dtype) \
-            if self._gathers and self._param_tier == "nvme" else None
-        self._gather_out: Optional[torch.Tensor] = self._host.allocate(
-            max(u.compute_numel for u in self.units), home_dtype) \
-            if self._gathers and self.device.type == "cuda" else None
-        # Early optimizer updates (a unit's Adam as soon as its gradients are final in
-        # backward) run on this worker, overlapping the rest of backward. Not with global
-        # clipping or fp16 overflow checks: those need every gradient first.
-        self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-        # [zero] Not with several ranks either: collectives must run in the same order on
-        # every rank, and only on the main thread (this also skips the root prestage).
-        self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
-                               and not config.skip_nonfinite_steps and self._partition is None)
-        self._early_updates = False
-        self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
-        # [Note: deferred updates] units waiting for the worker, best first:
-        # (priority, sequence, unit index, unit, hyperparameters, ticket)
-        self._update_heap: List[Tuple[float, int, int, _Unit, List[Dict[str, Any]], Future]] = []
-        self._update_lock = threading.Lock()
-        self._update_sequence = itertools.count()
-        self._step_pending = False  # a deferred step's updates or bookkeeping are not done
-        self._stale_units: List[_Unit] = []
-        self._root_prestaged: Optional[List[Any]] = None
-        # [Note: swap I/O failures] which piece each staging slot is writing back, and the
-        # write failures of this step (kept in host RAM, reported when the step ends)
-        self._slot_writer: List[Optional[Tuple[_Unit, int, int]]] = [None] * len(self._slots)
-        self._write_errors: List[Tuple[_Unit, OSError]] = []
-        self._grad_pool: Dict[int, List[torch.Tensor]] = {}
-        self._grad_pool_lock = threading.Lock()
-        self._next_slot = 0
-        self._forward_started = 0.0
-        self._tick = 0
-        self._micro_step = 0
-        self._loss_scale = config.initial_loss_scale if config.dtype == "fp16" else 1.0
-        self._good_steps = 0
-        self._last_grad_norm: Optional[float] = None
-        self._last_step_end: Optional[float] = None
-        self._last_step_seconds = 0.0
-        self._last_optimizer_seconds = 0.0
-        self._forward_depth = 0
-        self._saved_hooks: List[Any] = []
-        self._hook_handles: List[Any] = []
-        # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
-        self._buffers = [b for b in model.buffers()]
-        self._install_hooks()
+            # 6. Prefetch, the workers that move and update units, hooks.
+            self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
+            self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units, max_bytes_ahead=config.prefetch_bytes)
+            self._last_needed: Optional[_Unit] = None
+            self._last_train_key: Optional[Tuple[Any, ...]] = None
+            self._backward_unit: Optional[_Unit] = None
+            self._backward_started = 0.0
+            # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
+            # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
+            self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+            home_dtype = torch.float32 if self._merged else self.compute_dtype
+            self._fetch_staging: List[torch.Tensor] = [
+                self._host.allocate(max(u.compute_numel for u in self.units), home_dtype)
+                for _ in range(config.prefetch_units + 1)
+            ] if self._param_tier == "nvme" and self.device.type == "cuda" and not self._gathers else []
+            # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
+            # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
+            self._gather_home: Optional[torch.Tensor] = self._host.allocate(
+                max(self._compute_home_numel(u) for u in self.units), home_dtype) \
+                if self._gathers and self._param_tier == "nvme" else None
+            self._gather_out: Optional[torch.Tensor] = self._host.allocate(
+                max(u.compute_numel for u in self.units), home_dtype) \
+                if self._gathers and self.device.type == "cuda" else None
+            # Early optimizer updates (a unit's Adam as soon as its gradients are final in
+            # backward) run on this worker, overlapping the rest of backward. Not with global
+            # clipping or fp16 overflow checks: those need every gradient first.
+            self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
+            # [zero] Not with several ranks either: collectives must run in the same order on
+            # every rank, and only on the main thread (this also skips the root prestage).
+            self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
+                                   and not config.skip_nonfinite_steps and self._partition is None)
+            self._early_updates = False
+            self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
+            # [Note: deferred updates] units waiting for the worker, best first:
+            # (priority, sequence, unit index, unit, hyperparameters, ticket)
+            self._update_heap: List[Tuple[float, int, int, _Unit, List[Dict[str, Any]], Future]] = []
+            self._update_lock = threading.Lock()
+            self._update_sequence = itertools.count()
+            self._step_pending = False  # a deferred step's updates or bookkeeping are not done
+            self._stale_units: List[_Unit] = []
+            self._root_prestaged: Optional[List[Any]] = None
+            # [Note: swap I/O failures] which piece each staging slot is writing back, and the
+            # write failures of this step (kept in host RAM, reported when the step ends)
+            self._slot_writer: List[Optional[Tuple[_Unit, int, int]]] = [None] * len(self._slots)
+            self._write_errors: List[Tuple[_Unit, OSError]] = []
+            self._grad_pool: Dict[int, List[torch.Tensor]] = {}
+            self._grad_pool_lock = threading.Lock()
+            self._next_slot = 0
+            self._forward_started = 0.0
+            self._tick = 0
+            self._micro_step = 0
+            self._loss_scale = config.initial_loss_scale if config.dtype == "fp16" else 1.0
+            self._good_steps = 0
+            self._last_grad_norm: Optional[float] = None
+            self._last_step_end: Optional[float] = None
+            self._last_step_seconds = 0.0
+            self._last_optimizer_seconds = 0.0
+            self._forward_depth = 0
+            self._saved_hooks: List[Any] = []
+            self._hook_handles: List[Any] = []
+            # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
+            self._buffers = [b for b in model.buffers()]
+            undo.callback(self._remove_hooks)
+            self._install_hooks()
+            undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
         # _dirty: unit index -> states whose swap write failed, held in host RAM.
         self._failure: Optional[Dict[str, Any]] = None
@@ -615,26 +645,36 @@ class Engine:
                     e.param = new_of[e.param]
         return new_of
 
-    def _install_stand_ins(self, new_of: Dict[nn.Parameter, nn.Parameter]) -> set:
+    def _install_stand_ins(self, new_of: Dict[nn.Parameter, nn.Parameter], undo: contextlib.ExitStack) -> set:
         """Puts the stand-ins in every module that holds their meta parameter (ties stay
-        ties) and in the optimizer's param groups. Returns the stand-ins."""
+        ties) and in the optimizer's param groups, the meta parameters put back when ``undo``
+        unwinds. Returns the stand-ins."""
+        if not new_of:
+            return set()
         for module in self.module.modules():
-            for name, p in module._parameters.items():
+            for name, p in list(module._parameters.items()):
                 if p is not None and p in new_of:
-                    module._parameters[name] = new_of[p]
+                    _swap_in(undo, module._parameters, name, new_of[p])
         for group in self.optimizer.param_groups:
-            group["params"] = [new_of.get(p, p) for p in group["params"]]
+            _swap_in(undo, group, "params", [new_of.get(p, p) for p in group["params"]])
         return set(new_of.values())
 
-    def _move_to_homes(self, init_fn: Optional[Callable[[nn.Module], None]]) -> None:
+    def _move_to_homes(self, init_fn: Optional[Callable[[nn.Module], None]], undo: contextlib.ExitStack) -> None:
         """Copy each unit's parameters into its home buffers and free the originals. A
         meta-device model is materialized module by module in model order (so initial values
         follow the same RNG sequence as an eager build), each unit written home as soon as
-        all its parameters exist: the whole model never has to be in RAM."""
+        all its parameters exist: the whole model never has to be in RAM. What this changes
+        in the model is put back when ``undo`` unwinds ([Note: a failed wrap changes
+        nothing])."""
         unit_of: Dict[nn.Parameter, _Unit] = {}
         for u in self.units:
             for e in u.spec.entries:
                 unit_of[e.param] = u
+        for p in unit_of:
+            if p not in self._unmaterialized:
+                undo.callback(setattr, p, "data", p.data)
+        if self._unmaterialized:  # reset_parameters and init_fn draw from it
+            undo.callback(torch.set_rng_state, torch.get_rng_state())
         missing = {u.index: len(u.spec.entries) for u in self.units}
         done: set = set()
 
@@ -657,7 +697,7 @@ class Engine:
                     materialized = True
             for name, b in list(module._buffers.items()):
                 if b is not None and b.is_meta:
-                    module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+                    _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=self.device))
                     materialized = True
             if materialized:
                 with torch.no_grad():
@@ -667,7 +707,7 @@ class Engine:
                         init_fn(module)
             for name, b in list(module._buffers.items()):
                 if b is not None and b.device != self.device:
-                    module._buffers[name] = b.to(self.device)
+                    _swap_in(undo, module._buffers, name, b.to(self.device))
             for p in module._parameters.values():
                 if p is not None:
                     finish(p)
@@ -677,7 +717,9 @@ class Engine:
     def _write_initial_state(self, u: _Unit) -> None:
         """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
         it is written without a bounce copy) and a separate fp32 master where one is kept;
-        each parameter's own storage is let go once copied, the moments are zeros."""
+        each parameter lets go of its storage once copied (the model's own storage is still
+        held until wrap succeeds: [Note: a failed wrap changes nothing]), the moments are
+        zeros."""
         from offload.io import aligned_empty
 
         compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), self.compute_dtype).zero_()
@@ -2499,6 +2541,11 @@ class Engine:
         self._timeline.export(path, list(self._nvme.recent) if self._nvme is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
+    def _remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+
     def _close_tiers(self) -> None:
         if self._nvme is not None:
             self._nvme.close()
@@ -2518,9 +2565,7 @@ class Engine:
         finally:
             self._copy_worker.shutdown(wait=True)
             self._optimizer_worker.shutdown(wait=True)
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles.clear()
+        self._remove_hooks()
         self._close_tiers()
         if deferred and self._write_errors:
             (unit, first), *_ = self._write_errors

@@ -1,6 +1,7 @@
 """offload.wrap computes the same function as plain PyTorch + torch.optim.AdamW, within the
 device budget, for every tier combination (issue 4)."""
 import copy
+import errno
 import json
 import os
 
@@ -415,6 +416,19 @@ def test_meta_model_materializes_unit_by_unit_like_reset_parameters():
         assert all(l == l for l in losses)
 
 
+def assert_meta_model_as_before(model, opt, params_before, groups_before):
+    """``model`` holds the same meta parameters (the same objects, shapes) as
+    ``params_before`` ({name: parameter}), and ``opt`` the same ones as ``groups_before``."""
+    assert dict(model.named_parameters()).keys() == params_before.keys()
+    for n, p in model.named_parameters():
+        assert p is params_before[n], n
+        assert p.is_meta and p.shape == params_before[n].shape, n
+    assert all(b.is_meta for b in model.buffers())
+    assert [len(g["params"]) for g in opt.param_groups] == [len(before) for before in groups_before]
+    assert all(a is b for g, before in zip(opt.param_groups, groups_before)
+               for a, b in zip(g["params"], before))
+
+
 def test_refused_wrap_leaves_a_meta_model_and_its_optimizer_untouched():
     """A wrap refused for its budget must not have swapped the model's meta parameters
     for stand-ins: the same model and optimizer wrap fine afterwards, with the right
@@ -425,15 +439,52 @@ def test_refused_wrap_leaves_a_meta_model_and_its_optimizer_untouched():
     groups_before = [list(g["params"]) for g in opt.param_groups]
     with pytest.raises(ValueError, match="device_budget"):
         offload.wrap(meta_model, opt, config=dict(param_tier="host", device_budget=64))
-    assert all(p.is_meta for p in meta_model.parameters())
-    assert dict(meta_model.named_parameters()).keys() == params_before.keys()
-    assert all(p is params_before[n] for n, p in meta_model.named_parameters())
-    assert all(a is b for g, before in zip(opt.param_groups, groups_before)
-               for a, b in zip(g["params"], before))
+    assert_meta_model_as_before(meta_model, opt, params_before, groups_before)
     with offload.wrap(meta_model, opt, config=dict(param_tier="host", device_budget=budget_for(eager, 0.6))) as engine:
         sd = engine.state_dict()
         for k, v in eager.state_dict().items():
             assert torch.equal(sd[k], v), k
+
+
+def _backend_failing_in(backend, directory):
+    raise OSError(errno.EINVAL, f"I/O backend {backend!r} does not work in {directory}: "
+                                "pwrite: Invalid argument")
+
+
+@pytest.mark.parametrize("refusal", ["swap_dir", "io_backend"])
+def test_wrap_refused_by_the_swap_tier_leaves_a_meta_model_as_it_was(refusal, tmp_path, monkeypatch):
+    """The swap tier is set up after every budget check: a swap_dir that cannot be created,
+    or an io_backend that fails there, must still find the model's meta parameters and the
+    optimizer's param groups as they were, leave no file in the swap directory, and the
+    same model and optimizer then wrap and train with a good config."""
+    eager, meta_model = eager_and_meta_gpt()
+    opt = make_opt(meta_model.parameters())
+    params_before = dict(meta_model.named_parameters())
+    groups_before = [list(g["params"]) for g in opt.param_groups]
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    good = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(swap),
+                device_budget=budget_for(eager, 0.6))
+    if refusal == "swap_dir":
+        (tmp_path / "a-file").write_text("")
+        bad = dict(good, swap_dir=str(tmp_path / "a-file" / "swap"))
+        refused = pytest.raises(ValueError, match="swap_dir .* cannot be created")
+    else:
+        monkeypatch.setattr(offload.tiers.nvme, "check_backend", _backend_failing_in)
+        bad = dict(good, io_backend="threads")
+        refused = pytest.raises(OSError, match="io_backend='threads': .*does not work in")
+    with refused:
+        offload.wrap(meta_model, opt, config=bad)
+    monkeypatch.undo()
+    assert_meta_model_as_before(meta_model, opt, params_before, groups_before)
+    assert os.listdir(swap) == []
+    with offload.wrap(meta_model, opt, config=good) as engine:
+        sd = engine.state_dict()
+        for k, v in eager.state_dict().items():
+            assert torch.equal(sd[k], v), k
+        losses = train_offload(engine, batches(1))
+        assert all(l == l for l in losses)
+    assert os.listdir(swap) == []
 
 
 def test_config_from_dict_and_json(tmp_path):

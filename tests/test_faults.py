@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import traceback
 import warnings
 
 import pytest
@@ -358,6 +359,139 @@ def test_enospc_on_a_full_filesystem_during_save_keeps_the_last_checkpoint(tmp_p
                 assert_same_state(fresh.state_dict(), state)
         finally:
             subprocess.run(["umount", str(mount)], check=True)
+
+
+# ---------------------------------------------------------------------- a failed wrap
+# Where a wrap is made to fail: the first or the last swap write of the initial placement
+# (nothing home yet; every unit home but the last), or after its last step (every unit home).
+WRAP_FAILURES = ["first swap write", "last swap write", "after the last step"]
+
+
+def _swap_writes_in_wrap(make_model, config, monkeypatch):
+    """How many swap writes wrapping ``make_model()`` with ``config`` issues."""
+    start_engine, engines = offload.tiers.nvme._start_engine, []
+    with monkeypatch.context() as m:
+        m.setattr(offload.tiers.nvme, "_start_engine",
+                  lambda *args: engines.append(FaultyIO(start_engine(*args), errno.EIO)) or engines[-1])
+        model = make_model()
+        offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config).close()
+    return engines[0].writes
+
+
+def _fail_wrap(where, monkeypatch, swap_writes):
+    """Make the next wrap fail ``where`` (one of WRAP_FAILURES); returns the pytest.raises
+    its failure matches."""
+    if where == "after the last step":
+        install_hooks = offload.engine.Engine._install_hooks
+
+        def install_hooks_then_fail(engine):
+            install_hooks(engine)
+            raise RuntimeError("injected failure after the last step of wrap")
+
+        monkeypatch.setattr(offload.engine.Engine, "_install_hooks", install_hooks_then_fail)
+        return pytest.raises(RuntimeError, match="injected failure")
+    k = 1 if where == "first swap write" else swap_writes
+    start_engine = offload.tiers.nvme._start_engine
+    monkeypatch.setattr(offload.tiers.nvme, "_start_engine",
+                        lambda *args: FaultyIO(start_engine(*args), errno.EIO, fail_write=k))
+    return pytest.raises(OSError, match=os.strerror(errno.EIO))
+
+
+def assert_no_hooks(model):
+    for module in model.modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+
+
+@pytest.mark.parametrize("where", WRAP_FAILURES)
+def test_a_wrap_failing_part_way_leaves_the_model_as_it_was(where, tmp_path, monkeypatch):
+    """The initial placement lets each parameter's storage go once its unit is home; a wrap
+    failing after that must still give the model back with the same parameters and values,
+    the optimizer with the same param groups, no hook and no swap file, and a second wrap
+    of them trains like a first one."""
+    config = nvme_config(tmp_path)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = GPT(CFG)
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params_before = dict(model.named_parameters())
+    values_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups_before = [list(g["params"]) for g in opt.param_groups]
+    swap_writes = _swap_writes_in_wrap(lambda: GPT(CFG), config, monkeypatch)
+    with _fail_wrap(where, monkeypatch, swap_writes) as failure:
+        offload.wrap(model, opt, config=config)
+    monkeypatch.undo()
+    failed = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(failure.tb)
+              if isinstance(frame.f_locals.get("self"), offload.engine.Engine)]
+    assert failed and all(vars(engine) == {} for engine in failed), "the failed engine holds no buffers"
+    for n, p in model.named_parameters():
+        assert p is params_before[n], n
+        assert p.device == values_before[n].device and torch.equal(p.detach(), values_before[n]), n
+    assert [g["params"] for g in opt.param_groups] == groups_before
+    assert all(a is b for g, before in zip(opt.param_groups, groups_before) for a, b in zip(g["params"], before))
+    assert_no_hooks(model)
+    assert os.listdir(config["swap_dir"]) == []
+    with offload.wrap(model, opt, config=config) as engine, \
+            offload.wrap(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2),
+                         config=dict(config, swap_dir=str(tmp_path))) as fresh:
+        run(engine, 0, 1)
+        run(fresh, 0, 1)
+        assert_same_state(engine.state_dict(), fresh.state_dict())
+    assert os.listdir(config["swap_dir"]) == []
+
+
+@pytest.mark.parametrize("where", WRAP_FAILURES + ["init_fn"])
+def test_a_wrap_of_a_meta_model_failing_part_way_leaves_it_as_it_was(where, tmp_path, monkeypatch):
+    """A meta model is materialized into stand-in parameters unit by unit: a wrap failing
+    part-way must put its meta parameters (and meta buffers) back in the model and the
+    optimizer, leave no hook and no swap file, and rewind the RNG that initialization drew
+    from, so that a second wrap gives the values of an eager build and trains."""
+    config = nvme_config(tmp_path)
+    def meta_gpt():
+        with torch.device("meta"):
+            return GPT(CFG)
+
+    swap_writes = _swap_writes_in_wrap(meta_gpt, config, monkeypatch)
+    torch.manual_seed(0)
+    eager = GPT(CFG)
+    torch.manual_seed(0)
+    model = meta_gpt()
+    model.blocks[0].register_buffer("counts", torch.empty(4, device="meta"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params_before = dict(model.named_parameters())
+    buffers_before = dict(model.named_buffers())
+    groups_before = [list(g["params"]) for g in opt.param_groups]
+    rng_before = torch.get_rng_state()
+    last_block = set(model.blocks[-1].modules())
+
+    def init_fn(module):  # with where="init_fn", fails in the last block: the others are home
+        if where == "init_fn" and module in last_block:
+            raise RuntimeError("injected failure in init_fn")
+
+    if where == "init_fn":
+        refused = pytest.raises(RuntimeError, match="injected failure in init_fn")
+    else:
+        refused = _fail_wrap(where, monkeypatch, swap_writes)
+    with refused:
+        offload.wrap(model, opt, config=config, init_fn=init_fn)
+    monkeypatch.undo()
+    assert dict(model.named_parameters()).keys() == params_before.keys()
+    for n, p in model.named_parameters():
+        assert p is params_before[n] and p.is_meta and p.shape == params_before[n].shape, n
+    assert all(b is buffers_before[n] and b.is_meta for n, b in model.named_buffers())
+    assert all(a is b for g, before in zip(opt.param_groups, groups_before) for a, b in zip(g["params"], before))
+    assert [len(g["params"]) for g in opt.param_groups] == [len(before) for before in groups_before]
+    assert_no_hooks(model)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert os.listdir(config["swap_dir"]) == []
+    with offload.wrap(model, opt, config=config) as engine:
+        state = engine.state_dict()
+        for k, v in eager.state_dict().items():
+            assert torch.equal(state[k], v), k
+        run(engine, 0, 1)
+    assert os.listdir(config["swap_dir"]) == []
 
 
 # ---------------------------------------------------------------------- NaN / Inf
