@@ -61,7 +61,8 @@ from torch import nn
 from offload.swap import pid_alive
 
 if TYPE_CHECKING:
-    from offload.engine import Engine, _Unit
+    from offload.engine import Engine
+    from offload.memory.layout import UnitState
 
 FORMAT = "offload-checkpoint"
 VERSION = 2
@@ -365,7 +366,7 @@ def _manifest(engine: "Engine", everyone: List[Dict[str, Any]]) -> Dict[str, Any
 
 
 @torch.no_grad()
-def _write_unit(engine: "Engine", u: "_Unit", tmp: str, suffix: str,
+def _write_unit(engine: "Engine", u: "UnitState", tmp: str, suffix: str,
                 files: Dict[str, Dict[str, Any]]) -> List[Tuple[str, Dict[str, Any]]]:
     """This rank's part of one unit (see the module docstring): (fqn, piece) pairs;
     [Note: bounded checkpoint memory]."""
@@ -662,7 +663,7 @@ class _PieceReader:
         self._handles.clear()
 
 
-def _unit_reader(u: "_Unit", saved: Dict[str, Dict[str, Any]],
+def _unit_reader(u: "UnitState", saved: Dict[str, Dict[str, Any]],
                  reader: _PieceReader) -> Callable[[str, int, int, torch.Tensor], None]:
     """``read(section, lo, hi, out)`` for Engine.write_unit_state: elements [lo, hi) of u's
     trainable prefix ("master", "exp_avg", "exp_avg_sq") or of its frozen tail ("value",

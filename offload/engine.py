@@ -64,14 +64,13 @@ from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat, join_master, split_master
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
+from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel,
+    OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, UnitSpec, padded_numel,
     split_into_units)
-from offload.zero import ParamShard, Partition, ShardRange
+from offload.zero import Partition
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_FP32_BYTES = 4
 _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 
 
@@ -100,102 +99,6 @@ class _SavedParamRef:
     relative_offset: int
     size: torch.Size
     stride: Tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _ExtentView:
-    """A sub-range of a swap extent (the trainable prefix of a buffer)."""
-
-    path: str
-    offset: int
-    nbytes: int
-
-
-def _sub(home: Any, offset: int, num_bytes: int) -> _ExtentView:
-    """Bytes [offset, offset + num_bytes) of a swap extent; page aligned by construction."""
-    assert offset + num_bytes <= home.nbytes
-    return _ExtentView(home.path, home.offset + offset, num_bytes)
-
-
-def _on_nvme(home: Any) -> bool:
-    return not isinstance(home, torch.Tensor)
-
-
-class _Unit:
-    """Runtime state of one unit: where each of its buffers lives and what is on the device."""
-
-    def __init__(self, spec: UnitSpec, compute_element_bytes: int) -> None:
-        self.spec = spec
-        self.index = spec.index
-        self.name = spec.name
-        self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
-        self.master_numel = padded_numel(spec.trainable_numel, _FP32_BYTES)
-        self.trainable = spec.trainable_entries
-        # Homes: a host tensor or a swap extent, whichever the tier gives.
-        self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
-        self.master_home: Any = None        # None when merged with the compute copy
-        self.moments_home: Any = None       # exp_avg then exp_avg_sq, master_numel each
-        # The fp32 gradient: one flat pooled buffer (grad), or one tensor per trainable
-        # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
-        self.grad: Optional[torch.Tensor] = None
-        self.param_grads: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
-        # [zero] The part of the trainable prefix whose master/moments this rank keeps and
-        # updates (all of it on one process), the grad buffer's length and the element of
-        # the trainable prefix at grad[0]. Partition.assign changes them.
-        self.shard = ShardRange.whole(spec.trainable_numel, self.master_numel)
-        self.grad_numel = spec.trainable_numel
-        self.grad_base = 0
-        # [zero] Stage 3: the rank's chunks of the compute copy kept at home (None: all of it).
-        self.param_shard: Optional[ParamShard] = None
-        self.has_grad = [False] * len(self.trainable)
-        self.steps = [0] * len(self.trainable)
-        self.device_offset: Optional[int] = None
-        self.compute_state = ResidencyState(f"{spec.name}.compute", Residency.HOME)
-        self.ready_event: Optional[torch.cuda.Event] = None
-        self.pending: Optional[Callable[[], Optional[torch.cuda.Event]]] = None  # fetch in flight
-        self.fetch_started = 0.0
-        self.compute_started = 0.0
-        self.last_use = 0
-        self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
-        self.early_grad_squares = 0.0            # sum of squared gradients, taken before an
-        self.early_nonfinite: Optional[ParamEntry] = None  # early update (see _update_early)
-        self.calls = 0               # forward calls in this pass
-        self.backward_done = 0       # calls whose backward finished (see _PostBackward)
-        self.updated = False         # Adam already ran on it in this optimizer step
-        self.update_in_device = False  # [Note: updates through the device copy]
-        # [Note: deferred updates] completion of its update queued on the optimizer worker,
-        # and the swap writes of that update (a fetch must not read the home before them)
-        self.update_ticket: Optional[Future] = None
-        self.home_writes: List[Any] = []
-        self.update_started = False  # the worker has taken it (set under _update_lock)
-        # [Note: updates fill the device copy] its queued update writes the new compute
-        # copy into a device slot that holds nothing yet (update_in_device is set too);
-        # after_update: its fetch in flight waits for its update (either way)
-        self.update_fill = False
-        self.after_update = False
-
-    def forget_update(self) -> None:
-        """Its queued update and that update's writes are done (or reported elsewhere);
-        a device copy it was writing into holds the update now."""
-        self.update_ticket = None
-        self.home_writes = []
-        self.update_in_device = False
-        self.update_started = False
-        self.update_fill = False
-        self.stale = False           # its device copy predates its last update
-
-
-class _StagingSlot:
-    """Host buffers the optimizer pipeline reads one unit's states into."""
-
-    def __init__(self, host: HostTier, master_numel: int, compute_numel: int,
-                 compute_dtype: torch.dtype, low_numel: int = 0) -> None:
-        self.master = host.allocate(master_numel, torch.float32)
-        self.moments = host.allocate(2 * master_numel, torch.float32)
-        self.compute = host.allocate(compute_numel, compute_dtype) if compute_numel else None
-        # [Note: split master] the master's low halves, read and written in its place
-        self.low = host.allocate(low_numel, torch.int16) if low_numel else None
-        self.pending_writes: List[Any] = []
 
 
 def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
@@ -251,15 +154,12 @@ class Engine:
         self.device = config.resolved_device()
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.compute_dtype = _DTYPES[config.dtype]
-        compute_element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
-        self._param_tier = config.param_tier
-        self._optimizer_tier = config.optimizer_tier
-        self._accumulation_steps = config.gradient_accumulation_steps
-        self._max_grad_norm = config.max_grad_norm
-        # [fp32 merge] With fp32 compute, the compute copy is the master: one buffer, homed
-        # on param_tier, serves both (unless the compute copy lives on the device).
-        self._merged = config.dtype == "fp32" and config.param_tier != "device"
+        # [zero] Several ranks: every rank wraps the same thing, shards sized per unit below.
+        self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
+        # [Note: layout] every mode resolved once; nothing below reads the config again.
+        self.layout = layout = Layout.resolve(config, self.device, self._partition)
+        self.compute_dtype = layout.compute_dtype
+        compute_element_bytes = layout.compute_element_bytes
 
         # 2. Units, from the model and the optimizer's param groups.
         self._adamw = _adam_flavour(optimizer)
@@ -273,32 +173,18 @@ class Engine:
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
         meta_replacements = self._meta_stand_ins(specs)
-        self.units = [_Unit(spec, compute_element_bytes) for spec in specs]
+        self.units = [UnitState(spec, compute_element_bytes) for spec in specs]
         self._root = self.units[0]
-        # [zero] Several ranks: shard sizes per unit, and every rank wraps the same thing.
-        self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
         if self._partition is not None:
-            home_element_bytes = _FP32_BYTES if self._merged else compute_element_bytes
+            home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes
             for u in self.units:
                 self._partition.assign(u, home_element_bytes)
             self._partition.check_consistent(config, self.units, optimizer)
             self._partition.bind_gradient_buffers(self._grad_buffer)
-        self._gathers = self._partition is not None and self._partition.shards_params
-        # [Note: gradient ownership] [zero] collectives work on flat buffers: pool those.
-        self._adopts_grads = self.device.type == "cpu" and self._partition is None
-        # [Note: updates through the device copy]
-        self._device_copy_updates = self.device.type == "cpu" and config.param_tier == "nvme" \
-            and self._partition is None
-        # [Note: split master] the master at home is its low half; the compute copy the high
-        self._split_master = config.split_master and config.dtype == "bf16" and \
-            config.optimizer_tier == "nvme" and config.param_tier != "device"
 
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
-        needs_nvme = "nvme" in (self._param_tier, self._optimizer_tier)
-        # [zero] Stage >= 1 updates whole shards (_update_shard) through reused buffers of
-        # its own, not the piece pipeline and its staging slots.
-        self._staged_step = needs_nvme and not (self._partition is not None and self._partition.shards_state)
+        needs_nvme = layout.needs_nvme
         self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
@@ -314,7 +200,7 @@ class Engine:
             # 4. Tiers.
             self.stats_counters = Stats()
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
-            self._host = HostTier(config.host_budget)
+            self._host = HostTier(layout.host_budget)
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
@@ -329,56 +215,53 @@ class Engine:
 
             # 6. Prefetch, the workers that move and update units, hooks.
             self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
-            self._prefetcher = Prefetcher(config.prefetch, config.prefetch_units, max_bytes_ahead=config.prefetch_bytes)
-            self._last_needed: Optional[_Unit] = None
+            self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
+            self._last_needed: Optional[UnitState] = None
             self._last_train_key: Optional[Tuple[Any, ...]] = None
-            self._backward_unit: Optional[_Unit] = None
+            self._backward_unit: Optional[UnitState] = None
             self._backward_started = 0.0
             # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
             # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
             self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
-            home_dtype = torch.float32 if self._merged else self.compute_dtype
+            home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
             self._fetch_staging: List[torch.Tensor] = [
                 self._host.allocate(max(u.compute_numel for u in self.units), home_dtype)
-                for _ in range(config.prefetch_units + 1)
-            ] if self._param_tier == "nvme" and self.device.type == "cuda" and not self._gathers else []
+                for _ in range(layout.prefetch_units + 1)
+            ] if self.layout.param_tier == "nvme" and self.device.type == "cuda" and not self.layout.gathers else []
             # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
             # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
             self._gather_home: Optional[torch.Tensor] = self._host.allocate(
                 max(self._compute_home_numel(u) for u in self.units), home_dtype) \
-                if self._gathers and self._param_tier == "nvme" else None
+                if self.layout.gathers and self.layout.param_tier == "nvme" else None
             self._gather_out: Optional[torch.Tensor] = self._host.allocate(
                 max(u.compute_numel for u in self.units), home_dtype) \
-                if self._gathers and self.device.type == "cuda" else None
+                if self.layout.gathers and self.device.type == "cuda" else None
             # Early optimizer updates (a unit's Adam as soon as its gradients are final in
-            # backward) run on this worker, overlapping the rest of backward. Not with global
-            # clipping or fp16 overflow checks: those need every gradient first.
+            # backward; when, see Layout.early_allowed) run on this worker, overlapping the
+            # rest of backward. [zero] Collectives run only on the main thread (this also
+            # skips the root prestage).
             self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-            # [zero] Not with several ranks either: collectives must run in the same order on
-            # every rank, and only on the main thread (this also skips the root prestage).
-            self._early_allowed = (config.max_grad_norm is None and config.dtype != "fp16"
-                                   and not config.skip_nonfinite_steps and self._partition is None)
             self._early_updates = False
             self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
             # [Note: deferred updates] units waiting for the worker, best first:
             # (priority, sequence, unit index, unit, hyperparameters, ticket)
-            self._update_heap: List[Tuple[float, int, int, _Unit, List[Dict[str, Any]], Future]] = []
+            self._update_heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future]] = []
             self._update_lock = threading.Lock()
             self._update_sequence = itertools.count()
             self._step_pending = False  # a deferred step's updates or bookkeeping are not done
-            self._stale_units: List[_Unit] = []
+            self._stale_units: List[UnitState] = []
             self._root_prestaged: Optional[List[Any]] = None
             # [Note: swap I/O failures] which piece each staging slot is writing back, and the
             # write failures of this step (kept in host RAM, reported when the step ends)
-            self._slot_writer: List[Optional[Tuple[_Unit, int, int]]] = [None] * len(self._slots)
-            self._write_errors: List[Tuple[_Unit, OSError]] = []
+            self._slot_writer: List[Optional[Tuple[UnitState, int, int]]] = [None] * len(self._slots)
+            self._write_errors: List[Tuple[UnitState, OSError]] = []
             self._grad_pool: Dict[int, List[torch.Tensor]] = {}
             self._grad_pool_lock = threading.Lock()
             self._next_slot = 0
             self._forward_started = 0.0
             self._tick = 0
             self._micro_step = 0
-            self._loss_scale = config.initial_loss_scale if config.dtype == "fp16" else 1.0
+            self._loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
             self._good_steps = 0
             self._last_grad_norm: Optional[float] = None
             self._last_step_end: Optional[float] = None
@@ -408,7 +291,7 @@ class Engine:
         grad_reserve = largest_param_numel * element_bytes
         root_bytes = self._root.compute_numel * element_bytes
         total_bytes = sum(u.compute_numel for u in self.units) * element_bytes
-        if self._param_tier == "device":
+        if self.layout.param_tier == "device":
             needed = total_bytes + grad_reserve
             why = f"param_tier='device' keeps all {len(self.units)} units there ({format_size(total_bytes)})"
         else:
@@ -417,7 +300,7 @@ class Engine:
             why = (f"unit {largest.name!r} needs {format_size(largest_bytes)} for its compute copy, "
                    if largest else "") + \
                 f"the root unit (on the device from forward to backward) {format_size(root_bytes)}"
-        budget = self.config.device_budget
+        budget = self.layout.device_budget
         if budget is None:
             budget = total_bytes + grad_reserve
         if budget < needed:
@@ -431,46 +314,46 @@ class Engine:
         """Swap bytes this run will hold."""
         total = 0
         for u in self.units:
-            if self._param_tier == "nvme":
-                total += self._compute_home_numel(u) * (_FP32_BYTES if self._merged else element_bytes)
-            if self._optimizer_tier == "nvme" and u.trainable:
-                if self._split_master:
+            if self.layout.param_tier == "nvme":
+                total += self._compute_home_numel(u) * (FP32_BYTES if self.layout.merged else element_bytes)
+            if self.layout.optimizer_tier == "nvme" and u.trainable:
+                if self.layout.split_master:
                     total += self._low_numel(u) * 2
-                elif not self._merged:
-                    total += u.shard.state_numel * _FP32_BYTES
-                total += 2 * u.shard.state_numel * _FP32_BYTES
+                elif not self.layout.merged:
+                    total += u.shard.state_numel * FP32_BYTES
+                total += 2 * u.shard.state_numel * FP32_BYTES
         return total
 
     @staticmethod
-    def _low_numel(u: _Unit) -> int:
+    def _low_numel(u: UnitState) -> int:
         """[Note: split master] Low halves of u's master at home: one per element of its
         trainable prefix ([zero] of this rank's shard), padded to whole pages as a 16-bit
         prefix is."""
         return padded_numel(u.shard.numel, 2)
 
     def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
-        grads = sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES
+        grads = sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES
         compute = master = moments = staging = 0
-        home_element_bytes = _FP32_BYTES if self._merged else element_bytes
+        home_element_bytes = FP32_BYTES if self.layout.merged else element_bytes
         for u in self.units:
-            if self._param_tier == "host":
+            if self.layout.param_tier == "host":
                 compute += self._compute_home_numel(u) * home_element_bytes
-            if self._optimizer_tier == "host" and u.trainable:
-                if not self._merged:
-                    master += u.shard.state_numel * _FP32_BYTES
-                moments += 2 * u.shard.state_numel * _FP32_BYTES
-        if self._staged_step:
-            staging = self.config.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
+            if self.layout.optimizer_tier == "host" and u.trainable:
+                if not self.layout.merged:
+                    master += u.shard.state_numel * FP32_BYTES
+                moments += 2 * u.shard.state_numel * FP32_BYTES
+        if self.layout.staged_step:
+            staging = self.layout.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
         staging += 2 * sum(self._update_buffer_bytes(element_bytes).values())  # two buffer sets
         largest = max(u.compute_numel for u in self.units)
         fetch = 0  # see the fetch buffers made in __init__
         if self._partition is not None and self._partition.shards_params:
-            if self._param_tier == "nvme":
+            if self.layout.param_tier == "nvme":
                 fetch += max(self._compute_home_numel(u) for u in self.units) * home_element_bytes
             if self.device.type == "cuda":
                 fetch += largest * home_element_bytes
-        elif self._param_tier == "nvme" and self.device.type == "cuda":
-            fetch = (self.config.prefetch_units + 1) * largest * home_element_bytes
+        elif self.layout.param_tier == "nvme" and self.device.type == "cuda":
+            fetch = (self.layout.prefetch_units + 1) * largest * home_element_bytes
         return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
                 "Adam moments": moments, "optimizer staging buffers": staging,
                 "fetch staging buffers": fetch}
@@ -486,19 +369,19 @@ class Engine:
         largest = max((u.shard.state_numel for u in self.units if u.trainable), default=0)
         if self._partition.shards_params:
             largest = min(largest, OPTIMIZER_PIECE_NUMEL)
-        if self._param_tier == "nvme" and (self._merged or self.compute_dtype != torch.float32):
-            home_element_bytes = _FP32_BYTES if self._merged else element_bytes
+        if self.layout.param_tier == "nvme" and (self.layout.merged or self.compute_dtype != torch.float32):
+            home_element_bytes = FP32_BYTES if self.layout.merged else element_bytes
             compute = largest if self._partition.shards_params else max(u.compute_numel for u in self.units)
             sizes["compute"] = home_element_bytes * compute
-        if self._optimizer_tier == "nvme":
-            if not self._merged:  # split: where the master is joined, updated and split again
-                sizes["master"] = largest * _FP32_BYTES
-            if self._split_master:
+        if self.layout.optimizer_tier == "nvme":
+            if not self.layout.merged:  # split: where the master is joined, updated and split again
+                sizes["master"] = largest * FP32_BYTES
+            if self.layout.split_master:
                 sizes["low"] = (largest + 2048) * 2
-            sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * _FP32_BYTES
+            sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * FP32_BYTES
         return sizes
 
-    def _shard_pieces(self, u: _Unit) -> List[Tuple[int, int]]:
+    def _shard_pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         """[zero] The ranges of u's shard (in shard coordinates) updated one at a time: page-
         aligned pieces at stage 3, where every state of the shard starts on a page at home;
         the whole shard at stages 1-2 (its compute copy is whole and gathered at once)."""
@@ -507,32 +390,32 @@ class Engine:
             return [(0, n)]
         return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, n)) for lo in range(0, n, OPTIMIZER_PIECE_NUMEL)]
 
-    def _shard_homes(self, u: _Unit, lo: int, hi: int) -> List[Tuple[str, Any, torch.dtype]]:
+    def _shard_homes(self, u: UnitState, lo: int, hi: int) -> List[Tuple[str, Any, torch.dtype]]:
         """[zero] (role, swap extent, dtype) of each NVMe-homed buffer that the update of
         elements [lo, hi) of u's shard reads and writes."""
         homes = []
         n, state_numel = hi - lo, u.shard.state_numel
-        if u.compute_home is not None and _on_nvme(u.compute_home) and \
-                (self._merged or self.compute_dtype != torch.float32):
-            dtype = torch.float32 if self._merged else self.compute_dtype
+        if u.compute_home is not None and on_nvme(u.compute_home) and \
+                (self.layout.merged or self.compute_dtype != torch.float32):
+            dtype = torch.float32 if self.layout.merged else self.compute_dtype
             size = torch.empty(0, dtype=dtype).element_size()
             if u.param_shard is None:  # stages 1-2: the whole compute copy
                 homes.append(("compute", u.compute_home, dtype))
             elif lo < u.param_shard.trainable_chunk_numel:  # stage 3: the rank's chunk
                 end = min(hi, u.param_shard.trainable_chunk_numel)
-                homes.append(("compute", _sub(u.compute_home, lo * size, (end - lo) * size), dtype))
-        if self._split_master:  # [Note: split master] the low halves, to whole pages
+                homes.append(("compute", sub_extent(u.compute_home, lo * size, (end - lo) * size), dtype))
+        if self.layout.split_master:  # [Note: split master] the low halves, to whole pages
             end = self._low_numel(u) if hi == state_numel else hi
-            homes.append(("low", _sub(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
-        elif not self._merged and _on_nvme(u.master_home):
-            homes.append(("master", _sub(u.master_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
-        if _on_nvme(u.moments_home):
-            homes.append(("exp_avg", _sub(u.moments_home, lo * _FP32_BYTES, n * _FP32_BYTES), torch.float32))
-            homes.append(("exp_avg_sq", _sub(u.moments_home, (state_numel + lo) * _FP32_BYTES,
-                                             n * _FP32_BYTES), torch.float32))
+            homes.append(("low", sub_extent(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
+        elif not self.layout.merged and on_nvme(u.master_home):
+            homes.append(("master", sub_extent(u.master_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
+        if on_nvme(u.moments_home):
+            homes.append(("exp_avg", sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
+            homes.append(("exp_avg_sq", sub_extent(u.moments_home, (state_numel + lo) * FP32_BYTES,
+                                             n * FP32_BYTES), torch.float32))
         return homes
 
-    def _start_shard_reads(self, u: _Unit, lo: int, hi: int,
+    def _start_shard_reads(self, u: UnitState, lo: int, hi: int,
                            buffer_set: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
         """[zero] Start reading elements [lo, hi) of u's NVMe-homed shard states into buffer
         set ``buffer_set`` (0 or 1) of the update buffers: made at the first update (fresh
@@ -542,7 +425,7 @@ class Engine:
         for role, extent, dtype in self._shard_homes(u, lo, hi):
             views[role] = self._update_buffer(role, buffer_set)[:extent.nbytes].view(dtype)
             handles.append(self._nvme.read(views[role], extent))
-        if self._split_master:  # [Note: split master] the master is joined here, not read
+        if self.layout.split_master:  # [Note: split master] the master is joined here, not read
             views["master"] = self._update_buffer("master", buffer_set).view(torch.float32)[:hi - lo]
         return views, handles
 
@@ -554,34 +437,34 @@ class Engine:
             self._update_buffers[f"{role}{buffer_set}"] = buf
         return buf
 
-    def _start_shard_writes(self, u: _Unit, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
+    def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
         return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u, lo, hi)]
 
     @staticmethod
-    def _compute_home_numel(u: _Unit) -> int:
+    def _compute_home_numel(u: UnitState) -> int:
         """Elements of u's compute copy at home: [zero] the rank's chunks at stage 3."""
         return u.param_shard.home_numel if u.param_shard is not None else u.compute_numel
 
     def _slot_shape(self) -> Tuple[int, int]:
         """(master elements, compute elements) of one staging slot: one pipeline piece."""
         master = min(max((u.master_numel for u in self.units), default=0), OPTIMIZER_PIECE_NUMEL)
-        needs_compute = self._param_tier == "nvme" and not self._merged or \
-            (self._param_tier == "device" and self.device.type == "cuda")
+        needs_compute = self.layout.param_tier == "nvme" and not self.layout.merged or \
+            (self.layout.param_tier == "device" and self.device.type == "cuda")
         # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
         compute = master + 2048 if needs_compute else 0
         return master, compute
 
     def _slot_bytes(self, element_bytes: int) -> int:
         master, compute = self._slot_shape()
-        return 3 * master * _FP32_BYTES + compute * element_bytes + self._slot_low_numel() * 2
+        return 3 * master * FP32_BYTES + compute * element_bytes + self._slot_low_numel() * 2
 
     def _slot_low_numel(self) -> int:
         """[Note: split master] Low halves one staging slot holds: a piece, padded as a
         16-bit prefix is."""
-        return self._slot_shape()[0] + 2048 if self._split_master else 0
+        return self._slot_shape()[0] + 2048 if self.layout.split_master else 0
 
     def _check_host_budget(self, element_bytes: int) -> None:
-        budget = self.config.host_budget
+        budget = self.layout.host_budget
         parts = self._home_bytes_on_host(element_bytes)
         needed = sum(parts.values())
         self._host_planned_bytes = needed
@@ -596,22 +479,22 @@ class Engine:
     # ------------------------------------------------------------------ allocation
     def _allocate_homes(self) -> None:
         for u in self.units:
-            if self._param_tier == "device":
+            if self.layout.param_tier == "device":
                 u.device_offset = self._device.allocate(u.compute_numel)
                 assert u.device_offset is not None
                 u.compute_state.to(Residency.LOADING)
                 u.compute_state.to(Residency.LOADED)
             else:
-                dtype = torch.float32 if self._merged else self.compute_dtype
-                u.compute_home = self._allocate_home(self._param_tier, self._compute_home_numel(u), dtype)
+                dtype = torch.float32 if self.layout.merged else self.compute_dtype
+                u.compute_home = self._allocate_home(self.layout.param_tier, self._compute_home_numel(u), dtype)
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
-                if self._split_master:
-                    u.master_home = self._allocate_home(self._optimizer_tier, self._low_numel(u), torch.int16)
-                elif not self._merged:
-                    u.master_home = self._allocate_home(self._optimizer_tier, state_numel, torch.float32)
-                u.moments_home = self._allocate_home(self._optimizer_tier, 2 * state_numel, torch.float32)
-        if self._param_tier != "device":
+                if self.layout.split_master:
+                    u.master_home = self._allocate_home(self.layout.optimizer_tier, self._low_numel(u), torch.int16)
+                elif not self.layout.merged:
+                    u.master_home = self._allocate_home(self.layout.optimizer_tier, state_numel, torch.float32)
+                u.moments_home = self._allocate_home(self.layout.optimizer_tier, 2 * state_numel, torch.float32)
+        if self.layout.param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.
             self._root.device_offset = self._device.allocate(self._root.compute_numel)
@@ -622,12 +505,12 @@ class Engine:
         element_bytes = torch.empty(0, dtype=dtype).element_size()
         return self._nvme.allocate(numel * element_bytes)
 
-    def _allocate_staging(self) -> List[_StagingSlot]:
-        if not self._staged_step:
+    def _allocate_staging(self) -> List[StagingSlot]:
+        if not self.layout.staged_step:
             return []
         master, compute = self._slot_shape()
-        return [_StagingSlot(self._host, master, compute, self.compute_dtype, self._slot_low_numel())
-                for _ in range(self.config.optimizer_pipeline_depth)]
+        return [StagingSlot(self._host, master, compute, self.compute_dtype, self._slot_low_numel())
+                for _ in range(self.layout.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial placement
     @staticmethod
@@ -666,7 +549,7 @@ class Engine:
         all its parameters exist: the whole model never has to be in RAM. What this changes
         in the model is put back when ``undo`` unwinds ([Note: a failed wrap changes
         nothing])."""
-        unit_of: Dict[nn.Parameter, _Unit] = {}
+        unit_of: Dict[nn.Parameter, UnitState] = {}
         for u in self.units:
             for e in u.spec.entries:
                 unit_of[e.param] = u
@@ -714,7 +597,7 @@ class Engine:
         assert all(v == 0 for v in missing.values()), "every unit must have been written home"
 
     @torch.no_grad()
-    def _write_initial_state(self, u: _Unit) -> None:
+    def _write_initial_state(self, u: UnitState) -> None:
         """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
         it is written without a bounce copy) and a separate fp32 master where one is kept;
         each parameter lets go of its storage once copied (the model's own storage is still
@@ -724,7 +607,7 @@ class Engine:
 
         compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), self.compute_dtype).zero_()
         master = torch.zeros(u.master_numel, dtype=torch.float32) \
-            if not self._merged or self._partition is not None else None
+            if not self.layout.merged or self._partition is not None else None
         for e in u.spec.entries:
             value = e.param.detach().reshape(-1).to("cpu")
             compute[e.offset:e.offset + e.numel].copy_(value)
@@ -734,8 +617,8 @@ class Engine:
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
         t = u.spec.trainable_numel
-        low = self._split_master_into(u, master, compute[:t], 0) if self._split_master and u.trainable else None
-        if self._param_tier == "device":
+        low = self._split_master_into(u, master, compute[:t], 0) if self.layout.split_master and u.trainable else None
+        if self.layout.param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
             self._store(u.compute_home, self._home_chunks(u, compute))
@@ -744,22 +627,22 @@ class Engine:
         if u.trainable:
             self._store_master_home(u, master, 0, low)
             self._store_zeros(u.moments_home)
-        if self._param_tier == "device":
+        if self.layout.param_tier == "device":
             self._bind(u)
 
-    def _store_master_home(self, u: _Unit, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
+    def _store_master_home(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
         """Write the master's home from ``master`` (fp32, u's trainable elements from
         ``start``): split, ``low`` (the home's low halves, _split_master_into); merged,
         nothing (the compute copy is the master); else this rank's shard ([zero]), padded."""
         if low is not None:
             self._store(u.master_home, low)
-        elif not self._merged:
+        elif not self.layout.merged:
             s = u.shard
             shard = torch.zeros(s.state_numel, dtype=torch.float32)
             shard[:s.numel].copy_(master[s.lo - start:s.hi - start])
             self._store(u.master_home, shard)
 
-    def _split_master_into(self, u: _Unit, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
+    def _split_master_into(self, u: UnitState, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
         """[Note: split master] Round ``master`` (fp32, elements [start, start + n) of u's
         trainable prefix) into ``high`` (its bf16 compute copy there, n elements) and return
         the low halves of this rank's shard ([zero] within that range) as the master's home
@@ -771,14 +654,14 @@ class Engine:
         home[:s.numel].copy_(low[s.lo - start:s.hi - start])
         return home
 
-    def _read_master(self, u: _Unit, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _read_master(self, u: UnitState, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
         """u's fp32 master as its home holds it (this rank's shard at stage >= 1; merged:
         the compute copy's prefix). Split ([Note: split master]): joined from the low
         halves at home and the shard's compute copy (``compute``: the whole copy in full
         coordinates, when the caller has it already)."""
-        if self._merged:
+        if self.layout.merged:
             return self._load(u.compute_home, u.master_numel, torch.float32)
-        if not self._split_master:
+        if not self.layout.split_master:
             return self._load(u.master_home, u.shard.state_numel, torch.float32)
         s = u.shard
         if compute is not None:
@@ -793,7 +676,7 @@ class Engine:
         return master
 
     @staticmethod
-    def _home_chunks(u: _Unit, full: torch.Tensor) -> torch.Tensor:
+    def _home_chunks(u: UnitState, full: torch.Tensor) -> torch.Tensor:
         """[zero] Stage 3: this rank's chunks of a whole compute copy, laid out as at home."""
         p = u.param_shard
         home = torch.zeros(p.home_numel, dtype=full.dtype)
@@ -821,7 +704,7 @@ class Engine:
 
         zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
         self._wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
-                                         _sub(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
+                                         sub_extent(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
                         for offset in range(0, home.nbytes, _ZEROS_BYTES)])
 
     def _load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -842,16 +725,16 @@ class Engine:
         return buf
 
     # ------------------------------------------------------------------ residency
-    def _bind(self, u: _Unit) -> None:
+    def _bind(self, u: UnitState) -> None:
         view = self._device.view(u.device_offset, u.compute_numel)
         for e in u.spec.entries:
             e.param.data = view[e.offset:e.offset + e.numel].view(e.shape)
 
-    def _unbind(self, u: _Unit) -> None:
+    def _unbind(self, u: UnitState) -> None:
         for e in u.spec.entries:
             e.param.data = self._placeholder
 
-    def _need(self, u: _Unit) -> None:
+    def _need(self, u: UnitState) -> None:
         """u is about to be used: record it in the trace, have it on the device, and let the
         prefetcher move what comes next."""
         if u is not self._root:
@@ -865,7 +748,7 @@ class Engine:
         self._fetch(u)
         self._prefetch()
 
-    def _fetch(self, u: _Unit) -> None:
+    def _fetch(self, u: UnitState) -> None:
         """Have u's compute copy on the device: wait for its transfer when one is in flight,
         else move it now."""
         self._tick += 1
@@ -879,7 +762,7 @@ class Engine:
         with self.stats_counters.timed("fetch_wait"):
             self._finish_fetch(u)
 
-    def _start_fetch(self, u: _Unit, evict: bool, after: Optional[Callable[[], None]] = None) -> bool:
+    def _start_fetch(self, u: UnitState, evict: bool, after: Optional[Callable[[], None]] = None) -> bool:
         """Begin moving u's compute copy into a device slot; False when no slot is free and
         ``evict`` is off. ``after``: the copy worker calls it first and moves the copy once
         it returns ([Note: updates fill the device copy]: a fetch behind an update)."""
@@ -893,25 +776,25 @@ class Engine:
         num_bytes = u.compute_numel * dst.element_size()
         u.fetch_started = time.perf_counter()
         if after is not None:
-            assert not self._gathers, "no deferred updates at stage 3"
+            assert not self.layout.gathers, "no deferred updates at stage 3"
             move = self._move_home_to_device(u, dst)
             future = self._copy_worker.submit(lambda: (after(), move()))
             u.pending = lambda: (future.result(), None)[1]
-            on_cpu_from_nvme = self._param_tier == "nvme" and self.device.type == "cpu"
+            on_cpu_from_nvme = self.layout.param_tier == "nvme" and self.device.type == "cpu"
             self.stats_counters.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
-        elif self._gathers:  # [zero] stage 3: [Note: parameter all-gathers]
+        elif self.layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
             u.pending = future.result
             home_bytes = self._compute_home_numel(u) * dst.element_size()
-            self.stats_counters.add_bytes("nvme_to_host" if self._param_tier == "nvme" else "host_to_host",
+            self.stats_counters.add_bytes("nvme_to_host" if self.layout.param_tier == "nvme" else "host_to_host",
                                           home_bytes)
             self.stats_counters.add_bytes("all_gather", num_bytes)
-        elif self._param_tier == "nvme" and self.device.type == "cpu":
+        elif self.layout.param_tier == "nvme" and self.device.type == "cpu":
             # The CPU "device" is RAM: read from the swap file straight into the slot.
             handle = self._nvme.read(dst, u.compute_home)
             u.pending = lambda: (handle.wait(), None)[1]
             self.stats_counters.add_bytes("nvme_to_device", num_bytes)
-        elif self._param_tier == "nvme":
+        elif self.layout.param_tier == "nvme":
             future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home)
             u.pending = future.result
             self.stats_counters.add_bytes("host_to_device", num_bytes)
@@ -925,12 +808,12 @@ class Engine:
             self.stats_counters.add_bytes("host_to_device", num_bytes)
         return True
 
-    def _move_home_to_device(self, u: _Unit, dst: torch.Tensor) -> Callable[[], None]:
+    def _move_home_to_device(self, u: UnitState, dst: torch.Tensor) -> Callable[[], None]:
         """The transfers of _start_fetch done whole in the calling thread (the copy worker)."""
         home = u.compute_home
-        if self._param_tier == "nvme" and self.device.type == "cpu":
+        if self.layout.param_tier == "nvme" and self.device.type == "cpu":
             return lambda: self._nvme.read(dst, home).wait()
-        if self._param_tier == "nvme":
+        if self.layout.param_tier == "nvme":
             return lambda: self._nvme_to_device(dst, home)
         if self.device.type == "cpu":
             return lambda: dst.copy_(home)
@@ -947,12 +830,12 @@ class Engine:
         finally:
             self._fetch_staging.append(staging)
 
-    def _gather_to_device(self, u: _Unit, dst: torch.Tensor) -> None:
+    def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> None:
         """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
         a staging buffer, or the host home as is), all-gather them into the device slot (on
         CUDA through a host buffer)."""
         home = u.compute_home
-        if _on_nvme(home):
+        if on_nvme(home):
             own = self._gather_home[:self._compute_home_numel(u)]
             self._nvme.read(own, home).wait()
         else:
@@ -965,7 +848,7 @@ class Engine:
         self._device.copy_in(dst, out).synchronize()  # out is reused by the next fetch
         return None
 
-    def _finish_fetch(self, u: _Unit) -> None:
+    def _finish_fetch(self, u: UnitState) -> None:
         pending, u.pending = u.pending, None
         u.after_update = False
         try:
@@ -985,7 +868,7 @@ class Engine:
         self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
         self._bind(u)
 
-    def _allocate_slot(self, u: _Unit) -> int:
+    def _allocate_slot(self, u: UnitState) -> int:
         """A device slot for u, evicting resident units whose next use is farthest (least
         recently used among those the trace does not know)."""
         while True:
@@ -1005,9 +888,9 @@ class Engine:
             self._release(max(victims, key=lambda v: (not self._pending_update(v),
                                                       self._prefetcher.next_use(v.index), -v.last_use)))
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: UnitState) -> None:
         """Drop u's device copy (its home copy is current)."""
-        if self._param_tier == "device" or u.compute_state != Residency.LOADED:
+        if self.layout.param_tier == "device" or u.compute_state != Residency.LOADED:
             return
         if u.update_in_device and u.update_ticket is not None:
             wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
@@ -1057,7 +940,7 @@ class Engine:
             if not self._start_fetch(u, evict=False):
                 break  # the free space is in pieces: the rest comes on demand
 
-    def _prefetch_updating(self, u: _Unit) -> bool:
+    def _prefetch_updating(self, u: UnitState) -> bool:
         """[Note: updates fill the device copy] Bring u, whose deferred update is queued or
         running, to a free device slot (no eviction) in time for its use. On a CPU device
         with the compute copies on NVMe, an update not yet started writes the new compute
@@ -1066,12 +949,12 @@ class Engine:
         the update and its swap writes, on the copy worker. The slot is "in flight" until
         then. False when that cannot be: u already on the device, or no free slot; the
         caller then stops, so that the units after u do not take the room u needs."""
-        if self._param_tier == "device" or u.compute_state != Residency.HOME:
+        if self.layout.param_tier == "device" or u.compute_state != Residency.HOME:
             return False
         with self._update_lock:
             if u.update_ticket is None:
                 return False
-            fill = self._device_copy_updates and not u.update_started
+            fill = self.layout.device_copy_updates and not u.update_started
             if fill:
                 offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
                 if offset is None:
@@ -1102,7 +985,7 @@ class Engine:
         tail = padded_numel(u.spec.trainable_numel, size)
         handles = []
         if tail < u.compute_numel:
-            extent = _sub(u.compute_home, tail * size, (u.compute_numel - tail) * size)
+            extent = sub_extent(u.compute_home, tail * size, (u.compute_numel - tail) * size)
             handles.append(self._nvme.read(dst[tail:], extent))
             self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
 
@@ -1123,7 +1006,7 @@ class Engine:
                 except BaseException:  # noqa: B902 - the update's ticket reports it
                     pass
 
-    def _wait_ready(self, u: _Unit) -> None:
+    def _wait_ready(self, u: UnitState) -> None:
         if u.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(u.ready_event)
             u.ready_event = None
@@ -1183,7 +1066,7 @@ class Engine:
             self._root.compute_state.to(Residency.LOADED)
         self._timeline.span("phase", "forward", self._forward_started, time.perf_counter())
 
-    def _unit_pre_forward(self, u: _Unit, module: nn.Module, args: Any) -> Any:
+    def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:
         start = time.perf_counter()
         u.calls += 1
         self._need(u)
@@ -1204,7 +1087,7 @@ class Engine:
             args[i] = t
         return tuple(args)
 
-    def _unit_post_forward(self, u: _Unit, module: nn.Module, args: Any, output: Any) -> None:
+    def _unit_post_forward(self, u: UnitState, module: nn.Module, args: Any, output: Any) -> None:
         if u.compute_state == Residency.IN_USE:
             u.compute_state.to(Residency.LOADED)
         self._timeline.span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
@@ -1213,7 +1096,7 @@ class Engine:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, u))
 
-    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
+    def _pre_backward(self, u: UnitState, grad: torch.Tensor) -> None:
         """The gradient of u's output has arrived: u's backward is next. Bring it back."""
         now = time.perf_counter()
         if self._backward_unit is not None and self._backward_unit is not u:
@@ -1243,7 +1126,7 @@ class Engine:
         return saved
 
     @torch.no_grad()
-    def _on_grad_ready(self, u: _Unit, k: int, param: nn.Parameter) -> None:
+    def _on_grad_ready(self, u: UnitState, k: int, param: nn.Parameter) -> None:
         """A parameter's gradient is final for this backward: move it to the host fp32
         buffer (accumulating across micro-steps) and free the device copy."""
         grad = param.grad
@@ -1254,7 +1137,7 @@ class Engine:
         e = u.trainable[k]
         sharded_grads = self._partition is not None and self._partition.shards_gradients
         src = grad.reshape(-1)
-        if self._adopts_grads:  # [Note: gradient ownership]
+        if self.layout.adopts_grads:  # [Note: gradient ownership]
             if u.has_grad[k]:
                 u.param_grads[k].add_(src)
             else:
@@ -1283,7 +1166,7 @@ class Engine:
         if self._early_updates and u.grads_since_use >= len(u.trainable):
             self._maybe_update_early()
 
-    def _grad_buffer(self, u: _Unit) -> torch.Tensor:
+    def _grad_buffer(self, u: UnitState) -> torch.Tensor:
         """u's flat fp32 gradient buffer, taken from the pool when its first gradient
         arrives (not with a CPU device: see [Note: gradient ownership]).
         [Note: gradient pool] Buffers go back to the pool as soon as the unit is updated,
@@ -1297,7 +1180,7 @@ class Engine:
                 u.grad = self._host.allocate(u.grad_numel, torch.float32)
         return u.grad
 
-    def _release_grad(self, u: _Unit) -> None:
+    def _release_grad(self, u: UnitState) -> None:
         if u.grad is not None:
             with self._grad_pool_lock:
                 self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
@@ -1307,7 +1190,7 @@ class Engine:
                 self._host.release(g)
                 u.param_grads[k] = None
 
-    def _grad_range(self, u: _Unit, k: int, a: int, b: int) -> torch.Tensor:
+    def _grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
         parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
         in the parameter's own tensor."""
@@ -1316,7 +1199,7 @@ class Engine:
         e = u.trainable[k]
         return u.param_grads[k][a - e.offset:b - e.offset]
 
-    def _on_unit_backward_done(self, u: _Unit) -> None:
+    def _on_unit_backward_done(self, u: UnitState) -> None:
         u.backward_done += 1
         if self._early_updates:
             self._maybe_update_early()
@@ -1338,14 +1221,14 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
         self._settle_all()  # [Note: deferred updates] the last step's updates are done
-        scaled = loss / self._accumulation_steps
+        scaled = loss / self.layout.accumulation_steps
         if self._loss_scale != 1.0:
             scaled = scaled * self._loss_scale
         # The backward before an update may start Adam on units whose gradients are final.
-        self._early_updates = self._early_allowed and self._prefetcher.enabled and \
-            (self._micro_step + 1) % self._accumulation_steps == 0
+        self._early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
+            (self._micro_step + 1) % self.layout.accumulation_steps == 0
         self._backward_unit = None
-        if self._early_updates and self._staged_step and self._root.trainable and not self._defers_updates() \
+        if self._early_updates and self.layout.staged_step and self._root.trainable and not self._defers_updates() \
                 and not self._root.updated and self._root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
@@ -1368,7 +1251,7 @@ class Engine:
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
         self._micro_step += 1
-        if self._micro_step % self._accumulation_steps:
+        if self._micro_step % self.layout.accumulation_steps:
             return
         start = time.perf_counter()
         self._optimizer_step()
@@ -1399,7 +1282,7 @@ class Engine:
         # are found (and reported with the first parameter that has them). Units updated
         # early (only when neither clipping nor skipping needs the norm first) brought theirs.
         squares = torch.zeros((), dtype=torch.float64)
-        first_nonfinite: Optional[Tuple[_Unit, ParamEntry]] = None
+        first_nonfinite: Optional[Tuple[UnitState, ParamEntry]] = None
         scanned = self.units
         if self._partition is not None:  # [zero] each rank its part; one all-reduce per step
             squares = self._partition.global_grad_squares(self.units)
@@ -1421,34 +1304,34 @@ class Engine:
         finite = total_norm == total_norm and total_norm != float("inf")
         if not finite:
             self.stats_counters.count("nonfinite_steps")
-            if self.config.dtype != "fp16":  # with fp16 an overflow is routine loss scaling
+            if not self.layout.fp16:  # with fp16 an overflow is routine loss scaling
                 where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
                          if first_nonfinite else "the gradient norm")
                 self._first_nonfinite_unit = first_nonfinite[0].name if first_nonfinite else None
-                action = ("the step is skipped (skip_nonfinite_steps=True)" if self.config.skip_nonfinite_steps
+                action = ("the step is skipped (skip_nonfinite_steps=True)" if self.layout.skip_nonfinite_steps
                           else "the step goes ahead and writes NaN/Inf into the parameters; set "
                           "skip_nonfinite_steps=True to skip such steps")
                 warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {self._micro_step}, first "
                               f"in {where}; {action}", RuntimeWarning, stacklevel=4)
-            if self.config.dtype == "fp16":
-                self._loss_scale = max(self._loss_scale / 2, self.config.min_loss_scale)
+            if self.layout.fp16:
+                self._loss_scale = max(self._loss_scale / 2, self.layout.min_loss_scale)
                 self._good_steps = 0
                 return inv_scale, True
-            if self.config.skip_nonfinite_steps:
+            if self.layout.skip_nonfinite_steps:
                 return inv_scale, True
-        elif self.config.dtype == "fp16":
+        elif self.layout.fp16:
             self._good_steps += 1
-            if self._good_steps % self.config.loss_scale_window == 0:
+            if self._good_steps % self.layout.loss_scale_window == 0:
                 self._loss_scale *= 2
         self._last_grad_norm = total_norm
         factor = inv_scale
-        if self._max_grad_norm is not None and finite:
-            clip = self._max_grad_norm / (total_norm + 1e-6)
+        if self.layout.max_grad_norm is not None and finite:
+            clip = self.layout.max_grad_norm / (total_norm + 1e-6)
             if clip < 1.0:
                 factor *= clip
         return factor, False
 
-    def _grad_squares(self, u: _Unit, k: int) -> torch.Tensor:
+    def _grad_squares(self, u: UnitState, k: int) -> torch.Tensor:
         e = u.trainable[k]
         g = self._grad_range(u, k, e.offset, e.offset + e.numel)
         return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
@@ -1485,7 +1368,7 @@ class Engine:
             with self.stats_counters.timed("optimizer"):
                 if self._partition is not None and self._partition.shards_state:  # [zero]
                     self._sharded_update(units, grad_factor)
-                elif self._staged_step:
+                elif self.layout.staged_step:
                     self._staged_update(units, grad_factor)
                 else:
                     for u in units:
@@ -1498,7 +1381,7 @@ class Engine:
             # Device copies are stale now, except those the update wrote in place.
             self._drain_fetches()
             self._stale_units.clear()
-            if self._param_tier != "device":
+            if self.layout.param_tier != "device":
                 for u in self.units:
                     if u.compute_state == Residency.LOADED and not u.update_in_device:
                         self._release(u)
@@ -1528,7 +1411,7 @@ class Engine:
                 # other unit: until then its slot may be wanted for the next ones
                 u.update_in_device = self._prefetcher.pass_complete and self._device_copy_updatable(u)
                 self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
-                if self._param_tier != "device" and not u.update_in_device:
+                if self.layout.param_tier != "device" and not u.update_in_device:
                     self._stale_units.append(u)
 
     def _hyperparameters(self) -> List[Dict[str, Any]]:
@@ -1536,7 +1419,7 @@ class Engine:
         scheduler may change the groups meanwhile)."""
         return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
 
-    def _queue_update(self, u: _Unit, groups: List[Dict[str, Any]], priority: float) -> None:
+    def _queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float) -> None:
         """Queue u's update on the optimizer worker; u.update_ticket completes with it. The
         worker takes the lowest ``priority`` first, then the order of queueing."""
         ticket: Future = Future()
@@ -1558,7 +1441,7 @@ class Engine:
         else:
             ticket.set_result(None)
 
-    def _reprioritize(self, priority: Callable[[_Unit], float]) -> None:
+    def _reprioritize(self, priority: Callable[[UnitState], float]) -> None:
         with self._update_lock:
             self._update_heap = [(priority(u), n, i, u, g, t) for _, n, i, u, g, t in self._update_heap]
             heapq.heapify(self._update_heap)
@@ -1566,7 +1449,7 @@ class Engine:
     def _defers_updates(self) -> bool:
         """[Note: deferred updates] Whether step() leaves the updates to the optimizer
         worker and returns: with early updates, optimizer states on NVMe and prefetch."""
-        return self.config.overlap_step_with_forward and self._early_allowed and self._staged_step \
+        return self.layout.overlap_step_with_forward and self.layout.early_allowed and self.layout.staged_step \
             and self._prefetcher.enabled
 
     def _defer_updates(self) -> None:
@@ -1583,7 +1466,7 @@ class Engine:
         for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
             first_use.setdefault(index, position)
 
-        def priority(u: _Unit) -> float:
+        def priority(u: UnitState) -> float:
             return -1.0 if u is self._root else float(first_use.get(u.index, len(first_use)))
 
         groups = self._hyperparameters()
@@ -1601,12 +1484,12 @@ class Engine:
                 self._release(u)
         self._step_pending = True
 
-    def _pending_update(self, u: _Unit) -> bool:
+    def _pending_update(self, u: UnitState) -> bool:
         """u's queued update, or its swap writes, are not done yet."""
         return u.update_ticket is not None and (
             not u.update_ticket.done() or not all(h.done() for h in u.home_writes))
 
-    def _settle_unit(self, u: _Unit) -> None:
+    def _settle_unit(self, u: UnitState) -> None:
         """[Note: deferred updates] Wait for u's queued update; a failed one stops the
         engine (see _wait_optimizer)."""
         ticket = u.update_ticket
@@ -1645,7 +1528,7 @@ class Engine:
             if raise_errors:
                 raise
 
-    def _update_early(self, u: _Unit, groups: List[Dict[str, Any]]) -> None:
+    def _update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
         start = time.perf_counter()
         u.early_grad_squares, u.early_nonfinite = 0.0, None
         for k, e in enumerate(u.trainable):
@@ -1654,14 +1537,14 @@ class Engine:
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares += square
-        if self._staged_step:
+        if self.layout.staged_step:
             self._update_early_staged(u, groups)
         else:
             self._update_in_place(u, 1.0, groups)
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
-    def _update_early_staged(self, u: _Unit, groups: List[Dict[str, Any]]) -> None:
+    def _update_early_staged(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
         unit's first piece, see backward), in a ring that goes on where the last unit's
         update left it ([Note: the piece ring])."""
@@ -1739,7 +1622,7 @@ class Engine:
         first units of the next training pass while the caller prepares its batch."""
         if not self._prefetcher.enabled or self._last_train_key is None:
             return
-        budget = self.config.prefetch_units
+        budget = self.layout.prefetch_units
         for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
             u = self.units[index]
             if self._pending_update(u):
@@ -1756,14 +1639,14 @@ class Engine:
                 self._start_fetch(root, evict=False)
 
     # ------------------------------------------------------------------ Adam over ranges
-    def _next_steps(self, u: _Unit) -> List[int]:
+    def _next_steps(self, u: UnitState) -> List[int]:
         """Step counts after this update: +1 where the parameter has a gradient."""
         return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
 
-    def _pieces(self, u: _Unit) -> List[Tuple[int, int]]:
+    def _pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, OPTIMIZER_PIECE_NUMEL)]
 
-    def _adam_range(self, u: _Unit, lo: int, hi: int, steps: List[int], master: torch.Tensor,
+    def _adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
                     compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,
                     groups: Optional[List[Dict[str, Any]]] = None) -> None:
@@ -1788,7 +1671,7 @@ class Engine:
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
                 copy_out=None if compute_out is None else compute_out[r])
-        if copy_to_device and self._param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
+        if copy_to_device and self.layout.param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
             end = min(hi, u.spec.trainable_numel)
             if end > lo:
                 src = compute_out if compute_out is not None else master
@@ -1797,18 +1680,18 @@ class Engine:
                 if event is not None:
                     event.synchronize()
 
-    def _compute_target(self, u: _Unit) -> Optional[torch.Tensor]:
+    def _compute_target(self, u: UnitState) -> Optional[torch.Tensor]:
         """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
         is not staged: the host home, or the device slot on a CPU "device"."""
-        if self._merged or self.compute_dtype == torch.float32:
+        if self.layout.merged or self.compute_dtype == torch.float32:
             return None
-        if self._param_tier == "host":
+        if self.layout.param_tier == "host":
             return u.compute_home
-        if self._param_tier == "device" and self.device.type == "cpu":
+        if self.layout.param_tier == "device" and self.device.type == "cpu":
             return self._device.view(u.device_offset, u.compute_numel)
         return None
 
-    def _update_in_place(self, u: _Unit, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
+    def _update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """Adam on a unit whose master and moments live on the host."""
         steps = self._next_steps(u)
         moments = u.moments_home
@@ -1821,7 +1704,7 @@ class Engine:
         self._release_grad(u)
 
     @torch.no_grad()
-    def _sharded_update(self, units: List[_Unit], grad_factor: float) -> None:
+    def _sharded_update(self, units: List[UnitState], grad_factor: float) -> None:
         """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
         (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
         are in flight while this one is updated (and, stages 1-2, gathered), and the
@@ -1831,7 +1714,7 @@ class Engine:
         work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
         writes: List[List[Any]] = [[], []]  # per buffer set
         reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
-        current: Optional[_Unit] = None
+        current: Optional[UnitState] = None
         steps: List[int] = []
         try:
             if work:
@@ -1863,7 +1746,7 @@ class Engine:
             where = f"unit {current.name!r}" if current is not None else "a unit"
             self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step} while working on {where}")
 
-    def _update_shard(self, u: _Unit, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
+    def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
         """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
         then the other ranks' parts are all-gathered. The moments and a separate master
         are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
@@ -1876,24 +1759,24 @@ class Engine:
         # (the master too when merged), or None when the compute copy is a separate fp32
         # buffer on the device (then the fp32 master is gathered and copied there).
         full: Optional[torch.Tensor] = None
-        if self._merged or self.compute_dtype != torch.float32:
-            full = self._compute_target(u) if not self._merged else None
+        if self.layout.merged or self.compute_dtype != torch.float32:
+            full = self._compute_target(u) if not self.layout.merged else None
             if full is None:
-                if self._param_tier == "device":  # a CUDA slot: update a host copy
+                if self.layout.param_tier == "device":  # a CUDA slot: update a host copy
                     full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
                 else:
                     full = views.get("compute", u.compute_home)
-        master = full[s.lo:s.lo + s.state_numel] if self._merged else views.get("master", u.master_home)
-        exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not _on_nvme(u.moments_home) else None)
-        exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not _on_nvme(u.moments_home) else None)
-        compute_out = None if self._merged or full is None else full[s.lo:s.hi]
-        if self._split_master and s.numel:  # [Note: split master] the high halves are the shard's compute copy
+        master = full[s.lo:s.lo + s.state_numel] if self.layout.merged else views.get("master", u.master_home)
+        exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not on_nvme(u.moments_home) else None)
+        exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not on_nvme(u.moments_home) else None)
+        compute_out = None if self.layout.merged or full is None else full[s.lo:s.hi]
+        if self.layout.split_master and s.numel:  # [Note: split master] the high halves are the shard's compute copy
             join_master(compute_out, views["low"][:s.numel], master[:s.numel])
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
-                             None if self._split_master else compute_out, False, grad_factor,
+                             None if self.layout.split_master else compute_out, False, grad_factor,
                              copy_to_device=False)
-        if self._split_master and s.numel:
+        if self.layout.split_master and s.numel:
             split_master(master[:s.numel], compute_out, views["low"][:s.numel])
         self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
         if full is not None:
@@ -1901,11 +1784,11 @@ class Engine:
         else:
             gathered = self._partition.all_gather_shards(u, master, in_full_coordinates=False)
             self._device.view(u.device_offset, t).copy_(gathered)
-        if full is not None and self._param_tier == "device" and self.device.type == "cuda":
+        if full is not None and self.layout.param_tier == "device" and self.device.type == "cuda":
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
 
     @torch.no_grad()
-    def _update_param_piece(self, u: _Unit, lo: int, hi: int, steps: List[int], grad_factor: float,
+    def _update_param_piece(self, u: UnitState, lo: int, hi: int, steps: List[int], grad_factor: float,
                             views: Dict[str, torch.Tensor]) -> None:
         """[zero] Stage 3: Adam on elements [lo, hi) of this rank's shard (shard coordinates);
         the new values of the rank's trainable chunk of the compute copy go home (merged:
@@ -1922,29 +1805,29 @@ class Engine:
         def host_or_view(role: str, home: Any, begin: int) -> torch.Tensor:
             return views[role] if role in views else home[begin:begin + numel]
         chunk = host_or_view("compute", u.compute_home, lo)
-        master = chunk if self._merged else host_or_view("master", u.master_home, lo)
+        master = chunk if self.layout.merged else host_or_view("master", u.master_home, lo)
         exp_avg = host_or_view("exp_avg", moments, lo)
         exp_avg_sq = host_or_view("exp_avg_sq", moments, s.state_numel + lo)
-        if self._split_master:  # [Note: split master] the high halves are the chunk
+        if self.layout.split_master:  # [Note: split master] the high halves are the chunk
             join_master(chunk[:numel], views["low"][:numel], master[:numel])
         self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
-                         exp_avg_sq[:numel], None if self._merged or self._split_master else chunk[:numel],
+                         exp_avg_sq[:numel], None if self.layout.merged or self.layout.split_master else chunk[:numel],
                          False, grad_factor, copy_to_device=False)
-        if self._split_master:
+        if self.layout.split_master:
             split_master(master[:numel], chunk[:numel], views["low"][:numel])
         self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
 
-    def _master_home(self, u: _Unit) -> Any:
-        return u.compute_home if self._merged else u.master_home
+    def _master_home(self, u: UnitState) -> Any:
+        return u.compute_home if self.layout.merged else u.master_home
 
-    def _issue_reads(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot,
+    def _issue_reads(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
                      in_device: bool = False) -> List[Any]:
         """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
         (a merged master from u's device copy when ``in_device``; split, the low halves,
         and the high ones from the compute copy at home or, ``in_device``, on the device)."""
         handles, n = [], hi - lo
         home = self._master_home(u)
-        if self._split_master:  # [Note: split master] the low halves, and the high ones
+        if self.layout.split_master:  # [Note: split master] the low halves, and the high ones
             end, extent = self._half_extent(u, u.master_home, lo, hi)
             handles.append(self._nvme.read(slot.low[:end - lo], extent))
             if slot.compute is not None and in_device:  # [Note: updates through the device copy]
@@ -1954,42 +1837,42 @@ class Engine:
             elif slot.compute is not None:
                 end, extent = self._half_extent(u, u.compute_home, lo, hi)
                 handles.append(self._nvme.read(slot.compute[:end - lo], extent))
-        elif in_device and self._merged:  # [Note: updates through the device copy]
+        elif in_device and self.layout.merged:  # [Note: updates through the device copy]
             slot.master[:n].copy_(self._device.view(u.device_offset + lo, n))
-            self.stats_counters.add_bytes("device_to_host", n * _FP32_BYTES)
-        elif _on_nvme(home):
-            handles.append(self._nvme.read(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
-        if _on_nvme(u.moments_home):
+            self.stats_counters.add_bytes("device_to_host", n * FP32_BYTES)
+        elif on_nvme(home):
+            handles.append(self._nvme.read(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
+        if on_nvme(u.moments_home):
             handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
         return handles
 
     @staticmethod
-    def _half_extent(u: _Unit, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
+    def _half_extent(u: UnitState, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
         """(end, extent) of piece [lo, hi) of a 16-bit home that starts with u's trainable
         prefix (the compute copy; split, the master's low halves): the last piece runs on
         to the prefix's padded end, so that every request covers whole pages."""
         end = padded_numel(u.spec.trainable_numel, 2) if hi == u.master_numel else hi
-        return end, _sub(home, lo * 2, (end - lo) * 2)
+        return end, sub_extent(home, lo * 2, (end - lo) * 2)
 
-    def _moment_parts(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
+    def _moment_parts(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
         """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]:
         one request when the piece is the whole unit (the two are adjacent on disk)."""
         n = hi - lo
         if n == u.master_numel:
             return [(slot.moments[:2 * n], u.moments_home)]
-        return [(slot.moments[:n], _sub(u.moments_home, lo * _FP32_BYTES, n * _FP32_BYTES)),
-                (slot.moments[n:2 * n], _sub(u.moments_home, (u.master_numel + lo) * _FP32_BYTES, n * _FP32_BYTES))]
+        return [(slot.moments[:n], sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES)),
+                (slot.moments[n:2 * n], sub_extent(u.moments_home, (u.master_numel + lo) * FP32_BYTES, n * FP32_BYTES))]
 
-    def _update_staged(self, u: _Unit, lo: int, hi: int, steps: List[int], slot: _StagingSlot,
+    def _update_staged(self, u: UnitState, lo: int, hi: int, steps: List[int], slot: StagingSlot,
                        grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
         n = hi - lo
         home = self._master_home(u)
-        master = slot.master[:n] if _on_nvme(home) else home[lo:hi]
+        master = slot.master[:n] if on_nvme(home) else home[lo:hi]
         high = None
-        if self._split_master:  # [Note: split master] the master from its halves
+        if self.layout.split_master:  # [Note: split master] the master from its halves
             high = slot.compute[:n] if slot.compute is not None else u.compute_home[lo:hi]  # nvme / host
             join_master(high, slot.low[:n], master)
-        if _on_nvme(u.moments_home):
+        if on_nvme(u.moments_home):
             exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
         else:
             exp_avg = u.moments_home[lo:hi]
@@ -2008,7 +1891,7 @@ class Engine:
             split_master(master, high, slot.low[:n])
         self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
-    def _device_copy_updatable(self, u: _Unit) -> bool:
+    def _device_copy_updatable(self, u: UnitState) -> bool:
         """[Note: updates through the device copy] On a CPU device with the compute copies
         on NVMe, a unit whose device copy is resident when its Adam runs need not have it
         read again: with fp32 the master pieces are copied from the device copy instead of
@@ -2020,37 +1903,37 @@ class Engine:
         the optimizer worker first, and a failed update drops the copy. The optimizer
         step's own updates (main thread, nothing else running) do it for every resident
         unit. [zero] Not with several ranks."""
-        return self._device_copy_updates and u.compute_state == Residency.LOADED and \
+        return self.layout.device_copy_updates and u.compute_state == Residency.LOADED and \
             u.device_offset is not None
 
-    def _write_through(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> None:
+    def _write_through(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
         """Copy the new compute copy of piece [lo, hi) (trainable elements) into u's device
         copy ([Note: updates through the device copy])."""
         end = min(hi, u.spec.trainable_numel)
         if end > lo:
-            src = slot.master if self._merged else slot.compute
+            src = slot.master if self.layout.merged else slot.compute
             self._device.view(u.device_offset + lo, end - lo).copy_(src[:end - lo])
             self.stats_counters.add_bytes("host_to_device", (end - lo) * src.element_size())
 
-    def _issue_writes(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot) -> None:
+    def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
         """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
         writes, n = [], hi - lo
         home = self._master_home(u)
-        if self._split_master:  # [Note: split master] the high halves go with the compute copy
+        if self.layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
             writes.append(self._nvme.write(slot.low[:end - lo], extent))
-        elif _on_nvme(home):
-            writes.append(self._nvme.write(slot.master[:n], _sub(home, lo * _FP32_BYTES, n * _FP32_BYTES)))
-        if _on_nvme(u.moments_home):
+        elif on_nvme(home):
+            writes.append(self._nvme.write(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
+        if on_nvme(u.moments_home):
             writes.extend(self._nvme.write(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
-        if slot.compute is not None and self._param_tier == "nvme":
+        if slot.compute is not None and self.layout.param_tier == "nvme":
             size = slot.compute.element_size()
             end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
             end = min(end, lo + slot.compute.numel())
-            writes.append(self._nvme.write(slot.compute[:end - lo], _sub(u.compute_home, lo * size, (end - lo) * size)))
+            writes.append(self._nvme.write(slot.compute[:end - lo], sub_extent(u.compute_home, lo * size, (end - lo) * size)))
         slot.pending_writes = writes
 
-    def _staged_update(self, units: List[_Unit], grad_factor: float) -> None:
+    def _staged_update(self, units: List[UnitState], grad_factor: float) -> None:
         """The pipeline over pieces of units: piece i+1's states are read while Adam updates
         piece i and piece i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring.
 
@@ -2178,9 +2061,9 @@ class Engine:
     def _dirty_limit_bytes(self) -> int:
         """Host bytes the dirty copies may take: what host_budget leaves, else half of the
         RAM the kernel reports available."""
-        if self.config.host_budget is not None:
+        if self.layout.host_budget is not None:
             # the plan reserves every gradient buffer even while the pool holds fewer
-            return max(self.config.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
+            return max(self.layout.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
         try:
             with open("/proc/meminfo") as f:
                 for line in f:
@@ -2190,15 +2073,15 @@ class Engine:
             pass
         return 0
 
-    def _keep_dirty(self, u: _Unit, lo: int, hi: int, slot: _StagingSlot, error: Optional[OSError]) -> None:
+    def _keep_dirty(self, u: UnitState, lo: int, hi: int, slot: StagingSlot, error: Optional[OSError]) -> None:
         """[Note: swap I/O failures] Hold piece [lo, hi) of u's updated states in host RAM
         (the first failed piece of a unit brings the rest of the unit from disk), or raise."""
-        master_on_nvme = _on_nvme(self._master_home(u))
-        moments_on_nvme = _on_nvme(u.moments_home)
+        master_on_nvme = on_nvme(self._master_home(u))
+        moments_on_nvme = on_nvme(u.moments_home)
         dirty = self._dirty.get(u.index)
         if dirty is None:
             held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
-            need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * _FP32_BYTES
+            need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * FP32_BYTES
             if held + need > self._dirty_limit_bytes():
                 raise OSError(error.errno, f"{error}; holding the states of unit {u.name!r} in host "
                               f"RAM would take {format_size(held + need)}, more than the host can spare")
@@ -2251,7 +2134,7 @@ class Engine:
                 f"{', ...' if len(early) > 4 else ''}) and not the others yet, so the weights would "
                 "mix two steps; call it after step()")
         values: Dict[int, Dict[int, torch.Tensor]] = {}
-        entry_of: Dict[nn.Parameter, Tuple[_Unit, ParamEntry]] = {}
+        entry_of: Dict[nn.Parameter, Tuple[UnitState, ParamEntry]] = {}
         for u in self.units:
             for e in u.spec.entries:
                 entry_of[e.param] = (u, e)
@@ -2282,21 +2165,21 @@ class Engine:
         checkpoint.load(self, ckpt_dir)
         self.zero_grad()
 
-    def _unit_values(self, u: _Unit) -> Dict[int, torch.Tensor]:
-        if self._param_tier == "device":
+    def _unit_values(self, u: UnitState) -> Dict[int, torch.Tensor]:
+        if self.layout.param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
         elif u.param_shard is not None:  # [zero] stage 3: a collective
-            dtype = torch.float32 if self._merged else self.compute_dtype
+            dtype = torch.float32 if self.layout.merged else self.compute_dtype
             own = self._load(u.compute_home, self._compute_home_numel(u), dtype)
             compute = torch.empty(u.compute_numel, dtype=dtype)
             self._partition.gather_params(u, own, compute, lane="main")
         else:
-            dtype = torch.float32 if self._merged else self.compute_dtype
+            dtype = torch.float32 if self.layout.merged else self.compute_dtype
             compute = self._load(u.compute_home, u.compute_numel, dtype)
         master = compute
         if u.index in self._dirty and "master" in self._dirty[u.index]:
             master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
-        elif u.trainable and not self._merged:
+        elif u.trainable and not self.layout.merged:
             master = self._read_master(u, compute)
             if self._partition is not None and self._partition.shards_state:  # [zero] collective
                 master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
@@ -2345,7 +2228,7 @@ class Engine:
             "rank": self._partition.rank if self._partition is not None else 0,
             "optimizer_state_bytes": self._optimizer_state_bytes(),
             "parameter_bytes": self._parameter_home_bytes(),
-            "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * _FP32_BYTES,
+            "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES,
             "gradient_bucket_peak_bytes":
                 self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }
@@ -2353,7 +2236,7 @@ class Engine:
     def _parameter_home_bytes(self) -> int:
         """Compute copies at home on this rank ([zero] its chunks at stage 3; param_tier
         'device': the device slots)."""
-        if self._param_tier == "device":
+        if self.layout.param_tier == "device":
             return sum(u.compute_numel for u in self.units) * self._placeholder.element_size()
         return sum(self._home_bytes(u.compute_home) for u in self.units)
 
@@ -2384,12 +2267,12 @@ class Engine:
             return
         if self._failure is not None and self._failure["fatal"]:
             raise EngineFailedError(f"save_checkpoint: {self._failure['message']}")
-        pending = self._micro_step % self._accumulation_steps
+        pending = self._micro_step % self.layout.accumulation_steps
         if pending or any(any(u.has_grad) for u in self.units):
             raise ValueError(
                 f"save_checkpoint: gradients of {pending or 'un-stepped'} micro-batch(es) are "
                 f"pending (micro-step {self._micro_step}, gradient_accumulation_steps="
-                f"{self._accumulation_steps}); save right after the engine.step() call that "
+                f"{self.layout.accumulation_steps}); save right after the engine.step() call that "
                 "updates the parameters (an accumulation boundary)")
 
     def checkpoint_world(self) -> Tuple[int, int, int]:
@@ -2404,7 +2287,7 @@ class Engine:
             return [value]
         return self._partition.all_gather_object(what, value)
 
-    def checkpoint_ranges(self, u: _Unit) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    def checkpoint_ranges(self, u: UnitState) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """[Note: sharded checkpoints] The elements of u this rank writes: ``[lo, hi)`` of the
         trainable prefix (master and moments) and ``[lo, hi)`` of the frozen tail (counted from
         the tail's start)."""
@@ -2422,7 +2305,7 @@ class Engine:
             return trainable, (f.lo, f.hi)
         return trainable, whole[1] if rank == 0 else (0, 0)
 
-    def read_trainable_state(self, u: _Unit, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def read_trainable_state(self, u: UnitState, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 master, exp_avg and exp_avg_sq of elements [lo, hi) of u's trainable prefix,
         which this rank keeps (its shard, or everything), from wherever they are current."""
         s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
@@ -2431,28 +2314,28 @@ class Engine:
         dirty = self._dirty.get(u.index, {})
         master = dirty["master"] if "master" in dirty else self._read_master(u)
         # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
-        base = 0 if self._merged and u.param_shard is None else s.lo
+        base = 0 if self.layout.merged and u.param_shard is None else s.lo
         moments = dirty["moments"] if "moments" in dirty else \
             self._load(u.moments_home, 2 * s.state_numel, torch.float32)
         return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
                 moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
 
-    def read_frozen_values(self, u: _Unit, lo: int, hi: int) -> torch.Tensor:
+    def read_frozen_values(self, u: UnitState, lo: int, hi: int) -> torch.Tensor:
         """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
         p = u.param_shard
-        home_dtype = torch.float32 if self._merged else self.compute_dtype
+        home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
         if p is not None:  # [zero] stage 3: the rank's chunks, the frozen one second
             home = self._load(u.compute_home, p.home_numel, home_dtype)
             return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
         start = u.spec.frozen_start
-        if self._param_tier == "device":
+        if self.layout.param_tier == "device":
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
         else:
             compute = self._load(u.compute_home, u.compute_numel, home_dtype)
         return compute[start + lo:start + hi]
 
     @torch.no_grad()
-    def write_unit_state(self, u: _Unit, read: Callable[[str, int, int, torch.Tensor], None],
+    def write_unit_state(self, u: UnitState, read: Callable[[str, int, int, torch.Tensor], None],
                          steps: List[int]) -> None:
         """Replace the state of u this rank keeps by a checkpoint's values, and drop u's
         gradients. ``read(section, lo, hi, out)`` fills ``out`` with elements [lo, hi) of the
@@ -2469,11 +2352,11 @@ class Engine:
         read("master", lo, hi, master)
         read("exp_avg", s.lo, s.hi, moments[:s.numel])
         read("exp_avg_sq", s.lo, s.hi, moments[s.state_numel:s.state_numel + s.numel])
-        home_dtype = torch.float32 if self._merged else self.compute_dtype
+        home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
         low = None
         if p is None:
             compute = torch.zeros(u.compute_numel, dtype=self.compute_dtype)
-            if self._split_master and u.trainable:  # [Note: split master]
+            if self.layout.split_master and u.trainable:  # [Note: split master]
                 low = self._split_master_into(u, master, compute[:t], 0)
             else:
                 compute[:t].copy_(master)
@@ -2481,13 +2364,13 @@ class Engine:
             read("value", 0, u.spec.total_numel - frozen_start, compute[frozen_start:u.spec.total_numel])
         else:  # [zero] stage 3: the rank's chunks
             compute = torch.zeros(p.home_numel, dtype=home_dtype)
-            if self._split_master and u.trainable:  # [Note: split master]
+            if self.layout.split_master and u.trainable:  # [Note: split master]
                 low = self._split_master_into(u, master, compute[:s.numel], s.lo)
             else:
                 compute[:s.numel].copy_(master)
             f = p.frozen
             read("value", f.lo, f.hi, compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel])
-        if self._param_tier == "device":
+        if self.layout.param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         else:
             self._release(u)  # a device copy of this unit is stale from now on

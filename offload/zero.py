@@ -214,7 +214,7 @@ class Partition:
 
     def assign(self, u: Any, home_element_bytes: int) -> None:
         """Set u's shard, gradient buffer length and gradient offset, and at stage 3 its
-        ParamShard and device slot length (engine _Unit fields). ``home_element_bytes``:
+        ParamShard and device slot length (UnitState fields). ``home_element_bytes``:
         the element size of the compute copy's home buffer."""
         self._units.append(u)
         t = u.spec.trainable_numel

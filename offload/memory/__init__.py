@@ -1,0 +1,5 @@
+"""Memory: where a unit's state lives and how it moves between the tiers.
+
+layout (the resolved modes of a run and the per-unit record of its buffers), budget (the one
+budget arithmetic), homes (allocation and the split-master codec), residency (fetch/evict).
+"""

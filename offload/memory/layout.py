@@ -1,0 +1,210 @@
+"""The layout of a run: every config mode resolved once, at wrap, into one object
+(``Layout``), and the record of one unit's buffers and runtime state (``UnitState``).
+
+[Note: layout] Nothing after wrap reads ``OffloadConfig``: the engine and the mechanisms it
+delegates to take the resolved modes from ``Layout``. The modes that depend on one another
+(a merged fp32 master, a split master, the staged step, early updates, ZeRO gathers) are
+decided here and nowhere else.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.tiers import HostTier
+from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel
+from offload.zero import ParamShard, ShardRange
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The modes of one run, resolved from its config, device and ZeRO partition."""
+
+    device: torch.device
+    compute_dtype: torch.dtype
+    compute_element_bytes: int
+    param_tier: str              # home of the compute copies: "device", "host" or "nvme"
+    optimizer_tier: str          # home of the fp32 masters and Adam moments
+    # [fp32 merge] With fp32 compute the compute copy is the master: one buffer, homed on
+    # param_tier, serves both (unless the compute copy lives on the device).
+    merged: bool
+    # [Note: split master] the master at home is its low half; the compute copy the high
+    split_master: bool
+    # [Note: gradient ownership] the host tier takes autograd's gradient tensors; [zero]
+    # collectives work on flat buffers, so not with several ranks
+    adopts_grads: bool
+    # [Note: updates through the device copy]
+    device_copy_updates: bool
+    # [zero] stage 3: every fetch all-gathers the unit's chunks
+    gathers: bool
+    # The piece pipeline with staging slots; [zero] stage >= 1 updates whole shards through
+    # reused buffers of its own instead.
+    staged_step: bool
+    # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward).
+    # Not with global clipping or fp16 overflow checks: those need every gradient first;
+    # [zero] not with several ranks: collectives must run in the same order on every rank.
+    early_allowed: bool
+    accumulation_steps: int
+    max_grad_norm: Optional[float]
+    fp16: bool
+    skip_nonfinite_steps: bool
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: int
+    device_budget: Optional[int]
+    host_budget: Optional[int]
+    optimizer_pipeline_depth: int
+    prefetch: bool
+    prefetch_units: int
+    prefetch_bytes: Optional[int]
+    overlap_step_with_forward: bool
+
+    @property
+    def home_dtype(self) -> torch.dtype:
+        """dtype of a compute copy at home: fp32 when it is the master too."""
+        return torch.float32 if self.merged else self.compute_dtype
+
+    @property
+    def needs_nvme(self) -> bool:
+        return "nvme" in (self.param_tier, self.optimizer_tier)
+
+    @classmethod
+    def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any) -> "Layout":
+        """The modes of a run of ``config`` on ``device``; ``partition``: the [zero]
+        Partition of several ranks, or None."""
+        compute_dtype = DTYPES[config.dtype]
+        merged = config.dtype == "fp32" and config.param_tier != "device"
+        needs_nvme = "nvme" in (config.param_tier, config.optimizer_tier)
+        return cls(
+            device=device,
+            compute_dtype=compute_dtype,
+            compute_element_bytes=torch.empty(0, dtype=compute_dtype).element_size(),
+            param_tier=config.param_tier,
+            optimizer_tier=config.optimizer_tier,
+            merged=merged,
+            split_master=(config.split_master and config.dtype == "bf16"
+                          and config.optimizer_tier == "nvme" and config.param_tier != "device"),
+            adopts_grads=device.type == "cpu" and partition is None,
+            device_copy_updates=device.type == "cpu" and config.param_tier == "nvme" and partition is None,
+            gathers=partition is not None and partition.shards_params,
+            staged_step=needs_nvme and not (partition is not None and partition.shards_state),
+            early_allowed=(config.max_grad_norm is None and config.dtype != "fp16"
+                           and not config.skip_nonfinite_steps and partition is None),
+            accumulation_steps=config.gradient_accumulation_steps,
+            max_grad_norm=config.max_grad_norm,
+            fp16=config.dtype == "fp16",
+            skip_nonfinite_steps=config.skip_nonfinite_steps,
+            initial_loss_scale=config.initial_loss_scale,
+            min_loss_scale=config.min_loss_scale,
+            loss_scale_window=config.loss_scale_window,
+            device_budget=config.device_budget,
+            host_budget=config.host_budget,
+            optimizer_pipeline_depth=config.optimizer_pipeline_depth,
+            prefetch=config.prefetch,
+            prefetch_units=config.prefetch_units,
+            prefetch_bytes=config.prefetch_bytes,
+            overlap_step_with_forward=config.overlap_step_with_forward,
+        )
+
+
+@dataclass(frozen=True)
+class ExtentView:
+    """A sub-range of a swap extent (the trainable prefix of a buffer)."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+def sub_extent(home: Any, offset: int, num_bytes: int) -> ExtentView:
+    """Bytes [offset, offset + num_bytes) of a swap extent; page aligned by construction."""
+    assert offset + num_bytes <= home.nbytes
+    return ExtentView(home.path, home.offset + offset, num_bytes)
+
+
+def on_nvme(home: Any) -> bool:
+    return not isinstance(home, torch.Tensor)
+
+
+class UnitState:
+    """Runtime state of one unit: where each of its buffers lives and what is on the device."""
+
+    def __init__(self, spec: UnitSpec, compute_element_bytes: int) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.name = spec.name
+        self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
+        self.master_numel = padded_numel(spec.trainable_numel, FP32_BYTES)
+        self.trainable = spec.trainable_entries
+        # Homes: a host tensor or a swap extent, whichever the tier gives.
+        self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
+        self.master_home: Any = None        # None when merged with the compute copy
+        self.moments_home: Any = None       # exp_avg then exp_avg_sq, master_numel each
+        # The fp32 gradient: one flat pooled buffer (grad), or one tensor per trainable
+        # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
+        self.grad: Optional[torch.Tensor] = None
+        self.param_grads: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
+        # [zero] The part of the trainable prefix whose master/moments this rank keeps and
+        # updates (all of it on one process), the grad buffer's length and the element of
+        # the trainable prefix at grad[0]. Partition.assign changes them.
+        self.shard = ShardRange.whole(spec.trainable_numel, self.master_numel)
+        self.grad_numel = spec.trainable_numel
+        self.grad_base = 0
+        # [zero] Stage 3: the rank's chunks of the compute copy kept at home (None: all of it).
+        self.param_shard: Optional[ParamShard] = None
+        self.has_grad = [False] * len(self.trainable)
+        self.steps = [0] * len(self.trainable)
+        self.device_offset: Optional[int] = None
+        self.compute_state = ResidencyState(f"{spec.name}.compute", Residency.HOME)
+        self.ready_event: Optional[torch.cuda.Event] = None
+        self.pending: Optional[Callable[[], Optional[torch.cuda.Event]]] = None  # fetch in flight
+        self.fetch_started = 0.0
+        self.compute_started = 0.0
+        self.last_use = 0
+        self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
+        self.early_grad_squares = 0.0            # sum of squared gradients, taken before an
+        self.early_nonfinite: Optional[ParamEntry] = None  # early update (see _update_early)
+        self.calls = 0               # forward calls in this pass
+        self.backward_done = 0       # calls whose backward finished (see _PostBackward)
+        self.updated = False         # Adam already ran on it in this optimizer step
+        self.update_in_device = False  # [Note: updates through the device copy]
+        # [Note: deferred updates] completion of its update queued on the optimizer worker,
+        # and the swap writes of that update (a fetch must not read the home before them)
+        self.update_ticket: Optional[Future] = None
+        self.home_writes: List[Any] = []
+        self.update_started = False  # the worker has taken it (set under _update_lock)
+        # [Note: updates fill the device copy] its queued update writes the new compute
+        # copy into a device slot that holds nothing yet (update_in_device is set too);
+        # after_update: its fetch in flight waits for its update (either way)
+        self.update_fill = False
+        self.after_update = False
+
+    def forget_update(self) -> None:
+        """Its queued update and that update's writes are done (or reported elsewhere);
+        a device copy it was writing into holds the update now."""
+        self.update_ticket = None
+        self.home_writes = []
+        self.update_in_device = False
+        self.update_started = False
+        self.update_fill = False
+        self.stale = False           # its device copy predates its last update
+
+
+class StagingSlot:
+    """Host buffers the optimizer pipeline reads one unit's states into."""
+
+    def __init__(self, host: HostTier, master_numel: int, compute_numel: int,
+                 compute_dtype: torch.dtype, low_numel: int = 0) -> None:
+        self.master = host.allocate(master_numel, torch.float32)
+        self.moments = host.allocate(2 * master_numel, torch.float32)
+        self.compute = host.allocate(compute_numel, compute_dtype) if compute_numel else None
+        # [Note: split master] the master's low halves, read and written in its place
+        self.low = host.allocate(low_numel, torch.int16) if low_numel else None
+        self.pending_writes: List[Any] = []
