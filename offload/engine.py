@@ -279,7 +279,6 @@ class Engine:
         # _dirty: unit index -> states whose swap write failed, held in host RAM.
         self._failure: Optional[Dict[str, Any]] = None
         self._dirty: Dict[int, Dict[str, torch.Tensor]] = {}
-        self._first_nonfinite_unit: Optional[str] = None
         self._closed = False
 
     # ------------------------------------------------------------------ planning
@@ -896,7 +895,6 @@ class Engine:
             wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
         u.update_in_device = False
         u.compute_state.to(Residency.HOME)
-        u.stale = False
         self._unbind(u)
         if u is not self._root:
             self._device.free(u.device_offset, u.compute_numel)
@@ -1307,7 +1305,6 @@ class Engine:
             if not self.layout.fp16:  # with fp16 an overflow is routine loss scaling
                 where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
                          if first_nonfinite else "the gradient norm")
-                self._first_nonfinite_unit = first_nonfinite[0].name if first_nonfinite else None
                 action = ("the step is skipped (skip_nonfinite_steps=True)" if self.layout.skip_nonfinite_steps
                           else "the step goes ahead and writes NaN/Inf into the parameters; set "
                           "skip_nonfinite_steps=True to skip such steps")

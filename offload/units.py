@@ -58,15 +58,13 @@ class Residency(enum.Enum):
     LOADING = "loading"    # a copy to the working tier is in flight
     LOADED = "loaded"      # the working copy is valid and equals the home copy
     IN_USE = "in_use"      # pinned: compute or Adam is reading or changing the working copy
-    STORING = "storing"    # the working copy changed and is being written back home
 
 
 LEGAL_TRANSITIONS: Dict[Residency, Tuple[Residency, ...]] = {
     Residency.HOME: (Residency.LOADING,),
     Residency.LOADING: (Residency.LOADED, Residency.HOME),  # HOME: the transfer failed
-    Residency.LOADED: (Residency.IN_USE, Residency.HOME, Residency.STORING),
-    Residency.IN_USE: (Residency.LOADED, Residency.STORING),
-    Residency.STORING: (Residency.HOME, Residency.LOADED),
+    Residency.LOADED: (Residency.IN_USE, Residency.HOME),
+    Residency.IN_USE: (Residency.LOADED,),
 }
 
 

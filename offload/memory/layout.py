@@ -194,7 +194,6 @@ class UnitState:
         self.update_in_device = False
         self.update_started = False
         self.update_fill = False
-        self.stale = False           # its device copy predates its last update
 
 
 class StagingSlot:

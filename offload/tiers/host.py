@@ -42,14 +42,12 @@ class HostTier:
         self.peak_bytes = 0
         self._lock = threading.Lock()
 
-    def allocate(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         element_bytes = torch.empty(0, dtype=dtype).element_size()
         if torch.cuda.is_available():
             tensor = aligned_empty(numel * element_bytes, dtype=dtype)
         else:  # [Note: host buffers outside the heap]
             tensor = mapped_empty(numel * element_bytes, dtype)
-        if zero:
-            tensor.zero_()
         self.adopt(tensor)
         return tensor
 
