@@ -63,7 +63,7 @@ from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
 from offload.optim import adam_step_flat, join_master, split_master
 from offload.prefetch import Prefetcher
-from offload.stats import Stats, Timeline
+from offload.stats import Stats, Timeline, profiled
 from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
@@ -747,6 +747,7 @@ class Engine:
         self._fetch(u)
         self._prefetch()
 
+    @profiled("fetch")
     def _fetch(self, u: UnitState) -> None:
         """Have u's compute copy on the device: wait for its transfer when one is in flight,
         else move it now."""
@@ -887,6 +888,7 @@ class Engine:
             self._release(max(victims, key=lambda v: (not self._pending_update(v),
                                                       self._prefetcher.next_use(v.index), -v.last_use)))
 
+    @profiled("release")
     def _release(self, u: UnitState) -> None:
         """Drop u's device copy (its home copy is current)."""
         if self.layout.param_tier == "device" or u.compute_state != Residency.LOADED:
@@ -1643,6 +1645,7 @@ class Engine:
     def _pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, OPTIMIZER_PIECE_NUMEL)]
 
+    @profiled("adam")
     def _adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
                     compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,

@@ -2,19 +2,39 @@
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import json
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Deque, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Tuple, TypeVar
+
+from torch.profiler import record_function
 
 from offload.config import format_size
 
 # Spans kept for export_trace: the most recent ones (about 100 per step of a 10-unit
 # model), so a long run's timeline stays a few MiB.
 TIMELINE_SPANS = 1 << 16
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def profiled(phase: str) -> Callable[[_Method], _Method]:
+    """Label calls of a method whose first argument is a unit as ``offload::PHASE::UNIT``
+    for torch.profiler, so that a user's profiler trace shows the engine's fetches, releases,
+    Adam updates and swap I/O beside their own ops. Costs a few microseconds a call when no
+    profiler runs."""
+    def decorate(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def labelled(self: Any, unit: Any, *args: Any, **kwargs: Any) -> Any:
+            with record_function(f"offload::{phase}::{unit.name}"):
+                return method(self, unit, *args, **kwargs)
+        return labelled  # type: ignore[return-value]
+    return decorate
 
 
 class Stats:
