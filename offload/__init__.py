@@ -1,7 +1,8 @@
 """offload: train PyTorch models whose state does not fit on the device.
 
 Public API (see ARCHITECTURE.md): ``wrap``, ``Engine``, ``OffloadConfig``, ``CPUAdam``,
-``native_info`` and the ``offload.io`` module (``IOEngine``, ``aligned_empty``).
+``native_info``, the exceptions a user may catch (``CheckpointError``, ``EngineFailedError``)
+and the ``offload.io`` module (``IOEngine``, ``aligned_empty``).
 """
 import importlib as _importlib
 import os as _os
@@ -9,6 +10,7 @@ import os as _os
 import torch as _torch
 
 from offload.config import OffloadConfig
+from offload.errors import CheckpointError, EngineFailedError
 
 try:
     _native = _importlib.import_module("offload._native")
@@ -32,5 +34,6 @@ else:
     if not _os.environ.get("OFFLOAD_NUM_THREADS"):
         _native.set_num_threads(_torch.get_num_threads())
 
-__all__ = ["wrap", "Engine", "OffloadConfig", "CPUAdam", "native_info"]
+__all__ = ["wrap", "Engine", "OffloadConfig", "CPUAdam", "native_info", "CheckpointError",
+           "EngineFailedError"]
 __version__ = "0.1.0"

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional,
 import torch
 from torch import nn
 
+from offload.errors import CheckpointError
 from offload.swap import pid_alive
 
 if TYPE_CHECKING:
@@ -75,15 +76,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
                 torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
                 torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing/corrupt file, or a model that differs.
-    The message names the file or the parameter."""
-
-
-class EngineFailedError(RuntimeError):
-    """The engine refuses to go on after an I/O failure; the message says how to recover."""
 
 
 # ---------------------------------------------------------------------- small helpers
@@ -840,4 +832,4 @@ def _write_safetensors(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict
         reader.close()
 
 
-__all__ = ["CheckpointError", "EngineFailedError", "export_checkpoint", "read_manifest"]
+__all__ = ["export_checkpoint", "read_manifest"]

@@ -198,7 +198,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from offload.checkpoint import CheckpointError, export_checkpoint
+    from offload.checkpoint import export_checkpoint
+    from offload.errors import CheckpointError
 
     try:
         export_checkpoint(args.ckpt, args.out)

@@ -59,8 +59,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from offload import checkpoint
-from offload.checkpoint import EngineFailedError
 from offload.config import OffloadConfig, format_size
+from offload.errors import EngineFailedError
 from offload.optim import adam_step_flat, join_master, split_master
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled

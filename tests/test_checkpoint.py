@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import offload
-from offload.checkpoint import MANIFEST, CheckpointError, _manifest_checksum, export_checkpoint
+from offload.checkpoint import MANIFEST, _manifest_checksum, export_checkpoint
+from offload.errors import CheckpointError
 from offload.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload.checkpoint import EngineFailedError
+from offload.errors import EngineFailedError
 from offload.gpt import GPT, GPTConfig
 from offload.io import aligned_empty
 
