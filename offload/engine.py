@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from offload import checkpoint
+from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig, format_size
 from offload.errors import EngineFailedError
 from offload.optim import adam_step_flat, join_master, split_master
@@ -280,6 +281,27 @@ class Engine:
         self._failure: Optional[Dict[str, Any]] = None
         self._dirty: Dict[int, Dict[str, torch.Tensor]] = {}
         self._closed = False
+
+        # 7. Checkpoints reach the states through this object alone ([Note: checkpoint
+        # access]); the counters and the failure state stay here, read and set by callables.
+        def restore_counters(counters: Dict[str, Any]) -> None:
+            self._micro_step, self._loss_scale = counters["micro_step"], counters["loss_scale"]
+            self._good_steps, self._last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
+
+        def set_failure(failure: Optional[Dict[str, Any]]) -> None:
+            self._failure = failure
+
+        self._checkpoint = CheckpointAccess(
+            self.units, layout, self._partition, self._device, model, optimizer, config,
+            homes=HomeIO(read_master=self._read_master, load=self._load, store=self._store,
+                         store_master=self._store_master_home, split_master_into=self._split_master_into,
+                         release=self._release),
+            state=EngineState(
+                closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
+                dirty=lambda index: self._dirty.get(index, {}), forget_dirty=lambda: self._dirty.clear(),
+                counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._loss_scale,
+                                  "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm},
+                restore_counters=restore_counters))
 
     # ------------------------------------------------------------------ planning
     def _plan_device(self, element_bytes: int) -> Tuple[int, int]:
@@ -2152,17 +2174,17 @@ class Engine:
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one unit at a time; with several ranks every rank calls
-        it and writes its own part. See offload/checkpoint.py."""
+        it and writes its own part. See offload/checkpoint/."""
         self._quiesce()
-        checkpoint.save(self, ckpt_dir)
+        checkpoint.save_checkpoint(self._checkpoint, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
-        offload/checkpoint.py."""
+        offload/checkpoint/."""
         self._quiesce(raise_errors=False)  # what failed before is what the load recovers from
-        checkpoint.load(self, ckpt_dir)
+        checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()
 
     def _unit_values(self, u: UnitState) -> Dict[int, torch.Tensor]:
@@ -2249,161 +2271,6 @@ class Engine:
     def _optimizer_state_bytes(self) -> int:
         """fp32 master weights held apart from the compute copy, plus Adam moments."""
         return sum(self._home_bytes(home) for u in self.units for home in (u.master_home, u.moments_home))
-
-    # ------------------------------------------------------------------ checkpoint interface
-    # Used by offload/checkpoint.py, which deals in values and files: the values of the
-    # elements of a unit (ranges of its trainable prefix or of its frozen tail) and the
-    # scalar counters. How the homes hold them (merged or split master, host copies of failed
-    # swap writes, [zero] shards and chunks) stays in here.
-    def check_checkpoint_allowed(self, saving: bool) -> None:
-        """Raise unless a checkpoint can be saved (``saving``) or loaded now: RuntimeError
-        when the engine is closed; a save also refuses after a fatal failure
-        (EngineFailedError) and while gradients of un-stepped micro-batches are pending
-        (ValueError)."""
-        what = "save_checkpoint" if saving else "load_checkpoint"
-        if self._closed:
-            raise RuntimeError(f"{what}: engine is closed")
-        if not saving:
-            return
-        if self._failure is not None and self._failure["fatal"]:
-            raise EngineFailedError(f"save_checkpoint: {self._failure['message']}")
-        pending = self._micro_step % self.layout.accumulation_steps
-        if pending or any(any(u.has_grad) for u in self.units):
-            raise ValueError(
-                f"save_checkpoint: gradients of {pending or 'un-stepped'} micro-batch(es) are "
-                f"pending (micro-step {self._micro_step}, gradient_accumulation_steps="
-                f"{self.layout.accumulation_steps}); save right after the engine.step() call that "
-                "updates the parameters (an accumulation boundary)")
-
-    def checkpoint_world(self) -> Tuple[int, int, int]:
-        """(rank, world_size, ZeRO stage) of this process: (0, 1, 0) on a single process."""
-        p = self._partition
-        return (0, 1, 0) if p is None else (p.rank, p.world_size, p.stage)
-
-    def gather_from_ranks(self, what: str, value: Any) -> List[Any]:
-        """Every rank's ``value``, in rank order ([value] on a single process). A collective:
-        every rank calls it; ``what`` names it in the error when a rank does not."""
-        if self._partition is None:
-            return [value]
-        return self._partition.all_gather_object(what, value)
-
-    def checkpoint_ranges(self, u: UnitState) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-        """[Note: sharded checkpoints] The elements of u this rank writes: ``[lo, hi)`` of the
-        trainable prefix (master and moments) and ``[lo, hi)`` of the frozen tail (counted from
-        the tail's start)."""
-        rank, world_size, stage = self.checkpoint_world()
-        frozen_numel = u.spec.total_numel - u.spec.frozen_start
-        whole = ((0, u.spec.trainable_numel), (0, frozen_numel))
-        if world_size == 1:
-            return whole
-        nothing = ((0, 0), (0, 0))
-        if stage == 0:  # every rank holds everything: rank 0 writes it
-            return whole if rank == 0 else nothing
-        trainable = (u.shard.lo, u.shard.hi)
-        if u.param_shard is not None:
-            f = u.param_shard.frozen
-            return trainable, (f.lo, f.hi)
-        return trainable, whole[1] if rank == 0 else (0, 0)
-
-    def read_trainable_state(self, u: UnitState, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 master, exp_avg and exp_avg_sq of elements [lo, hi) of u's trainable prefix,
-        which this rank keeps (its shard, or everything), from wherever they are current."""
-        s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
-        # [Note: swap I/O failures] after a failed write the host copy is current (the staged
-        # step that keeps one runs only where the shard is whole)
-        dirty = self._dirty.get(u.index, {})
-        master = dirty["master"] if "master" in dirty else self._read_master(u)
-        # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
-        base = 0 if self.layout.merged and u.param_shard is None else s.lo
-        moments = dirty["moments"] if "moments" in dirty else \
-            self._load(u.moments_home, 2 * s.state_numel, torch.float32)
-        return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
-                moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
-
-    def read_frozen_values(self, u: UnitState, lo: int, hi: int) -> torch.Tensor:
-        """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
-        p = u.param_shard
-        home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
-        if p is not None:  # [zero] stage 3: the rank's chunks, the frozen one second
-            home = self._load(u.compute_home, p.home_numel, home_dtype)
-            return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
-        start = u.spec.frozen_start
-        if self.layout.param_tier == "device":
-            compute = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
-        else:
-            compute = self._load(u.compute_home, u.compute_numel, home_dtype)
-        return compute[start + lo:start + hi]
-
-    @torch.no_grad()
-    def write_unit_state(self, u: UnitState, read: Callable[[str, int, int, torch.Tensor], None],
-                         steps: List[int]) -> None:
-        """Replace the state of u this rank keeps by a checkpoint's values, and drop u's
-        gradients. ``read(section, lo, hi, out)`` fills ``out`` with elements [lo, hi) of the
-        trainable prefix ("master", "exp_avg", "exp_avg_sq") or of the frozen tail ("value",
-        counted from the tail's start); ``steps``: Adam's step count of each trainable
-        parameter. Trainable compute values are derived from the master (rounded as the Adam
-        kernel rounds it). Holds one unit's master, moments and compute copy at a time."""
-        s = u.shard
-        p = u.param_shard
-        t = u.spec.trainable_numel
-        lo, hi = (s.lo, s.hi) if p is not None else (0, t)  # master elements the compute copy needs
-        master = torch.zeros(hi - lo, dtype=torch.float32)
-        moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
-        read("master", lo, hi, master)
-        read("exp_avg", s.lo, s.hi, moments[:s.numel])
-        read("exp_avg_sq", s.lo, s.hi, moments[s.state_numel:s.state_numel + s.numel])
-        home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
-        low = None
-        if p is None:
-            compute = torch.zeros(u.compute_numel, dtype=self.compute_dtype)
-            if self.layout.split_master and u.trainable:  # [Note: split master]
-                low = self._split_master_into(u, master, compute[:t], 0)
-            else:
-                compute[:t].copy_(master)
-            frozen_start = u.spec.frozen_start
-            read("value", 0, u.spec.total_numel - frozen_start, compute[frozen_start:u.spec.total_numel])
-        else:  # [zero] stage 3: the rank's chunks
-            compute = torch.zeros(p.home_numel, dtype=home_dtype)
-            if self.layout.split_master and u.trainable:  # [Note: split master]
-                low = self._split_master_into(u, master, compute[:s.numel], s.lo)
-            else:
-                compute[:s.numel].copy_(master)
-            f = p.frozen
-            read("value", f.lo, f.hi, compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel])
-        if self.layout.param_tier == "device":
-            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
-        else:
-            self._release(u)  # a device copy of this unit is stale from now on
-            self._store(u.compute_home, compute)  # merged: fp32, the master itself
-        if u.trainable:
-            self._store_master_home(u, master, lo, low)
-            self._store(u.moments_home, moments)
-        u.steps = list(steps)
-        u.has_grad = [False] * len(u.trainable)
-
-    def training_counters(self) -> Dict[str, Any]:
-        """The engine's scalar training state, as a checkpoint keeps it: micro_step,
-        loss_scale, good_steps (fp16 steps since the loss scale last changed), last_grad_norm."""
-        return {"micro_step": self._micro_step, "loss_scale": self._loss_scale,
-                "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm}
-
-    def restore_training_counters(self, counters: Dict[str, Any]) -> None:
-        """Set the counters that ``training_counters()`` returned."""
-        self._micro_step = counters["micro_step"]
-        self._loss_scale = counters["loss_scale"]
-        self._good_steps = counters["good_steps"]
-        self._last_grad_norm = counters["last_grad_norm"]
-
-    def begin_state_load(self, message: str) -> None:
-        """The states are about to be replaced: until ``finish_state_load()`` the engine may
-        hold a mix of old and new ones, and refuses to train (EngineFailedError: ``message``)."""
-        self._failure = {"fatal": True, "message": message}
-
-    def finish_state_load(self) -> None:
-        """Every state was replaced: host copies of failed swap writes are stale now, and
-        the engine trains again."""
-        self._dirty.clear()
-        self._failure = None
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:

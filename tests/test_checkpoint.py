@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import offload
-from offload.checkpoint import MANIFEST, _manifest_checksum, export_checkpoint
+from offload.checkpoint import MANIFEST, export_checkpoint
+from offload.checkpoint.format import manifest_checksum
 from offload.errors import CheckpointError
 from offload.gpt import GPT, GPTConfig
 
@@ -185,7 +186,7 @@ def _rewrite_manifest(ckpt, change):
     with open(path) as f:
         manifest = json.load(f)
     change(manifest)
-    manifest["checksum"] = _manifest_checksum(manifest)
+    manifest["checksum"] = manifest_checksum(manifest)
     with open(path, "w") as f:
         json.dump(manifest, f)
 

@@ -57,7 +57,7 @@ WORKER = textwrap.dedent("""
     import json, os, signal, sys
     import torch
     torch.set_num_threads(1)
-    import offload, offload.checkpoint as checkpoint
+    import offload, offload.checkpoint.save as checkpoint_save
     from offload.gpt import GPT, GPTConfig
 
     args = json.loads(sys.argv[1])
@@ -91,7 +91,7 @@ WORKER = textwrap.dedent("""
             if args.get("kill") == "step":   # in the optimizer step after the next one
                 kill_at(engine, "_adam_range", len(engine.units) + 2)  # Adam on a unit (or piece)
             if args.get("kill") == "save":   # in the middle of the next save
-                kill_at(checkpoint, "_write_unit", 2)
+                kill_at(checkpoint_save, "_write_unit", 2)
                 args["save_at"] += 2
     out = {"removed_stale_runs": len(engine._nvme.space.removed_stale_runs)}
     if args.get("save_after"):

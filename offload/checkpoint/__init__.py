@@ -1,0 +1,36 @@
+"""Checkpoints of an Engine: save, verify, load, export (issue 7).
+
+A checkpoint is a directory of raw little-endian files plus ``manifest.json``; format.py
+describes them and reads them back, save.py writes them, load.py streams them into an
+engine's tiers, export.py turns them into one state dict file (``offload export``). Save
+and load reach the engine's states only through a CheckpointAccess (access.py,
+[Note: checkpoint access]), which the engine builds at the end of wrap.
+
+The format records logical values, not tier layouts, so a checkpoint loads into an engine
+with other tiers, another unit split or another number of ranks, as long as parameter
+names, shapes and the trainable set agree. Nothing is unpickled on load. Version 1
+manifests (one process, one piece per parameter) are read too.
+
+[Note: sharded checkpoints] With several ranks every rank calls save/load. Save: rank 0
+prepares the directory; every rank writes the elements it keeps (its shard of master and
+moments at stage >= 1, its chunk of frozen values at stage 3; what every rank holds, rank 0
+alone) and its RNG states; rank 0 writes the manifest over all of them and renames the
+directory into place. Load: every rank hashes its share of the files, then reads the
+elements it keeps from whichever pieces hold them, so a checkpoint of N ranks loads on M.
+After every phase the ranks agree: when one failed, every rank raises an error naming it,
+and nothing is renamed into place.
+
+[Note: bounded checkpoint memory] Save and load move one unit at a time: the host holds at
+most one unit's master, moments and compute copy (plus the engine's own I/O bounce buffer);
+verification and export hash and copy in 4 MiB chunks.
+
+[Note: atomic checkpoint directory] is in save.py.
+"""
+from offload.checkpoint.access import CheckpointAccess, EngineState, HomeIO
+from offload.checkpoint.export import export_checkpoint
+from offload.checkpoint.format import FORMAT, MANIFEST, VERSION, read_manifest
+from offload.checkpoint.load import load_checkpoint
+from offload.checkpoint.save import save_checkpoint
+
+__all__ = ["CheckpointAccess", "EngineState", "HomeIO", "FORMAT", "MANIFEST", "VERSION",
+           "export_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]
