@@ -178,8 +178,12 @@ class Engine:
         self._root = self.units[0]
         if self._partition is not None:
             home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes
-            for u in self.units:
-                self._partition.assign(u, home_element_bytes)
+            for u in self.units:  # what this rank keeps of each unit, set here and nowhere else
+                shards = self._partition.assign(u, home_element_bytes)
+                if shards is not None:  # stage >= 1 (stage 0 keeps everything: the defaults)
+                    u.shard, u.grad_numel, u.grad_base = shards.shard, shards.grad_numel, shards.grad_base
+                    if shards.param_shard is not None:  # stage 3
+                        u.param_shard, u.compute_numel = shards.param_shard, shards.compute_numel
             self._partition.check_consistent(config, self.units, optimizer)
             self._partition.bind_gradient_buffers(self._grad_buffer)
 

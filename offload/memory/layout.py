@@ -17,7 +17,7 @@ import torch
 from offload.config import OffloadConfig
 from offload.tiers import HostTier
 from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel
-from offload.zero import ParamShard, ShardRange
+from offload.zero.shards import ParamShard, ShardRange
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_BYTES = 4
@@ -153,7 +153,7 @@ class UnitState:
         self.param_grads: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
         # [zero] The part of the trainable prefix whose master/moments this rank keeps and
         # updates (all of it on one process), the grad buffer's length and the element of
-        # the trainable prefix at grad[0]. Partition.assign changes them.
+        # the trainable prefix at grad[0]. The engine sets them from Partition.assign.
         self.shard = ShardRange.whole(spec.trainable_numel, self.master_numel)
         self.grad_numel = spec.trainable_numel
         self.grad_base = 0

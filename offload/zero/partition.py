@@ -1,23 +1,6 @@
-"""ZeRO across ranks: which part of each unit's flat buffers a rank owns, and the
-collectives that keep the ranks in step.
-
-Every rank holds the same units with the same flat layout (checked at wrap time). The
-trainable prefix of a unit, ``T = spec.trainable_numel`` elements, is cut evenly:
-``shard_numel = ceil(T / world_size)`` and rank r owns ``[r * shard_numel, (r + 1) *
-shard_numel)`` clipped to ``[0, T)`` (the last ranks may own less, or nothing). Collectives
-move chunks of ``shard_numel`` elements, zero-padded where a rank owns less.
-
-  stage 0  every rank keeps and updates everything (plain data parallel); gradients are
-           all-reduced at the optimizer step.
-  stage 1  master weights and Adam moments hold only the rank's shard (padded to whole
-           pages so NVMe extents stay O_DIRECT-able); gradients are reduce-scattered at the
-           optimizer step into the rank's part of a full-size buffer; after Adam the updated
-           compute copy (or master) is all-gathered.
-  stage 2  as stage 1, and the fp32 gradient buffer is shard-sized: each unit's gradients
-           are reduce-scattered as soon as the unit's last gradient is final in backward.
-  stage 3  as stage 2, and the compute copy at home (param_tier host or nvme) holds only the
-           rank's chunks (``ParamShard``): fetching a unit onto the device all-gathers it,
-           releasing it drops it, and Adam writes the rank's chunk home with no all-gather.
+"""[zero] ZeRO across ranks: this rank's place among them (``Partition``) and the
+collectives that keep the ranks in step. What each rank keeps is worked out in
+offload.zero.shards; which stages shard what, see the package docstring.
 
 [Note: parameter all-gathers] Stage 3 fetches run on the engine's copy worker thread, so
 their all-gathers overlap compute. They use a process group of their own (``param_group``):
@@ -51,16 +34,14 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from offload.units import padded_numel
+from offload.zero.shards import FP32_BYTES, UnitShards, even_range
 
-_FP32_BYTES = 4
 # torch >= 2.10 names them *_single; the older names warn there.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,68 +49,6 @@ _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # Fields that may differ between ranks: where things are, not what is computed.
 _RANK_LOCAL_FIELDS = ("device", "swap_dir", "io_backend", "io_block_bytes", "io_queue_depth",
                       "host_budget")
-
-
-@dataclass(frozen=True)
-class ShardRange:
-    """The part ``[lo, hi)`` of a unit's trainable prefix whose master weights and moments
-    this rank keeps and updates."""
-
-    lo: int
-    hi: int
-    shard_numel: int   # elements per rank in the collectives (ceil(T / world_size))
-    state_numel: int   # length of this rank's master buffer and of each moment buffer
-
-    @staticmethod
-    def whole(trainable_numel: int, master_numel: int) -> "ShardRange":
-        """Everything: a single process, or stage 0."""
-        return ShardRange(0, trainable_numel, trainable_numel, master_numel)
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-
-def even_range(trainable_numel: int, rank: int, world_size: int) -> ShardRange:
-    shard = -(-trainable_numel // world_size)
-    lo = min(rank * shard, trainable_numel)
-    hi = min(lo + shard, trainable_numel)
-    return ShardRange(lo, hi, shard, padded_numel(shard, _FP32_BYTES))
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """[zero] Stage 3: the part of a unit's compute copy a rank keeps at home. Two regions
-    of the unit's flat layout are cut evenly across ranks, the trainable prefix ``[0, T)``
-    (the cut of ``ShardRange``, so the rank's master and its compute chunk cover the same
-    elements) and the frozen tail ``[frozen_start, total)``. The home holds the rank's chunk
-    of each, padded to whole pages: ``[trainable chunk | frozen chunk]``.
-
-    A gather writes ``world_size * shard_numel`` elements from a region's start, so the
-    device slot (``slot_numel``) is long enough for both gathers in place; the trainable one
-    runs first and may spill past ``T`` into the frozen region, which the frozen gather then
-    overwrites."""
-
-    trainable: ShardRange
-    frozen_start: int
-    frozen: ShardRange                # over [0, total - frozen_start)
-    trainable_chunk_numel: int        # home elements of each chunk (whole pages)
-    frozen_chunk_numel: int
-    slot_numel: int                   # device slot elements (whole pages)
-
-    @property
-    def home_numel(self) -> int:
-        return self.trainable_chunk_numel + self.frozen_chunk_numel
-
-    @staticmethod
-    def of(trainable_numel: int, frozen_start: int, total_numel: int, rank: int, world_size: int,
-           element_bytes: int) -> "ParamShard":
-        t = even_range(trainable_numel, rank, world_size)
-        f = even_range(total_numel - frozen_start, rank, world_size)
-        reach = max(total_numel, world_size * t.shard_numel,
-                    frozen_start + world_size * f.shard_numel if f.shard_numel else 0)
-        return ParamShard(t, frozen_start, f, padded_numel(t.shard_numel, element_bytes),
-                          padded_numel(f.shard_numel, element_bytes), padded_numel(reach, element_bytes))
 
 
 class Partition:
@@ -212,25 +131,14 @@ class Partition:
         """The compute copy at home is shard-sized; all-gathered on every fetch (stage 3)."""
         return self.stage >= 3
 
-    def assign(self, u: Any, home_element_bytes: int) -> None:
-        """Set u's shard, gradient buffer length and gradient offset, and at stage 3 its
-        ParamShard and device slot length (UnitState fields). ``home_element_bytes``:
-        the element size of the compute copy's home buffer."""
+    def assign(self, u: Any, home_element_bytes: int) -> Optional[UnitShards]:
+        """What this rank keeps of unit ``u`` (None at stage 0: everything), for the engine
+        to set on u; u joins the units this partition reduces at the end of a backward
+        ([Note: collective order]). ``home_element_bytes``: the element size of the
+        compute copy's home buffer."""
         self._units.append(u)
-        t = u.spec.trainable_numel
-        owned = even_range(t, self.rank, self.world_size)
-        if self.stage == 0:
-            return  # keeps ShardRange.whole: every rank updates everything
-        u.shard = owned
-        if self.stage == 1:
-            u.grad_numel = owned.shard_numel * self.world_size  # reduce-scatter input as is
-        else:
-            u.grad_numel = owned.numel
-            u.grad_base = owned.lo
-        if self.stage == 3:
-            u.param_shard = ParamShard.of(t, u.spec.frozen_start, u.spec.total_numel, self.rank,
-                                          self.world_size, home_element_bytes)
-            u.compute_numel = u.param_shard.slot_numel
+        return UnitShards.of(u.spec.trainable_numel, u.spec.frozen_start, u.spec.total_numel,
+                             self.rank, self.world_size, self.stage, home_element_bytes)
 
     def bind_gradient_buffers(self, grad_buffer: Callable[[Any], torch.Tensor]) -> None:
         """``grad_buffer(u)``: u's fp32 gradient buffer (``grad_numel`` elements), taken
@@ -420,7 +328,7 @@ class Partition:
         for i, b in enumerate(self._free_buckets):
             if b.numel() == numel:
                 return self._free_buckets.pop(i)
-        self.bucket_bytes += numel * _FP32_BYTES
+        self.bucket_bytes += numel * FP32_BYTES
         self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
         return torch.empty(numel, dtype=torch.float32)
 
@@ -447,7 +355,7 @@ class Partition:
         # Free buckets beyond the ones a unit may still need: keep at most two spare.
         while len(self._free_buckets) > 2:
             spare = self._free_buckets.pop(0)
-            self.bucket_bytes -= spare.numel() * _FP32_BYTES
+            self.bucket_bytes -= spare.numel() * FP32_BYTES
 
     def _after_backward(self) -> None:
         """End of a backward (stage 2): reduce every unit not reduced yet, in unit order
