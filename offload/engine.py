@@ -71,6 +71,7 @@ from offload.units import (
     OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, UnitSpec, padded_numel,
     split_into_units)
 from offload.zero import Partition
+from offload.zero.step import ShardedStep
 
 _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 
@@ -190,7 +191,6 @@ class Engine:
         # 3. Budgets, checked before anything is allocated.
         device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
         needs_nvme = layout.needs_nvme
-        self._update_buffers: Dict[str, torch.Tensor] = {}
         nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
         self._check_host_budget(compute_element_bytes)
 
@@ -213,6 +213,16 @@ class Engine:
                                       config.io_block_bytes, config.io_queue_depth)
             self._allocate_homes()
             self._slots = self._allocate_staging()
+            # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
+            # buffers of its own (the staging slots serve the unsharded step).
+            self._sharded_step: Optional[ShardedStep] = ShardedStep(
+                layout=layout, device=self._device, host=self._host, nvme=self._nvme,
+                partition=self._partition, timeline=self._timeline, piece_numel=OPTIMIZER_PIECE_NUMEL,
+                update_buffer_bytes=self._update_buffer_bytes, low_numel=self._low_numel,
+                next_steps=self._next_steps, adam_range=self._adam_range,
+                compute_target=self._compute_target, release_grad=self._release_grad,
+                wait_all=self._wait_all, drain=self._drain, fail_step=self._fail_step,
+            ) if self._partition is not None and self._partition.shards_state else None
 
             # 5. Move every unit's state to its home tier (materializing meta models).
             self._placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -405,65 +415,6 @@ class Engine:
                 sizes["low"] = (largest + 2048) * 2
             sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * FP32_BYTES
         return sizes
-
-    def _shard_pieces(self, u: UnitState) -> List[Tuple[int, int]]:
-        """[zero] The ranges of u's shard (in shard coordinates) updated one at a time: page-
-        aligned pieces at stage 3, where every state of the shard starts on a page at home;
-        the whole shard at stages 1-2 (its compute copy is whole and gathered at once)."""
-        n = u.shard.state_numel
-        if u.param_shard is None:
-            return [(0, n)]
-        return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, n)) for lo in range(0, n, OPTIMIZER_PIECE_NUMEL)]
-
-    def _shard_homes(self, u: UnitState, lo: int, hi: int) -> List[Tuple[str, Any, torch.dtype]]:
-        """[zero] (role, swap extent, dtype) of each NVMe-homed buffer that the update of
-        elements [lo, hi) of u's shard reads and writes."""
-        homes = []
-        n, state_numel = hi - lo, u.shard.state_numel
-        if u.compute_home is not None and on_nvme(u.compute_home) and \
-                (self.layout.merged or self.compute_dtype != torch.float32):
-            dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            size = torch.empty(0, dtype=dtype).element_size()
-            if u.param_shard is None:  # stages 1-2: the whole compute copy
-                homes.append(("compute", u.compute_home, dtype))
-            elif lo < u.param_shard.trainable_chunk_numel:  # stage 3: the rank's chunk
-                end = min(hi, u.param_shard.trainable_chunk_numel)
-                homes.append(("compute", sub_extent(u.compute_home, lo * size, (end - lo) * size), dtype))
-        if self.layout.split_master:  # [Note: split master] the low halves, to whole pages
-            end = self._low_numel(u) if hi == state_numel else hi
-            homes.append(("low", sub_extent(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
-        elif not self.layout.merged and on_nvme(u.master_home):
-            homes.append(("master", sub_extent(u.master_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
-        if on_nvme(u.moments_home):
-            homes.append(("exp_avg", sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
-            homes.append(("exp_avg_sq", sub_extent(u.moments_home, (state_numel + lo) * FP32_BYTES,
-                                             n * FP32_BYTES), torch.float32))
-        return homes
-
-    def _start_shard_reads(self, u: UnitState, lo: int, hi: int,
-                           buffer_set: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
-        """[zero] Start reading elements [lo, hi) of u's NVMe-homed shard states into buffer
-        set ``buffer_set`` (0 or 1) of the update buffers: made at the first update (fresh
-        memory is slow to touch on some machines, so never per step), then reused."""
-        views: Dict[str, torch.Tensor] = {}
-        handles = []
-        for role, extent, dtype in self._shard_homes(u, lo, hi):
-            views[role] = self._update_buffer(role, buffer_set)[:extent.nbytes].view(dtype)
-            handles.append(self._nvme.read(views[role], extent))
-        if self.layout.split_master:  # [Note: split master] the master is joined here, not read
-            views["master"] = self._update_buffer("master", buffer_set).view(torch.float32)[:hi - lo]
-        return views, handles
-
-    def _update_buffer(self, role: str, buffer_set: int) -> torch.Tensor:
-        buf = self._update_buffers.get(f"{role}{buffer_set}")
-        if buf is None:
-            element_bytes = torch.empty(0, dtype=self.compute_dtype).element_size()
-            buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
-            self._update_buffers[f"{role}{buffer_set}"] = buf
-        return buf
-
-    def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
-        return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u, lo, hi)]
 
     @staticmethod
     def _compute_home_numel(u: UnitState) -> int:
@@ -1391,8 +1342,8 @@ class Engine:
         units = [u for u in self.units if any(u.has_grad) and not u.updated]
         try:
             with self.stats_counters.timed("optimizer"):
-                if self._partition is not None and self._partition.shards_state:  # [zero]
-                    self._sharded_update(units, grad_factor)
+                if self._sharded_step is not None:  # [zero] stage >= 1
+                    self._sharded_step.run(units, grad_factor, self._micro_step)
                 elif self.layout.staged_step:
                     self._staged_update(units, grad_factor)
                 else:
@@ -1728,120 +1679,6 @@ class Engine:
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         u.steps = steps
         self._release_grad(u)
-
-    @torch.no_grad()
-    def _sharded_update(self, units: List[UnitState], grad_factor: float) -> None:
-        """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
-        (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
-        are in flight while this one is updated (and, stages 1-2, gathered), and the
-        previous one's writes drain meanwhile. A swap I/O error leaves some units updated
-        and others not: the engine refuses to go on, as after a failed read in
-        _staged_update."""
-        work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
-        writes: List[List[Any]] = [[], []]  # per buffer set
-        reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
-        current: Optional[UnitState] = None
-        steps: List[int] = []
-        try:
-            if work:
-                reads = self._start_shard_reads(*work[0], 0)
-            for i, (u, lo, hi) in enumerate(work):
-                current = u
-                views, handles = reads
-                self._wait_all(handles)
-                if i + 1 < len(work):
-                    self._wait_all(writes[(i + 1) % 2])
-                    reads = self._start_shard_reads(*work[i + 1], (i + 1) % 2)
-                if lo == 0:
-                    steps = self._next_steps(u)
-                if u.param_shard is not None:
-                    self._update_param_piece(u, lo, hi, steps, grad_factor, views)
-                else:
-                    self._update_shard(u, steps, grad_factor, views)
-                writes[i % 2] = self._start_shard_writes(u, lo, hi, views)
-                if hi == u.shard.state_numel:
-                    u.steps = steps
-                    self._release_grad(u)
-            current = None
-            for handles in writes:
-                self._wait_all(handles)
-        except BaseException as error:
-            self._drain(reads[1])
-            for handles in writes:
-                self._drain(handles)
-            where = f"unit {current.name!r}" if current is not None else "a unit"
-            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step} while working on {where}")
-
-    def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
-        """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
-        then the other ranks' parts are all-gathered. The moments and a separate master
-        are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
-        copy are in full coordinates. ``views``: the NVMe-homed buffers, read whole by
-        _sharded_update (a shard starts anywhere in the compute copy, so it cannot be cut
-        into page-aligned pieces), which also writes them back."""
-        s, t = u.shard, u.spec.trainable_numel
-        start = time.perf_counter()
-        # Full-coordinate buffer that receives the gathered parameters: the compute copy
-        # (the master too when merged), or None when the compute copy is a separate fp32
-        # buffer on the device (then the fp32 master is gathered and copied there).
-        full: Optional[torch.Tensor] = None
-        if self.layout.merged or self.compute_dtype != torch.float32:
-            full = self._compute_target(u) if not self.layout.merged else None
-            if full is None:
-                if self.layout.param_tier == "device":  # a CUDA slot: update a host copy
-                    full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
-                else:
-                    full = views.get("compute", u.compute_home)
-        master = full[s.lo:s.lo + s.state_numel] if self.layout.merged else views.get("master", u.master_home)
-        exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not on_nvme(u.moments_home) else None)
-        exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not on_nvme(u.moments_home) else None)
-        compute_out = None if self.layout.merged or full is None else full[s.lo:s.hi]
-        if self.layout.split_master and s.numel:  # [Note: split master] the high halves are the shard's compute copy
-            join_master(compute_out, views["low"][:s.numel], master[:s.numel])
-        if s.numel:
-            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
-                             None if self.layout.split_master else compute_out, False, grad_factor,
-                             copy_to_device=False)
-        if self.layout.split_master and s.numel:
-            split_master(master[:s.numel], compute_out, views["low"][:s.numel])
-        self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
-        if full is not None:
-            self._partition.all_gather_shards(u, full, in_full_coordinates=True)
-        else:
-            gathered = self._partition.all_gather_shards(u, master, in_full_coordinates=False)
-            self._device.view(u.device_offset, t).copy_(gathered)
-        if full is not None and self.layout.param_tier == "device" and self.device.type == "cuda":
-            self._device.view(u.device_offset, u.compute_numel).copy_(full)
-
-    @torch.no_grad()
-    def _update_param_piece(self, u: UnitState, lo: int, hi: int, steps: List[int], grad_factor: float,
-                            views: Dict[str, torch.Tensor]) -> None:
-        """[zero] Stage 3: Adam on elements [lo, hi) of this rank's shard (shard coordinates);
-        the new values of the rank's trainable chunk of the compute copy go home (merged:
-        the chunk is the master itself). No all-gather: the next fetch gathers every rank's
-        chunk. ``views``: the NVMe-homed states of the piece, written back by
-        _sharded_update."""
-        s = u.shard
-        numel = min(hi, s.numel) - lo  # elements the rank owns in this piece
-        if numel <= 0:
-            return
-        start = time.perf_counter()
-        moments = u.moments_home
-
-        def host_or_view(role: str, home: Any, begin: int) -> torch.Tensor:
-            return views[role] if role in views else home[begin:begin + numel]
-        chunk = host_or_view("compute", u.compute_home, lo)
-        master = chunk if self.layout.merged else host_or_view("master", u.master_home, lo)
-        exp_avg = host_or_view("exp_avg", moments, lo)
-        exp_avg_sq = host_or_view("exp_avg_sq", moments, s.state_numel + lo)
-        if self.layout.split_master:  # [Note: split master] the high halves are the chunk
-            join_master(chunk[:numel], views["low"][:numel], master[:numel])
-        self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
-                         exp_avg_sq[:numel], None if self.layout.merged or self.layout.split_master else chunk[:numel],
-                         False, grad_factor, copy_to_device=False)
-        if self.layout.split_master:
-            split_master(master[:numel], chunk[:numel], views["low"][:numel])
-        self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())
 
     def _master_home(self, u: UnitState) -> Any:
         return u.compute_home if self.layout.merged else u.master_home
