@@ -53,7 +53,7 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-# The names offload.io.BACKENDS holds, in the order io_backend="auto" prefers them; spelled
+# The names offload.io.probe.BACKENDS holds, in the order io_backend="auto" prefers them; spelled
 # out here so a config can be checked without the native extension.
 IO_BACKENDS = ("io_uring", "libaio", "threads")
 
@@ -61,7 +61,7 @@ IO_BACKENDS = ("io_uring", "libaio", "threads")
 def _check_backend_usable(backend: str) -> None:
     """Refuses a backend this build lacks or the kernel refuses in this process."""
     try:
-        from offload.io import backend_refusal
+        from offload.io.probe import backend_refusal
     except ImportError:  # no native extension: wrap() says so itself, naming the fix
         return
     refusal = backend_refusal(backend)

@@ -86,7 +86,7 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
             checks.fail("swap directory", f"cannot create files in {directory}: {e.strerror}",
                         f"grant write permission on {directory} or pass --swap-dir DIR you can write")
     if usable_dir and info is not None:
-        from offload.io import BACKENDS, probe_directory
+        from offload.io.probe import BACKENDS, probe_directory
         try:
             probe = probe_directory(directory)
         except (OSError, ValueError) as e:

@@ -13,6 +13,7 @@ import torch
 
 import offload
 import offload.io
+import offload.io.probe
 from offload import _native
 from offload.gpt import GPT, GPTConfig
 from offload.io import IOEngine, aligned_empty, probe_directory
@@ -458,9 +459,9 @@ def _fake_backends(monkeypatch, compiled, outcome):
 
     monkeypatch.setattr(_native, "io_available_backends", lambda: list(compiled))
     monkeypatch.setattr(_native, "IOEngineCore", FakeCore)
-    monkeypatch.setattr(offload.io, "_time_backend", time_backend)
-    monkeypatch.setattr(offload.io, "_auto_choice_by_dir", {})
-    monkeypatch.setattr(offload.io, "_refusal_by_backend", {})
+    monkeypatch.setattr(offload.io.probe, "_time_backend", time_backend)
+    monkeypatch.setattr(offload.io.probe, "_auto_choice_by_dir", {})
+    monkeypatch.setattr(offload.io.probe, "_refusal_by_backend", {})
     return checks
 
 

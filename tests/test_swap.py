@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload.io import Extent, IOEngine, SwapSpace, aligned_empty
-from offload.swap import ExtentAllocator
+from offload.io.swap import ExtentAllocator
 
 
 def make_allocator(file_bytes):

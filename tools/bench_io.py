@@ -9,7 +9,8 @@ Writers, per block size (bs) and queue depth (qd):
 
 engine:<backend>  offload.io.IOEngine(backend, block_bytes=bs, queue_depth=qd) moving the file
     in 256 MiB requests from one buffer made by aligned_empty, as swap staging buffers are:
-    2 MiB huge pages where the kernel allows (see [Note: huge-page buffers] in offload/io.py).
+    2 MiB huge pages where the kernel allows (see [Note: huge-page buffers] in
+    offload/io/engine.py).
 engine:io_uring 4K  the same from ordinary 4 KiB pages (torch.empty, what aligned_empty gave
     before huge pages): the effect of the buffer alone. On a virtio disk (max_segments 254)
     blocks from scattered 4 KiB pages reach the device split into requests of ~0.3-1 MiB,

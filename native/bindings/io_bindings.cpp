@@ -1,5 +1,5 @@
-// Python face of the native I/O engine. offload/io.py wraps these with argument checks and
-// tensor handling; everything here takes raw addresses and releases the GIL while blocking.
+// Python face of the native I/O engine. offload/io/engine.py wraps these with argument checks
+// and tensor handling; everything here takes raw addresses and releases the GIL while blocking.
 #include <pybind11/stl.h>
 
 #include <cstdint>

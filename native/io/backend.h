@@ -46,7 +46,7 @@ class Backend {
 
 // Names compiled into this build: "io_uring", "libaio", "threads". Whether one works on this
 // kernel is found out by constructing it; which one backend="auto" takes is a fixed order of
-// preference kept in offload/io.py (BACKENDS), not this list's order.
+// preference kept in offload/io/probe.py (BACKENDS), not this list's order.
 std::vector<std::string> compiled_backends();
 
 // Throws std::invalid_argument for an unknown name and std::system_error when the kernel

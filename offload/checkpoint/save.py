@@ -24,7 +24,7 @@ import torch
 from offload.checkpoint.access import Ranks, attempt
 from offload.checkpoint.format import (
     FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
-from offload.swap import pid_alive
+from offload.io.swap import pid_alive
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess

@@ -16,13 +16,13 @@ from typing import Optional
 
 import torch
 
-from offload.io import HUGE_PAGE_BYTES, aligned_empty
+from offload.io.engine import HUGE_PAGE_BYTES, aligned_empty
 
 
 def mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor on anonymous pages of its own. From 2 MiB up these are
-    ``aligned_empty``'s huge-page mappings ([Note: huge-page buffers] in offload/io.py: swap
-    I/O into them runs at full speed), below that a page-aligned mapping of 4 KiB pages."""
+    ``aligned_empty``'s huge-page mappings ([Note: huge-page buffers] in offload/io/engine.py:
+    swap I/O into them runs at full speed), below that a page-aligned mapping of 4 KiB pages."""
     if num_bytes >= HUGE_PAGE_BYTES and not torch.cuda.is_available():
         return aligned_empty(num_bytes, dtype)
     if num_bytes == 0:

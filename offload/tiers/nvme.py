@@ -7,7 +7,9 @@ from typing import Any, Deque, Tuple
 
 import torch
 
-from offload.io import IOEngine, SwapSpace, check_backend
+from offload.io.engine import IOEngine
+from offload.io.probe import check_backend
+from offload.io.swap import SwapSpace
 
 
 # Requests kept for the engine's trace (export_trace): the most recent ones only, so a long

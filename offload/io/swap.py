@@ -23,7 +23,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-ALIGN_BYTES = 4096
+from offload.io.probe import ALIGN_BYTES, probe_o_direct
+
 _LOCK_NAME = ".offload.lock"
 _RUN_PREFIX = "offload-run-"
 # Free space required beyond reserve_bytes: filesystem metadata, and other files of the run.
@@ -159,8 +160,6 @@ class SwapSpace:
     """
 
     def __init__(self, swap_dir, reserve_bytes: int = 0, file_bytes: int = 1 << 30):
-        from offload.io import _o_direct_works  # late: offload.io re-exports this module
-
         if not isinstance(swap_dir, (str, os.PathLike)):
             raise TypeError(f"swap_dir must be a str or os.PathLike, got {type(swap_dir).__name__}")
         for name, value in (("reserve_bytes", reserve_bytes), ("file_bytes", file_bytes)):
@@ -194,7 +193,7 @@ class SwapSpace:
                 f"swap_dir {swap_dir!r} has {free_bytes} bytes free but needs {needed_bytes} "
                 f"(reserve_bytes={reserve_bytes} + margin {_MARGIN_BYTES})")
         try:
-            probe = _o_direct_works(swap_dir)
+            probe = probe_o_direct(swap_dir)
         except OSError as error:
             raise ValueError(f"swap_dir {swap_dir!r} is not writable: {error.strerror}") from None
         self.o_direct: bool = bool(probe["o_direct"])

@@ -1,4 +1,4 @@
-"""Asynchronous O_DIRECT file I/O for tensors, and the swap space that holds offloaded state.
+"""Asynchronous O_DIRECT file I/O for tensors, and the aligned CPU buffers it moves fastest.
 
 ``IOEngine`` moves the bytes of contiguous CPU tensors to and from files with many blocks in
 flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Semantics:
@@ -26,33 +26,20 @@ flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Sema
 from __future__ import annotations
 
 import mmap
-import os
 import tempfile
-import time
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from offload import _native
+from offload.io.probe import ALIGN_BYTES, BACKENDS, auto_backend, check_path
 
-__all__ = ["IOEngine", "IOHandle", "aligned_empty", "probe_directory", "SwapSpace", "Extent",
-           "ALIGN_BYTES", "HUGE_PAGE_BYTES"]
+__all__ = ["IOEngine", "IOHandle", "aligned_empty", "ALIGN_BYTES", "HUGE_PAGE_BYTES",
+           "DEFAULT_MAX_OPEN_FILES"]
 
-ALIGN_BYTES = 4096
-# Every backend, in the order backend="auto" prefers them; see [Note: auto backend choice].
-BACKENDS = ("io_uring", "libaio", "threads")
-# Size of a backend check's aligned write+read: 8 blocks of 1 MiB go through the queue at once.
-_PROBE_BYTES = 8 << 20
 # Swap spaces use a few large files; 128 descriptors cover a terabyte of 8 GiB swap files.
 DEFAULT_MAX_OPEN_FILES = 128
-_auto_choice_by_dir: Dict[str, str] = {}
-# Why the kernel refused to start a backend in this process (None: it started), asked once
-# per process: seccomp filters only ever tighten, kernel.io_uring_disabled is rarely changed on
-# a running machine, and libaio's io_destroy alone takes ~40 ms on the development VM. A
-# backend refused after the answer was cached still fails where a run starts, with an OSError
-# (NvmeTier checks it in the swap directory).
-_refusal_by_backend: Dict[str, Optional[str]] = {}
 
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -120,12 +107,6 @@ def _check_offset(offset) -> int:
     return offset
 
 
-def _check_path(path) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    return os.fspath(path)
-
-
 class IOHandle:
     """Completion of one request. Keeps its tensor alive until the request is finished."""
 
@@ -160,8 +141,8 @@ class IOEngine:
     """Asynchronous reads and writes of tensor bytes; see the module docstring.
 
     backend: "auto" (the first of io_uring, libaio, threads that completes a real aligned
-        write+read in ``probe_dir``; see [Note: auto backend choice]), or one of "io_uring",
-        "libaio", "threads".
+        write+read in ``probe_dir``; see [Note: auto backend choice] in probe.py), or one of
+        "io_uring", "libaio", "threads".
     block_bytes: largest single kernel request; larger requests are split. Multiple of 4096.
     queue_depth: blocks kept in flight at once.
     probe_dir: where "auto" probes (default: the temp directory); pass the swap directory so
@@ -190,7 +171,7 @@ class IOEngine:
         if max_open_files < 0:
             raise ValueError(f"max_open_files must be >= 0, got {max_open_files}")
         if backend == "auto":
-            backend = _auto_backend(probe_dir or tempfile.gettempdir())
+            backend = auto_backend(probe_dir or tempfile.gettempdir())
         self._core = _native.IOEngineCore(backend, block_bytes, queue_depth, max_open_files)
         self.backend: str = backend
         self.block_bytes = block_bytes
@@ -209,7 +190,7 @@ class IOEngine:
 
     def _submit(self, is_write: bool, tensor, path, offset) -> IOHandle:
         _check_tensor(tensor)
-        path = _check_path(path)
+        path = check_path(path)
         offset = _check_offset(offset)
         if self._closed:
             raise ValueError("I/O engine is closed")
@@ -275,153 +256,3 @@ class IOEngine:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close()
-
-
-def _o_direct_works(directory: str) -> Dict[str, object]:
-    """Whether files in ``directory`` can be opened with O_DIRECT and bypass the page cache."""
-    fd, path = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
-    os.close(fd)
-    try:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-        except OSError as error:
-            return {"o_direct": False, "o_direct_error": f"{error.strerror} (errno {error.errno})"}
-        try:
-            # A filesystem that accepts an unaligned O_DIRECT write is serving it from the page
-            # cache (tmpfs does since Linux 6.6): it does not really honor O_DIRECT.
-            try:
-                os.pwrite(fd, b"x", 1)
-            except OSError:
-                return {"o_direct": True, "o_direct_error": None}
-            return {"o_direct": False, "o_direct_error": "accepted but not honored (page cache)"}
-        finally:
-            os.close(fd)
-    finally:
-        os.unlink(path)
-
-
-def _time_backend(backend: str, directory: str) -> float:
-    """Seconds for an aligned write then read of _PROBE_BYTES; raises if the data differs."""
-    data = aligned_empty(_PROBE_BYTES)
-    # A private generator: probing (once per directory per process) must not advance the
-    # user's global RNG, or a run's dropout masks would depend on whether a probe ran.
-    data.copy_(torch.randint(0, 256, (_PROBE_BYTES,), dtype=torch.uint8,
-                             generator=torch.Generator().manual_seed(0)))
-    back = aligned_empty(_PROBE_BYTES)
-    fd, path = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
-    os.close(fd)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with IOEngine(backend, block_bytes=1 << 20, queue_depth=8) as engine:
-                start = time.perf_counter()
-                engine.write_from(data, path, 0).wait()
-                engine.read_into(back, path, 0).wait()
-                seconds = time.perf_counter() - start
-    finally:
-        os.unlink(path)
-    if not torch.equal(data, back):
-        raise OSError(f"backend {backend}: data read back differs from data written")
-    return seconds
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.errno is not None and error.strerror:
-        return f"{error.strerror} (errno {error.errno})"
-    return str(error)
-
-
-def _check_backend(backend: str, directory: str) -> dict:
-    """{"ok", "seconds", "error"} of one real aligned write+read with ``backend`` in
-    ``directory``."""
-    try:
-        seconds = _time_backend(backend, directory)
-    except (OSError, RuntimeError) as error:
-        return {"ok": False, "seconds": None, "error": _describe(error)}
-    return {"ok": True, "seconds": seconds, "error": None}
-
-
-# [Note: auto backend choice]
-# backend="auto" takes the first backend of BACKENDS (io_uring, then libaio, then threads)
-# that this build has and that completes a real aligned write+read in the directory. It does
-# not pick by speed: one probe's time says nothing about the backends. On the development
-# VM the disk's speed drifts 1.5x between seconds, and the three backends move a mixed
-# read/write load of 12 MiB pieces at the same 1.6-1.8 GB/s (block 1-4 MiB, queue depth
-# 16-64, alternated in one process), so a pick by the fastest probe flipped between runs and
-# made them irreproducible. The order: io_uring hands over a batch and reaps completions in
-# one system call; libaio is the kernel's older asynchronous interface (truly asynchronous
-# only with O_DIRECT); threads (pread/pwrite) work everywhere.
-
-
-def _preferred(results: Dict[str, dict]) -> Optional[str]:
-    return next((b for b in BACKENDS if b in results and results[b]["ok"]), None)
-
-
-def probe_directory(path) -> dict:
-    """Which I/O backends work in ``path`` (a real aligned write+read each) and whether O_DIRECT
-    works there. Used by ``offload doctor`` and ``offload profile``.
-
-    Returns {"path", "o_direct", "o_direct_error", "backends": {name: {"ok", "seconds",
-    "error"}}, "choice": name or None, "best": the same as "choice"}. "backends" lists the
-    backends of this build in the order "auto" prefers them. "choice" is the backend
-    ``IOEngine(backend="auto", probe_dir=path)`` uses: the first that works ([Note: auto
-    backend choice]). "seconds" is the time of that one 8 MiB write+read, for information
-    only: it is not a measure of the backend, and the choice does not look at it. "best" is
-    "choice" under its older name, kept for older callers; it no longer means the fastest.
-    """
-    path = os.path.abspath(_check_path(path))
-    if not os.path.isdir(path):
-        raise ValueError(f"path {path!r} is not a directory")
-    report: dict = {"path": path}
-    report.update(_o_direct_works(path))
-    compiled = set(_native.io_available_backends())
-    report["backends"] = {b: _check_backend(b, path) for b in BACKENDS if b in compiled}
-    report["choice"] = report["best"] = _preferred(report["backends"])
-    return report
-
-
-def _auto_backend(directory: str) -> str:
-    """The first backend of BACKENDS that works in ``directory`` ([Note: auto backend
-    choice]), found once per directory per process."""
-    directory = os.path.abspath(directory)
-    if directory not in _auto_choice_by_dir:
-        compiled = set(_native.io_available_backends())
-        results: Dict[str, dict] = {}
-        for backend in (b for b in BACKENDS if b in compiled):
-            results[backend] = _check_backend(backend, directory)
-            if results[backend]["ok"]:
-                break
-        choice = _preferred(results)
-        if choice is None:
-            raise OSError(f"no I/O backend works in {directory}: " + "; ".join(
-                f"{b}: {r['error']}" for b, r in results.items()))
-        _auto_choice_by_dir[directory] = choice
-    return _auto_choice_by_dir[directory]
-
-
-def check_backend(backend: str, directory: str) -> None:
-    """Raises ``OSError`` saying why, unless ``backend`` completes a real aligned write+read
-    in ``directory``."""
-    result = _check_backend(backend, os.path.abspath(directory))
-    if not result["ok"]:
-        raise OSError(f"I/O backend {backend!r} does not work in {os.path.abspath(directory)}: "
-                      f"{result['error']}")
-
-
-def backend_refusal(backend: str) -> Optional[str]:
-    """Why this process cannot use ``backend`` (one of BACKENDS) anywhere: not compiled into
-    this build, or refused by the kernel (io_uring disabled by sysctl or seccomp, no native
-    AIO). None when it starts. ``OffloadConfig`` asks this for an explicit io_backend."""
-    compiled = list(_native.io_available_backends())
-    if backend not in compiled:
-        return f"not compiled into this build (it has {', '.join(compiled)})"
-    if backend not in _refusal_by_backend:
-        try:
-            _native.IOEngineCore(backend, ALIGN_BYTES, 1, 0).close()
-            _refusal_by_backend[backend] = None
-        except (OSError, RuntimeError) as error:
-            _refusal_by_backend[backend] = f"the kernel refuses it: {_describe(error)}"
-    return _refusal_by_backend[backend]
-
-
-from offload.swap import Extent, SwapSpace  # noqa: E402  (swap.py imports probe helpers)
