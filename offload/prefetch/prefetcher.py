@@ -1,10 +1,9 @@
-"""Trace-driven prefetch: ExecutionTrace (immutable), plan_prefetch (pure), Prefetcher.
+"""Prefetcher: records a trace per kind of pass, replays it, and plans the moves with
+plan_prefetch.
 
-The first pass of a kind (a forward and its backward; keyed by train/eval mode, grad mode
-and the call signature) is recorded: the order in which units were needed. Later passes of
-the same kind replay it: before unit k is needed, the next few units of the trace are
-already on their way to the device, and when space is short the unit whose next use is
-farthest leaves first.
+Later passes of a kind replay the trace recorded by the first: before unit k is needed, the
+next few units of the trace are already on their way to the device, and when space is short
+the unit whose next use is farthest leaves first.
 
 [Note: divergence] A pass that asks for a unit the trace did not predict (data-dependent
 control flow, a skipped module, a recompute that did not happen before), or that ends
@@ -14,89 +13,11 @@ One warning per cause, not per pass, and the pass just seen becomes the new trac
 """
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
-NEVER = math.inf
-
-
-@dataclass(frozen=True)
-class ExecutionTrace:
-    """Units (indices, the root unit excluded) in the order one pass needed them;
-    consecutive repeats collapsed."""
-
-    units: Tuple[int, ...]
-    _positions: Dict[int, Tuple[int, ...]] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        positions: Dict[int, List[int]] = {}
-        for pos, u in enumerate(self.units):
-            positions.setdefault(u, []).append(pos)
-        object.__setattr__(self, "_positions", {u: tuple(p) for u, p in positions.items()})
-
-    def __len__(self) -> int:
-        return len(self.units)
-
-    def next_use(self, unit: int, position: int) -> float:
-        """First position >= ``position`` at which ``unit`` is needed, or NEVER."""
-        for p in self._positions.get(unit, ()):
-            if p >= position:
-                return p
-        return NEVER
-
-
-@dataclass(frozen=True)
-class PrefetchPlan:
-    fetch: Tuple[int, ...]     # units to start moving to the device, in this order
-    evict: Tuple[int, ...]     # resident units to drop first to make room
-
-
-def plan_prefetch(trace: ExecutionTrace, position: int, *, unit_bytes: Sequence[int],
-                  resident: FrozenSet[int], in_flight: FrozenSet[int], pinned: FrozenSet[int],
-                  free_bytes: int, max_units_ahead: int,
-                  max_bytes_ahead: Optional[int] = None) -> PrefetchPlan:
-    """What to move next. ``position`` is the trace index of the next unit to be needed.
-
-    Walks the next ``max_units_ahead`` distinct units of the trace; a unit not yet on the
-    device (nor in flight) is fetched if it fits in ``free_bytes`` after evicting resident,
-    unpinned units whose next use is later than its own (farthest first). Stops at the first
-    unit that cannot be placed, so fetches happen in trace order. Never plans beyond
-    ``free_bytes`` plus what it evicts, nor (when given) beyond ``max_bytes_ahead`` bytes of
-    units of the window on the device or on their way (counted in trace order, those
-    already there included).
-    """
-    fetch: List[int] = []
-    evict: List[int] = []
-    free = free_bytes
-    victims = sorted((u for u in resident if u not in pinned),
-                     key=lambda u: trace.next_use(u, position), reverse=True)
-    seen: set = set()
-    ahead = 0  # bytes of window units on the device or on their way
-    for pos in range(position, len(trace)):
-        u = trace.units[pos]
-        if u in seen:
-            continue
-        seen.add(u)
-        if len(seen) > max_units_ahead:
-            break
-        if (u in resident and u not in evict) or u in in_flight:
-            ahead += unit_bytes[u]
-            continue
-        need = unit_bytes[u]
-        if max_bytes_ahead is not None and ahead + need > max_bytes_ahead:
-            break
-        while free < need and victims and trace.next_use(victims[0], position) > pos:
-            v = victims.pop(0)
-            evict.append(v)
-            free += unit_bytes[v]
-        if free < need:
-            break
-        fetch.append(u)
-        free -= need
-        ahead += need
-    return PrefetchPlan(tuple(fetch), tuple(evict))
+from offload.prefetch.plan import PrefetchPlan, plan_prefetch
+from offload.prefetch.trace import NEVER, ExecutionTrace
 
 
 class Prefetcher:
