@@ -31,14 +31,14 @@ LAYERS: List[List[str]] = [
     ["offload.units", "offload.io.__init__", "offload.io.engine", "offload.io.swap",
      "offload.stats"],
     ["offload.tiers"],
-    # Below memory, not above optim as issue 16 first drew it: memory.layout keeps each
-    # unit's ParamShard and ShardRange (the shard records of offload.zero), and zero imports
-    # only units. When zero/ becomes a package, its sharded step may need a layer above
-    # optim: give that module its own name here then.
-    ["offload.zero"],
+    # ZeRO's shard records and collectives sit below memory: memory.layout keeps each unit's
+    # ParamShard and ShardRange, and they import only units. The sharded optimizer step
+    # (zero.step) runs Adam over shards, so it sits above optim.
+    ["offload.zero.__init__", "offload.zero.shards", "offload.zero.partition"],
     ["offload.memory"],
     ["offload.prefetch"],
     ["offload.optim"],
+    ["offload.zero.step"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],
     ["offload.plan", "offload.profile", "offload.doctor", "offload.gpt", "offload.demo",
