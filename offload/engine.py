@@ -66,6 +66,9 @@ from offload.optim import adam_step_flat, join_master, split_master
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
+from offload.memory.budget import (
+    UnitSizes, check_device_budget, check_host_budget, compute_home_numel, low_numel, slot_shape,
+    swap_bytes, update_buffer_bytes)
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
     OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, UnitSpec, padded_numel,
@@ -189,10 +192,13 @@ class Engine:
             self._partition.bind_gradient_buffers(self._grad_buffer)
 
         # 3. Budgets, checked before anything is allocated.
-        device_capacity_numel, device_budget = self._plan_device(compute_element_bytes)
+        unit_sizes = [UnitSizes.of(u) for u in self.units]
+        arena = check_device_budget(unit_sizes, layout)
+        device_capacity_numel, device_budget = arena.capacity_numel, arena.budget_bytes
         needs_nvme = layout.needs_nvme
-        nvme_bytes = self._plan_nvme(compute_element_bytes) if needs_nvme else 0
-        self._check_host_budget(compute_element_bytes)
+        nvme_bytes = swap_bytes(unit_sizes, layout)
+        self._host_planned_bytes = check_host_budget(unit_sizes, layout).total
+        self._staging_shape = slot_shape(unit_sizes, layout)
 
         # From here on wrap changes what the caller holds: a failure anywhere below puts it
         # all back ([Note: a failed wrap changes nothing]).
@@ -318,139 +324,22 @@ class Engine:
                 restore_counters=restore_counters))
 
     # ------------------------------------------------------------------ planning
-    def _plan_device(self, element_bytes: int) -> Tuple[int, int]:
-        """Arena size (elements) and budget (bytes), or a ValueError naming the culprit."""
-        others = self.units[1:]
-        largest = max(others, key=lambda u: u.compute_numel, default=None)
-        largest_param_numel = max((e.numel for u in self.units for e in u.trainable), default=0)
-        grad_reserve = largest_param_numel * element_bytes
-        root_bytes = self._root.compute_numel * element_bytes
-        total_bytes = sum(u.compute_numel for u in self.units) * element_bytes
-        if self.layout.param_tier == "device":
-            needed = total_bytes + grad_reserve
-            why = f"param_tier='device' keeps all {len(self.units)} units there ({format_size(total_bytes)})"
-        else:
-            largest_bytes = largest.compute_numel * element_bytes if largest else 0
-            needed = root_bytes + largest_bytes + grad_reserve
-            why = (f"unit {largest.name!r} needs {format_size(largest_bytes)} for its compute copy, "
-                   if largest else "") + \
-                f"the root unit (on the device from forward to backward) {format_size(root_bytes)}"
-        budget = self.layout.device_budget
-        if budget is None:
-            budget = total_bytes + grad_reserve
-        if budget < needed:
-            raise ValueError(
-                f"device_budget: {format_size(budget)} ({budget} bytes) is too small: {why}, plus "
-                f"{format_size(grad_reserve)} for the largest gradient on its way out; "
-                f"at least {needed} bytes ({format_size(needed)}) are needed")
-        return (budget - grad_reserve) // element_bytes, budget
-
-    def _plan_nvme(self, element_bytes: int) -> int:
-        """Swap bytes this run will hold."""
-        total = 0
-        for u in self.units:
-            if self.layout.param_tier == "nvme":
-                total += self._compute_home_numel(u) * (FP32_BYTES if self.layout.merged else element_bytes)
-            if self.layout.optimizer_tier == "nvme" and u.trainable:
-                if self.layout.split_master:
-                    total += self._low_numel(u) * 2
-                elif not self.layout.merged:
-                    total += u.shard.state_numel * FP32_BYTES
-                total += 2 * u.shard.state_numel * FP32_BYTES
-        return total
-
+    # The arithmetic lives in offload/memory/budget.py; these delegate to it for the code
+    # that still calls them.
     @staticmethod
     def _low_numel(u: UnitState) -> int:
-        """[Note: split master] Low halves of u's master at home: one per element of its
-        trainable prefix ([zero] of this rank's shard), padded to whole pages as a 16-bit
-        prefix is."""
-        return padded_numel(u.shard.numel, 2)
-
-    def _home_bytes_on_host(self, element_bytes: int) -> Dict[str, int]:
-        grads = sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES
-        compute = master = moments = staging = 0
-        home_element_bytes = FP32_BYTES if self.layout.merged else element_bytes
-        for u in self.units:
-            if self.layout.param_tier == "host":
-                compute += self._compute_home_numel(u) * home_element_bytes
-            if self.layout.optimizer_tier == "host" and u.trainable:
-                if not self.layout.merged:
-                    master += u.shard.state_numel * FP32_BYTES
-                moments += 2 * u.shard.state_numel * FP32_BYTES
-        if self.layout.staged_step:
-            staging = self.layout.optimizer_pipeline_depth * self._slot_bytes(element_bytes)
-        staging += 2 * sum(self._update_buffer_bytes(element_bytes).values())  # two buffer sets
-        largest = max(u.compute_numel for u in self.units)
-        fetch = 0  # see the fetch buffers made in __init__
-        if self._partition is not None and self._partition.shards_params:
-            if self.layout.param_tier == "nvme":
-                fetch += max(self._compute_home_numel(u) for u in self.units) * home_element_bytes
-            if self.device.type == "cuda":
-                fetch += largest * home_element_bytes
-        elif self.layout.param_tier == "nvme" and self.device.type == "cuda":
-            fetch = (self.layout.prefetch_units + 1) * largest * home_element_bytes
-        return {"fp32 gradients": grads, "compute copies": compute, "fp32 master weights": master,
-                "Adam moments": moments, "optimizer staging buffers": staging,
-                "fetch staging buffers": fetch}
+        return low_numel(u.shard.numel)
 
     def _update_buffer_bytes(self, element_bytes: int) -> Dict[str, int]:
-        """[zero] Stage >= 1 with states on NVMe: bytes of the host buffer each NVMe-homed
-        state is read into for an update, per role (one of the two buffer sets of
-        _sharded_update): a piece at stage 3, the largest unit's shard (and, for the
-        compute copy, the whole unit) at stages 1-2."""
-        if self._partition is None or not self._partition.shards_state:
-            return {}
-        sizes = {}
-        largest = max((u.shard.state_numel for u in self.units if u.trainable), default=0)
-        if self._partition.shards_params:
-            largest = min(largest, OPTIMIZER_PIECE_NUMEL)
-        if self.layout.param_tier == "nvme" and (self.layout.merged or self.compute_dtype != torch.float32):
-            home_element_bytes = FP32_BYTES if self.layout.merged else element_bytes
-            compute = largest if self._partition.shards_params else max(u.compute_numel for u in self.units)
-            sizes["compute"] = home_element_bytes * compute
-        if self.layout.optimizer_tier == "nvme":
-            if not self.layout.merged:  # split: where the master is joined, updated and split again
-                sizes["master"] = largest * FP32_BYTES
-            if self.layout.split_master:
-                sizes["low"] = (largest + 2048) * 2
-            sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * FP32_BYTES
-        return sizes
+        # For the [zero] sharded update's buffers (_update_buffer). budget.py takes the
+        # element size from the layout.
+        assert element_bytes == self.layout.compute_element_bytes
+        return update_buffer_bytes([UnitSizes.of(u) for u in self.units], self.layout)
 
     @staticmethod
     def _compute_home_numel(u: UnitState) -> int:
         """Elements of u's compute copy at home: [zero] the rank's chunks at stage 3."""
-        return u.param_shard.home_numel if u.param_shard is not None else u.compute_numel
-
-    def _slot_shape(self) -> Tuple[int, int]:
-        """(master elements, compute elements) of one staging slot: one pipeline piece."""
-        master = min(max((u.master_numel for u in self.units), default=0), OPTIMIZER_PIECE_NUMEL)
-        needs_compute = self.layout.param_tier == "nvme" and not self.layout.merged or \
-            (self.layout.param_tier == "device" and self.device.type == "cuda")
-        # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
-        compute = master + 2048 if needs_compute else 0
-        return master, compute
-
-    def _slot_bytes(self, element_bytes: int) -> int:
-        master, compute = self._slot_shape()
-        return 3 * master * FP32_BYTES + compute * element_bytes + self._slot_low_numel() * 2
-
-    def _slot_low_numel(self) -> int:
-        """[Note: split master] Low halves one staging slot holds: a piece, padded as a
-        16-bit prefix is."""
-        return self._slot_shape()[0] + 2048 if self.layout.split_master else 0
-
-    def _check_host_budget(self, element_bytes: int) -> None:
-        budget = self.layout.host_budget
-        parts = self._home_bytes_on_host(element_bytes)
-        needed = sum(parts.values())
-        self._host_planned_bytes = needed
-        if budget is None:
-            return
-        if needed > budget:
-            detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts.items() if v)
-            raise ValueError(
-                f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this "
-                f"configuration holds {detail} on the host, {needed} bytes in all")
+        return compute_home_numel(u.compute_numel, u.param_shard)
 
     # ------------------------------------------------------------------ allocation
     def _allocate_homes(self) -> None:
@@ -484,8 +373,9 @@ class Engine:
     def _allocate_staging(self) -> List[StagingSlot]:
         if not self.layout.staged_step:
             return []
-        master, compute = self._slot_shape()
-        return [StagingSlot(self._host, master, compute, self.compute_dtype, self._slot_low_numel())
+        shape = self._staging_shape
+        return [StagingSlot(self._host, shape.master_numel, shape.compute_numel, self.compute_dtype,
+                            shape.low_numel)
                 for _ in range(self.layout.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial placement

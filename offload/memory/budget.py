@@ -1,0 +1,261 @@
+"""The one budget arithmetic: the device arena, what the host and the swap files hold for a
+run, and the shape of a staging slot. Wrap checks its budgets with it before anything is
+allocated; ``offload plan`` and tools/bench_train.py call it on models they never wrap.
+
+Everything here is a pure function of per-unit sizes (``UnitSizes``, in elements, padded to
+whole pages as the buffers are) and the run's ``Layout``. A budget that is too small is a
+ValueError naming ``device_budget`` or ``host_budget`` and the bytes needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from offload.config import format_size
+from offload.memory.layout import FP32_BYTES, Layout, UnitState
+from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel, split_into_units
+from offload.zero import ParamShard
+
+
+def low_numel(shard_numel: int) -> int:
+    """[Note: split master] Low halves of a master at home: one per element of its trainable
+    prefix ([zero] of this rank's shard, ``shard_numel`` elements), padded to whole pages as
+    a 16-bit prefix is."""
+    return padded_numel(shard_numel, 2)
+
+
+def compute_home_numel(compute_numel: int, param_shard: Optional[ParamShard]) -> int:
+    """Elements of a unit's compute copy at home: [zero] the rank's chunks at stage 3."""
+    return param_shard.home_numel if param_shard is not None else compute_numel
+
+
+@dataclass(frozen=True)
+class UnitSizes:
+    """What the arithmetic needs of one unit, in elements."""
+
+    name: str
+    compute_numel: int          # the compute copy on the device
+    master_numel: int           # the fp32 master of the trainable prefix
+    home_numel: int             # the compute copy at home ([zero] the rank's chunks at stage 3)
+    state_numel: int            # the master and each moment at home ([zero] the rank's shard)
+    low_numel: int              # [Note: split master] the master's low halves at home
+    grad_numel: int             # the fp32 gradient buffer
+    largest_param_numel: int    # its largest trainable parameter (0: none)
+    trainable: bool             # it has trainable parameters
+
+    @classmethod
+    def of(cls, u: UnitState) -> "UnitSizes":
+        """The sizes of a unit of a wrap ([zero] as its partition has cut it)."""
+        return cls(u.name, u.compute_numel, u.master_numel,
+                   compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
+                   low_numel(u.shard.numel), u.grad_numel,
+                   max((e.numel for e in u.trainable), default=0), bool(u.trainable))
+
+    @classmethod
+    def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
+                  compute_element_bytes: int) -> "UnitSizes":
+        """The sizes of a unit of one process (as ``of`` gives them with no ZeRO partition)."""
+        compute_numel = padded_numel(total_numel, compute_element_bytes)
+        master_numel = padded_numel(trainable_numel, FP32_BYTES)
+        return cls(name, compute_numel, master_numel, compute_numel, master_numel,
+                   low_numel(trainable_numel), trainable_numel, largest_param_numel,
+                   trainable_numel > 0)
+
+
+def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes: Sequence[str] = (),
+                     unit_predicate: Optional[Callable[[str, nn.Module], bool]] = None) -> List[UnitSizes]:
+    """The units of ``model`` (meta or real) as wrap cuts them on one process, root first,
+    every parameter that requires a gradient trainable; the model is not changed."""
+    group_of = {p: 0 for p in model.parameters() if p.requires_grad}
+    specs = split_into_units(model, group_of, compute_element_bytes, unit_classes, unit_predicate)
+    return [UnitSizes.unsharded(s.name, s.total_numel, s.trainable_numel,
+                                max((e.numel for e in s.trainable_entries), default=0),
+                                compute_element_bytes)
+            for s in specs]
+
+
+# ---------------------------------------------------------------------------- device
+@dataclass(frozen=True)
+class DeviceBudget:
+    capacity_numel: int   # the arena, in elements of the compute dtype
+    budget_bytes: int     # device_budget, or all the units and a gradient when it is None
+    minimum_bytes: int    # the smallest device_budget wrap accepts
+
+
+def _gradient_reserve_bytes(units: Sequence[UnitSizes], compute_element_bytes: int) -> int:
+    """Room for the largest gradient on its way out of the device."""
+    return max((u.largest_param_numel for u in units), default=0) * compute_element_bytes
+
+
+def _device_need(units: Sequence[UnitSizes], param_tier: str,
+                 compute_element_bytes: int) -> Tuple[int, str]:
+    """The smallest device budget, and why (for the error), of ``units``, root first."""
+    largest = max(units[1:], key=lambda u: u.compute_numel, default=None)
+    grad_reserve = _gradient_reserve_bytes(units, compute_element_bytes)
+    root_bytes = units[0].compute_numel * compute_element_bytes
+    total_bytes = sum(u.compute_numel for u in units) * compute_element_bytes
+    if param_tier == "device":
+        return (total_bytes + grad_reserve,
+                f"param_tier='device' keeps all {len(units)} units there ({format_size(total_bytes)})")
+    largest_bytes = largest.compute_numel * compute_element_bytes if largest else 0
+    why = (f"unit {largest.name!r} needs {format_size(largest_bytes)} for its compute copy, "
+           if largest else "") + \
+        f"the root unit (on the device from forward to backward) {format_size(root_bytes)}"
+    return root_bytes + largest_bytes + grad_reserve, why
+
+
+def minimum_device_budget(units: Sequence[UnitSizes], param_tier: str, compute_element_bytes: int) -> int:
+    """The smallest ``device_budget`` wrap accepts for ``units`` (root first, e.g. from
+    ``model_unit_sizes``): every unit with param_tier="device", else the root unit (on the
+    device from forward to backward) and the largest other unit; plus the largest gradient
+    on its way out. One byte less is a ValueError naming device_budget."""
+    return _device_need(units, param_tier, compute_element_bytes)[0]
+
+
+def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBudget:
+    """The arena and budget of a run, or a ValueError naming device_budget and the bytes
+    needed."""
+    element_bytes = layout.compute_element_bytes
+    needed, why = _device_need(units, layout.param_tier, element_bytes)
+    grad_reserve = _gradient_reserve_bytes(units, element_bytes)
+    budget = layout.device_budget
+    if budget is None:
+        budget = sum(u.compute_numel for u in units) * element_bytes + grad_reserve
+    if budget < needed:
+        raise ValueError(
+            f"device_budget: {format_size(budget)} ({budget} bytes) is too small: {why}, plus "
+            f"{format_size(grad_reserve)} for the largest gradient on its way out; "
+            f"at least {needed} bytes ({format_size(needed)}) are needed")
+    return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed)
+
+
+# ---------------------------------------------------------------------------- NVMe
+def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
+    """Swap bytes a run holds (0 with no tier on NVMe)."""
+    total = 0
+    for u in units:
+        if layout.param_tier == "nvme":
+            total += u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
+        if layout.optimizer_tier == "nvme" and u.trainable:
+            if layout.split_master:
+                total += u.low_numel * 2
+            elif not layout.merged:
+                total += u.state_numel * FP32_BYTES
+            total += 2 * u.state_numel * FP32_BYTES
+    return total
+
+
+# ---------------------------------------------------------------------------- host
+@dataclass(frozen=True)
+class SlotShape:
+    """Elements of one staging slot's buffers: one pipeline piece."""
+
+    master_numel: int
+    compute_numel: int    # 0: the slot has no compute buffer
+    low_numel: int        # [Note: split master] 0 without a split master
+
+    def num_bytes(self, compute_element_bytes: int) -> int:
+        return 3 * self.master_numel * FP32_BYTES + self.compute_numel * compute_element_bytes + \
+            self.low_numel * 2
+
+
+def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
+    master = min(max((u.master_numel for u in units), default=0), OPTIMIZER_PIECE_NUMEL)
+    needs_compute = layout.param_tier == "nvme" and not layout.merged or \
+        (layout.param_tier == "device" and layout.device.type == "cuda")
+    # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
+    compute = master + 2048 if needs_compute else 0
+    # [Note: split master] low halves: a piece, padded as a 16-bit prefix is
+    low = master + 2048 if layout.split_master else 0
+    return SlotShape(master, compute, low)
+
+
+def update_buffer_bytes(units: Sequence[UnitSizes], layout: Layout) -> Dict[str, int]:
+    """[zero] Stage >= 1 with states on NVMe: bytes of the host buffer each NVMe-homed
+    state is read into for an update, per role (one of the two buffer sets of the sharded
+    update): a piece at stage 3, the largest unit's shard (and, for the compute copy, the
+    whole unit) at stages 1-2."""
+    # With a tier on NVMe, the sharded update is the one that runs without staging slots
+    # (Layout.staged_step); with none, no state is NVMe-homed.
+    if not layout.needs_nvme or layout.staged_step:
+        return {}
+    sizes = {}
+    largest = max((u.state_numel for u in units if u.trainable), default=0)
+    if layout.gathers:
+        largest = min(largest, OPTIMIZER_PIECE_NUMEL)
+    if layout.param_tier == "nvme" and (layout.merged or layout.compute_dtype != torch.float32):
+        home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
+        compute = largest if layout.gathers else max(u.compute_numel for u in units)
+        sizes["compute"] = home_element_bytes * compute
+    if layout.optimizer_tier == "nvme":
+        if not layout.merged:  # split: where the master is joined, updated and split again
+            sizes["master"] = largest * FP32_BYTES
+        if layout.split_master:
+            sizes["low"] = (largest + 2048) * 2
+        sizes["exp_avg"] = sizes["exp_avg_sq"] = largest * FP32_BYTES
+    return sizes
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """Bytes a run holds on the host, by part."""
+
+    gradients: int
+    compute_copies: int
+    master_weights: int
+    moments: int
+    optimizer_staging: int   # staging slots, or [zero] the sharded update's two buffer sets
+    fetch_staging: int       # see the fetch buffers the engine makes
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts().values())
+
+    def parts(self) -> Dict[str, int]:
+        """By part, named as host_budget's error names them."""
+        return {"fp32 gradients": self.gradients, "compute copies": self.compute_copies,
+                "fp32 master weights": self.master_weights, "Adam moments": self.moments,
+                "optimizer staging buffers": self.optimizer_staging,
+                "fetch staging buffers": self.fetch_staging}
+
+
+def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
+    grads = sum(u.grad_numel for u in units if u.trainable) * FP32_BYTES
+    compute = master = moments = staging = 0
+    home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
+    for u in units:
+        if layout.param_tier == "host":
+            compute += u.home_numel * home_element_bytes
+        if layout.optimizer_tier == "host" and u.trainable:
+            if not layout.merged:
+                master += u.state_numel * FP32_BYTES
+            moments += 2 * u.state_numel * FP32_BYTES
+    if layout.staged_step:
+        staging = layout.optimizer_pipeline_depth * slot_shape(units, layout).num_bytes(layout.compute_element_bytes)
+    staging += 2 * sum(update_buffer_bytes(units, layout).values())  # two buffer sets
+    largest = max(u.compute_numel for u in units)
+    fetch = 0
+    if layout.gathers:
+        if layout.param_tier == "nvme":
+            fetch += max(u.home_numel for u in units) * home_element_bytes
+        if layout.device.type == "cuda":
+            fetch += largest * home_element_bytes
+    elif layout.param_tier == "nvme" and layout.device.type == "cuda":
+        fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
+    return HostBytes(grads, compute, master, moments, staging, fetch)
+
+
+def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
+    """What a run holds on the host, or a ValueError naming host_budget when that is more."""
+    planned = host_bytes(units, layout)
+    budget = layout.host_budget
+    needed = planned.total
+    if budget is not None and needed > budget:
+        detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v)
+        raise ValueError(
+            f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this "
+            f"configuration holds {detail} on the host, {needed} bytes in all")
+    return planned
