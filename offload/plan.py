@@ -1,10 +1,9 @@
 """``offload plan``: where each piece of training state would live, whether it fits, and how
 long an optimizer step would take, for a model and a machine profile.
 
-The byte counts follow what ``offload.engine.Engine`` allocates (see its ``_plan_device``,
-``_plan_nvme``, ``_home_bytes_on_host`` and ``_slot_bytes``); a test wraps real models and
-checks that the two agree. Per trainable parameter, with ``e`` the compute dtype's size
-(4 for fp32, 2 for bf16/fp16):
+The bytes of each tier are those wrap checks its budgets against (offload/memory/budget.py),
+for a CPU device and one process; a test wraps real models and checks that the two agree.
+Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for bf16/fp16):
 
   compute copy   e B      home: param_tier. With fp32 compute and param_tier != "device" the
                           compute copy *is* the fp32 master ("merged"): 4 B, no master.
@@ -35,12 +34,18 @@ NVMe (e B/param, unless merged) or to the device (param_tier="device", host->dev
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel
+import torch
+
+from offload.config import OffloadConfig
+from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, swap_bytes
+from offload.memory.layout import Layout
+from offload.units import padded_numel
 
 PROFILE_SCHEMA = "offload-profile"
 PROFILE_VERSION = 1
@@ -204,53 +209,52 @@ class Placement:
         return sum(self.host_parts.values())
 
 
+_NO_SWAP_DIR = "<offload plan: writes no swap files>"
+
+
+def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
+            split_master: bool) -> Layout:
+    """The Layout of a run of these settings on a CPU device and one process, the run the
+    plan models. (On a CUDA device the host also holds fetch staging buffers, and with
+    param_tier="device" every staging slot a compute piece; the plan leaves them out.)"""
+    config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier,
+                           optimizer_tier=optimizer_tier, split_master=split_master,
+                           swap_dir=_NO_SWAP_DIR)
+    # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it
+    return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
+                               optimizer_pipeline_depth=pipeline_depth)
+
+
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
           pipeline_depth: int = 3, split_master: bool = True) -> Placement:
     e = _ELEMENT_BYTES[dtype]
-    merged = dtype == "fp32" and param_tier != "device"
+    layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master)
+    merged = layout.merged
     # [Note: split master] (Config.split_master): the master at home is its low half
-    split = split_master and dtype == "bf16" and optimizer_tier == "nvme" and param_tier != "device"
+    split = layout.split_master
     units = shape.units
-    compute_numel = [padded_numel(u.total_numel, e) for u in units]
-    master_numel = [padded_numel(u.trainable_numel, _FP32_BYTES) for u in units]
+    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
+             for u in units]
+    compute_numel = [u.compute_numel for u in sizes]
+    master_numel = [u.master_numel for u in sizes]
     home_element = _FP32_BYTES if merged else e
-    trainable = [u.trainable_numel > 0 for u in units]
+    trainable = [u.trainable for u in sizes]
 
     compute_bytes = sum(n * home_element for n in compute_numel)
     master_bytes = 0 if merged else sum(m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
-    prefix_bytes = sum(padded_numel(u.trainable_numel, 2) * 2 for u in units if u.trainable_numel)
+    prefix_bytes = sum(u.low_numel * 2 for u in sizes if u.trainable)
     if split:
         master_bytes = prefix_bytes
     moments_bytes = sum(2 * m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
     grad_bytes = sum(u.trainable_numel for u in units) * _FP32_BYTES
 
-    # Device (Engine._plan_device).
-    grad_reserve = max((u.largest_param_numel for u in units), default=0) * e
+    device_bytes = minimum_device_budget(sizes, param_tier, e)
     device_compute = [n * e for n in compute_numel]
-    if param_tier == "device":
-        device_bytes = sum(device_compute) + grad_reserve
-    else:
-        device_bytes = device_compute[0] + max(device_compute[1:], default=0) + grad_reserve
-
-    # Host (Engine._home_bytes_on_host, _slot_bytes).
-    needs_nvme = "nvme" in (param_tier, optimizer_tier)
-    staging = 0
-    if needs_nvme:
-        slot_master = min(max(master_numel, default=0), OPTIMIZER_PIECE_NUMEL)
-        # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
-        slot_compute = slot_master + 2048 if (param_tier == "nvme" and not merged) else 0
-        slot_low = slot_master + 2048 if split else 0
-        staging = pipeline_depth * (3 * slot_master * _FP32_BYTES + slot_compute * e + slot_low * 2)
-    host_parts = {
-        "fp32 gradients": grad_bytes,
-        "compute copies": compute_bytes if param_tier == "host" else 0,
-        "fp32 master weights": master_bytes if optimizer_tier == "host" else 0,
-        "Adam moments": moments_bytes if optimizer_tier == "host" else 0,
-        "optimizer staging buffers": staging,
-    }
-    # NVMe (Engine._plan_nvme).
-    nvme_bytes = (compute_bytes if param_tier == "nvme" else 0) + \
-        ((master_bytes + moments_bytes) if optimizer_tier == "nvme" else 0)
+    host = host_bytes(sizes, layout)
+    assert host.fetch_staging == 0  # a CPU device fetches without them
+    host_parts = host.parts()
+    del host_parts["fetch staging buffers"]
+    nvme_bytes = swap_bytes(sizes, layout)
 
     state_tier = {"compute copy": param_tier, "fp32 gradients": "host",
                   "fp32 master": "merged with compute copy" if merged else
