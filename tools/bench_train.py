@@ -253,44 +253,40 @@ def offload_config(spec: dict, device_budget):
                 swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch")
 
 
-_MIN_BUDGET_RE = re.compile(r"at least (\d+) bytes")
-
-
 def wrap_with_budget(spec: dict):
-    """offload.wrap under budget_fraction of the compute-copy bytes, or under the engine's
-    minimum when that is larger (read from its ValueError, which names the bytes needed)."""
+    """offload.wrap under budget_fraction of the compute-copy bytes, or, when that is below
+    the smallest budget the engine accepts (offload.memory.budget.minimum_device_budget),
+    under that minimum plus room for two blocks."""
     import torch
     import offload
+    from offload.memory.budget import minimum_device_budget, model_unit_sizes
 
     element_bytes = 4 if spec["dtype"] == "fp32" else 2
     model = build_gpt(spec["model"], meta=True)
     compute_bytes = sum(p.numel() for p in model.parameters()) * element_bytes
     wanted = int(spec["budget_fraction"] * compute_bytes)
     budget, note = wanted, f"budget {spec['budget_fraction']:.0%}"
-    for attempt in range(2):
-        if attempt:
-            model = build_gpt(spec["model"], meta=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    config = offload.OffloadConfig(**offload_config(spec, budget))
+    # The units as one process cuts them. [zero] At stage 3 a unit's device slot is up to a
+    # page longer (room for its gathers): the two blocks added below cover that, a fraction
+    # within a page above this minimum does not.
+    minimum = minimum_device_budget(model_unit_sizes(model, element_bytes, unit_predicate=bench_units),
+                                    config.param_tier, element_bytes)
+    if config.device_budget is not None and wanted < minimum:
+        # The minimum holds one unit at a time; add room for two blocks so that prefetch
+        # has somewhere to put the next ones.
+        block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * element_bytes
+        budget = minimum + 2 * block_bytes
+        note = (f"budget=min+2 blocks {budget / (1 << 20):.0f} MiB = {budget / compute_bytes:.0%} "
+                f"(> {spec['budget_fraction']:.0%})")
         config = offload.OffloadConfig(**offload_config(spec, budget))
-        try:
-            engine = offload.wrap(model, opt, config=config)
-        except ValueError as error:
-            match = _MIN_BUDGET_RE.search(str(error))
-            if attempt or config.device_budget is None or not match:
-                raise
-            # The minimum holds one unit at a time; add room for two blocks so that prefetch
-            # has somewhere to put the next ones.
-            block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * element_bytes
-            budget = int(match.group(1)) + 2 * block_bytes
-            note = (f"budget=min+2 blocks {budget / (1 << 20):.0f} MiB = {budget / compute_bytes:.0%} "
-                    f"(> {spec['budget_fraction']:.0%})")
-            continue
-        if config.device_budget is None:
-            note = "no budget"
-        return engine, {"device_budget_bytes": config.device_budget,
-                        "budget_wanted_bytes": wanted if config.device_budget else None,
-                        "compute_copy_bytes": compute_bytes, "note": note}
-    raise AssertionError("unreachable")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    engine = offload.wrap(model, opt, config=config)
+    if config.device_budget is None:
+        note = "no budget"
+    return engine, {"device_budget_bytes": config.device_budget,
+                    "budget_wanted_bytes": wanted if config.device_budget else None,
+                    "compute_copy_bytes": compute_bytes, "note": note}
 
 
 def run_offload(spec: dict) -> dict:
