@@ -60,9 +60,10 @@ from torch.utils._pytree import tree_flatten
 
 from offload import checkpoint
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
-from offload.config import OffloadConfig, format_size
+from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
 from offload.optim import adam_step_flat, join_master, split_master
+from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
@@ -218,7 +219,15 @@ class Engine:
                 self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
                                       config.io_block_bytes, config.io_queue_depth)
             self._allocate_homes()
-            self._slots = self._allocate_staging()
+            # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
+            # a failed swap write there becomes the engine's _failure ([Note: swap I/O failures]).
+            self._step_ring = PipelinedStep(
+                self._allocate_staging(), layout=layout, root=self._root, device=self._device, host=self._host,
+                nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
+                timeline=self._timeline, next_steps=self._next_steps, pieces=self._pieces,
+                adam_range=self._adam_range, compute_target=self._compute_target, release_grad=self._release_grad,
+                read_master=self._read_master, load=self._load, fail_step=self._fail_step,
+                record_failure=functools.partial(setattr, self, "_failure"))
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
@@ -227,7 +236,8 @@ class Engine:
                 update_buffer_bytes=self._update_buffer_bytes, low_numel=self._low_numel,
                 next_steps=self._next_steps, adam_range=self._adam_range,
                 compute_target=self._compute_target, release_grad=self._release_grad,
-                wait_all=self._wait_all, drain=self._drain, fail_step=self._fail_step,
+                wait_all=lambda handles: wait_all(handles, self.stats_counters),
+                drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._fail_step,
             ) if self._partition is not None and self._partition.shards_state else None
 
             # 5. Move every unit's state to its home tier (materializing meta models).
@@ -271,14 +281,8 @@ class Engine:
             self._update_sequence = itertools.count()
             self._step_pending = False  # a deferred step's updates or bookkeeping are not done
             self._stale_units: List[UnitState] = []
-            self._root_prestaged: Optional[List[Any]] = None
-            # [Note: swap I/O failures] which piece each staging slot is writing back, and the
-            # write failures of this step (kept in host RAM, reported when the step ends)
-            self._slot_writer: List[Optional[Tuple[UnitState, int, int]]] = [None] * len(self._slots)
-            self._write_errors: List[Tuple[UnitState, OSError]] = []
             self._grad_pool: Dict[int, List[torch.Tensor]] = {}
             self._grad_pool_lock = threading.Lock()
-            self._next_slot = 0
             self._forward_started = 0.0
             self._tick = 0
             self._micro_step = 0
@@ -296,10 +300,8 @@ class Engine:
             undo.callback(self._remove_hooks)
             self._install_hooks()
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
-        # [Note: swap I/O failures] _failure: None, or why the engine refuses to train;
-        # _dirty: unit index -> states whose swap write failed, held in host RAM.
+        # [Note: swap I/O failures] _failure: None, or why the engine refuses to train.
         self._failure: Optional[Dict[str, Any]] = None
-        self._dirty: Dict[int, Dict[str, torch.Tensor]] = {}
         self._closed = False
 
         # 7. Checkpoints reach the states through this object alone ([Note: checkpoint
@@ -318,7 +320,7 @@ class Engine:
                          release=self._release),
             state=EngineState(
                 closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
-                dirty=lambda index: self._dirty.get(index, {}), forget_dirty=lambda: self._dirty.clear(),
+                dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
                 counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._loss_scale,
                                   "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm},
                 restore_counters=restore_counters))
@@ -569,9 +571,9 @@ class Engine:
         from offload.io import aligned_empty
 
         zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
-        self._wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
-                                         sub_extent(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
-                        for offset in range(0, home.nbytes, _ZEROS_BYTES)])
+        wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
+                                   sub_extent(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
+                  for offset in range(0, home.nbytes, _ZEROS_BYTES)], self.stats_counters)
 
     def _load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Synchronous read of a whole buffer from its home into a new host tensor."""
@@ -857,7 +859,7 @@ class Engine:
             self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
 
         def pending() -> None:
-            self._wait_all(handles)
+            wait_all(handles, self.stats_counters)
             wait_update()
         u.pending = pending
         self.stats_counters.count("update_fills")
@@ -1096,14 +1098,11 @@ class Engine:
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
         self._backward_unit = None
         if self._early_updates and self.layout.staged_step and self._root.trainable and not self._defers_updates() \
-                and not self._root.updated and self._root_prestaged is None:
+                and not self._root.updated and self._step_ring.root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
-            # _staged_update gives the first unit, the root (early updates use the others).
-            self._wait_all(self._slots[0].pending_writes)
-            lo, hi = self._pieces(self._root)[0]
-            self._root_prestaged = self._issue_reads(self._root, lo, hi, self._slots[0],
-                                                     self._device_copy_updatable(self._root))
+            # PipelinedStep.staged_update gives the first unit, the root (early updates use the others).
+            self._step_ring.prestage_root()
         start = time.perf_counter()
         try:
             with self.stats_counters.timed("backward"):
@@ -1224,9 +1223,7 @@ class Engine:
         grad_factor, skip = self._grad_scale_and_skip()
         if skip:
             self.stats_counters.count("skipped_steps")
-            if self._root_prestaged is not None:
-                self._wait_all(self._root_prestaged)
-                self._root_prestaged = None
+            self._step_ring.wait_root_reads()
             self.zero_grad()
             return
         units = [u for u in self.units if any(u.has_grad) and not u.updated]
@@ -1235,14 +1232,12 @@ class Engine:
                 if self._sharded_step is not None:  # [zero] stage >= 1
                     self._sharded_step.run(units, grad_factor, self._micro_step)
                 elif self.layout.staged_step:
-                    self._staged_update(units, grad_factor)
+                    self._step_ring.staged_update(units, grad_factor, self._micro_step)
                 else:
                     for u in units:
                         self._update_in_place(u, grad_factor)
         finally:  # also after a swap failure: the step is over either way
-            if self._root_prestaged is not None:  # the root got no gradient this step
-                self._drain(self._root_prestaged)
-                self._root_prestaged = None
+            self._step_ring.drain_root_reads()  # the root got no gradient this step
             self.zero_grad()
             # Device copies are stale now, except those the update wrote in place.
             self._drain_fetches()
@@ -1252,7 +1247,7 @@ class Engine:
                     if u.compute_state == Residency.LOADED and not u.update_in_device:
                         self._release(u)
                     u.update_in_device = False
-        self._raise_write_errors()
+        self._step_ring.raise_write_errors(self._micro_step)
 
     def _maybe_update_early(self) -> None:
         """[Note: early updates] In the backward before an update, a unit is done for this
@@ -1275,7 +1270,7 @@ class Engine:
                 self.stats_counters.count("early_updates")
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
-                u.update_in_device = self._prefetcher.pass_complete and self._device_copy_updatable(u)
+                u.update_in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
                 self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
                 if self.layout.param_tier != "device" and not u.update_in_device:
                     self._stale_units.append(u)
@@ -1340,7 +1335,7 @@ class Engine:
         for u in self.units:
             if any(u.has_grad) and not u.updated:
                 u.updated = True
-                u.update_in_device = self._device_copy_updatable(u)
+                u.update_in_device = self._step_ring.device_copy_updatable(u)
                 self._queue_update(u, groups, priority(u))
                 self.stats_counters.count("deferred_updates")
         self._reprioritize(priority)
@@ -1370,7 +1365,7 @@ class Engine:
                 self._settle_all()  # waits for the rest and reports the failed write
                 raise
         u.forget_update()
-        if ticket.exception() is not None or self._write_errors:
+        if ticket.exception() is not None or self._step_ring.write_errors:
             self._settle_all()  # raises: a failed update, or a home this fetch may read is not written
 
     def _settle_all(self, raise_errors: bool = True) -> None:
@@ -1389,7 +1384,7 @@ class Engine:
                     u.forget_update()
             self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
             self.zero_grad()
-            self._raise_write_errors()
+            self._step_ring.raise_write_errors(self._micro_step)
         except BaseException:
             if raise_errors:
                 raise
@@ -1404,41 +1399,11 @@ class Engine:
                     u.early_nonfinite = e
                 u.early_grad_squares += square
         if self.layout.staged_step:
-            self._update_early_staged(u, groups)
+            self._step_ring.update_early(u, groups)
         else:
             self._update_in_place(u, 1.0, groups)
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
-
-    def _update_early_staged(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
-        """The pieces of u through the staging slots other than slot 0 (kept for the root
-        unit's first piece, see backward), in a ring that goes on where the last unit's
-        update left it ([Note: the piece ring])."""
-        steps = self._next_steps(u)
-        pieces = self._pieces(u)
-        num_slots = len(self._slots) - 1
-        ring = [1 + (self._next_slot + j) % num_slots for j in range(num_slots)]
-        self._next_slot += len(pieces)
-        in_device, fill = u.update_in_device, u.update_fill
-        u.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
-
-        def start_reads(i: int, index: int) -> List[Any]:
-            self._finish_slot_writes(index)  # the slot's previous piece is on disk first
-            lo, hi = pieces[i]
-            return self._issue_reads(u, lo, hi, self._slots[index], in_device and not fill)
-
-        def update(i: int, index: int) -> None:
-            lo, hi = pieces[i]
-            self._update_staged(u, lo, hi, steps, self._slots[index], 1.0, groups)
-            if in_device:
-                self._write_through(u, lo, hi, self._slots[index])
-            self._slot_writer[index] = (u, lo, hi)
-            self._issue_writes(u, lo, hi, self._slots[index])
-            writes.extend(self._slots[index].pending_writes)
-
-        self._piece_ring(len(pieces), ring, start_reads, update)
-        u.steps = steps
-        self._release_grad(u)
 
     def _wait_optimizer(self) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
@@ -1455,9 +1420,9 @@ class Engine:
                     f.result()
                 except BaseException as error:  # noqa: B902 - reported below, after draining
                     errors.append(error)
-            for index in range(len(self._slots)):
+            for index in range(len(self._step_ring.slots)):
                 try:
-                    self._finish_slot_writes(index)  # write failures are kept, not raised
+                    self._step_ring.finish_slot_writes(index)  # write failures are kept, not raised
                 except OSError as error:
                     errors.append(error)
         if errors:
@@ -1563,313 +1528,12 @@ class Engine:
         steps = self._next_steps(u)
         moments = u.moments_home
         start = time.perf_counter()
-        self._adam_range(u, 0, u.master_numel, steps, self._master_home(u), moments[:u.master_numel],
+        self._adam_range(u, 0, u.master_numel, steps, self._step_ring.master_home(u), moments[:u.master_numel],
                          moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor,
                          groups=groups)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         u.steps = steps
         self._release_grad(u)
-
-    def _master_home(self, u: UnitState) -> Any:
-        return u.compute_home if self.layout.merged else u.master_home
-
-    def _issue_reads(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
-                     in_device: bool = False) -> List[Any]:
-        """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
-        (a merged master from u's device copy when ``in_device``; split, the low halves,
-        and the high ones from the compute copy at home or, ``in_device``, on the device)."""
-        handles, n = [], hi - lo
-        home = self._master_home(u)
-        if self.layout.split_master:  # [Note: split master] the low halves, and the high ones
-            end, extent = self._half_extent(u, u.master_home, lo, hi)
-            handles.append(self._nvme.read(slot.low[:end - lo], extent))
-            if slot.compute is not None and in_device:  # [Note: updates through the device copy]
-                end = min(hi, u.spec.trainable_numel)
-                slot.compute[:end - lo].copy_(self._device.view(u.device_offset + lo, end - lo))
-                self.stats_counters.add_bytes("device_to_host", (end - lo) * 2)
-            elif slot.compute is not None:
-                end, extent = self._half_extent(u, u.compute_home, lo, hi)
-                handles.append(self._nvme.read(slot.compute[:end - lo], extent))
-        elif in_device and self.layout.merged:  # [Note: updates through the device copy]
-            slot.master[:n].copy_(self._device.view(u.device_offset + lo, n))
-            self.stats_counters.add_bytes("device_to_host", n * FP32_BYTES)
-        elif on_nvme(home):
-            handles.append(self._nvme.read(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
-        if on_nvme(u.moments_home):
-            handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
-        return handles
-
-    @staticmethod
-    def _half_extent(u: UnitState, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
-        """(end, extent) of piece [lo, hi) of a 16-bit home that starts with u's trainable
-        prefix (the compute copy; split, the master's low halves): the last piece runs on
-        to the prefix's padded end, so that every request covers whole pages."""
-        end = padded_numel(u.spec.trainable_numel, 2) if hi == u.master_numel else hi
-        return end, sub_extent(home, lo * 2, (end - lo) * 2)
-
-    def _moment_parts(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
-        """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]:
-        one request when the piece is the whole unit (the two are adjacent on disk)."""
-        n = hi - lo
-        if n == u.master_numel:
-            return [(slot.moments[:2 * n], u.moments_home)]
-        return [(slot.moments[:n], sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES)),
-                (slot.moments[n:2 * n], sub_extent(u.moments_home, (u.master_numel + lo) * FP32_BYTES, n * FP32_BYTES))]
-
-    def _update_staged(self, u: UnitState, lo: int, hi: int, steps: List[int], slot: StagingSlot,
-                       grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
-        n = hi - lo
-        home = self._master_home(u)
-        master = slot.master[:n] if on_nvme(home) else home[lo:hi]
-        high = None
-        if self.layout.split_master:  # [Note: split master] the master from its halves
-            high = slot.compute[:n] if slot.compute is not None else u.compute_home[lo:hi]  # nvme / host
-            join_master(high, slot.low[:n], master)
-        if on_nvme(u.moments_home):
-            exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
-        else:
-            exp_avg = u.moments_home[lo:hi]
-            exp_avg_sq = u.moments_home[u.master_numel + lo:u.master_numel + hi]
-        if high is not None:  # split again below, not rounded by the kernel
-            compute_out, staging = None, False
-        elif slot.compute is not None:
-            compute_out, staging = slot.compute[:n], True
-        else:
-            target = self._compute_target(u)
-            compute_out, staging = (None if target is None else target[lo:hi]), False
-        start = time.perf_counter()
-        self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
-                         copy_to_device=high is None, groups=groups)
-        if high is not None:
-            split_master(master, high, slot.low[:n])
-        self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
-
-    def _device_copy_updatable(self, u: UnitState) -> bool:
-        """[Note: updates through the device copy] On a CPU device with the compute copies
-        on NVMe, a unit whose device copy is resident when its Adam runs need not have it
-        read again: with fp32 the master pieces are copied from the device copy instead of
-        read from NVMe, and (any dtype) the new compute copy is written into the device
-        copy as well as home. The device copy then holds the updated unit and stays (the
-        optimizer step keeps it; the next pass needs no fetch), where otherwise it is
-        stale and dropped. An early update does this only once the pass needs no other
-        unit, so the slot is not wanted meanwhile; ``_release`` of such a unit waits for
-        the optimizer worker first, and a failed update drops the copy. The optimizer
-        step's own updates (main thread, nothing else running) do it for every resident
-        unit. [zero] Not with several ranks."""
-        return self.layout.device_copy_updates and u.compute_state == Residency.LOADED and \
-            u.device_offset is not None
-
-    def _write_through(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
-        """Copy the new compute copy of piece [lo, hi) (trainable elements) into u's device
-        copy ([Note: updates through the device copy])."""
-        end = min(hi, u.spec.trainable_numel)
-        if end > lo:
-            src = slot.master if self.layout.merged else slot.compute
-            self._device.view(u.device_offset + lo, end - lo).copy_(src[:end - lo])
-            self.stats_counters.add_bytes("host_to_device", (end - lo) * src.element_size())
-
-    def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
-        """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
-        writes, n = [], hi - lo
-        home = self._master_home(u)
-        if self.layout.split_master:  # [Note: split master] the high halves go with the compute copy
-            end, extent = self._half_extent(u, home, lo, hi)
-            writes.append(self._nvme.write(slot.low[:end - lo], extent))
-        elif on_nvme(home):
-            writes.append(self._nvme.write(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
-        if on_nvme(u.moments_home):
-            writes.extend(self._nvme.write(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
-        if slot.compute is not None and self.layout.param_tier == "nvme":
-            size = slot.compute.element_size()
-            end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
-            end = min(end, lo + slot.compute.numel())
-            writes.append(self._nvme.write(slot.compute[:end - lo], sub_extent(u.compute_home, lo * size, (end - lo) * size)))
-        slot.pending_writes = writes
-
-    def _staged_update(self, units: List[UnitState], grad_factor: float) -> None:
-        """The pipeline over pieces of units: piece i+1's states are read while Adam updates
-        piece i and piece i-1 is written back; ``optimizer_pipeline_depth`` slots in a ring.
-
-        [Note: swap I/O failures] A failed write does not stop the step: the unit's updated
-        states are kept in ``self._dirty`` (host RAM, bounded by ``_dirty_limit_bytes``;
-        the unit's pieces already on disk are read back, its later pieces copied in as they
-        pass), the other units are updated, and the step then raises. The engine holds a
-        complete, consistent step; forward and step refuse (a swap home may be half-written)
-        while ``save_checkpoint`` reads the dirty copies. A failed read (or too many dirty
-        bytes) leaves some units updated and others not: the engine refuses everything and
-        says to resume from the last checkpoint. Either way nothing is left in flight into a
-        slot."""
-        pieces = [(u, lo, hi) for u in units for lo, hi in self._pieces(u)]
-        steps: Dict[int, List[int]] = {}
-        # [Note: updates through the device copy]: units resident now
-        in_device = {u.index for u in units if self._device_copy_updatable(u)}
-
-        def start_reads(i: int, index: int) -> List[Any]:
-            u, lo, hi = pieces[i]
-            if i == 0 and u is self._root and self._root_prestaged is not None:  # read under backward
-                handles, self._root_prestaged = self._root_prestaged, None
-                return handles
-            self._finish_slot_writes(index)
-            return self._issue_reads(u, lo, hi, self._slots[index], u.index in in_device)
-
-        def update(i: int, index: int) -> None:
-            nonlocal num_updated
-            u, lo, hi = pieces[i]
-            slot = self._slots[index]
-            if lo == 0:
-                steps[u.index] = self._next_steps(u)
-            self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
-            if u.index in in_device:
-                self._write_through(u, lo, hi, slot)
-            self._slot_writer[index] = (u, lo, hi)
-            self._issue_writes(u, lo, hi, slot)
-            if hi == u.master_numel:
-                u.steps = steps.pop(u.index)
-                u.update_in_device = u.index in in_device  # the whole unit went through
-                self._release_grad(u)
-            num_updated += 1
-
-        num_updated = 0  # pieces[num_updated] is the one being read or updated
-        try:
-            self._piece_ring(len(pieces), list(range(len(self._slots))), start_reads, update)
-            for s in range(len(self._slots)):
-                self._finish_slot_writes(s)
-        except BaseException as error:
-            if self._root_prestaged is not None:
-                self._drain(self._root_prestaged)
-                self._root_prestaged = None
-            for slot in self._slots:
-                self._drain(slot.pending_writes)
-            where = f"unit {pieces[num_updated][0].name!r}" if num_updated < len(pieces) else "a unit"
-            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step} while working on {where}")
-        self._raise_write_errors()
-
-    def _piece_ring(self, num_pieces: int, slots: List[int], start_reads: Callable[[int, int], List[Any]],
-                    update: Callable[[int, int], None]) -> None:
-        """[Note: the piece ring] Pieces 0..num_pieces-1 of the optimizer step through the
-        staging ``slots``, piece i in slots[i % len(slots)]: ``update(i, slot)`` runs once
-        piece i's reads (``start_reads(i, slot)``, which first waits for the slot's previous
-        writes) are done, and starts its writes. With S slots the reads run S-1 pieces
-        ahead: piece i+S-1's go into the slot of piece i-1, whose writes update(i-1) started.
-        With three slots or more they are started after update(i): the reads of i+1.. keep
-        the disk busy during it, and the writes of i-1 get that time to drain. With two
-        slots (the early updates' ring) nothing else would be read during update(i), so
-        piece i+1's reads are started first (bf16 GPT bench, alternating steps in one
-        process: 2.43 s a step against 2.71 s; with three slots, after against first: 3.05
-        against 3.16 s). With one slot, the next piece's reads wait for piece i's writes.
-        Whatever way the loop ends, no read is left in flight into a slot (errors are
-        reported by the caller)."""
-        ahead = max(1, len(slots) - 1)
-        reads_first = len(slots) == 2
-        reads: Dict[int, List[Any]] = {}
-
-        def start(i: int) -> None:
-            reads[i] = start_reads(i, slots[i % len(slots)])
-
-        try:
-            for i in range(min(ahead, num_pieces)):
-                start(i)
-            for i in range(num_pieces):
-                self._wait_all(reads.pop(i))
-                if reads_first and i + ahead < num_pieces:
-                    start(i + ahead)
-                update(i, slots[i % len(slots)])
-                if not reads_first and i + ahead < num_pieces:
-                    start(i + ahead)
-        finally:
-            for handles in reads.values():
-                self._drain(handles)
-
-    def _finish_slot_writes(self, s: int) -> None:
-        """Wait for slot s's write-back; a failed write keeps the piece in host RAM."""
-        slot, piece = self._slots[s], self._slot_writer[s]
-        self._slot_writer[s] = None
-        failed: Optional[OSError] = None
-        try:
-            self._wait_all(slot.pending_writes)
-        except OSError as error:
-            if piece is None:
-                raise
-            failed = error
-        if piece is not None and (failed is not None or piece[0].index in self._dirty):
-            self._keep_dirty(*piece, slot, failed)
-        if failed is not None:
-            self._write_errors.append((piece[0], failed))
-
-    def _raise_write_errors(self) -> None:
-        if self._write_errors:
-            write_errors, self._write_errors = self._write_errors, []
-            held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
-            first = write_errors[0][1]
-            names = ", ".join(sorted({repr(u.name) for u, _ in write_errors}))
-            self._failure = {"fatal": False, "message": (
-                f"swap writes failed in the optimizer step at micro-step {self._micro_step} "
-                f"(units {names}; first error: {first}). The step completed: the updated states "
-                f"of those units are held in host RAM ({format_size(held)}), so "
-                "engine.save_checkpoint(DIR) on a filesystem with room saves a consistent "
-                "checkpoint of this step; forward and step refuse until a checkpoint is loaded "
-                "(engine.load_checkpoint(DIR) or a new process)")}
-            raise OSError(first.errno, self._failure["message"]) from first
-
-    def _dirty_limit_bytes(self) -> int:
-        """Host bytes the dirty copies may take: what host_budget leaves, else half of the
-        RAM the kernel reports available."""
-        if self.layout.host_budget is not None:
-            # the plan reserves every gradient buffer even while the pool holds fewer
-            return max(self.layout.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 // 2
-        except OSError:
-            pass
-        return 0
-
-    def _keep_dirty(self, u: UnitState, lo: int, hi: int, slot: StagingSlot, error: Optional[OSError]) -> None:
-        """[Note: swap I/O failures] Hold piece [lo, hi) of u's updated states in host RAM
-        (the first failed piece of a unit brings the rest of the unit from disk), or raise."""
-        master_on_nvme = on_nvme(self._master_home(u))
-        moments_on_nvme = on_nvme(u.moments_home)
-        dirty = self._dirty.get(u.index)
-        if dirty is None:
-            held = sum(t.numel() * t.element_size() for d in self._dirty.values() for t in d.values())
-            need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * FP32_BYTES
-            if held + need > self._dirty_limit_bytes():
-                raise OSError(error.errno, f"{error}; holding the states of unit {u.name!r} in host "
-                              f"RAM would take {format_size(held + need)}, more than the host can spare")
-            dirty = {}
-            if master_on_nvme:
-                dirty["master"] = self._read_master(u)
-            if moments_on_nvme:
-                dirty["moments"] = self._load(u.moments_home, 2 * u.master_numel, torch.float32)
-            self._dirty[u.index] = dirty
-        n = hi - lo
-        if "master" in dirty:
-            dirty["master"][lo:hi].copy_(slot.master[:n])
-        if "moments" in dirty:
-            dirty["moments"][lo:hi].copy_(slot.moments[:n])
-            dirty["moments"][u.master_numel + lo:u.master_numel + hi].copy_(slot.moments[n:2 * n])
-
-    def _drain(self, handles: List[Any]) -> None:
-        """Wait for handles whose errors are already being reported another way."""
-        try:
-            self._wait_all(handles)
-        except OSError:
-            pass
-
-    def _wait_all(self, handles: List[Any]) -> None:
-        """Waits for every handle (none may stay in flight into a buffer about to be reused),
-        then raises the first error."""
-        first_error: Optional[OSError] = None
-        with self.stats_counters.timed("io_wait"):
-            while handles:
-                try:
-                    handles.pop().wait()
-                except OSError as error:
-                    first_error = first_error or error
-        if first_error is not None:
-            raise first_error
 
 
     # ------------------------------------------------------------------ reading state
@@ -1930,8 +1594,8 @@ class Engine:
             dtype = torch.float32 if self.layout.merged else self.compute_dtype
             compute = self._load(u.compute_home, u.compute_numel, dtype)
         master = compute
-        if u.index in self._dirty and "master" in self._dirty[u.index]:
-            master = self._dirty[u.index]["master"]  # [Note: swap I/O failures]
+        if u.index in self._step_ring.dirty and "master" in self._step_ring.dirty[u.index]:
+            master = self._step_ring.dirty[u.index]["master"]  # [Note: swap I/O failures]
         elif u.trainable and not self.layout.merged:
             master = self._read_master(u, compute)
             if self._partition is not None and self._partition.shards_state:  # [zero] collective
@@ -2048,8 +1712,8 @@ class Engine:
             self._optimizer_worker.shutdown(wait=True)
         self._remove_hooks()
         self._close_tiers()
-        if deferred and self._write_errors:
-            (unit, first), *_ = self._write_errors
+        if deferred and self._step_ring.write_errors:
+            (unit, first), *_ = self._step_ring.write_errors
             raise OSError(first.errno, f"close(): swap writes of the last optimizer step failed (unit "
                           f"{unit.name!r}: {first}), so that step is lost; call save_checkpoint(DIR) "
                           "before close() to keep it")

@@ -89,7 +89,7 @@ WORKER = textwrap.dedent("""
         if i + 1 == args.get("save_at"):
             engine.save_checkpoint(args["ckpt"])
             if args.get("kill") == "step":   # in the optimizer step after the next one
-                kill_at(engine, "_adam_range", len(engine.units) + 2)  # Adam on a unit (or piece)
+                kill_at(engine._step_ring, "_adam_range", len(engine.units) + 2)  # Adam on a unit (or piece)
             if args.get("kill") == "save":   # in the middle of the next save
                 kill_at(checkpoint_save, "_write_unit", 2)
                 args["save_at"] += 2
