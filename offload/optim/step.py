@@ -51,13 +51,15 @@ class PipelinedStep:
     (``staged_update``, main thread) and the early updates' ring (``update_early``, on the
     optimizer worker), both through ``slots``.
 
-    [Note: threads] Who writes what here, and why no lock is needed:
-    - ``slots[0]`` and ``root_prestaged``: the main thread only (the root's first piece is
-      read into slot 0 under backward; early updates never use slot 0).
-    - ``slots[1:]``, ``_slot_writer`` and ``_next_slot``: the optimizer worker while it runs
-      early or deferred updates (``update_early``); the main thread (``staged_update``,
-      ``finish_slot_writes`` from the engine's _wait_optimizer) only after waiting for every
-      update ticket, when the worker is idle. The worker runs one update at a time.
+    [Note: threads] Who writes what here; no lock is taken, the hand-offs are the update
+    tickets the main thread waits for:
+    - ``slots[0]``, ``_slot_writer[0]`` and ``root_prestaged``: the main thread only (the
+      root's first piece is read into slot 0 under backward; early updates never use it).
+    - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker
+      while it runs early or deferred updates (``update_early``); the main thread
+      (``staged_update``, ``finish_slot_writes`` from the engine's _wait_optimizer) only
+      after waiting for every update ticket, when the worker is idle. The worker runs one
+      update at a time.
     - ``write_errors`` and ``dirty``: whichever thread finishes a slot's writes
       (``finish_slot_writes``). The main thread reads ``write_errors`` while the worker may
       still append to it (the engine's _settle_unit: a list append is atomic under the
