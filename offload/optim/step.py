@@ -126,21 +126,21 @@ class PipelinedStep:
         home = self.master_home(u)
         if self._layout.split_master:  # [Note: split master] the low halves, and the high ones
             end, extent = self._half_extent(u, u.master_home, lo, hi)
-            handles.append(self._nvme.read(slot.low[:end - lo], extent))
+            handles.append(self._nvme.read(slot.low[:end - lo], extent, unit=u.name))
             if slot.compute is not None and in_device:  # [Note: updates through the device copy]
                 end = min(hi, u.spec.trainable_numel)
                 slot.compute[:end - lo].copy_(self._device.view(u.device_offset + lo, end - lo))
                 self._stats.add_bytes("device_to_host", (end - lo) * 2)
             elif slot.compute is not None:
                 end, extent = self._half_extent(u, u.compute_home, lo, hi)
-                handles.append(self._nvme.read(slot.compute[:end - lo], extent))
+                handles.append(self._nvme.read(slot.compute[:end - lo], extent, unit=u.name))
         elif in_device and self._layout.merged:  # [Note: updates through the device copy]
             slot.master[:n].copy_(self._device.view(u.device_offset + lo, n))
             self._stats.add_bytes("device_to_host", n * FP32_BYTES)
         elif on_nvme(home):
-            handles.append(self._nvme.read(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
+            handles.append(self._nvme.read(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES), unit=u.name))
         if on_nvme(u.moments_home):
-            handles.extend(self._nvme.read(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
+            handles.extend(self._nvme.read(buf, ext, unit=u.name) for buf, ext in self._moment_parts(u, lo, hi, slot))
         return handles
 
     @staticmethod
@@ -218,16 +218,17 @@ class PipelinedStep:
         home = self.master_home(u)
         if self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
-            writes.append(self._nvme.write(slot.low[:end - lo], extent))
+            writes.append(self._nvme.write(slot.low[:end - lo], extent, unit=u.name))
         elif on_nvme(home):
-            writes.append(self._nvme.write(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)))
+            writes.append(self._nvme.write(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES), unit=u.name))
         if on_nvme(u.moments_home):
-            writes.extend(self._nvme.write(buf, ext) for buf, ext in self._moment_parts(u, lo, hi, slot))
+            writes.extend(self._nvme.write(buf, ext, unit=u.name) for buf, ext in self._moment_parts(u, lo, hi, slot))
         if slot.compute is not None and self._layout.param_tier == "nvme":
             size = slot.compute.element_size()
             end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
             end = min(end, lo + slot.compute.numel())
-            writes.append(self._nvme.write(slot.compute[:end - lo], sub_extent(u.compute_home, lo * size, (end - lo) * size)))
+            writes.append(self._nvme.write(slot.compute[:end - lo], sub_extent(u.compute_home, lo * size, (end - lo) * size),
+                                          unit=u.name))
         slot.pending_writes = writes
 
     def staged_update(self, units: List[UnitState], grad_factor: float, micro_step: int) -> None:

@@ -6,6 +6,7 @@ import threading
 from typing import Any, Deque, Tuple
 
 import torch
+from torch.profiler import record_function
 
 from offload.io.engine import IOEngine
 from offload.io.probe import check_backend
@@ -52,18 +53,24 @@ class NvmeTier:
     def allocate(self, num_bytes: int):
         return self.space.allocate(num_bytes)
 
-    def read(self, dst: torch.Tensor, extent):
-        """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``."""
+    def read(self, dst: torch.Tensor, extent, unit: str = ""):
+        """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``. ``unit``
+        names the unit the bytes belong to in the torch.profiler label
+        (``offload::swap_read::UNIT``, around the issue: the transfer itself runs on the I/O
+        engine's threads)."""
         assert dst.numel() * dst.element_size() == extent.nbytes
-        handle = self.io.read_into(dst, extent.path, extent.offset)
+        with record_function(f"offload::swap_read::{unit}"):
+            handle = self.io.read_into(dst, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_read += extent.nbytes
             self.recent.append((False, extent.nbytes, handle))
         return handle
 
-    def write(self, src: torch.Tensor, extent):
+    def write(self, src: torch.Tensor, extent, unit: str = ""):
+        """Start writing ``src`` to ``extent`` (see ``read`` for ``unit``)."""
         assert src.numel() * src.element_size() == extent.nbytes
-        handle = self.io.write_from(src, extent.path, extent.offset)
+        with record_function(f"offload::swap_write::{unit}"):
+            handle = self.io.write_from(src, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_written += extent.nbytes
             self.recent.append((True, extent.nbytes, handle))

@@ -165,7 +165,7 @@ class ShardedStep:
         handles = []
         for role, extent, dtype in self._shard_homes(u, lo, hi):
             views[role] = self._update_buffer(role, buffer_set)[:extent.nbytes].view(dtype)
-            handles.append(self._nvme.read(views[role], extent))
+            handles.append(self._nvme.read(views[role], extent, unit=u.name))
         if self._layout.split_master:  # [Note: split master] the master is joined here, not read
             views["master"] = self._update_buffer("master", buffer_set).view(torch.float32)[:hi - lo]
         return views, handles
@@ -179,7 +179,7 @@ class ShardedStep:
         return buf
 
     def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
-        return [self._nvme.write(views[role], extent) for role, extent, _ in self._shard_homes(u, lo, hi)]
+        return [self._nvme.write(views[role], extent, unit=u.name) for role, extent, _ in self._shard_homes(u, lo, hi)]
 
     # ------------------------------------------------------------------ Adam over shards
     def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
