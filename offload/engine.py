@@ -62,22 +62,22 @@ from offload import checkpoint
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
-from offload.optim import adam_step_flat, join_master, split_master
+from offload.optim import adam_step_flat
 from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
-from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
+from offload.memory.homes import Homes
+from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
+from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_host_budget, compute_home_numel, low_numel, slot_shape,
+    UnitSizes, check_device_budget, check_host_budget, compute_home_numel, slot_shape,
     swap_bytes, update_buffer_bytes)
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, PAGE_BYTES, ParamEntry, Residency, UnitSpec, padded_numel,
+    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, padded_numel,
     split_into_units)
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
-
-_ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 
 
 class _PostBackward(torch.autograd.Function):
@@ -105,13 +105,6 @@ class _SavedParamRef:
     relative_offset: int
     size: torch.Size
     stride: Tuple[int, ...]
-
-
-def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
-    """``table[key] = value``, the old entry put back when ``undo`` unwinds ([Note: a failed
-    wrap changes nothing])."""
-    undo.callback(table.__setitem__, key, table[key])
-    table[key] = value
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -178,7 +171,7 @@ class Engine:
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
-        meta_replacements = self._meta_stand_ins(specs)
+        meta_replacements = meta_stand_ins(specs)
         self.units = [UnitState(spec, compute_element_bytes) for spec in specs]
         self._root = self.units[0]
         if self._partition is not None:
@@ -199,7 +192,7 @@ class Engine:
         needs_nvme = layout.needs_nvme
         nvme_bytes = swap_bytes(unit_sizes, layout)
         self._host_planned_bytes = check_host_budget(unit_sizes, layout).total
-        self._staging_shape = slot_shape(unit_sizes, layout)
+        staging_shape = slot_shape(unit_sizes, layout)
 
         # From here on wrap changes what the caller holds: a failure anywhere below puts it
         # all back ([Note: a failed wrap changes nothing]).
@@ -207,7 +200,7 @@ class Engine:
             # Last of all: the half-built engine lets go of its buffers (its traceback keeps
             # it alive), so that wrapping again finds the memory free.
             undo.callback(vars(self).clear)
-            self._unmaterialized = self._install_stand_ins(meta_replacements, undo)
+            unmaterialized = install_stand_ins(model, optimizer, meta_replacements, undo)
 
             # 4. Tiers.
             self.stats_counters = Stats()
@@ -218,22 +211,30 @@ class Engine:
             if needs_nvme:
                 self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
                                       config.io_block_bytes, config.io_queue_depth)
-            self._allocate_homes()
+            # Every unit's homes, and the codec that reads and writes them whole; the
+            # placeholder is what a parameter holds while its unit is off the device
+            # ([Note: released parameters]).
+            self._placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
+                                partition=self._partition, placeholder=self._placeholder,
+                                stats=self.stats_counters, bind=self._bind)
+            self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's _failure ([Note: swap I/O failures]).
+            staging_slots = self._homes.allocate_staging(staging_shape)
             self._step_ring = PipelinedStep(
-                self._allocate_staging(), layout=layout, root=self._root, device=self._device, host=self._host,
+                staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
                 timeline=self._timeline, next_steps=self._next_steps, pieces=self._pieces,
                 adam_range=self._adam_range, compute_target=self._compute_target, release_grad=self._release_grad,
-                read_master=self._read_master, load=self._load, fail_step=self._fail_step,
+                read_master=self._homes.read_master, load=self._homes.load, fail_step=self._fail_step,
                 record_failure=functools.partial(setattr, self, "_failure"))
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
                 layout=layout, device=self._device, host=self._host, nvme=self._nvme,
                 partition=self._partition, timeline=self._timeline, piece_numel=OPTIMIZER_PIECE_NUMEL,
-                update_buffer_bytes=self._update_buffer_bytes, low_numel=self._low_numel,
+                update_buffer_bytes=update_buffer_bytes(unit_sizes, layout),
                 next_steps=self._next_steps, adam_range=self._adam_range,
                 compute_target=self._compute_target, release_grad=self._release_grad,
                 wait_all=lambda handles: wait_all(handles, self.stats_counters),
@@ -241,8 +242,8 @@ class Engine:
             ) if self._partition is not None and self._partition.shards_state else None
 
             # 5. Move every unit's state to its home tier (materializing meta models).
-            self._placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-            self._move_to_homes(init_fn, undo)
+            move_to_homes(model, self.units, unmaterialized, self.device, init_fn, self._homes.write_initial_state,
+                          undo)
 
             # 6. Prefetch, the workers that move and update units, hooks.
             self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
@@ -262,7 +263,7 @@ class Engine:
             # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
             # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
             self._gather_home: Optional[torch.Tensor] = self._host.allocate(
-                max(self._compute_home_numel(u) for u in self.units), home_dtype) \
+                max(compute_home_numel(u.compute_numel, u.param_shard) for u in self.units), home_dtype) \
                 if self.layout.gathers and self.layout.param_tier == "nvme" else None
             self._gather_out: Optional[torch.Tensor] = self._host.allocate(
                 max(u.compute_numel for u in self.units), home_dtype) \
@@ -315,8 +316,8 @@ class Engine:
 
         self._checkpoint = CheckpointAccess(
             self.units, layout, self._partition, self._device, model, optimizer, config,
-            homes=HomeIO(read_master=self._read_master, load=self._load, store=self._store,
-                         store_master=self._store_master_home, split_master_into=self._split_master_into,
+            homes=HomeIO(read_master=self._homes.read_master, load=self._homes.load, store=self._homes.store,
+                         store_master=self._homes.store_master, split_master_into=self._homes.split_master_into,
                          release=self._release),
             state=EngineState(
                 closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
@@ -324,273 +325,6 @@ class Engine:
                 counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._loss_scale,
                                   "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm},
                 restore_counters=restore_counters))
-
-    # ------------------------------------------------------------------ planning
-    # The arithmetic lives in offload/memory/budget.py; these delegate to it for the code
-    # that still calls them.
-    @staticmethod
-    def _low_numel(u: UnitState) -> int:
-        return low_numel(u.shard.numel)
-
-    def _update_buffer_bytes(self, element_bytes: int) -> Dict[str, int]:
-        # For the [zero] sharded update's buffers (_update_buffer). budget.py takes the
-        # element size from the layout.
-        assert element_bytes == self.layout.compute_element_bytes
-        return update_buffer_bytes([UnitSizes.of(u) for u in self.units], self.layout)
-
-    @staticmethod
-    def _compute_home_numel(u: UnitState) -> int:
-        """Elements of u's compute copy at home: [zero] the rank's chunks at stage 3."""
-        return compute_home_numel(u.compute_numel, u.param_shard)
-
-    # ------------------------------------------------------------------ allocation
-    def _allocate_homes(self) -> None:
-        for u in self.units:
-            if self.layout.param_tier == "device":
-                u.device_offset = self._device.allocate(u.compute_numel)
-                assert u.device_offset is not None
-                u.compute_state.to(Residency.LOADING)
-                u.compute_state.to(Residency.LOADED)
-            else:
-                dtype = torch.float32 if self.layout.merged else self.compute_dtype
-                u.compute_home = self._allocate_home(self.layout.param_tier, self._compute_home_numel(u), dtype)
-            if u.trainable:
-                state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
-                if self.layout.split_master:
-                    u.master_home = self._allocate_home(self.layout.optimizer_tier, self._low_numel(u), torch.int16)
-                elif not self.layout.merged:
-                    u.master_home = self._allocate_home(self.layout.optimizer_tier, state_numel, torch.float32)
-                u.moments_home = self._allocate_home(self.layout.optimizer_tier, 2 * state_numel, torch.float32)
-        if self.layout.param_tier != "device":
-            # The root unit keeps one slot for the whole run: it is on the device from the
-            # start of forward to the end of backward, and a fixed place avoids fragmenting.
-            self._root.device_offset = self._device.allocate(self._root.compute_numel)
-
-    def _allocate_home(self, tier: str, numel: int, dtype: torch.dtype) -> Any:
-        if tier == "host":
-            return self._host.allocate(numel, dtype)
-        element_bytes = torch.empty(0, dtype=dtype).element_size()
-        return self._nvme.allocate(numel * element_bytes)
-
-    def _allocate_staging(self) -> List[StagingSlot]:
-        if not self.layout.staged_step:
-            return []
-        shape = self._staging_shape
-        return [StagingSlot(self._host, shape.master_numel, shape.compute_numel, self.compute_dtype,
-                            shape.low_numel)
-                for _ in range(self.layout.optimizer_pipeline_depth)]
-
-    # ------------------------------------------------------------------ initial placement
-    @staticmethod
-    def _meta_stand_ins(specs: List[UnitSpec]) -> Dict[nn.Parameter, nn.Parameter]:
-        """A meta tensor's storage cannot be swapped for a real one, so each meta parameter
-        gets a CPU parameter with no storage yet; the unit specs refer to the stand-ins from
-        here on. Returns {meta parameter: stand-in}."""
-        new_of: Dict[nn.Parameter, nn.Parameter] = {}
-        for spec in specs:
-            for e in spec.entries:
-                if e.param.is_meta:
-                    if e.param not in new_of:
-                        new_of[e.param] = nn.Parameter(torch.empty(0, dtype=e.param.dtype),
-                                                       requires_grad=e.param.requires_grad)
-                    e.param = new_of[e.param]
-        return new_of
-
-    def _install_stand_ins(self, new_of: Dict[nn.Parameter, nn.Parameter], undo: contextlib.ExitStack) -> set:
-        """Puts the stand-ins in every module that holds their meta parameter (ties stay
-        ties) and in the optimizer's param groups, the meta parameters put back when ``undo``
-        unwinds. Returns the stand-ins."""
-        if not new_of:
-            return set()
-        for module in self.module.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and p in new_of:
-                    _swap_in(undo, module._parameters, name, new_of[p])
-        for group in self.optimizer.param_groups:
-            _swap_in(undo, group, "params", [new_of.get(p, p) for p in group["params"]])
-        return set(new_of.values())
-
-    def _move_to_homes(self, init_fn: Optional[Callable[[nn.Module], None]], undo: contextlib.ExitStack) -> None:
-        """Copy each unit's parameters into its home buffers and free the originals. A
-        meta-device model is materialized module by module in model order (so initial values
-        follow the same RNG sequence as an eager build), each unit written home as soon as
-        all its parameters exist: the whole model never has to be in RAM. What this changes
-        in the model is put back when ``undo`` unwinds ([Note: a failed wrap changes
-        nothing])."""
-        unit_of: Dict[nn.Parameter, UnitState] = {}
-        for u in self.units:
-            for e in u.spec.entries:
-                unit_of[e.param] = u
-        for p in unit_of:
-            if p not in self._unmaterialized:
-                undo.callback(setattr, p, "data", p.data)
-        if self._unmaterialized:  # reset_parameters and init_fn draw from it
-            undo.callback(torch.set_rng_state, torch.get_rng_state())
-        missing = {u.index: len(u.spec.entries) for u in self.units}
-        done: set = set()
-
-        def finish(param: nn.Parameter) -> None:
-            if param in done:
-                return
-            done.add(param)
-            u = unit_of[param]
-            missing[u.index] -= 1
-            if missing[u.index] == 0:
-                self._write_initial_state(u)
-
-        shape_of = {e.param: e.shape for u in self.units for e in u.spec.entries}
-        for module in self.module.modules():
-            materialized = False
-            for name, p in list(module._parameters.items()):
-                if p is not None and p in self._unmaterialized:
-                    p.data = torch.empty(shape_of[p], dtype=p.dtype, device="cpu")
-                    self._unmaterialized.discard(p)
-                    materialized = True
-            for name, b in list(module._buffers.items()):
-                if b is not None and b.is_meta:
-                    _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=self.device))
-                    materialized = True
-            if materialized:
-                with torch.no_grad():
-                    if hasattr(module, "reset_parameters"):
-                        module.reset_parameters()
-                    if init_fn is not None:
-                        init_fn(module)
-            for name, b in list(module._buffers.items()):
-                if b is not None and b.device != self.device:
-                    _swap_in(undo, module._buffers, name, b.to(self.device))
-            for p in module._parameters.values():
-                if p is not None:
-                    finish(p)
-        assert all(v == 0 for v in missing.values()), "every unit must have been written home"
-
-    @torch.no_grad()
-    def _write_initial_state(self, u: UnitState) -> None:
-        """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
-        it is written without a bounce copy) and a separate fp32 master where one is kept;
-        each parameter lets go of its storage once copied (the model's own storage is still
-        held until wrap succeeds: [Note: a failed wrap changes nothing]), the moments are
-        zeros."""
-        from offload.io import aligned_empty
-
-        compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), self.compute_dtype).zero_()
-        master = torch.zeros(u.master_numel, dtype=torch.float32) \
-            if not self.layout.merged or self._partition is not None else None
-        for e in u.spec.entries:
-            value = e.param.detach().reshape(-1).to("cpu")
-            compute[e.offset:e.offset + e.numel].copy_(value)
-            if e.trainable and master is not None:
-                master[e.offset:e.offset + e.numel].copy_(value)
-            e.param.data = self._placeholder
-        if self._partition is not None:  # [zero] every rank starts from rank 0's values
-            self._partition.broadcast_initial(compute, master)
-        t = u.spec.trainable_numel
-        low = self._split_master_into(u, master, compute[:t], 0) if self.layout.split_master and u.trainable else None
-        if self.layout.param_tier == "device":
-            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
-        elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
-            self._store(u.compute_home, self._home_chunks(u, compute))
-        else:
-            self._store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
-        if u.trainable:
-            self._store_master_home(u, master, 0, low)
-            self._store_zeros(u.moments_home)
-        if self.layout.param_tier == "device":
-            self._bind(u)
-
-    def _store_master_home(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
-        """Write the master's home from ``master`` (fp32, u's trainable elements from
-        ``start``): split, ``low`` (the home's low halves, _split_master_into); merged,
-        nothing (the compute copy is the master); else this rank's shard ([zero]), padded."""
-        if low is not None:
-            self._store(u.master_home, low)
-        elif not self.layout.merged:
-            s = u.shard
-            shard = torch.zeros(s.state_numel, dtype=torch.float32)
-            shard[:s.numel].copy_(master[s.lo - start:s.hi - start])
-            self._store(u.master_home, shard)
-
-    def _split_master_into(self, u: UnitState, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
-        """[Note: split master] Round ``master`` (fp32, elements [start, start + n) of u's
-        trainable prefix) into ``high`` (its bf16 compute copy there, n elements) and return
-        the low halves of this rank's shard ([zero] within that range) as the master's home
-        holds them."""
-        low = torch.empty(high.numel(), dtype=torch.int16)
-        split_master(master[:high.numel()].contiguous(), high, low)
-        s = u.shard
-        home = torch.zeros(self._low_numel(u), dtype=torch.int16)
-        home[:s.numel].copy_(low[s.lo - start:s.hi - start])
-        return home
-
-    def _read_master(self, u: UnitState, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """u's fp32 master as its home holds it (this rank's shard at stage >= 1; merged:
-        the compute copy's prefix). Split ([Note: split master]): joined from the low
-        halves at home and the shard's compute copy (``compute``: the whole copy in full
-        coordinates, when the caller has it already)."""
-        if self.layout.merged:
-            return self._load(u.compute_home, u.master_numel, torch.float32)
-        if not self.layout.split_master:
-            return self._load(u.master_home, u.shard.state_numel, torch.float32)
-        s = u.shard
-        if compute is not None:
-            high = compute[s.lo:s.hi]
-        elif u.param_shard is not None:  # [zero] stage 3: the rank's chunk starts with its shard
-            high = self._load(u.compute_home, s.numel, self.compute_dtype)
-        else:
-            high = self._load(u.compute_home, s.hi, self.compute_dtype)[s.lo:]
-        master = torch.zeros(s.state_numel, dtype=torch.float32)
-        low = self._load(u.master_home, self._low_numel(u), torch.int16)
-        join_master(high.contiguous(), low[:s.numel], master[:s.numel])
-        return master
-
-    @staticmethod
-    def _home_chunks(u: UnitState, full: torch.Tensor) -> torch.Tensor:
-        """[zero] Stage 3: this rank's chunks of a whole compute copy, laid out as at home."""
-        p = u.param_shard
-        home = torch.zeros(p.home_numel, dtype=full.dtype)
-        t, f = p.trainable, p.frozen
-        home[:t.numel].copy_(full[t.lo:t.hi])
-        start = p.trainable_chunk_numel
-        home[start:start + f.numel].copy_(full[p.frozen_start + f.lo:p.frozen_start + f.hi])
-        return home
-
-    def _store(self, home: Any, src: torch.Tensor) -> None:
-        """Synchronous copy of a whole buffer home (setup and checkpoint load only)."""
-        if isinstance(home, torch.Tensor):
-            home.copy_(src)
-            return
-        staging = src if src.data_ptr() % PAGE_BYTES == 0 else self._host_bounce(src)
-        self._nvme.write(staging, home).wait()
-
-    def _store_zeros(self, home: Any) -> None:
-        """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written
-        piece by piece, all pieces in flight at once."""
-        if isinstance(home, torch.Tensor):
-            home.zero_()
-            return
-        from offload.io import aligned_empty
-
-        zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
-        wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
-                                   sub_extent(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
-                  for offset in range(0, home.nbytes, _ZEROS_BYTES)], self.stats_counters)
-
-    def _load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Synchronous read of a whole buffer from its home into a new host tensor."""
-        if isinstance(home, torch.Tensor):
-            return home[:numel].clone()
-        from offload.io import aligned_empty
-
-        buf = aligned_empty(home.nbytes, dtype=torch.uint8)
-        self._nvme.read(buf, home).wait()
-        return buf.view(dtype)[:numel].clone()
-
-    def _host_bounce(self, src: torch.Tensor) -> torch.Tensor:
-        from offload.io import aligned_empty
-
-        buf = aligned_empty(src.numel() * src.element_size(), dtype=src.dtype)
-        buf.copy_(src)
-        return buf
 
     # ------------------------------------------------------------------ residency
     def _bind(self, u: UnitState) -> None:
@@ -654,7 +388,7 @@ class Engine:
         elif self.layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
             u.pending = future.result
-            home_bytes = self._compute_home_numel(u) * dst.element_size()
+            home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
             self.stats_counters.add_bytes("nvme_to_host" if self.layout.param_tier == "nvme" else "host_to_host",
                                           home_bytes)
             self.stats_counters.add_bytes("all_gather", num_bytes)
@@ -705,7 +439,7 @@ class Engine:
         CUDA through a host buffer)."""
         home = u.compute_home
         if on_nvme(home):
-            own = self._gather_home[:self._compute_home_numel(u)]
+            own = self._gather_home[:compute_home_numel(u.compute_numel, u.param_shard)]
             self._nvme.read(own, home).wait()
         else:
             own = home
@@ -1587,17 +1321,17 @@ class Engine:
             compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
         elif u.param_shard is not None:  # [zero] stage 3: a collective
             dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            own = self._load(u.compute_home, self._compute_home_numel(u), dtype)
+            own = self._homes.load(u.compute_home, compute_home_numel(u.compute_numel, u.param_shard), dtype)
             compute = torch.empty(u.compute_numel, dtype=dtype)
             self._partition.gather_params(u, own, compute, lane="main")
         else:
             dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            compute = self._load(u.compute_home, u.compute_numel, dtype)
+            compute = self._homes.load(u.compute_home, u.compute_numel, dtype)
         master = compute
         if u.index in self._step_ring.dirty and "master" in self._step_ring.dirty[u.index]:
             master = self._step_ring.dirty[u.index]["master"]  # [Note: swap I/O failures]
         elif u.trainable and not self.layout.merged:
-            master = self._read_master(u, compute)
+            master = self._homes.read_master(u, compute)
             if self._partition is not None and self._partition.shards_state:  # [zero] collective
                 master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
         out = {}

@@ -38,6 +38,10 @@ LAYERS: List[List[str]] = [
     ["offload.memory"],
     ["offload.prefetch"],
     ["offload.optim"],
+    # The home codec splits and joins masters (optim.cpu_adam) and waits for its NVMe writes
+    # as the optimizer steps do (optim.step.wait_all), so homes sits above optim; nothing
+    # below imports it (the steps and checkpoints get its bound methods).
+    ["offload.memory.homes"],
     ["offload.zero.step"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class HomeIO:
     """The engine's synchronous readers and writers of unit homes (the seam between the
-    checkpoint code and wherever homes are kept; today bound methods of the Engine)."""
+    checkpoint code and wherever homes are kept; today bound methods of offload/memory/
+    homes.py's Homes, and the engine's release)."""
 
     read_master: Callable[["UnitState"], torch.Tensor]
     """u's fp32 master as its home holds it: this rank's shard at stage >= 1; merged, the

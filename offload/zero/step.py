@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
+from offload.memory.budget import low_numel
 from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
 from offload.optim import join_master, split_master
 from offload.stats import Timeline
@@ -28,12 +29,11 @@ class ShardedStep:
     None when nothing is homed there), the ``partition`` whose ``all_gather_shards`` brings
     in the other ranks' parts, and the engine's ``timeline`` (an "adam" span per update).
     ``piece_numel``: the elements of one piece at stage 3, the size the update buffers
-    were budgeted for (``update_buffer_bytes``), so the engine passes the one it budgets with.
+    were budgeted for, so the engine passes the one it budgets with.
+    ``update_buffer_bytes``: bytes of one update buffer per role, the budget that wrap
+    checked (offload/memory/budget.py's update_buffer_bytes).
     The rest are bound methods of the engine, shared with its other update loops:
 
-      update_buffer_bytes(element_bytes)  bytes of one update buffer per role (the budget
-                                          that wrap checked)
-      low_numel(u)                        [Note: split master] elements of u's low halves at home
       next_steps(u)                       u's per-parameter step counts after this update
       adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out,
                  compute_is_staging, grad_factor, copy_to_device=)
@@ -48,8 +48,7 @@ class ShardedStep:
 
     def __init__(self, *, layout: Layout, device: DeviceTier, host: HostTier, nvme: Optional[NvmeTier],
                  partition: Partition, timeline: Timeline, piece_numel: int,
-                 update_buffer_bytes: Callable[[int], Dict[str, int]],
-                 low_numel: Callable[[UnitState], int],
+                 update_buffer_bytes: Dict[str, int],
                  next_steps: Callable[[UnitState], List[int]],
                  adam_range: Callable[..., None],
                  compute_target: Callable[[UnitState], Optional[torch.Tensor]],
@@ -66,7 +65,6 @@ class ShardedStep:
         self._timeline = timeline
         self._piece_numel = piece_numel
         self._update_buffer_bytes = update_buffer_bytes
-        self._low_numel = low_numel
         self._next_steps = next_steps
         self._adam_range = adam_range
         self._compute_target = compute_target
@@ -146,7 +144,7 @@ class ShardedStep:
                 end = min(hi, u.param_shard.trainable_chunk_numel)
                 homes.append(("compute", sub_extent(u.compute_home, lo * size, (end - lo) * size), dtype))
         if layout.split_master:  # [Note: split master] the low halves, to whole pages
-            end = self._low_numel(u) if hi == state_numel else hi
+            end = low_numel(u.shard.numel) if hi == state_numel else hi
             homes.append(("low", sub_extent(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
         elif not layout.merged and on_nvme(u.master_home):
             homes.append(("master", sub_extent(u.master_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
@@ -173,8 +171,7 @@ class ShardedStep:
     def _update_buffer(self, role: str, buffer_set: int) -> torch.Tensor:
         buf = self._update_buffers.get(f"{role}{buffer_set}")
         if buf is None:
-            element_bytes = torch.empty(0, dtype=self._layout.compute_dtype).element_size()
-            buf = self._host.allocate(self._update_buffer_bytes(element_bytes)[role], torch.uint8)
+            buf = self._host.allocate(self._update_buffer_bytes[role], torch.uint8)
             self._update_buffers[f"{role}{buffer_set}"] = buf
         return buf
 

@@ -1,0 +1,232 @@
+"""Homes: where each unit's state lives between uses, and the synchronous codec that reads
+and writes a home whole.
+
+A unit's compute copy is homed on ``layout.param_tier`` (on the device itself, or on the
+host or NVMe, fetched to a device slot when needed); its fp32 master and Adam moments on
+``layout.optimizer_tier``. ``Homes`` allocates them once at wrap, writes every unit's
+initial state there (``write_initial_state``, one unit at a time as offload/memory/
+placement.py materializes the model) and offers the whole-buffer readers and writers that
+checkpoints, ``state_dict`` and the optimizer steps' failure paths go through: ``load``,
+``store``, ``read_master``, ``store_master``, ``split_master_into``. The per-step traffic
+(fetches, the staged and sharded optimizer steps) moves pieces of the same homes through
+buffers of its own and does not come here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from offload.memory.budget import SlotShape, compute_home_numel, low_numel
+from offload.memory.layout import Layout, StagingSlot, UnitState, sub_extent
+from offload.optim import join_master, split_master
+from offload.optim.step import wait_all
+from offload.stats import Stats
+from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.units import PAGE_BYTES, Residency
+from offload.zero import Partition
+
+_ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
+
+
+class Homes:
+    """The homes of ``units``' states on the tiers, as ``layout`` places them.
+
+    Collaborators: the ``device``, ``host`` and ``nvme`` tiers (nvme None when nothing is
+    homed there); the ``partition`` ([zero] None with one rank), which cuts what this rank
+    keeps and through which every rank starts from rank 0's initial values;
+    ``placeholder``, the empty compute-dtype tensor on the device that a parameter holds
+    while its unit is not there ([Note: released parameters]); ``stats``, which counts the
+    waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
+    at its device copy, called once a device-homed unit's initial state is written.
+    """
+
+    def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
+                 nvme: Optional[NvmeTier], partition: Optional[Partition], placeholder: torch.Tensor,
+                 stats: Stats, bind: Callable[[UnitState], None]) -> None:
+        self._units = units
+        self._layout = layout
+        self._device = device
+        self._host = host
+        self._nvme = nvme
+        self._partition = partition
+        self._placeholder = placeholder
+        self._stats = stats
+        self._bind = bind
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self) -> None:
+        """Every unit's homes (param_tier 'device': its device slot, loaded from now on),
+        and the root unit's device slot."""
+        layout = self._layout
+        for u in self._units:
+            if layout.param_tier == "device":
+                u.device_offset = self._device.allocate(u.compute_numel)
+                assert u.device_offset is not None
+                u.compute_state.to(Residency.LOADING)
+                u.compute_state.to(Residency.LOADED)
+            else:
+                dtype = torch.float32 if layout.merged else layout.compute_dtype
+                u.compute_home = self._allocate_home(layout.param_tier,
+                                                     compute_home_numel(u.compute_numel, u.param_shard), dtype)
+            if u.trainable:
+                state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
+                if layout.split_master:
+                    u.master_home = self._allocate_home(layout.optimizer_tier, low_numel(u.shard.numel), torch.int16)
+                elif not layout.merged:
+                    u.master_home = self._allocate_home(layout.optimizer_tier, state_numel, torch.float32)
+                u.moments_home = self._allocate_home(layout.optimizer_tier, 2 * state_numel, torch.float32)
+        if layout.param_tier != "device":
+            # The root unit keeps one slot for the whole run: it is on the device from the
+            # start of forward to the end of backward, and a fixed place avoids fragmenting.
+            root = self._units[0]
+            root.device_offset = self._device.allocate(root.compute_numel)
+
+    def _allocate_home(self, tier: str, numel: int, dtype: torch.dtype) -> Any:
+        if tier == "host":
+            return self._host.allocate(numel, dtype)
+        element_bytes = torch.empty(0, dtype=dtype).element_size()
+        return self._nvme.allocate(numel * element_bytes)
+
+    def allocate_staging(self, shape: SlotShape) -> List[StagingSlot]:
+        """The staged optimizer step's host slots, ``shape`` each (none without a staged step)."""
+        if not self._layout.staged_step:
+            return []
+        return [StagingSlot(self._host, shape.master_numel, shape.compute_numel, self._layout.compute_dtype,
+                            shape.low_numel)
+                for _ in range(self._layout.optimizer_pipeline_depth)]
+
+    # ------------------------------------------------------------------ initial state
+    @torch.no_grad()
+    def write_initial_state(self, u: UnitState) -> None:
+        """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
+        it is written without a bounce copy) and a separate fp32 master where one is kept;
+        each parameter lets go of its storage once copied (the model's own storage is still
+        held until wrap succeeds: [Note: a failed wrap changes nothing]), the moments are
+        zeros."""
+        from offload.io import aligned_empty
+
+        layout = self._layout
+        compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), layout.compute_dtype).zero_()
+        master = torch.zeros(u.master_numel, dtype=torch.float32) \
+            if not layout.merged or self._partition is not None else None
+        for e in u.spec.entries:
+            value = e.param.detach().reshape(-1).to("cpu")
+            compute[e.offset:e.offset + e.numel].copy_(value)
+            if e.trainable and master is not None:
+                master[e.offset:e.offset + e.numel].copy_(value)
+            e.param.data = self._placeholder
+        if self._partition is not None:  # [zero] every rank starts from rank 0's values
+            self._partition.broadcast_initial(compute, master)
+        t = u.spec.trainable_numel
+        low = self.split_master_into(u, master, compute[:t], 0) if layout.split_master and u.trainable else None
+        if layout.param_tier == "device":
+            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+        elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
+            self.store(u.compute_home, self._home_chunks(u, compute))
+        else:
+            self.store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
+        if u.trainable:
+            self.store_master(u, master, 0, low)
+            self.store_zeros(u.moments_home)
+        if layout.param_tier == "device":
+            self._bind(u)
+
+    # ------------------------------------------------------------------ the master codec
+    def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
+        """Write the master's home from ``master`` (fp32, u's trainable elements from
+        ``start``): split, ``low`` (the home's low halves, split_master_into); merged,
+        nothing (the compute copy is the master); else this rank's shard ([zero]), padded."""
+        if low is not None:
+            self.store(u.master_home, low)
+        elif not self._layout.merged:
+            s = u.shard
+            shard = torch.zeros(s.state_numel, dtype=torch.float32)
+            shard[:s.numel].copy_(master[s.lo - start:s.hi - start])
+            self.store(u.master_home, shard)
+
+    def split_master_into(self, u: UnitState, master: torch.Tensor, high: torch.Tensor, start: int) -> torch.Tensor:
+        """[Note: split master] Round ``master`` (fp32, elements [start, start + n) of u's
+        trainable prefix) into ``high`` (its bf16 compute copy there, n elements) and return
+        the low halves of this rank's shard ([zero] within that range) as the master's home
+        holds them."""
+        low = torch.empty(high.numel(), dtype=torch.int16)
+        split_master(master[:high.numel()].contiguous(), high, low)
+        s = u.shard
+        home = torch.zeros(low_numel(u.shard.numel), dtype=torch.int16)
+        home[:s.numel].copy_(low[s.lo - start:s.hi - start])
+        return home
+
+    def read_master(self, u: UnitState, compute: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """u's fp32 master as its home holds it (this rank's shard at stage >= 1; merged:
+        the compute copy's prefix). Split ([Note: split master]): joined from the low
+        halves at home and the shard's compute copy (``compute``: the whole copy in full
+        coordinates, when the caller has it already)."""
+        layout = self._layout
+        if layout.merged:
+            return self.load(u.compute_home, u.master_numel, torch.float32)
+        if not layout.split_master:
+            return self.load(u.master_home, u.shard.state_numel, torch.float32)
+        s = u.shard
+        if compute is not None:
+            high = compute[s.lo:s.hi]
+        elif u.param_shard is not None:  # [zero] stage 3: the rank's chunk starts with its shard
+            high = self.load(u.compute_home, s.numel, layout.compute_dtype)
+        else:
+            high = self.load(u.compute_home, s.hi, layout.compute_dtype)[s.lo:]
+        master = torch.zeros(s.state_numel, dtype=torch.float32)
+        low = self.load(u.master_home, low_numel(u.shard.numel), torch.int16)
+        join_master(high.contiguous(), low[:s.numel], master[:s.numel])
+        return master
+
+    @staticmethod
+    def _home_chunks(u: UnitState, full: torch.Tensor) -> torch.Tensor:
+        """[zero] Stage 3: this rank's chunks of a whole compute copy, laid out as at home."""
+        p = u.param_shard
+        home = torch.zeros(p.home_numel, dtype=full.dtype)
+        t, f = p.trainable, p.frozen
+        home[:t.numel].copy_(full[t.lo:t.hi])
+        start = p.trainable_chunk_numel
+        home[start:start + f.numel].copy_(full[p.frozen_start + f.lo:p.frozen_start + f.hi])
+        return home
+
+    # ------------------------------------------------------------------ whole buffers
+    def store(self, home: Any, src: torch.Tensor) -> None:
+        """Synchronous copy of a whole buffer home (setup and checkpoint load only)."""
+        if isinstance(home, torch.Tensor):
+            home.copy_(src)
+            return
+        staging = src if src.data_ptr() % PAGE_BYTES == 0 else self._host_bounce(src)
+        self._nvme.write(staging, home).wait()
+
+    def store_zeros(self, home: Any) -> None:
+        """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written
+        piece by piece, all pieces in flight at once."""
+        if isinstance(home, torch.Tensor):
+            home.zero_()
+            return
+        from offload.io import aligned_empty
+
+        zeros = aligned_empty(min(home.nbytes, _ZEROS_BYTES)).zero_()
+        wait_all([self._nvme.write(zeros[:min(_ZEROS_BYTES, home.nbytes - offset)],
+                                   sub_extent(home, offset, min(_ZEROS_BYTES, home.nbytes - offset)))
+                  for offset in range(0, home.nbytes, _ZEROS_BYTES)], self._stats)
+
+    def load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Synchronous read of a whole buffer from its home into a new host tensor."""
+        if isinstance(home, torch.Tensor):
+            return home[:numel].clone()
+        from offload.io import aligned_empty
+
+        buf = aligned_empty(home.nbytes, dtype=torch.uint8)
+        self._nvme.read(buf, home).wait()
+        return buf.view(dtype)[:numel].clone()
+
+    @staticmethod
+    def _host_bounce(src: torch.Tensor) -> torch.Tensor:
+        """A page-aligned copy of ``src``, which the NVMe tier can write from."""
+        from offload.io import aligned_empty
+
+        buf = aligned_empty(src.numel() * src.element_size(), dtype=src.dtype)
+        buf.copy_(src)
+        return buf

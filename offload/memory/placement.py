@@ -1,0 +1,115 @@
+"""Initial placement: the meta stand-ins a meta-device model gets at wrap, and moving every
+unit's initial state home, materializing a meta model module by module on the way.
+
+Every change made here to what the caller holds (module parameter and buffer slots, param
+groups, the parameters' storage, the CPU RNG) is logged on the wrap's ExitStack ``undo``,
+which the engine's constructor owns and passes in ([Note: a failed wrap changes nothing],
+offload/engine.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+from torch import nn
+
+from offload.memory.layout import UnitState
+from offload.units import UnitSpec
+
+
+def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
+    """``table[key] = value``, the old entry put back when ``undo`` unwinds ([Note: a failed
+    wrap changes nothing])."""
+    undo.callback(table.__setitem__, key, table[key])
+    table[key] = value
+
+
+def meta_stand_ins(specs: List[UnitSpec]) -> Dict[nn.Parameter, nn.Parameter]:
+    """A meta tensor's storage cannot be swapped for a real one, so each meta parameter
+    gets a CPU parameter with no storage yet; the unit specs refer to the stand-ins from
+    here on. Returns {meta parameter: stand-in}. Nothing the caller holds changes here:
+    install_stand_ins does that, once every check of wrap has passed."""
+    new_of: Dict[nn.Parameter, nn.Parameter] = {}
+    for spec in specs:
+        for e in spec.entries:
+            if e.param.is_meta:
+                if e.param not in new_of:
+                    new_of[e.param] = nn.Parameter(torch.empty(0, dtype=e.param.dtype),
+                                                   requires_grad=e.param.requires_grad)
+                e.param = new_of[e.param]
+    return new_of
+
+
+def install_stand_ins(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      new_of: Dict[nn.Parameter, nn.Parameter], undo: contextlib.ExitStack) -> Set[nn.Parameter]:
+    """Puts the stand-ins in every module of ``model`` that holds their meta parameter (ties
+    stay ties) and in ``optimizer``'s param groups, the meta parameters put back when
+    ``undo`` unwinds. Returns the stand-ins (not materialized yet)."""
+    if not new_of:
+        return set()
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p in new_of:
+                _swap_in(undo, module._parameters, name, new_of[p])
+    for group in optimizer.param_groups:
+        _swap_in(undo, group, "params", [new_of.get(p, p) for p in group["params"]])
+    return set(new_of.values())
+
+
+def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[nn.Parameter],
+                  device: torch.device, init_fn: Optional[Callable[[nn.Module], None]],
+                  write_home: Callable[[UnitState], None], undo: contextlib.ExitStack) -> None:
+    """Copy each unit's parameters into its home buffers (``write_home(u)``:
+    Homes.write_initial_state) and free the originals; buffers go to ``device``. A
+    meta-device model (its stand-ins in ``unmaterialized``, emptied here) is materialized
+    module by module in model order (so initial values follow the same RNG sequence as an
+    eager build), each unit written home as soon as all its parameters exist: the whole
+    model never has to be in RAM. What this changes in the model is put back when ``undo``
+    unwinds ([Note: a failed wrap changes nothing])."""
+    unit_of: Dict[nn.Parameter, UnitState] = {}
+    for u in units:
+        for e in u.spec.entries:
+            unit_of[e.param] = u
+    for p in unit_of:
+        if p not in unmaterialized:
+            undo.callback(setattr, p, "data", p.data)
+    if unmaterialized:  # reset_parameters and init_fn draw from it
+        undo.callback(torch.set_rng_state, torch.get_rng_state())
+    missing = {u.index: len(u.spec.entries) for u in units}
+    done: set = set()
+
+    def finish(param: nn.Parameter) -> None:
+        if param in done:
+            return
+        done.add(param)
+        u = unit_of[param]
+        missing[u.index] -= 1
+        if missing[u.index] == 0:
+            write_home(u)
+
+    shape_of = {e.param: e.shape for u in units for e in u.spec.entries}
+    for module in model.modules():
+        materialized = False
+        for name, p in list(module._parameters.items()):
+            if p is not None and p in unmaterialized:
+                p.data = torch.empty(shape_of[p], dtype=p.dtype, device="cpu")
+                unmaterialized.discard(p)
+                materialized = True
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=device))
+                materialized = True
+        if materialized:
+            with torch.no_grad():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+                if init_fn is not None:
+                    init_fn(module)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                _swap_in(undo, module._buffers, name, b.to(device))
+        for p in module._parameters.values():
+            if p is not None:
+                finish(p)
+    assert all(v == 0 for v in missing.values()), "every unit must have been written home"
