@@ -67,15 +67,15 @@ from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.memory.homes import Homes
-from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
+from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.budget import (
     UnitSizes, check_device_budget, check_host_budget, compute_home_numel, slot_shape,
     swap_bytes, update_buffer_bytes)
+from offload.memory.residency import DeviceResidency
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, padded_numel,
-    split_into_units)
+    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, split_into_units)
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
 
@@ -211,13 +211,19 @@ class Engine:
             if needs_nvme:
                 self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
                                       config.io_block_bytes, config.io_queue_depth)
-            # Every unit's homes, and the codec that reads and writes them whole; the
-            # placeholder is what a parameter holds while its unit is off the device
-            # ([Note: released parameters]).
-            self._placeholder = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            # 5. The device residency of the compute copies ([Note: residency]: the copy
+            # worker, fetch buffers, prefetch; the placeholder that released parameters
+            # hold, [Note: released parameters]), the homes and the codec that reads and
+            # writes them whole, and the optimizer steps.
+            self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
+            self._residency = DeviceResidency(
+                layout=layout, units=self.units, device=self._device, host=self._host, nvme=self._nvme,
+                partition=self._partition, stats=self.stats_counters, timeline=self._timeline,
+                prefetcher=self._prefetcher, settle_unit=self._settle_unit, pending_update=self._pending_update,
+                update_lock=lambda: self._update_lock)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
-                                partition=self._partition, placeholder=self._placeholder,
-                                stats=self.stats_counters, bind=self._bind)
+                                partition=self._partition, placeholder=self._residency.placeholder,
+                                stats=self.stats_counters, bind=self._residency.bind)
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's _failure ([Note: swap I/O failures]).
@@ -241,33 +247,14 @@ class Engine:
                 drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._fail_step,
             ) if self._partition is not None and self._partition.shards_state else None
 
-            # 5. Move every unit's state to its home tier (materializing meta models).
+            # 6. Every unit's state to its home tier (materializing meta models).
             move_to_homes(model, self.units, unmaterialized, self.device, init_fn, self._homes.write_initial_state,
                           undo)
 
-            # 6. Prefetch, the workers that move and update units, hooks.
-            self._unit_bytes = [u.compute_numel * compute_element_bytes for u in self.units]
-            self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
-            self._last_needed: Optional[UnitState] = None
+            # 7. The worker that updates units, hooks.
             self._last_train_key: Optional[Tuple[Any, ...]] = None
             self._backward_unit: Optional[UnitState] = None
             self._backward_started = 0.0
-            # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
-            # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
-            self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
-            home_dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            self._fetch_staging: List[torch.Tensor] = [
-                self._host.allocate(max(u.compute_numel for u in self.units), home_dtype)
-                for _ in range(layout.prefetch_units + 1)
-            ] if self.layout.param_tier == "nvme" and self.device.type == "cuda" and not self.layout.gathers else []
-            # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
-            # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
-            self._gather_home: Optional[torch.Tensor] = self._host.allocate(
-                max(compute_home_numel(u.compute_numel, u.param_shard) for u in self.units), home_dtype) \
-                if self.layout.gathers and self.layout.param_tier == "nvme" else None
-            self._gather_out: Optional[torch.Tensor] = self._host.allocate(
-                max(u.compute_numel for u in self.units), home_dtype) \
-                if self.layout.gathers and self.device.type == "cuda" else None
             # Early optimizer updates (a unit's Adam as soon as its gradients are final in
             # backward; when, see Layout.early_allowed) run on this worker, overlapping the
             # rest of backward. [zero] Collectives run only on the main thread (this also
@@ -281,11 +268,9 @@ class Engine:
             self._update_lock = threading.Lock()
             self._update_sequence = itertools.count()
             self._step_pending = False  # a deferred step's updates or bookkeeping are not done
-            self._stale_units: List[UnitState] = []
             self._grad_pool: Dict[int, List[torch.Tensor]] = {}
             self._grad_pool_lock = threading.Lock()
             self._forward_started = 0.0
-            self._tick = 0
             self._micro_step = 0
             self._loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
             self._good_steps = 0
@@ -305,7 +290,7 @@ class Engine:
         self._failure: Optional[Dict[str, Any]] = None
         self._closed = False
 
-        # 7. Checkpoints reach the states through this object alone ([Note: checkpoint
+        # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.
         def restore_counters(counters: Dict[str, Any]) -> None:
             self._micro_step, self._loss_scale = counters["micro_step"], counters["loss_scale"]
@@ -318,7 +303,7 @@ class Engine:
             self.units, layout, self._partition, self._device, model, optimizer, config,
             homes=HomeIO(read_master=self._homes.read_master, load=self._homes.load, store=self._homes.store,
                          store_master=self._homes.store_master, split_master_into=self._homes.split_master_into,
-                         release=self._release),
+                         release=self._residency.release),
             state=EngineState(
                 closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
@@ -326,293 +311,6 @@ class Engine:
                                   "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm},
                 restore_counters=restore_counters))
 
-    # ------------------------------------------------------------------ residency
-    def _bind(self, u: UnitState) -> None:
-        view = self._device.view(u.device_offset, u.compute_numel)
-        for e in u.spec.entries:
-            e.param.data = view[e.offset:e.offset + e.numel].view(e.shape)
-
-    def _unbind(self, u: UnitState) -> None:
-        for e in u.spec.entries:
-            e.param.data = self._placeholder
-
-    def _need(self, u: UnitState) -> None:
-        """u is about to be used: record it in the trace, have it on the device, and let the
-        prefetcher move what comes next."""
-        if u is not self._root:
-            new_use = self._last_needed is not u
-            self._last_needed = u
-            if new_use:
-                self._prefetcher.need(u.index)
-                u.grads_since_use = 0
-                self._prefetcher.count(hit=u.compute_state.value != Residency.HOME)
-                self._release_stale()
-        self._fetch(u)
-        self._prefetch()
-
-    @profiled("fetch")
-    def _fetch(self, u: UnitState) -> None:
-        """Have u's compute copy on the device: wait for its transfer when one is in flight,
-        else move it now."""
-        self._tick += 1
-        u.last_use = self._tick
-        self._settle_unit(u)  # [Note: deferred updates]
-        state = u.compute_state.value
-        if state in (Residency.LOADED, Residency.IN_USE):
-            return
-        if state == Residency.HOME:
-            self._start_fetch(u, evict=True)
-        with self.stats_counters.timed("fetch_wait"):
-            self._finish_fetch(u)
-
-    def _start_fetch(self, u: UnitState, evict: bool, after: Optional[Callable[[], None]] = None) -> bool:
-        """Begin moving u's compute copy into a device slot; False when no slot is free and
-        ``evict`` is off. ``after``: the copy worker calls it first and moves the copy once
-        it returns ([Note: updates fill the device copy]: a fetch behind an update)."""
-        if u.device_offset is None:
-            offset = self._allocate_slot(u) if evict else self._device.allocate(u.compute_numel)
-            if offset is None:
-                return False
-            u.device_offset = offset
-        u.compute_state.to(Residency.LOADING)
-        dst = self._device.view(u.device_offset, u.compute_numel)
-        num_bytes = u.compute_numel * dst.element_size()
-        u.fetch_started = time.perf_counter()
-        if after is not None:
-            assert not self.layout.gathers, "no deferred updates at stage 3"
-            move = self._move_home_to_device(u, dst)
-            future = self._copy_worker.submit(lambda: (after(), move()))
-            u.pending = lambda: (future.result(), None)[1]
-            on_cpu_from_nvme = self.layout.param_tier == "nvme" and self.device.type == "cpu"
-            self.stats_counters.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
-        elif self.layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
-            future = self._copy_worker.submit(self._gather_to_device, u, dst)
-            u.pending = future.result
-            home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
-            self.stats_counters.add_bytes("nvme_to_host" if self.layout.param_tier == "nvme" else "host_to_host",
-                                          home_bytes)
-            self.stats_counters.add_bytes("all_gather", num_bytes)
-        elif self.layout.param_tier == "nvme" and self.device.type == "cpu":
-            # The CPU "device" is RAM: read from the swap file straight into the slot.
-            handle = self._nvme.read(dst, u.compute_home)
-            u.pending = lambda: (handle.wait(), None)[1]
-            self.stats_counters.add_bytes("nvme_to_device", num_bytes)
-        elif self.layout.param_tier == "nvme":
-            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home)
-            u.pending = future.result
-            self.stats_counters.add_bytes("host_to_device", num_bytes)
-        elif self.device.type == "cpu":
-            future = self._copy_worker.submit(dst.copy_, u.compute_home)
-            u.pending = lambda: (future.result(), None)[1]
-            self.stats_counters.add_bytes("host_to_device", num_bytes)
-        else:
-            event = self._device.copy_in(dst, u.compute_home)
-            u.pending = lambda: event
-            self.stats_counters.add_bytes("host_to_device", num_bytes)
-        return True
-
-    def _move_home_to_device(self, u: UnitState, dst: torch.Tensor) -> Callable[[], None]:
-        """The transfers of _start_fetch done whole in the calling thread (the copy worker)."""
-        home = u.compute_home
-        if self.layout.param_tier == "nvme" and self.device.type == "cpu":
-            return lambda: self._nvme.read(dst, home).wait()
-        if self.layout.param_tier == "nvme":
-            return lambda: self._nvme_to_device(dst, home)
-        if self.device.type == "cpu":
-            return lambda: dst.copy_(home)
-        return lambda: self._device.copy_in(dst, home).synchronize()
-
-    def _nvme_to_device(self, dst: torch.Tensor, home: Any) -> None:
-        """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
-        staging = self._fetch_staging.pop()
-        try:
-            view = staging[:dst.numel()]
-            self._nvme.read(view, home).wait()
-            event = self._device.copy_in(dst, view)
-            event.synchronize()  # the staging buffer is reused as soon as this returns
-        finally:
-            self._fetch_staging.append(staging)
-
-    def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> None:
-        """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
-        a staging buffer, or the host home as is), all-gather them into the device slot (on
-        CUDA through a host buffer)."""
-        home = u.compute_home
-        if on_nvme(home):
-            own = self._gather_home[:compute_home_numel(u.compute_numel, u.param_shard)]
-            self._nvme.read(own, home).wait()
-        else:
-            own = home
-        if self.device.type == "cpu":
-            self._partition.gather_params(u, own, dst, lane="param")
-            return None
-        out = self._gather_out[:u.compute_numel]
-        self._partition.gather_params(u, own, out, lane="param")
-        self._device.copy_in(dst, out).synchronize()  # out is reused by the next fetch
-        return None
-
-    def _finish_fetch(self, u: UnitState) -> None:
-        pending, u.pending = u.pending, None
-        u.after_update = False
-        try:
-            u.ready_event = pending()
-        except BaseException as error:
-            # The slot holds no valid copy: back to HOME, so that a later use reads it again
-            # (the home copy is untouched; nothing else changed).
-            u.compute_state.to(Residency.HOME)
-            if u is not self._root:
-                self._device.free(u.device_offset, u.compute_numel)
-                u.device_offset = None
-            if isinstance(error, OSError):
-                raise OSError(error.errno, f"fetching unit {u.name!r} to the device failed ({error}); "
-                              "its home copy is unchanged and the next use reads it again") from error
-            raise
-        u.compute_state.to(Residency.LOADED)
-        self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
-        self._bind(u)
-
-    def _allocate_slot(self, u: UnitState) -> int:
-        """A device slot for u, evicting resident units whose next use is farthest (least
-        recently used among those the trace does not know)."""
-        while True:
-            offset = self._device.allocate(u.compute_numel)
-            if offset is not None:
-                return offset
-            victims = [v for v in self.units
-                       if v is not u and v is not self._root and v.compute_state == Residency.LOADED]
-            if not victims:
-                busy = [v.name for v in self.units
-                        if v.compute_state.value in (Residency.IN_USE, Residency.LOADING)]
-                raise RuntimeError(
-                    f"device budget exhausted fetching unit {u.name!r}: units in use or in "
-                    f"flight {busy}; raise device_budget")
-            # not one still being updated in place when another will do: it would have to
-            # wait for that update ([Note: deferred updates])
-            self._release(max(victims, key=lambda v: (not self._pending_update(v),
-                                                      self._prefetcher.next_use(v.index), -v.last_use)))
-
-    @profiled("release")
-    def _release(self, u: UnitState) -> None:
-        """Drop u's device copy (its home copy is current)."""
-        if self.layout.param_tier == "device" or u.compute_state != Residency.LOADED:
-            return
-        if u.update_in_device and u.update_ticket is not None:
-            wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
-        u.update_in_device = False
-        u.compute_state.to(Residency.HOME)
-        self._unbind(u)
-        if u is not self._root:
-            self._device.free(u.device_offset, u.compute_numel)
-            u.device_offset = None
-
-    def _release_stale(self) -> None:
-        """Drop device copies that an early optimizer update made stale (main thread only:
-        it changes parameters)."""
-        if self._stale_units:
-            for u in self._stale_units:
-                self._release(u)
-            self._stale_units.clear()
-
-    def _drain_fetches(self) -> None:
-        for u in self.units:
-            if u.compute_state == Residency.LOADING:
-                self._finish_fetch(u)
-
-    def _prefetch(self) -> None:
-        """Start the transfers the trace says come next (see offload/prefetch.py)."""
-        if not self._prefetcher.replaying:
-            return
-        others = self.units[1:]
-        current = self._last_needed.index if self._last_needed is not None else -1
-        plan = self._prefetcher.plan(
-            unit_bytes=self._unit_bytes,
-            resident=frozenset(u.index for u in others
-                               if u.compute_state.value in (Residency.LOADED, Residency.IN_USE)),
-            in_flight=frozenset(u.index for u in others if u.compute_state == Residency.LOADING),
-            pinned=frozenset(u.index for u in others
-                             if u.compute_state == Residency.IN_USE or self._pending_update(u)) | {current},
-            free_bytes=self._device.free_bytes)
-        for v in plan.evict:
-            self._release(self.units[v])
-        for f in plan.fetch:
-            u = self.units[f]
-            if self._pending_update(u):
-                if self._prefetch_updating(u):
-                    continue
-                break  # [Note: deferred updates] not before its update; the later ones after it
-            if not self._start_fetch(u, evict=False):
-                break  # the free space is in pieces: the rest comes on demand
-
-    def _prefetch_updating(self, u: UnitState) -> bool:
-        """[Note: updates fill the device copy] Bring u, whose deferred update is queued or
-        running, to a free device slot (no eviction) in time for its use. On a CPU device
-        with the compute copies on NVMe, an update not yet started writes the new compute
-        copy into the slot as it goes (the part past the trainable prefix, if any, is read
-        from home now: no update writes it). Otherwise the slot's fetch is chained behind
-        the update and its swap writes, on the copy worker. The slot is "in flight" until
-        then. False when that cannot be: u already on the device, or no free slot; the
-        caller then stops, so that the units after u do not take the room u needs."""
-        if self.layout.param_tier == "device" or u.compute_state != Residency.HOME:
-            return False
-        with self._update_lock:
-            if u.update_ticket is None:
-                return False
-            fill = self.layout.device_copy_updates and not u.update_started
-            if fill:
-                offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
-                if offset is None:
-                    return False
-                u.device_offset = offset
-                u.update_in_device = u.update_fill = True
-        ticket = u.update_ticket
-
-        def wait_update() -> None:
-            wait_futures([ticket])
-            if ticket.exception() is not None:
-                raise ticket.exception()
-
-        if not fill:
-            def wait_update_and_writes() -> None:
-                wait_update()
-                for handle in u.home_writes:  # all issued once the update is done
-                    handle.wait()
-            if not self._start_fetch(u, evict=False, after=wait_update_and_writes):
-                return False
-            u.after_update = True
-            return True
-        u.compute_state.to(Residency.LOADING)
-        u.fetch_started = time.perf_counter()
-        u.after_update = True
-        dst = self._device.view(u.device_offset, u.compute_numel)
-        size = dst.element_size()
-        tail = padded_numel(u.spec.trainable_numel, size)
-        handles = []
-        if tail < u.compute_numel:
-            extent = sub_extent(u.compute_home, tail * size, (u.compute_numel - tail) * size)
-            handles.append(self._nvme.read(dst[tail:], extent))
-            self.stats_counters.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
-
-        def pending() -> None:
-            wait_all(handles, self.stats_counters)
-            wait_update()
-        u.pending = pending
-        self.stats_counters.count("update_fills")
-        return True
-
-    def _land_fills(self) -> None:
-        """Finish the fetches that waited for updates now over (_prefetch_updating): the
-        slot of a failed one goes back (that error is reported with the update's own)."""
-        for u in self.units:
-            if u.after_update and u.compute_state == Residency.LOADING:
-                try:
-                    self._finish_fetch(u)
-                except BaseException:  # noqa: B902 - the update's ticket reports it
-                    pass
-
-    def _wait_ready(self, u: UnitState) -> None:
-        if u.ready_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(u.ready_event)
-            u.ready_event = None
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
@@ -641,15 +339,15 @@ class Engine:
         if key[0] and key[1]:
             self._last_train_key = key
         self._prefetcher.begin_pass(key)
-        self._last_needed = None
+        self._residency.begin_pass()
         for u in self.units:
             u.calls = u.backward_done = 0
         if torch.is_grad_enabled():  # [Note: saved parameters]
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             ctx.__enter__()
             self._saved_hooks.append(ctx)
-        self._need(self._root)
-        self._wait_ready(self._root)
+        self._residency.need(self._root)
+        self._residency.wait_ready(self._root)
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
 
@@ -672,8 +370,8 @@ class Engine:
     def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:
         start = time.perf_counter()
         u.calls += 1
-        self._need(u)
-        self._wait_ready(u)
+        self._residency.need(u)
+        self._residency.wait_ready(u)
         u.compute_started = self._timeline.wait(f"forward {u.name}", start)
         if u.compute_state == Residency.LOADED:
             u.compute_state.to(Residency.IN_USE)
@@ -705,8 +403,8 @@ class Engine:
         if self._backward_unit is not None and self._backward_unit is not u:
             self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
         self._backward_unit = u
-        self._need(u)
-        self._wait_ready(u)
+        self._residency.need(u)
+        self._residency.wait_ready(u)
         self._backward_started = self._timeline.wait(f"backward {u.name}", now)
         self._maybe_update_early()
 
@@ -723,8 +421,8 @@ class Engine:
     def _unpack_saved(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _SavedParamRef):
             u = self.units[saved.unit_index]
-            self._need(u)
-            self._wait_ready(u)
+            self._residency.need(u)
+            self._residency.wait_ready(u)
             return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
         return saved
 
@@ -943,7 +641,7 @@ class Engine:
         """Nothing in flight afterwards: early updates done, fetches landed."""
         self._settle_all(raise_errors)
         self._wait_optimizer()
-        self._drain_fetches()
+        self._residency.drain_fetches()
 
     def _optimizer_step(self) -> None:
         self._check_not_failed("step")
@@ -974,12 +672,12 @@ class Engine:
             self._step_ring.drain_root_reads()  # the root got no gradient this step
             self.zero_grad()
             # Device copies are stale now, except those the update wrote in place.
-            self._drain_fetches()
-            self._stale_units.clear()
+            self._residency.drain_fetches()
+            self._residency.forget_stale()
             if self.layout.param_tier != "device":
                 for u in self.units:
                     if u.compute_state == Residency.LOADED and not u.update_in_device:
-                        self._release(u)
+                        self._residency.release(u)
                     u.update_in_device = False
         self._step_ring.raise_write_errors(self._micro_step)
 
@@ -1007,7 +705,7 @@ class Engine:
                 u.update_in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
                 self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
                 if self.layout.param_tier != "device" and not u.update_in_device:
-                    self._stale_units.append(u)
+                    self._residency.mark_stale(u)
 
     def _hyperparameters(self) -> List[Dict[str, Any]]:
         """The optimizer's per-group settings now, for an update that runs later (an LR
@@ -1065,7 +763,7 @@ class Engine:
             return -1.0 if u is self._root else float(first_use.get(u.index, len(first_use)))
 
         groups = self._hyperparameters()
-        self._drain_fetches()  # what is in flight lands before device copies are judged
+        self._residency.drain_fetches()  # what is in flight lands before device copies are judged
         for u in self.units:
             if any(u.has_grad) and not u.updated:
                 u.updated = True
@@ -1073,10 +771,10 @@ class Engine:
                 self._queue_update(u, groups, priority(u))
                 self.stats_counters.count("deferred_updates")
         self._reprioritize(priority)
-        self._stale_units.clear()
+        self._residency.forget_stale()
         for u in self.units:  # device copies that the updates do not write are stale now
             if u.compute_state == Residency.LOADED and not u.update_in_device:
-                self._release(u)
+                self._residency.release(u)
         self._step_pending = True
 
     def _pending_update(self, u: UnitState) -> bool:
@@ -1113,7 +811,7 @@ class Engine:
             try:
                 self._wait_optimizer()
             finally:
-                self._land_fills()
+                self._residency.land_fills()
                 for u in self.units:
                     u.forget_update()
             self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
@@ -1160,10 +858,10 @@ class Engine:
                 except OSError as error:
                     errors.append(error)
         if errors:
-            self._land_fills()
+            self._residency.land_fills()
             for u in self.units:  # a device copy the failed updates were writing into
                 if u.update_in_device:
-                    self._release(u)
+                    self._residency.release(u)
             self._fail_step(errors[0], "while updating units during backward")
 
     def _fail_step(self, error: BaseException, where: str) -> NoReturn:
@@ -1191,17 +889,17 @@ class Engine:
         for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
             u = self.units[index]
             if self._pending_update(u):
-                if self._prefetch_updating(u):
+                if self._residency.prefetch_updating(u):
                     continue
                 break  # [Note: deferred updates] fetches go in the order of use
-            if u.compute_state == Residency.HOME and not self._start_fetch(u, evict=False):
+            if u.compute_state == Residency.HOME and not self._residency.start_fetch(u, evict=False):
                 break
         root = self._root
         if root.compute_state == Residency.HOME:
             if self._pending_update(root):
-                self._prefetch_updating(root)
+                self._residency.prefetch_updating(root)
             else:
-                self._start_fetch(root, evict=False)
+                self._residency.start_fetch(root, evict=False)
 
     # ------------------------------------------------------------------ Adam over ranges
     def _next_steps(self, u: UnitState) -> List[int]:
@@ -1388,7 +1086,7 @@ class Engine:
         """Compute copies at home on this rank ([zero] its chunks at stage 3; param_tier
         'device': the device slots)."""
         if self.layout.param_tier == "device":
-            return sum(u.compute_numel for u in self.units) * self._placeholder.element_size()
+            return sum(u.compute_numel for u in self.units) * self._residency.placeholder.element_size()
         return sum(self._home_bytes(u.compute_home) for u in self.units)
 
     @staticmethod
@@ -1440,9 +1138,9 @@ class Engine:
         deferred, self._step_pending = self._step_pending, False
         try:
             self._wait_optimizer()
-            self._drain_fetches()
+            self._residency.drain_fetches()
         finally:
-            self._copy_worker.shutdown(wait=True)
+            self._residency.shutdown()
             self._optimizer_worker.shutdown(wait=True)
         self._remove_hooks()
         self._close_tiers()

@@ -38,10 +38,11 @@ LAYERS: List[List[str]] = [
     ["offload.memory"],
     ["offload.prefetch"],
     ["offload.optim"],
-    # The home codec splits and joins masters (optim.cpu_adam) and waits for its NVMe writes
-    # as the optimizer steps do (optim.step.wait_all), so homes sits above optim; nothing
-    # below imports it (the steps and checkpoints get its bound methods).
-    ["offload.memory.homes"],
+    # Residency drives the prefetcher and waits on swap reads with optim.step's wait_all;
+    # the home codec splits and joins masters (optim.cpu_adam) and waits for its writes the
+    # same way. Both sit above optim, apart from the rest of memory; nothing below imports
+    # them (the steps and checkpoints get their bound methods).
+    ["offload.memory.residency", "offload.memory.homes"],
     ["offload.zero.step"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],

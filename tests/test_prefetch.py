@@ -581,7 +581,7 @@ def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
     for fill in (True, False):
         with slow_sleepy_engine(tmp_path / str(fill)) as engine:
             if not fill:
-                engine._prefetch_updating = lambda u: False  # the behaviour before fills
+                engine._residency.prefetch_updating = lambda u: False  # the behaviour before fills
             per_step = []
             for _ in range(6):
                 before = engine.stats()
@@ -612,7 +612,7 @@ def test_fetches_behind_deferred_updates_keep_the_prefetch_going_with_compute_co
     for chained in (True, False):
         with slow_sleepy_engine(tmp_path / str(chained), param_tier="host") as engine:
             if not chained:
-                engine._prefetch_updating = lambda u: False  # the behaviour before
+                engine._residency.prefetch_updating = lambda u: False  # the behaviour before
             train_sleepy(engine, x, 3)
             before = engine.stats()
             train_sleepy(engine, x, 3)
@@ -670,7 +670,7 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         # what the next pass's prefetcher would do: a slot for a unit whose update waits
         waiting = [u for u in engine.units if engine._pending_update(u) and not u.update_started
                    and u.compute_state == offload.engine.Residency.HOME]
-        assert waiting and engine._prefetch_updating(waiting[-1])
+        assert waiting and engine._residency.prefetch_updating(waiting[-1])
         assert waiting[-1].compute_state == offload.engine.Residency.LOADING
         engine.load_checkpoint(str(tmp_path / "ckpt"))
         assert all(u.compute_state != offload.engine.Residency.LOADING for u in engine.units)

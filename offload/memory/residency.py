@@ -1,0 +1,413 @@
+"""Device residency: which units' compute copies are on the device, moving them there
+(fetch, prefetch) and dropping them again (release, eviction).
+
+[Note: residency] A unit's compute copy on the device (``UnitState.compute_state``) moves
+only along ``offload.units.LEGAL_TRANSITIONS``, and only on the main thread: the copy
+worker moves bytes and the optimizer worker writes into a slot a fill gave it, neither
+changes the state.
+
+    from     to       who moves it, and when
+    HOME     LOADING  DeviceResidency.start_fetch: a use (fetch), the prefetch plan
+                      (prefetch), the next pass's first units (the engine after step());
+                      DeviceResidency.prefetch_updating: a slot that waits for a deferred
+                      update ([Note: updates fill the device copy])
+    LOADING  LOADED   DeviceResidency.finish_fetch: the transfer landed (a use, drain_fetches,
+                      land_fills); the parameters are bound to the slot
+    LOADING  HOME     DeviceResidency.finish_fetch: the transfer failed; the slot goes back
+                      (not the root's) and the home copy, unchanged, is read at the next use
+    LOADED   IN_USE   the engine's forward hooks, while the unit's forward runs (the root's:
+                      the whole forward); an IN_USE unit is never evicted
+    IN_USE   LOADED   the engine's forward hooks, when that forward ends
+    LOADED   HOME     DeviceResidency.release: evicted for another unit (allocate_slot) or by
+                      the prefetch plan, stale after an optimizer update, or let go by a
+                      checkpoint load; the parameters point at the placeholder again
+
+Units whose compute copies live on the device (param_tier "device") go HOME -> LOADING ->
+LOADED once at wrap and stay LOADED: release leaves them alone. The root unit keeps its
+device slot for the whole run (allocated with the homes); only its state moves.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
+from typing import Any, Callable, ContextManager, List, Optional
+
+import torch
+
+from offload.memory.budget import compute_home_numel
+from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
+from offload.optim.step import wait_all
+from offload.prefetch import Prefetcher
+from offload.stats import Stats, Timeline, profiled
+from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.units import Residency, padded_numel
+from offload.zero import Partition
+
+
+class DeviceResidency:
+    """Moves units' compute copies between their homes and device slots ([Note: residency]).
+
+    It owns the copy worker, the staging buffers of fetches, the use clock, the stale units
+    and the placeholder that a parameter whose unit is not on the device holds ([Note:
+    released parameters] in offload/engine.py), and it drives the prefetcher.
+
+    Collaborators, given at construction: ``layout``; ``units`` (``units[0]`` is the root);
+    the ``device``, ``host`` and ``nvme`` tiers (``nvme`` None without swap); ``partition``
+    ([zero] None with one rank); ``stats``; ``timeline``; ``prefetcher`` (the engine's: it
+    also starts passes and reads the trace). What still belongs to the update scheduler
+    comes as three callables ([Note: deferred updates]):
+
+    - ``settle_unit(u)``: wait for u's queued update and its swap writes (a failed one
+      raises); a fetch calls it before it reads u's home.
+    - ``pending_update(u)``: whether u's queued update or its swap writes are not done: such
+      a unit is not evicted while another will do, and its prefetch waits for the update.
+    - ``update_lock()``: the lock under which the optimizer worker takes an update off its
+      queue and marks it started (``u.update_started``); a fill is attached under it, so the
+      update either sees the fill or starts before it is attached.
+    """
+
+    def __init__(self, *, layout: Layout, units: List[UnitState], device: DeviceTier, host: HostTier,
+                 nvme: Optional[NvmeTier], partition: Optional[Partition], stats: Stats, timeline: Timeline,
+                 prefetcher: Prefetcher, settle_unit: Callable[[UnitState], None],
+                 pending_update: Callable[[UnitState], bool],
+                 update_lock: Callable[[], ContextManager[Any]]) -> None:
+        self._layout = layout
+        self.units = units
+        self._root = units[0]
+        self._device = device
+        self._nvme = nvme
+        self._partition = partition
+        self._stats = stats
+        self._timeline = timeline
+        self._prefetcher = prefetcher
+        self._settle_unit = settle_unit
+        self._pending_update = pending_update
+        self._update_lock = update_lock
+        # [Note: released parameters] what a parameter holds while its unit is not on the device
+        self.placeholder = torch.empty(0, dtype=layout.compute_dtype, device=layout.device)
+        self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
+        self._last_needed: Optional[UnitState] = None
+        self._tick = 0  # the use clock: u.last_use orders eviction among units the trace does not know
+        # Device copies an early optimizer update made stale: dropped at the next new use
+        # of a unit (release_stale), not where the update is queued.
+        self._stale_units: List[UnitState] = []
+        # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
+        # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
+        self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+        home_dtype = torch.float32 if layout.merged else layout.compute_dtype
+        self._fetch_staging: List[torch.Tensor] = [
+            host.allocate(max(u.compute_numel for u in units), home_dtype)
+            for _ in range(layout.prefetch_units + 1)
+        ] if layout.param_tier == "nvme" and layout.device.type == "cuda" and not layout.gathers else []
+        # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
+        # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
+        self._gather_home: Optional[torch.Tensor] = host.allocate(
+            max(compute_home_numel(u.compute_numel, u.param_shard) for u in units), home_dtype) \
+            if layout.gathers and layout.param_tier == "nvme" else None
+        self._gather_out: Optional[torch.Tensor] = host.allocate(
+            max(u.compute_numel for u in units), home_dtype) \
+            if layout.gathers and layout.device.type == "cuda" else None
+
+    def shutdown(self) -> None:
+        """Stop the copy worker (after drain_fetches: nothing may be in flight)."""
+        self._copy_worker.shutdown(wait=True)
+
+    def begin_pass(self) -> None:
+        """A forward pass starts: its first unit is a new use, whatever the last pass used."""
+        self._last_needed = None
+
+    def mark_stale(self, u: UnitState) -> None:
+        """u's device copy is stale (an early update is changing its home): drop it at the
+        next use of a unit (release_stale)."""
+        self._stale_units.append(u)
+
+    def forget_stale(self) -> None:
+        """The stale units were dealt with otherwise (the optimizer step released them)."""
+        self._stale_units.clear()
+
+    def bind(self, u: UnitState) -> None:
+        view = self._device.view(u.device_offset, u.compute_numel)
+        for e in u.spec.entries:
+            e.param.data = view[e.offset:e.offset + e.numel].view(e.shape)
+
+    def unbind(self, u: UnitState) -> None:
+        for e in u.spec.entries:
+            e.param.data = self.placeholder
+
+    def need(self, u: UnitState) -> None:
+        """u is about to be used: record it in the trace, have it on the device, and let the
+        prefetcher move what comes next."""
+        if u is not self._root:
+            new_use = self._last_needed is not u
+            self._last_needed = u
+            if new_use:
+                self._prefetcher.need(u.index)
+                u.grads_since_use = 0
+                self._prefetcher.count(hit=u.compute_state.value != Residency.HOME)
+                self.release_stale()
+        self.fetch(u)
+        self.prefetch()
+
+    @profiled("fetch")
+    def fetch(self, u: UnitState) -> None:
+        """Have u's compute copy on the device: wait for its transfer when one is in flight,
+        else move it now."""
+        self._tick += 1
+        u.last_use = self._tick
+        self._settle_unit(u)  # [Note: deferred updates]
+        state = u.compute_state.value
+        if state in (Residency.LOADED, Residency.IN_USE):
+            return
+        if state == Residency.HOME:
+            self.start_fetch(u, evict=True)
+        with self._stats.timed("fetch_wait"):
+            self.finish_fetch(u)
+
+    def start_fetch(self, u: UnitState, evict: bool, after: Optional[Callable[[], None]] = None) -> bool:
+        """Begin moving u's compute copy into a device slot; False when no slot is free and
+        ``evict`` is off. ``after``: the copy worker calls it first and moves the copy once
+        it returns ([Note: updates fill the device copy]: a fetch behind an update)."""
+        layout = self._layout
+        if u.device_offset is None:
+            offset = self._allocate_slot(u) if evict else self._device.allocate(u.compute_numel)
+            if offset is None:
+                return False
+            u.device_offset = offset
+        u.compute_state.to(Residency.LOADING)
+        dst = self._device.view(u.device_offset, u.compute_numel)
+        num_bytes = u.compute_numel * dst.element_size()
+        u.fetch_started = time.perf_counter()
+        if after is not None:
+            assert not layout.gathers, "no deferred updates at stage 3"
+            move = self._move_home_to_device(u, dst)
+            future = self._copy_worker.submit(lambda: (after(), move()))
+            u.pending = lambda: (future.result(), None)[1]
+            on_cpu_from_nvme = layout.param_tier == "nvme" and layout.device.type == "cpu"
+            self._stats.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
+        elif layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
+            future = self._copy_worker.submit(self._gather_to_device, u, dst)
+            u.pending = future.result
+            home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
+            self._stats.add_bytes("nvme_to_host" if layout.param_tier == "nvme" else "host_to_host", home_bytes)
+            self._stats.add_bytes("all_gather", num_bytes)
+        elif layout.param_tier == "nvme" and layout.device.type == "cpu":
+            # The CPU "device" is RAM: read from the swap file straight into the slot.
+            handle = self._nvme.read(dst, u.compute_home)
+            u.pending = lambda: (handle.wait(), None)[1]
+            self._stats.add_bytes("nvme_to_device", num_bytes)
+        elif layout.param_tier == "nvme":
+            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home)
+            u.pending = future.result
+            self._stats.add_bytes("host_to_device", num_bytes)
+        elif layout.device.type == "cpu":
+            future = self._copy_worker.submit(dst.copy_, u.compute_home)
+            u.pending = lambda: (future.result(), None)[1]
+            self._stats.add_bytes("host_to_device", num_bytes)
+        else:
+            event = self._device.copy_in(dst, u.compute_home)
+            u.pending = lambda: event
+            self._stats.add_bytes("host_to_device", num_bytes)
+        return True
+
+    def _move_home_to_device(self, u: UnitState, dst: torch.Tensor) -> Callable[[], None]:
+        """The transfers of start_fetch done whole in the calling thread (the copy worker)."""
+        home = u.compute_home
+        if self._layout.param_tier == "nvme" and self._layout.device.type == "cpu":
+            return lambda: self._nvme.read(dst, home).wait()
+        if self._layout.param_tier == "nvme":
+            return lambda: self._nvme_to_device(dst, home)
+        if self._layout.device.type == "cpu":
+            return lambda: dst.copy_(home)
+        return lambda: self._device.copy_in(dst, home).synchronize()
+
+    def _nvme_to_device(self, dst: torch.Tensor, home: Any) -> None:
+        """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
+        staging = self._fetch_staging.pop()
+        try:
+            view = staging[:dst.numel()]
+            self._nvme.read(view, home).wait()
+            event = self._device.copy_in(dst, view)
+            event.synchronize()  # the staging buffer is reused as soon as this returns
+        finally:
+            self._fetch_staging.append(staging)
+
+    def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> None:
+        """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
+        a staging buffer, or the host home as is), all-gather them into the device slot (on
+        CUDA through a host buffer)."""
+        home = u.compute_home
+        if on_nvme(home):
+            own = self._gather_home[:compute_home_numel(u.compute_numel, u.param_shard)]
+            self._nvme.read(own, home).wait()
+        else:
+            own = home
+        if self._layout.device.type == "cpu":
+            self._partition.gather_params(u, own, dst, lane="param")
+            return None
+        out = self._gather_out[:u.compute_numel]
+        self._partition.gather_params(u, own, out, lane="param")
+        self._device.copy_in(dst, out).synchronize()  # out is reused by the next fetch
+        return None
+
+    def finish_fetch(self, u: UnitState) -> None:
+        pending, u.pending = u.pending, None
+        u.after_update = False
+        try:
+            u.ready_event = pending()
+        except BaseException as error:
+            # The slot holds no valid copy: back to HOME, so that a later use reads it again
+            # (the home copy is untouched; nothing else changed).
+            u.compute_state.to(Residency.HOME)
+            if u is not self._root:
+                self._device.free(u.device_offset, u.compute_numel)
+                u.device_offset = None
+            if isinstance(error, OSError):
+                raise OSError(error.errno, f"fetching unit {u.name!r} to the device failed ({error}); "
+                              "its home copy is unchanged and the next use reads it again") from error
+            raise
+        u.compute_state.to(Residency.LOADED)
+        self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
+        self.bind(u)
+
+    def _allocate_slot(self, u: UnitState) -> int:
+        """A device slot for u, evicting resident units whose next use is farthest (least
+        recently used among those the trace does not know)."""
+        while True:
+            offset = self._device.allocate(u.compute_numel)
+            if offset is not None:
+                return offset
+            victims = [v for v in self.units
+                       if v is not u and v is not self._root and v.compute_state == Residency.LOADED]
+            if not victims:
+                busy = [v.name for v in self.units
+                        if v.compute_state.value in (Residency.IN_USE, Residency.LOADING)]
+                raise RuntimeError(
+                    f"device budget exhausted fetching unit {u.name!r}: units in use or in "
+                    f"flight {busy}; raise device_budget")
+            # not one still being updated in place when another will do: it would have to
+            # wait for that update ([Note: deferred updates])
+            self.release(max(victims, key=lambda v: (not self._pending_update(v),
+                                                     self._prefetcher.next_use(v.index), -v.last_use)))
+
+    @profiled("release")
+    def release(self, u: UnitState) -> None:
+        """Drop u's device copy (its home copy is current)."""
+        if self._layout.param_tier == "device" or u.compute_state != Residency.LOADED:
+            return
+        if u.update_in_device and u.update_ticket is not None:
+            wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
+        u.update_in_device = False
+        u.compute_state.to(Residency.HOME)
+        self.unbind(u)
+        if u is not self._root:
+            self._device.free(u.device_offset, u.compute_numel)
+            u.device_offset = None
+
+    def release_stale(self) -> None:
+        """Drop device copies that an early optimizer update made stale (main thread only:
+        it changes parameters)."""
+        if self._stale_units:
+            for u in self._stale_units:
+                self.release(u)
+            self._stale_units.clear()
+
+    def drain_fetches(self) -> None:
+        for u in self.units:
+            if u.compute_state == Residency.LOADING:
+                self.finish_fetch(u)
+
+    def prefetch(self) -> None:
+        """Start the transfers the trace says come next (see offload/prefetch/)."""
+        if not self._prefetcher.replaying:
+            return
+        others = self.units[1:]
+        current = self._last_needed.index if self._last_needed is not None else -1
+        plan = self._prefetcher.plan(
+            unit_bytes=self._unit_bytes,
+            resident=frozenset(u.index for u in others
+                               if u.compute_state.value in (Residency.LOADED, Residency.IN_USE)),
+            in_flight=frozenset(u.index for u in others if u.compute_state == Residency.LOADING),
+            pinned=frozenset(u.index for u in others
+                             if u.compute_state == Residency.IN_USE or self._pending_update(u)) | {current},
+            free_bytes=self._device.free_bytes)
+        for v in plan.evict:
+            self.release(self.units[v])
+        for f in plan.fetch:
+            u = self.units[f]
+            if self._pending_update(u):
+                if self.prefetch_updating(u):
+                    continue
+                break  # [Note: deferred updates] not before its update; the later ones after it
+            if not self.start_fetch(u, evict=False):
+                break  # the free space is in pieces: the rest comes on demand
+
+    def prefetch_updating(self, u: UnitState) -> bool:
+        """[Note: updates fill the device copy] Bring u, whose deferred update is queued or
+        running, to a free device slot (no eviction) in time for its use. On a CPU device
+        with the compute copies on NVMe, an update not yet started writes the new compute
+        copy into the slot as it goes (the part past the trainable prefix, if any, is read
+        from home now: no update writes it). Otherwise the slot's fetch is chained behind
+        the update and its swap writes, on the copy worker. The slot is "in flight" until
+        then. False when that cannot be: u already on the device, or no free slot; the
+        caller then stops, so that the units after u do not take the room u needs."""
+        if self._layout.param_tier == "device" or u.compute_state != Residency.HOME:
+            return False
+        with self._update_lock():
+            if u.update_ticket is None:
+                return False
+            fill = self._layout.device_copy_updates and not u.update_started
+            if fill:
+                offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
+                if offset is None:
+                    return False
+                u.device_offset = offset
+                u.update_in_device = u.update_fill = True
+        ticket = u.update_ticket
+
+        def wait_update() -> None:
+            wait_futures([ticket])
+            if ticket.exception() is not None:
+                raise ticket.exception()
+
+        if not fill:
+            def wait_update_and_writes() -> None:
+                wait_update()
+                for handle in u.home_writes:  # all issued once the update is done
+                    handle.wait()
+            if not self.start_fetch(u, evict=False, after=wait_update_and_writes):
+                return False
+            u.after_update = True
+            return True
+        u.compute_state.to(Residency.LOADING)
+        u.fetch_started = time.perf_counter()
+        u.after_update = True
+        dst = self._device.view(u.device_offset, u.compute_numel)
+        size = dst.element_size()
+        tail = padded_numel(u.spec.trainable_numel, size)
+        handles = []
+        if tail < u.compute_numel:
+            extent = sub_extent(u.compute_home, tail * size, (u.compute_numel - tail) * size)
+            handles.append(self._nvme.read(dst[tail:], extent))
+            self._stats.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
+
+        def pending() -> None:
+            wait_all(handles, self._stats)
+            wait_update()
+        u.pending = pending
+        self._stats.count("update_fills")
+        return True
+
+    def land_fills(self) -> None:
+        """Finish the fetches that waited for updates now over (prefetch_updating): the
+        slot of a failed one goes back (that error is reported with the update's own)."""
+        for u in self.units:
+            if u.after_update and u.compute_state == Residency.LOADING:
+                try:
+                    self.finish_fetch(u)
+                except BaseException:  # noqa: B902 - the update's ticket reports it
+                    pass
+
+    def wait_ready(self, u: UnitState) -> None:
+        if u.ready_event is not None:
+            torch.cuda.current_stream(self._layout.device).wait_event(u.ready_event)
+            u.ready_event = None
