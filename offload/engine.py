@@ -15,17 +15,6 @@ depends on what is resident when; residency only decides speed.
 tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
 optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
 
-[Note: gradient ownership] A parameter's gradient leaves the device as soon as autograd has
-accumulated it (``_on_grad_ready``) and is held on the host tier until the unit's Adam has
-run. With CUDA (and [zero] with several ranks, whose collectives need flat buffers) it is
-copied into the unit's flat fp32 buffer from the gradient pool ([Note: gradient pool]).
-With a CPU device the gradient already lies in host RAM: the host tier takes autograd's
-tensor itself (a new fp32 copy when the compute dtype is 16-bit), one per parameter, and
-drops it when the unit is updated. Nothing then stays allocated for gradients between
-steps, no copy is made, and the memory of the gradients of one backward is that of plain
-PyTorch, given back as units are updated. The tier accounts these tensors like its own
-buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts them as moved.
-
 [Note: a failed wrap changes nothing] From the moment wrap first changes something the
 caller holds (the meta stand-ins go into the model and the optimizer) to its last step,
 every change is logged on one ExitStack as the way to undo it: module parameter and buffer
@@ -49,7 +38,6 @@ import itertools
 import math
 import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
@@ -63,6 +51,7 @@ from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
 from offload.optim import adam_step_flat
+from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
@@ -183,7 +172,6 @@ class Engine:
                     if shards.param_shard is not None:  # stage 3
                         u.param_shard, u.compute_numel = shards.param_shard, shards.compute_numel
             self._partition.check_consistent(config, self.units, optimizer)
-            self._partition.bind_gradient_buffers(self._grad_buffer)
 
         # 3. Budgets, checked before anything is allocated.
         unit_sizes = [UnitSizes.of(u) for u in self.units]
@@ -206,6 +194,13 @@ class Engine:
             self.stats_counters = Stats()
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
             self._host = HostTier(layout.host_budget)
+            # [Note: gradient ownership] the gradients, their pool and the loss scale
+            self._gradients = Gradients(
+                self.units, layout=layout, partition=self._partition, device=self._device, host=self._host,
+                stats=self.stats_counters, early_updates=lambda: self._early_updates,
+                maybe_update_early=self._maybe_update_early)
+            if self._partition is not None:
+                self._partition.bind_gradient_buffers(self._gradients.grad_buffer)
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
@@ -232,7 +227,7 @@ class Engine:
                 staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
                 timeline=self._timeline, next_steps=self._next_steps, pieces=self._pieces,
-                adam_range=self._adam_range, compute_target=self._compute_target, release_grad=self._release_grad,
+                adam_range=self._adam_range, compute_target=self._compute_target, release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._fail_step,
                 record_failure=functools.partial(setattr, self, "_failure"))
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
@@ -242,7 +237,7 @@ class Engine:
                 partition=self._partition, timeline=self._timeline, piece_numel=OPTIMIZER_PIECE_NUMEL,
                 update_buffer_bytes=update_buffer_bytes(unit_sizes, layout),
                 next_steps=self._next_steps, adam_range=self._adam_range,
-                compute_target=self._compute_target, release_grad=self._release_grad,
+                compute_target=self._compute_target, release_grad=self._gradients.release,
                 wait_all=lambda handles: wait_all(handles, self.stats_counters),
                 drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._fail_step,
             ) if self._partition is not None and self._partition.shards_state else None
@@ -268,13 +263,8 @@ class Engine:
             self._update_lock = threading.Lock()
             self._update_sequence = itertools.count()
             self._step_pending = False  # a deferred step's updates or bookkeeping are not done
-            self._grad_pool: Dict[int, List[torch.Tensor]] = {}
-            self._grad_pool_lock = threading.Lock()
             self._forward_started = 0.0
             self._micro_step = 0
-            self._loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
-            self._good_steps = 0
-            self._last_grad_norm: Optional[float] = None
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0
             self._last_optimizer_seconds = 0.0
@@ -293,8 +283,8 @@ class Engine:
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.
         def restore_counters(counters: Dict[str, Any]) -> None:
-            self._micro_step, self._loss_scale = counters["micro_step"], counters["loss_scale"]
-            self._good_steps, self._last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
+            self._micro_step, self._gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
+            self._gradients.good_steps, self._gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
 
         def set_failure(failure: Optional[Dict[str, Any]]) -> None:
             self._failure = failure
@@ -307,8 +297,9 @@ class Engine:
             state=EngineState(
                 closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
-                counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._loss_scale,
-                                  "good_steps": self._good_steps, "last_grad_norm": self._last_grad_norm},
+                counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._gradients.loss_scale,
+                                  "good_steps": self._gradients.good_steps,
+                                  "last_grad_norm": self._gradients.last_grad_norm},
                 restore_counters=restore_counters))
 
 
@@ -324,7 +315,7 @@ class Engine:
         for u in self.units:
             for k, e in enumerate(u.trainable):
                 handles.append(e.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad_ready, u, k)))
+                    functools.partial(self._gradients.on_grad_ready, u, k)))
 
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._forward_depth += 1
@@ -426,80 +417,6 @@ class Engine:
             return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
         return saved
 
-    @torch.no_grad()
-    def _on_grad_ready(self, u: UnitState, k: int, param: nn.Parameter) -> None:
-        """A parameter's gradient is final for this backward: move it to the host fp32
-        buffer (accumulating across micro-steps) and free the device copy."""
-        grad = param.grad
-        if grad is None:
-            return
-        num_bytes = grad.numel() * grad.element_size()
-        self._device.hold_transient(num_bytes)
-        e = u.trainable[k]
-        sharded_grads = self._partition is not None and self._partition.shards_gradients
-        src = grad.reshape(-1)
-        if self.layout.adopts_grads:  # [Note: gradient ownership]
-            if u.has_grad[k]:
-                u.param_grads[k].add_(src)
-            else:
-                # fp32: autograd's own tensor (exclusively the parameter's, which is why
-                # PyTorch accumulates into it in place); 16-bit: a new fp32 copy
-                u.param_grads[k] = src if src.dtype == torch.float32 else src.to(torch.float32)
-                self._host.adopt(u.param_grads[k])
-        else:
-            if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
-                dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
-            else:
-                dst = self._grad_buffer(u)[e.offset:e.offset + e.numel]
-            if src.device != dst.device:
-                src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
-            if u.has_grad[k] or sharded_grads:
-                dst.add_(src)
-            else:
-                dst.copy_(src)
-        u.has_grad[k] = True
-        param.grad = None
-        self._device.drop_transient(num_bytes)
-        self.stats_counters.add_bytes("device_to_host", num_bytes)
-        if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
-            self._partition.gradient_arrived(u)
-        u.grads_since_use += 1
-        if self._early_updates and u.grads_since_use >= len(u.trainable):
-            self._maybe_update_early()
-
-    def _grad_buffer(self, u: UnitState) -> torch.Tensor:
-        """u's flat fp32 gradient buffer, taken from the pool when its first gradient
-        arrives (not with a CPU device: see [Note: gradient ownership]).
-        [Note: gradient pool] Buffers go back to the pool as soon as the unit is updated,
-        so with early updates only the units between backward and update hold one; they
-        are reused, never freed (memory touched again is fast, fresh memory is not)."""
-        if u.grad is None:
-            with self._grad_pool_lock:
-                pool = self._grad_pool.setdefault(u.grad_numel, [])  # [zero] shard-sized at stage 2
-                u.grad = pool.pop() if pool else None
-            if u.grad is None:
-                u.grad = self._host.allocate(u.grad_numel, torch.float32)
-        return u.grad
-
-    def _release_grad(self, u: UnitState) -> None:
-        if u.grad is not None:
-            with self._grad_pool_lock:
-                self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
-            u.grad = None
-        for k, g in enumerate(u.param_grads):
-            if g is not None:
-                self._host.release(g)
-                u.param_grads[k] = None
-
-    def _grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
-        """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
-        parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
-        in the parameter's own tensor."""
-        if u.grad is not None:
-            return u.grad[a - u.grad_base:b - u.grad_base]
-        e = u.trainable[k]
-        return u.param_grads[k][a - e.offset:b - e.offset]
-
     def _on_unit_backward_done(self, u: UnitState) -> None:
         u.backward_done += 1
         if self._early_updates:
@@ -523,8 +440,8 @@ class Engine:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
         self._settle_all()  # [Note: deferred updates] the last step's updates are done
         scaled = loss / self.layout.accumulation_steps
-        if self._loss_scale != 1.0:
-            scaled = scaled * self._loss_scale
+        if self._gradients.loss_scale != 1.0:
+            scaled = scaled * self._gradients.loss_scale
         # The backward before an update may start Adam on units whose gradients are final.
         self._early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
@@ -569,70 +486,11 @@ class Engine:
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
             u.updated = False
-            self._release_grad(u)
+            self._gradients.release(u)
         if self._partition is not None:  # [zero]
             self._partition.zero_grad()
 
     # ------------------------------------------------------------------ optimizer step
-    def _grad_scale_and_skip(self) -> Tuple[float, bool]:
-        """Factor folded into Adam (unscale x clip) and whether to skip this step."""
-        # The norm is taken on every step, clipping or not: it is also how NaN/Inf gradients
-        # are found (and reported with the first parameter that has them). Units updated
-        # early (only when neither clipping nor skipping needs the norm first) brought theirs.
-        squares = torch.zeros((), dtype=torch.float64)
-        first_nonfinite: Optional[Tuple[UnitState, ParamEntry]] = None
-        scanned = self.units
-        if self._partition is not None:  # [zero] each rank its part; one all-reduce per step
-            squares = self._partition.global_grad_squares(self.units)
-            scanned = []  # (a NaN is then reported without the parameter that has it)
-        for u in scanned:
-            if u.updated:
-                squares += u.early_grad_squares
-                if first_nonfinite is None and u.early_nonfinite is not None:
-                    first_nonfinite = (u, u.early_nonfinite)
-                continue
-            for k, e in enumerate(u.trainable):
-                if u.has_grad[k]:
-                    square = self._grad_squares(u, k)
-                    if first_nonfinite is None and not torch.isfinite(square):
-                        first_nonfinite = (u, e)
-                    squares += square
-        inv_scale = 1.0 / self._loss_scale
-        total_norm = squares.sqrt().item() * inv_scale
-        finite = total_norm == total_norm and total_norm != float("inf")
-        if not finite:
-            self.stats_counters.count("nonfinite_steps")
-            if not self.layout.fp16:  # with fp16 an overflow is routine loss scaling
-                where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
-                         if first_nonfinite else "the gradient norm")
-                action = ("the step is skipped (skip_nonfinite_steps=True)" if self.layout.skip_nonfinite_steps
-                          else "the step goes ahead and writes NaN/Inf into the parameters; set "
-                          "skip_nonfinite_steps=True to skip such steps")
-                warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {self._micro_step}, first "
-                              f"in {where}; {action}", RuntimeWarning, stacklevel=4)
-            if self.layout.fp16:
-                self._loss_scale = max(self._loss_scale / 2, self.layout.min_loss_scale)
-                self._good_steps = 0
-                return inv_scale, True
-            if self.layout.skip_nonfinite_steps:
-                return inv_scale, True
-        elif self.layout.fp16:
-            self._good_steps += 1
-            if self._good_steps % self.layout.loss_scale_window == 0:
-                self._loss_scale *= 2
-        self._last_grad_norm = total_norm
-        factor = inv_scale
-        if self.layout.max_grad_norm is not None and finite:
-            clip = self.layout.max_grad_norm / (total_norm + 1e-6)
-            if clip < 1.0:
-                factor *= clip
-        return factor, False
-
-    def _grad_squares(self, u: UnitState, k: int) -> torch.Tensor:
-        e = u.trainable[k]
-        g = self._grad_range(u, k, e.offset, e.offset + e.numel)
-        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-
     def _check_not_failed(self, what: str) -> None:
         if self._failure is not None:
             raise EngineFailedError(f"{what}: {self._failure['message']}")
@@ -652,7 +510,7 @@ class Engine:
         self._wait_optimizer()
         if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
             self._partition.finish_gradients(self.units)
-        grad_factor, skip = self._grad_scale_and_skip()
+        grad_factor, skip = self._gradients.scale_and_skip(self._micro_step)
         if skip:
             self.stats_counters.count("skipped_steps")
             self._step_ring.wait_root_reads()
@@ -814,7 +672,7 @@ class Engine:
                 self._residency.land_fills()
                 for u in self.units:
                     u.forget_update()
-            self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
+            self._gradients.scale_and_skip(self._micro_step)  # the norm (and a warning for NaN/Inf) from the early squares
             self.zero_grad()
             self._step_ring.raise_write_errors(self._micro_step)
         except BaseException:
@@ -826,7 +684,7 @@ class Engine:
         u.early_grad_squares, u.early_nonfinite = 0.0, None
         for k, e in enumerate(u.trainable):
             if u.has_grad[k]:
-                square = self._grad_squares(u, k).item()
+                square = self._gradients.squares(u, k).item()
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares += square
@@ -931,7 +789,7 @@ class Engine:
             group = groups[e.group_index]
             beta1, beta2 = group["betas"]
             adam_step_flat(
-                master[r], self._grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
+                master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
                 copy_out=None if compute_out is None else compute_out[r])
@@ -965,7 +823,7 @@ class Engine:
                          groups=groups)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         u.steps = steps
-        self._release_grad(u)
+        self._gradients.release(u)
 
 
     # ------------------------------------------------------------------ reading state
@@ -1069,7 +927,7 @@ class Engine:
             "deferred_updates": s.counts["deferred_updates"],
             "update_fills": s.counts["update_fills"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
-            "loss_scale": self._loss_scale,
+            "loss_scale": self._gradients.loss_scale,
             "num_units": len(self.units),
             # [zero] per rank: what this rank holds (gradient buffers as planned: the pool
             # fills them lazily)

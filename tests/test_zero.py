@@ -102,7 +102,7 @@ def _train_worker(rank, port, config, data, out_dir):
                     host_peak_midway = engine.stats()["host_peak_bytes"]
             result = {"state": engine.state_dict(), "stats": engine.stats(),
                       "host_peak_midway": host_peak_midway,
-                      "grad_norm": engine._last_grad_norm, "losses": losses}
+                      "grad_norm": engine._gradients.last_grad_norm, "losses": losses}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

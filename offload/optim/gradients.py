@@ -1,0 +1,208 @@
+"""Gradients from the moment autograd has accumulated them to the unit's update: who owns
+them ([Note: gradient ownership]), the pool of flat buffers ([Note: gradient pool]), and
+what the optimizer step takes from them (the global norm, the clipping factor, fp16 loss
+scaling and the check for NaN/Inf).
+
+[Note: gradient ownership] A parameter's gradient leaves the device as soon as autograd has
+accumulated it (``Gradients.on_grad_ready``) and is held on the host tier until the unit's
+Adam has run. With CUDA (and [zero] with several ranks, whose collectives need flat
+buffers) it is copied into the unit's flat fp32 buffer from the gradient pool ([Note:
+gradient pool]). With a CPU device the gradient already lies in host RAM: the host tier
+takes autograd's tensor itself (a new fp32 copy when the compute dtype is 16-bit), one per
+parameter, and drops it when the unit is updated. Nothing then stays allocated for
+gradients between steps, no copy is made, and the memory of the gradients of one backward
+is that of plain PyTorch, given back as units are updated. The tier accounts these tensors
+like its own buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts
+them as moved.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload.memory.layout import Layout, UnitState
+from offload.stats import Stats
+from offload.tiers import DeviceTier, HostTier
+from offload.units import ParamEntry
+from offload.zero import Partition
+
+__all__ = ["Gradients"]
+
+
+class Gradients:
+    """Owns the gradients between backward and each unit's update, and the loss-scale
+    state of the step that consumes them.
+
+    The per-unit buffers themselves stay on the UnitState (``grad``, ``param_grads``,
+    ``has_grad``); this object decides where they come from and where they go. The
+    gradient hooks run on the main thread; ``release`` and ``grad_range`` also run on the
+    optimizer worker (early and deferred updates), hence the pool's lock.
+    """
+
+    def __init__(self, units: List[UnitState], *, layout: Layout, partition: Optional[Partition],
+                 device: DeviceTier, host: HostTier, stats: Stats,
+                 early_updates: Callable[[], bool], maybe_update_early: Callable[[], None]) -> None:
+        """``partition``: [zero] the ranks' partition, or None with one rank. The callables
+        are the engine's: whether this backward may update units early ([Note: early
+        updates]), and the check that starts the updates of units now done."""
+        self._units = units
+        self._layout = layout
+        self._partition = partition
+        self._device = device
+        self._host = host
+        self._stats = stats
+        self._early_updates = early_updates
+        self._maybe_update_early = maybe_update_early
+        # [Note: gradient pool] free flat buffers by element count
+        self._grad_pool: Dict[int, List[torch.Tensor]] = {}
+        self._grad_pool_lock = threading.Lock()
+        # fp16 loss scaling: the scale and the finite steps since it last changed
+        self.loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
+        self.good_steps = 0
+        self.last_grad_norm: Optional[float] = None  # of the last step (None before one)
+
+    # ------------------------------------------------------------------ ownership
+    @torch.no_grad()
+    def on_grad_ready(self, u: UnitState, k: int, param: nn.Parameter) -> None:
+        """A parameter's gradient is final for this backward: move it to the host fp32
+        buffer (accumulating across micro-steps) and free the device copy."""
+        grad = param.grad
+        if grad is None:
+            return
+        num_bytes = grad.numel() * grad.element_size()
+        self._device.hold_transient(num_bytes)
+        e = u.trainable[k]
+        sharded_grads = self._partition is not None and self._partition.shards_gradients
+        src = grad.reshape(-1)
+        if self._layout.adopts_grads:  # [Note: gradient ownership]
+            if u.has_grad[k]:
+                u.param_grads[k].add_(src)
+            else:
+                # fp32: autograd's own tensor (exclusively the parameter's, which is why
+                # PyTorch accumulates into it in place); 16-bit: a new fp32 copy
+                u.param_grads[k] = src if src.dtype == torch.float32 else src.to(torch.float32)
+                self._host.adopt(u.param_grads[k])
+        else:
+            if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
+                dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
+            else:
+                dst = self.grad_buffer(u)[e.offset:e.offset + e.numel]
+            if src.device != dst.device:
+                src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
+            if u.has_grad[k] or sharded_grads:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+        u.has_grad[k] = True
+        param.grad = None
+        self._device.drop_transient(num_bytes)
+        self._stats.add_bytes("device_to_host", num_bytes)
+        if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
+            self._partition.gradient_arrived(u)
+        u.grads_since_use += 1
+        if self._early_updates() and u.grads_since_use >= len(u.trainable):
+            self._maybe_update_early()
+
+    def grad_buffer(self, u: UnitState) -> torch.Tensor:
+        """u's flat fp32 gradient buffer, taken from the pool when its first gradient
+        arrives (not with a CPU device: see [Note: gradient ownership]).
+        [Note: gradient pool] Buffers go back to the pool as soon as the unit is updated,
+        so with early updates only the units between backward and update hold one; they
+        are reused, never freed (memory touched again is fast, fresh memory is not)."""
+        if u.grad is None:
+            with self._grad_pool_lock:
+                pool = self._grad_pool.setdefault(u.grad_numel, [])  # [zero] shard-sized at stage 2
+                u.grad = pool.pop() if pool else None
+            if u.grad is None:
+                u.grad = self._host.allocate(u.grad_numel, torch.float32)
+        return u.grad
+
+    def release(self, u: UnitState) -> None:
+        """u is updated (or its gradients dropped): its buffer back to the pool ([Note:
+        gradient pool]), autograd's tensors back to the host tier ([Note: gradient
+        ownership])."""
+        if u.grad is not None:
+            with self._grad_pool_lock:
+                self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
+            u.grad = None
+        for k, g in enumerate(u.param_grads):
+            if g is not None:
+                self._host.release(g)
+                u.param_grads[k] = None
+
+    def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
+        """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
+        parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
+        in the parameter's own tensor."""
+        if u.grad is not None:
+            return u.grad[a - u.grad_base:b - u.grad_base]
+        e = u.trainable[k]
+        return u.param_grads[k][a - e.offset:b - e.offset]
+
+    # ------------------------------------------------------------------ norm and scaling
+    def scale_and_skip(self, micro_step: int) -> Tuple[float, bool]:
+        """Factor folded into Adam (unscale x clip) and whether to skip this step.
+        ``micro_step``: the engine's count, for the NaN/Inf warning."""
+        # The norm is taken on every step, clipping or not: it is also how NaN/Inf gradients
+        # are found (and reported with the first parameter that has them). Units updated
+        # early (only when neither clipping nor skipping needs the norm first) brought theirs.
+        squares = torch.zeros((), dtype=torch.float64)
+        first_nonfinite: Optional[Tuple[UnitState, ParamEntry]] = None
+        scanned = self._units
+        if self._partition is not None:  # [zero] each rank its part; one all-reduce per step
+            squares = self._partition.global_grad_squares(self._units)
+            scanned = []  # (a NaN is then reported without the parameter that has it)
+        for u in scanned:
+            if u.updated:
+                squares += u.early_grad_squares
+                if first_nonfinite is None and u.early_nonfinite is not None:
+                    first_nonfinite = (u, u.early_nonfinite)
+                continue
+            for k, e in enumerate(u.trainable):
+                if u.has_grad[k]:
+                    square = self.squares(u, k)
+                    if first_nonfinite is None and not torch.isfinite(square):
+                        first_nonfinite = (u, e)
+                    squares += square
+        layout = self._layout
+        inv_scale = 1.0 / self.loss_scale
+        total_norm = squares.sqrt().item() * inv_scale
+        finite = total_norm == total_norm and total_norm != float("inf")
+        if not finite:
+            self._stats.count("nonfinite_steps")
+            if not layout.fp16:  # with fp16 an overflow is routine loss scaling
+                where = (f"unit {first_nonfinite[0].name!r} (parameter {first_nonfinite[1].fqn!r})"
+                         if first_nonfinite else "the gradient norm")
+                action = ("the step is skipped (skip_nonfinite_steps=True)" if layout.skip_nonfinite_steps
+                          else "the step goes ahead and writes NaN/Inf into the parameters; set "
+                          "skip_nonfinite_steps=True to skip such steps")
+                # stacklevel: the caller of Engine.step (step -> _optimizer_step -> here)
+                warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {micro_step}, first "
+                              f"in {where}; {action}", RuntimeWarning, stacklevel=4)
+            if layout.fp16:
+                self.loss_scale = max(self.loss_scale / 2, layout.min_loss_scale)
+                self.good_steps = 0
+                return inv_scale, True
+            if layout.skip_nonfinite_steps:
+                return inv_scale, True
+        elif layout.fp16:
+            self.good_steps += 1
+            if self.good_steps % layout.loss_scale_window == 0:
+                self.loss_scale *= 2
+        self.last_grad_norm = total_norm
+        factor = inv_scale
+        if layout.max_grad_norm is not None and finite:
+            clip = layout.max_grad_norm / (total_norm + 1e-6)
+            if clip < 1.0:
+                factor *= clip
+        return factor, False
+
+    def squares(self, u: UnitState, k: int) -> torch.Tensor:
+        """Sum of squares of u's k-th trainable parameter's gradient (float64, 0-d)."""
+        e = u.trainable[k]
+        g = self.grad_range(u, k, e.offset, e.offset + e.numel)
+        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
