@@ -4,17 +4,6 @@ The setup reads top to bottom in ``Engine.__init__``: unpack the config, cut the
 units, check every budget (before anything is allocated or created), allocate the tiers,
 move each unit's state to its home tier, install the hooks.
 
-[Note: saved parameters] Autograd keeps references to the parameters a backward formula
-needs (the weight of a Linear, say). Those tensors are views into the device arena, whose
-slots are reused by other units once a unit is released. A saved-tensors hook therefore
-replaces every saved view of the arena by a reference (unit, offset, size, stride) and, when
-backward unpacks it, fetches the unit again if it has left the device. So correctness never
-depends on what is resident when; residency only decides speed.
-
-[Note: released parameters] A parameter whose unit is not on the device holds an empty
-tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
-optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
-
 [Note: a failed wrap changes nothing] From the moment wrap first changes something the
 caller holds (the meta stand-ins go into the model and the optimizer) to its last step,
 every change is logged on one ExitStack as the way to undo it: module parameter and buffer
@@ -39,17 +28,16 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from offload import checkpoint
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
+from offload.hooks import Hooks
 from offload.optim import adam_step_flat
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep, drain, wait_all
@@ -69,31 +57,6 @@ from offload.zero import Partition
 from offload.zero.step import ShardedStep
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward tells the engine that one call of the unit
-    has finished its backward (the gradient with respect to its inputs is complete)."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
-        outputs = tuple(t.view_as(t) for t in tensors)
-        return outputs if len(outputs) > 1 else outputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.callback()
-        return (None, *grads)
-
-
-@dataclass(frozen=True)
-class _SavedParamRef:
-    """Stands for a saved view of the arena while backward has not used it yet."""
-
-    unit_index: int
-    relative_offset: int
-    size: torch.Size
-    stride: Tuple[int, ...]
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -247,9 +210,6 @@ class Engine:
                           undo)
 
             # 7. The worker that updates units, hooks.
-            self._last_train_key: Optional[Tuple[Any, ...]] = None
-            self._backward_unit: Optional[UnitState] = None
-            self._backward_started = 0.0
             # Early optimizer updates (a unit's Adam as soon as its gradients are final in
             # backward; when, see Layout.early_allowed) run on this worker, overlapping the
             # rest of backward. [zero] Collectives run only on the main thread (this also
@@ -263,18 +223,20 @@ class Engine:
             self._update_lock = threading.Lock()
             self._update_sequence = itertools.count()
             self._step_pending = False  # a deferred step's updates or bookkeeping are not done
-            self._forward_started = 0.0
             self._micro_step = 0
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0
             self._last_optimizer_seconds = 0.0
-            self._forward_depth = 0
-            self._saved_hooks: List[Any] = []
-            self._hook_handles: List[Any] = []
-            # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
-            self._buffers = [b for b in model.buffers()]
-            undo.callback(self._remove_hooks)
-            self._install_hooks()
+            # Every use of a unit, in forward and backward, goes through these hooks; the
+            # gradient hooks hand gradients to self._gradients ([Note: gradient ownership]).
+            self._hooks = Hooks(
+                model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
+                prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
+                wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
+                step_pending=lambda: self._step_pending, wait_optimizer=self._wait_optimizer,
+                early_updates=lambda: self._early_updates, maybe_update_early=self._maybe_update_early)
+            undo.callback(self._hooks.remove)
+            self._hooks.install()
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         # [Note: swap I/O failures] _failure: None, or why the engine refuses to train.
         self._failure: Optional[Dict[str, Any]] = None
@@ -303,125 +265,6 @@ class Engine:
                 restore_counters=restore_counters))
 
 
-    # ------------------------------------------------------------------ hooks
-    def _install_hooks(self) -> None:
-        handles = self._hook_handles
-        handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        handles.append(self.module.register_forward_hook(self._root_post_forward, always_call=True))
-        for u in self.units[1:]:
-            handles.append(u.spec.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
-            handles.append(u.spec.module.register_forward_hook(
-                functools.partial(self._unit_post_forward, u), always_call=True))
-        for u in self.units:
-            for k, e in enumerate(u.trainable):
-                handles.append(e.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._gradients.on_grad_ready, u, k)))
-
-    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self._forward_depth += 1
-        if self._forward_depth > 1:
-            return
-        self._forward_started = time.perf_counter()
-        if not self._step_pending:  # [Note: deferred updates] else each fetch waits for its unit
-            self._wait_optimizer()
-        if self._partition is not None and self.module.training and self._buffers:  # [zero]
-            self._partition.broadcast_buffers(self._buffers)
-        key = self._pass_key(args, kwargs)
-        if key[0] and key[1]:
-            self._last_train_key = key
-        self._prefetcher.begin_pass(key)
-        self._residency.begin_pass()
-        for u in self.units:
-            u.calls = u.backward_done = 0
-        if torch.is_grad_enabled():  # [Note: saved parameters]
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
-            ctx.__enter__()
-            self._saved_hooks.append(ctx)
-        self._residency.need(self._root)
-        self._residency.wait_ready(self._root)
-        if self._root.compute_state == Residency.LOADED:
-            self._root.compute_state.to(Residency.IN_USE)
-
-    def _pass_key(self, args: Any, kwargs: Any) -> Tuple[Any, ...]:
-        """Passes of one kind share a trace: same mode, grad mode and argument shapes."""
-        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-                          for x in tree_flatten((args, kwargs))[0])
-        return (self.module.training, torch.is_grad_enabled(), signature)
-
-    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._forward_depth -= 1
-        if self._forward_depth > 0:
-            return
-        if self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
-        if self._root.compute_state == Residency.IN_USE:
-            self._root.compute_state.to(Residency.LOADED)
-        self._timeline.span("phase", "forward", self._forward_started, time.perf_counter())
-
-    def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:
-        start = time.perf_counter()
-        u.calls += 1
-        self._residency.need(u)
-        self._residency.wait_ready(u)
-        u.compute_started = self._timeline.wait(f"forward {u.name}", start)
-        if u.compute_state == Residency.LOADED:
-            u.compute_state.to(Residency.IN_USE)
-        if not torch.is_grad_enabled():
-            return None
-        wrap_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not wrap_at:
-            return None
-        wrapped = _PostBackward.apply(functools.partial(self._on_unit_backward_done, u),
-                                      *(args[i] for i in wrap_at))
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        args = list(args)
-        for i, t in zip(wrap_at, wrapped):
-            args[i] = t
-        return tuple(args)
-
-    def _unit_post_forward(self, u: UnitState, module: nn.Module, args: Any, output: Any) -> None:
-        if u.compute_state == Residency.IN_USE:
-            u.compute_state.to(Residency.LOADED)
-        self._timeline.span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._pre_backward, u))
-
-    def _pre_backward(self, u: UnitState, grad: torch.Tensor) -> None:
-        """The gradient of u's output has arrived: u's backward is next. Bring it back."""
-        now = time.perf_counter()
-        if self._backward_unit is not None and self._backward_unit is not u:
-            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
-        self._backward_unit = u
-        self._residency.need(u)
-        self._residency.wait_ready(u)
-        self._backward_started = self._timeline.wait(f"backward {u.name}", now)
-        self._maybe_update_early()
-
-    def _pack_saved(self, t: torch.Tensor) -> Any:
-        offset = self._device.offset_of(t) if t.device == self.device and t.dtype == self.compute_dtype else None
-        if offset is not None:
-            for u in self.units:
-                if u.device_offset is not None and u.compute_state.value in (Residency.LOADED, Residency.IN_USE) \
-                        and u.device_offset <= offset < u.device_offset + u.compute_numel:
-                    return _SavedParamRef(u.index, offset - u.device_offset, t.size(), t.stride())
-            raise AssertionError("a saved view of the device arena belongs to no resident unit")
-        return t
-
-    def _unpack_saved(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _SavedParamRef):
-            u = self.units[saved.unit_index]
-            self._residency.need(u)
-            self._residency.wait_ready(u)
-            return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
-        return saved
-
-    def _on_unit_backward_done(self, u: UnitState) -> None:
-        u.backward_done += 1
-        if self._early_updates:
-            self._maybe_update_early()
-
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -445,7 +288,7 @@ class Engine:
         # The backward before an update may start Adam on units whose gradients are final.
         self._early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
-        self._backward_unit = None
+        self._hooks.begin_backward()
         if self._early_updates and self.layout.staged_step and self._root.trainable and not self._defers_updates() \
                 and not self._root.updated and self._step_ring.root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
@@ -458,9 +301,7 @@ class Engine:
                 scaled.backward()
         finally:
             self._early_updates = False
-        if self._backward_unit is not None:
-            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started,
-                                time.perf_counter())
+        self._hooks.end_backward()
         self._timeline.span("phase", "backward", start, time.perf_counter())
 
     def step(self) -> None:
@@ -613,7 +454,7 @@ class Engine:
         errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
         or close (_settle_all), which is also where a failed update is raised."""
         first_use: Dict[int, int] = {}
-        key = self._last_train_key
+        key = self._hooks.last_train_key
         for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
             first_use.setdefault(index, position)
 
@@ -741,10 +582,10 @@ class Engine:
     def _prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
         first units of the next training pass while the caller prepares its batch."""
-        if not self._prefetcher.enabled or self._last_train_key is None:
+        if not self._prefetcher.enabled or self._hooks.last_train_key is None:
             return
         budget = self.layout.prefetch_units
-        for index in self._prefetcher.first_units(self._last_train_key)[:budget]:
+        for index in self._prefetcher.first_units(self._hooks.last_train_key)[:budget]:
             u = self.units[index]
             if self._pending_update(u):
                 if self._residency.prefetch_updating(u):
@@ -976,11 +817,6 @@ class Engine:
         self._timeline.export(path, list(self._nvme.recent) if self._nvme is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
-    def _remove_hooks(self) -> None:
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles.clear()
-
     def _close_tiers(self) -> None:
         if self._nvme is not None:
             self._nvme.close()
@@ -1000,7 +836,7 @@ class Engine:
         finally:
             self._residency.shutdown()
             self._optimizer_worker.shutdown(wait=True)
-        self._remove_hooks()
+        self._hooks.remove()
         self._close_tiers()
         if deferred and self._step_ring.write_errors:
             (unit, first), *_ = self._step_ring.write_errors

@@ -382,13 +382,13 @@ def _fail_wrap(where, monkeypatch, swap_writes):
     """Make the next wrap fail ``where`` (one of WRAP_FAILURES); returns the pytest.raises
     its failure matches."""
     if where == "after the last step":
-        install_hooks = offload.engine.Engine._install_hooks
+        install_hooks = offload.hooks.Hooks.install
 
-        def install_hooks_then_fail(engine):
-            install_hooks(engine)
+        def install_hooks_then_fail(hooks):
+            install_hooks(hooks)
             raise RuntimeError("injected failure after the last step of wrap")
 
-        monkeypatch.setattr(offload.engine.Engine, "_install_hooks", install_hooks_then_fail)
+        monkeypatch.setattr(offload.hooks.Hooks, "install", install_hooks_then_fail)
         return pytest.raises(RuntimeError, match="injected failure")
     k = 1 if where == "first swap write" else swap_writes
     start_engine = offload.tiers.nvme._start_engine

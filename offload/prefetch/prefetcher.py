@@ -8,7 +8,7 @@ the unit whose next use is farthest leaves first.
 [Note: divergence] A pass that asks for a unit the trace did not predict (data-dependent
 control flow, a skipped module, a recompute that did not happen before), or that ends
 before the trace does, stops prefetching for the rest of that pass: everything left is
-fetched on demand, which is always correct (see [Note: saved parameters] in engine.py).
+fetched on demand, which is always correct (see [Note: saved parameters] in hooks.py).
 One warning per cause, not per pass, and the pass just seen becomes the new trace.
 """
 from __future__ import annotations

@@ -1,0 +1,274 @@
+"""The forward and backward hooks that bring units to the device as the model uses them, and
+the saved-tensor hooks that let backward find parameters again after their unit has left.
+
+Each hook is one use of a unit, told in the same order: have the unit on the device (the
+``need`` callable: wait for its prefetch or fetch it, evicting as the plan says, then issue
+the plan's next transfers), wait until its copy has landed on this stream, mark it in use
+for as long as its compute runs, and give it back after.
+
+[Note: saved parameters] Autograd keeps references to the parameters a backward formula
+needs (the weight of a Linear, say). Those tensors are views into the device arena, whose
+slots are reused by other units once a unit is released. A saved-tensors hook therefore
+replaces every saved view of the arena by a reference (unit, offset, size, stride) and, when
+backward unpacks it, fetches the unit again if it has left the device. So correctness never
+depends on what is resident when; residency only decides speed.
+
+[Note: released parameters] A parameter whose unit is not on the device holds an empty
+tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
+optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from offload.memory.layout import UnitState
+from offload.optim.gradients import Gradients
+from offload.prefetch import Prefetcher
+from offload.stats import Timeline
+from offload.tiers import DeviceTier
+from offload.units import Residency
+from offload.zero import Partition
+
+__all__ = ["Hooks"]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the engine that one call of the unit
+    has finished its backward (the gradient with respect to its inputs is complete)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        outputs = tuple(t.view_as(t) for t in tensors)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclass(frozen=True)
+class _SavedParamRef:
+    """Stands for a saved view of the arena while backward has not used it yet."""
+
+    unit_index: int
+    relative_offset: int
+    size: torch.Size
+    stride: Tuple[int, ...]
+
+
+class Hooks:
+    """The hooks on the model (its root, every other unit's module, every trainable
+    parameter's gradient) and the saved-tensor hooks of a forward under grad mode; owns
+    their handles and what the hooks keep between calls: the forward nesting depth, the
+    unit whose backward runs now, the key of the last training pass. Main thread only
+    (autograd runs these hooks on the thread that calls backward)."""
+
+    def __init__(self, module: nn.Module, units: List[UnitState], *, gradients: Gradients,
+                 device: DeviceTier, partition: Optional[Partition], prefetcher: Prefetcher,
+                 timeline: Timeline,
+                 need: Callable[[UnitState], None],
+                 wait_ready: Callable[[UnitState], None],
+                 forget_last_needed: Callable[[], None],
+                 step_pending: Callable[[], bool],
+                 wait_optimizer: Callable[[], None],
+                 early_updates: Callable[[], bool],
+                 maybe_update_early: Callable[[], None]) -> None:
+        """``units``: the root first. ``gradients`` takes each parameter's gradient once
+        autograd has accumulated it. ``partition``: [zero] the ranks' partition, or None.
+        The callables are the engine's, for residency and the optimizer step:
+        - ``need(u)``: u is about to be used; have it on the device (or its transfer in
+          flight) and start the transfers the prefetch plan says come next;
+        - ``wait_ready(u)``: make the compute stream wait for u's transfer to land;
+        - ``forget_last_needed()``: a new pass begins, no unit is the current one;
+        - ``step_pending()``: the last step's deferred updates are still running ([Note:
+          deferred updates]); ``wait_optimizer()``: wait for every queued update;
+        - ``early_updates()``: this backward may update units as they finish ([Note: early
+          updates]); ``maybe_update_early()``: start the updates of units now done."""
+        self._module = module
+        self._units = units
+        self._root = units[0]
+        self._gradients = gradients
+        self._device = device
+        self._partition = partition
+        self._prefetcher = prefetcher
+        self._timeline = timeline
+        self._need = need
+        self._wait_ready = wait_ready
+        self._forget_last_needed = forget_last_needed
+        self._step_pending = step_pending
+        self._wait_optimizer = wait_optimizer
+        self._early_updates = early_updates
+        self._maybe_update_early = maybe_update_early
+        # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
+        self._buffers = [b for b in module.buffers()]
+        self._handles: List[Any] = []
+        self._saved_hooks: List[Any] = []  # the saved-tensor hooks of the forward running now
+        self._forward_depth = 0  # the root's forward may be called from within itself
+        self._forward_started = 0.0
+        self._backward_unit: Optional[UnitState] = None  # the unit whose backward runs now
+        self._backward_started = 0.0
+        # The key of the last training pass with grad mode: the trace the next one replays.
+        self.last_train_key: Optional[Tuple[Hashable, ...]] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def install(self) -> None:
+        handles = self._handles
+        handles.append(self._module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        handles.append(self._module.register_forward_hook(self._root_post_forward, always_call=True))
+        for u in self._units[1:]:
+            handles.append(u.spec.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
+            handles.append(u.spec.module.register_forward_hook(
+                functools.partial(self._unit_post_forward, u), always_call=True))
+        for u in self._units:
+            for k, e in enumerate(u.trainable):
+                handles.append(e.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._gradients.on_grad_ready, u, k)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._forward_depth += 1
+        if self._forward_depth > 1:
+            return
+        self._forward_started = time.perf_counter()
+        # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
+        #    waits for its own unit), and [zero] the ranks' buffers agree.
+        if not self._step_pending():
+            self._wait_optimizer()
+        if self._partition is not None and self._module.training and self._buffers:  # [zero]
+            self._partition.broadcast_buffers(self._buffers)
+        # 2. A new pass: the trace of its kind is replayed, every unit's calls counted anew.
+        key = self._pass_key(args, kwargs)
+        if key[0] and key[1]:
+            self.last_train_key = key
+        self._prefetcher.begin_pass(key)
+        self._forget_last_needed()
+        for u in self._units:
+            u.calls = u.backward_done = 0
+        # 3. Saved views of the arena become references ([Note: saved parameters]).
+        if torch.is_grad_enabled():
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+            ctx.__enter__()
+            self._saved_hooks.append(ctx)
+        # 4. The root on the device, in use until the whole forward is over.
+        self._need(self._root)
+        self._wait_ready(self._root)
+        if self._root.compute_state == Residency.LOADED:
+            self._root.compute_state.to(Residency.IN_USE)
+
+    def _pass_key(self, args: Any, kwargs: Any) -> Tuple[Hashable, ...]:
+        """Passes of one kind share a trace: same mode, grad mode and argument shapes."""
+        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+                          for x in tree_flatten((args, kwargs))[0])
+        return (self._module.training, torch.is_grad_enabled(), signature)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+        if self._forward_depth > 0:
+            return
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+        if self._root.compute_state == Residency.IN_USE:
+            self._root.compute_state.to(Residency.LOADED)
+        self._timeline.span("phase", "forward", self._forward_started, time.perf_counter())
+
+    def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:
+        start = time.perf_counter()
+        u.calls += 1
+        # 1. u on the device (its prefetch waited for, or fetched now), the next ones issued.
+        self._need(u)
+        self._wait_ready(u)
+        u.compute_started = self._timeline.wait(f"forward {u.name}", start)
+        # 2. In use while its forward runs: no eviction takes its slot.
+        if u.compute_state == Residency.LOADED:
+            u.compute_state.to(Residency.IN_USE)
+        # 3. Under grad mode its inputs report when this call's backward is over.
+        if not torch.is_grad_enabled():
+            return None
+        wrap_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not wrap_at:
+            return None
+        wrapped = _PostBackward.apply(functools.partial(self._on_unit_backward_done, u),
+                                      *(args[i] for i in wrap_at))
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        args = list(args)
+        for i, t in zip(wrap_at, wrapped):
+            args[i] = t
+        return tuple(args)
+
+    def _unit_post_forward(self, u: UnitState, module: nn.Module, args: Any, output: Any) -> None:
+        # 1. Done with u: its slot may be evicted again.
+        if u.compute_state == Residency.IN_USE:
+            u.compute_state.to(Residency.LOADED)
+        self._timeline.span("compute", f"forward {u.name}", u.compute_started, time.perf_counter())
+        # 2. Under grad mode the gradient of its output says that u's backward comes next.
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, u))
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self) -> None:
+        """A backward starts: no unit's backward runs yet."""
+        self._backward_unit = None
+
+    def end_backward(self) -> None:
+        """The backward is over: close the compute span of the unit that ran last."""
+        if self._backward_unit is not None:
+            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started,
+                                time.perf_counter())
+
+    def _pre_backward(self, u: UnitState, grad: torch.Tensor) -> None:
+        """The gradient of u's output has arrived: u's backward is next. Bring it back."""
+        now = time.perf_counter()
+        # 1. The unit before it is done computing.
+        if self._backward_unit is not None and self._backward_unit is not u:
+            self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
+        self._backward_unit = u
+        # 2. u on the device, the next ones issued.
+        self._need(u)
+        self._wait_ready(u)
+        self._backward_started = self._timeline.wait(f"backward {u.name}", now)
+        # 3. Units whose gradients are final may be updated now ([Note: early updates]).
+        self._maybe_update_early()
+
+    def _on_unit_backward_done(self, u: UnitState) -> None:
+        u.backward_done += 1
+        if self._early_updates():
+            self._maybe_update_early()
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack_saved(self, t: torch.Tensor) -> Any:
+        """[Note: saved parameters] A view of a resident unit's slot becomes a reference."""
+        device = self._device
+        offset = device.offset_of(t) if t.device == device.device and t.dtype == device.dtype else None
+        if offset is not None:
+            for u in self._units:
+                if u.device_offset is not None and u.compute_state.value in (Residency.LOADED, Residency.IN_USE) \
+                        and u.device_offset <= offset < u.device_offset + u.compute_numel:
+                    return _SavedParamRef(u.index, offset - u.device_offset, t.size(), t.stride())
+            raise AssertionError("a saved view of the device arena belongs to no resident unit")
+        return t
+
+    def _unpack_saved(self, saved: Any) -> torch.Tensor:
+        """[Note: saved parameters] A reference becomes a view again, its unit fetched."""
+        if isinstance(saved, _SavedParamRef):
+            u = self._units[saved.unit_index]
+            self._need(u)
+            self._wait_ready(u)
+            return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
+        return saved
