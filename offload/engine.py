@@ -245,8 +245,9 @@ class Engine:
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.
         def restore_counters(counters: Dict[str, Any]) -> None:
-            self._micro_step, self._gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
-            self._gradients.good_steps, self._gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
+            gradients = self._gradients
+            self._micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
+            gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
 
         def set_failure(failure: Optional[Dict[str, Any]]) -> None:
             self._failure = failure
@@ -513,7 +514,7 @@ class Engine:
                 self._residency.land_fills()
                 for u in self.units:
                     u.forget_update()
-            self._gradients.scale_and_skip(self._micro_step)  # the norm (and a warning for NaN/Inf) from the early squares
+            self._gradients.scale_and_skip(self._micro_step)  # the norm (a NaN/Inf warning): early squares
             self.zero_grad()
             self._step_ring.raise_write_errors(self._micro_step)
         except BaseException:
