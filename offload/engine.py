@@ -291,7 +291,7 @@ class Engine:
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
         self._hooks.begin_backward()
         if self._early_updates and self.layout.staged_step and self._root.trainable and not self._defers_updates() \
-                and not self._root.updated and self._step_ring.root_prestaged is None:
+                and not self._root.update.updated and self._step_ring.root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
             # PipelinedStep.staged_update gives the first unit, the root (early updates use the others).
@@ -325,9 +325,11 @@ class Engine:
 
     def zero_grad(self) -> None:
         self._settle_all()
+        if self._early_futures:  # [Note: update states] early updates queued, no step() since
+            self._wait_optimizer()
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
-            u.updated = False
+            u.update.reset()
             self._gradients.release(u)
         if self._partition is not None:  # [zero]
             self._partition.zero_grad()
@@ -358,7 +360,7 @@ class Engine:
             self._step_ring.wait_root_reads()
             self.zero_grad()
             return
-        units = [u for u in self.units if any(u.has_grad) and not u.updated]
+        units = [u for u in self.units if any(u.has_grad) and not u.update.updated]
         try:
             with self.stats_counters.timed("optimizer"):
                 if self._sharded_step is not None:  # [zero] stage >= 1
@@ -376,9 +378,9 @@ class Engine:
             self._residency.forget_stale()
             if self.layout.param_tier != "device":
                 for u in self.units:
-                    if u.compute_state == Residency.LOADED and not u.update_in_device:
+                    if u.compute_state == Residency.LOADED and not u.update.in_device:
                         self._residency.release(u)
-                    u.update_in_device = False
+                    u.update.in_device = False
         self._step_ring.raise_write_errors(self._micro_step)
 
     def _maybe_update_early(self) -> None:
@@ -393,18 +395,17 @@ class Engine:
         if not self._early_updates:
             return
         for u in self.units[1:]:
-            if u.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
+            if u.update.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
                 continue
             trace_done = self._prefetcher.used_later(u.index) is False
             calls_done = 0 < u.calls <= u.backward_done
             if trace_done or calls_done:
-                u.updated = True
                 self.stats_counters.count("early_updates")
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
-                u.update_in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
+                u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
                 self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
-                if self.layout.param_tier != "device" and not u.update_in_device:
+                if self.layout.param_tier != "device" and not u.update.in_device:
                     self._residency.mark_stale(u)
 
     def _hyperparameters(self) -> List[Dict[str, Any]]:
@@ -413,11 +414,11 @@ class Engine:
         return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
 
     def _queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float) -> None:
-        """Queue u's update on the optimizer worker; u.update_ticket completes with it. The
+        """Queue u's update on the optimizer worker; u.update.ticket completes with it. The
         worker takes the lowest ``priority`` first, then the order of queueing."""
         ticket: Future = Future()
-        u.update_ticket = ticket
         with self._update_lock:
+            u.update.queue(ticket)  # [Note: update states]
             heapq.heappush(self._update_heap, (priority, next(self._update_sequence), u.index, u, groups, ticket))
         self._early_futures.append(ticket)
         self._optimizer_worker.submit(self._run_next_update)
@@ -426,7 +427,7 @@ class Engine:
         """On the optimizer worker: the best queued update (one per _queue_update call)."""
         with self._update_lock:
             _, _, _, u, groups, ticket = heapq.heappop(self._update_heap)
-            u.update_started = True  # from here on no fill is attached (_prefetch_updating)
+            u.update.start()  # from here on no fill is attached (_prefetch_updating)
         try:
             self._update_early(u, groups)
         except BaseException as error:  # noqa: B902 - reported through the ticket
@@ -465,38 +466,37 @@ class Engine:
         groups = self._hyperparameters()
         self._residency.drain_fetches()  # what is in flight lands before device copies are judged
         for u in self.units:
-            if any(u.has_grad) and not u.updated:
-                u.updated = True
-                u.update_in_device = self._step_ring.device_copy_updatable(u)
+            if any(u.has_grad) and not u.update.updated:
+                u.update.in_device = self._step_ring.device_copy_updatable(u)
                 self._queue_update(u, groups, priority(u))
                 self.stats_counters.count("deferred_updates")
         self._reprioritize(priority)
         self._residency.forget_stale()
         for u in self.units:  # device copies that the updates do not write are stale now
-            if u.compute_state == Residency.LOADED and not u.update_in_device:
+            if u.compute_state == Residency.LOADED and not u.update.in_device:
                 self._residency.release(u)
         self._step_pending = True
 
     def _pending_update(self, u: UnitState) -> bool:
         """u's queued update, or its swap writes, are not done yet."""
-        return u.update_ticket is not None and (
-            not u.update_ticket.done() or not all(h.done() for h in u.home_writes))
+        return u.update.ticket is not None and (
+            not u.update.ticket.done() or not all(h.done() for h in u.update.home_writes))
 
     def _settle_unit(self, u: UnitState) -> None:
         """[Note: deferred updates] Wait for u's queued update; a failed one stops the
         engine (see _wait_optimizer)."""
-        ticket = u.update_ticket
+        ticket = u.update.ticket
         if ticket is None:
             return
         with self.stats_counters.timed("optimizer_wait"):
             wait_futures([ticket])
             try:
-                for handle in u.home_writes:  # the home is current before anything reads it
+                for handle in u.update.home_writes:  # the home is current before anything reads it
                     handle.wait()
             except OSError:
                 self._settle_all()  # waits for the rest and reports the failed write
                 raise
-        u.forget_update()
+        u.update.forget()
         if ticket.exception() is not None or self._step_ring.write_errors:
             self._settle_all()  # raises: a failed update, or a home this fetch may read is not written
 
@@ -513,7 +513,7 @@ class Engine:
             finally:
                 self._residency.land_fills()
                 for u in self.units:
-                    u.forget_update()
+                    u.update.forget()
             self._gradients.scale_and_skip(self._micro_step)  # the norm (a NaN/Inf warning): early squares
             self.zero_grad()
             self._step_ring.raise_write_errors(self._micro_step)
@@ -543,9 +543,6 @@ class Engine:
         is fatal: the units updated early and the rest no longer belong to one step."""
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
-        for u in self.units:
-            if u.update_ticket in futures:
-                u.update_ticket = None
         with self.stats_counters.timed("optimizer_wait"):
             for f in futures:
                 try:
@@ -557,10 +554,13 @@ class Engine:
                     self._step_ring.finish_slot_writes(index)  # write failures are kept, not raised
                 except OSError as error:
                     errors.append(error)
+        for u in self.units:  # [Note: update states] (nothing reads the tickets meanwhile)
+            if u.update.ticket in futures:
+                u.update.finish()
         if errors:
             self._residency.land_fills()
             for u in self.units:  # a device copy the failed updates were writing into
-                if u.update_in_device:
+                if u.update.in_device:
                     self._residency.release(u)
             self._fail_step(errors[0], "while updating units during backward")
 
@@ -675,7 +675,7 @@ class Engine:
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
         self._settle_all()
-        early = [u.name for u in self.units if u.updated]
+        early = [u.name for u in self.units if u.update.updated]
         if early:  # [Note: early updates]
             raise RuntimeError(
                 f"state_dict() between backward() and step(): the optimizer already updated "

@@ -23,8 +23,9 @@ of forward to the end of backward.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -87,6 +88,119 @@ class ResidencyState:
 
     def __repr__(self) -> str:
         return f"{self.what}:{self.value.name}"
+
+
+class UpdateState(enum.Enum):
+    """Where a unit's optimizer update of this step stands ([Note: update states])."""
+
+    IDLE = "idle"        # no early or deferred update this step (the step's own may run)
+    QUEUED = "queued"    # on the optimizer worker's queue; its ticket not done
+    RUNNING = "running"  # the worker has taken it; a fill can no longer be attached
+    DONE = "done"        # its ticket was waited for: this step's gradients are consumed
+
+
+LEGAL_UPDATE_TRANSITIONS: Dict[UpdateState, Tuple[UpdateState, ...]] = {
+    UpdateState.IDLE: (UpdateState.QUEUED,),
+    UpdateState.QUEUED: (UpdateState.RUNNING,),
+    UpdateState.RUNNING: (UpdateState.DONE,),
+    UpdateState.DONE: (UpdateState.IDLE,),
+}
+
+
+class UnitUpdate:
+    """One unit's early or deferred optimizer update: its state, which only moves along
+    LEGAL_UPDATE_TRANSITIONS, and what goes with it.
+
+    [Note: update states] A unit's update in one optimizer step, on the scheduler of
+    offload/optim/updates.py ([Note: deferred updates], [Note: early updates]):
+
+      IDLE -> QUEUED    main thread: the update is queued (UpdateScheduler.queue_update,
+                        under the scheduler's lock, with its ticket), during backward
+                        (early) or by step() (deferred)
+      QUEUED -> RUNNING optimizer worker: it takes the update off the queue (under the
+                        update lock, so that a fill is attached before or never)
+      RUNNING -> DONE   main thread, after waiting for the ticket (_wait_optimizer,
+                        _settle_unit, _settle_all)
+      DONE -> IDLE      main thread: zero_grad (the step's gradients are gone)
+
+    A ticket exists exactly in QUEUED and RUNNING. The swap writes of a RUNNING update
+    outlive its ticket: no thread sees them end, so "written" is no state; ``pending``
+    asks the ticket and the handles. The step's own updates (main thread, nothing
+    queued) leave the unit IDLE. The rest are attributes, not states, because they
+    vary independently of the progress above:
+    - ``in_device`` ([Note: updates through the device copy]): the update writes the
+      unit's device copy too. Main thread only: set when queued, by a fill or by the
+      step's own staged update; cleared by a release, at the step's end and by
+      ``forget`` (in DONE it still tells the step's end not to drop that copy).
+    - ``fill`` ([Note: updates fill the device copy]): the device copy is a free slot
+      the update fills; attached only in QUEUED, under the lock (``attach_fill``).
+    - ``fetch_chained``: the unit's fetch in flight waits for this update; set when the
+      fetch is chained (QUEUED or RUNNING), cleared when that fetch lands, which may be
+      after the update is forgotten.
+    - ``home_writes``: the swap writes of the update, set by the worker while RUNNING;
+      a fetch must not read the home before them.
+    """
+
+    __slots__ = ("what", "state", "ticket", "home_writes", "in_device", "fill", "fetch_chained")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.state = UpdateState.IDLE
+        self.ticket: Optional[Future] = None
+        self.home_writes: List[Any] = []
+        self.in_device = False
+        self.fill = False
+        self.fetch_chained = False
+
+    def _to(self, new: UpdateState) -> None:
+        assert new in LEGAL_UPDATE_TRANSITIONS[self.state], \
+            f"{self.what}: illegal update transition {self.state.name} -> {new.name}"
+        self.state = new
+
+    @property
+    def updated(self) -> bool:
+        """Adam has taken (or will take) this step's gradients of the unit."""
+        return self.state is not UpdateState.IDLE
+
+    @property
+    def started(self) -> bool:
+        """The worker has taken the update: no fill can be attached any more."""
+        return self.state in (UpdateState.RUNNING, UpdateState.DONE)
+
+    def queue(self, ticket: Future) -> None:
+        self._to(UpdateState.QUEUED)
+        self.ticket = ticket
+
+    def start(self) -> None:
+        self._to(UpdateState.RUNNING)
+
+    def attach_fill(self) -> None:
+        assert self.state is UpdateState.QUEUED, f"{self.what}: a fill attached in {self.state.name}"
+        self.in_device = self.fill = True
+
+    def finish(self) -> None:
+        """Its ticket is done and waited for; in_device, fill and the writes stay."""
+        self._to(UpdateState.DONE)
+        self.ticket = None
+
+    def forget(self) -> None:
+        """Its update and that update's writes are done (or reported elsewhere); a device
+        copy it was writing into holds the update now."""
+        if self.state is UpdateState.RUNNING:
+            self._to(UpdateState.DONE)
+        assert self.state is not UpdateState.QUEUED, f"{self.what}: forgotten while queued"
+        self.ticket = None
+        self.home_writes = []
+        self.in_device = False
+        self.fill = False
+
+    def reset(self) -> None:
+        """A new step: the last one's update is over."""
+        if self.state is not UpdateState.IDLE:
+            self._to(UpdateState.IDLE)
+
+    def __repr__(self) -> str:
+        return f"{self.what}:{self.state.name}"
 
 
 @dataclass

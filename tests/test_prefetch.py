@@ -668,7 +668,7 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         train_sleepy(engine, x, 3)  # the last step() returns with updates queued
         # what the next pass's prefetcher would do: a slot for a unit whose update waits
-        waiting = [u for u in engine.units if engine._pending_update(u) and not u.update_started
+        waiting = [u for u in engine.units if engine._pending_update(u) and not u.update.started
                    and u.compute_state == offload.engine.Residency.HOME]
         assert waiting and engine._residency.prefetch_updating(waiting[-1])
         assert waiting[-1].compute_state == offload.engine.Residency.LOADING

@@ -8,7 +8,6 @@ decided here and nowhere else.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -16,7 +15,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.tiers import HostTier
-from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, padded_numel
+from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitUpdate, padded_numel
 from offload.zero.shards import ParamShard, ShardRange
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,27 +172,8 @@ class UnitState:
         self.early_nonfinite: Optional[ParamEntry] = None  # early update (see _update_early)
         self.calls = 0               # forward calls in this pass
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
-        self.updated = False         # Adam already ran on it in this optimizer step
-        self.update_in_device = False  # [Note: updates through the device copy]
-        # [Note: deferred updates] completion of its update queued on the optimizer worker,
-        # and the swap writes of that update (a fetch must not read the home before them)
-        self.update_ticket: Optional[Future] = None
-        self.home_writes: List[Any] = []
-        self.update_started = False  # the worker has taken it (set under _update_lock)
-        # [Note: updates fill the device copy] its queued update writes the new compute
-        # copy into a device slot that holds nothing yet (update_in_device is set too);
-        # after_update: its fetch in flight waits for its update (either way)
-        self.update_fill = False
-        self.after_update = False
-
-    def forget_update(self) -> None:
-        """Its queued update and that update's writes are done (or reported elsewhere);
-        a device copy it was writing into holds the update now."""
-        self.update_ticket = None
-        self.home_writes = []
-        self.update_in_device = False
-        self.update_started = False
-        self.update_fill = False
+        # [Note: update states] its early or deferred optimizer update of this step
+        self.update = UnitUpdate(f"{spec.name}.update")
 
 
 class StagingSlot:

@@ -62,7 +62,7 @@ class DeviceResidency:
     - ``pending_update(u)``: whether u's queued update or its swap writes are not done: such
       a unit is not evicted while another will do, and its prefetch waits for the update.
     - ``update_lock()``: the lock under which the optimizer worker takes an update off its
-      queue and marks it started (``u.update_started``); a fill is attached under it, so the
+      queue and marks it started (``u.update.started``); a fill is attached under it, so the
       update either sees the fill or starts before it is attached.
     """
 
@@ -251,7 +251,7 @@ class DeviceResidency:
 
     def finish_fetch(self, u: UnitState) -> None:
         pending, u.pending = u.pending, None
-        u.after_update = False
+        u.update.fetch_chained = False
         try:
             u.ready_event = pending()
         except BaseException as error:
@@ -294,9 +294,9 @@ class DeviceResidency:
         """Drop u's device copy (its home copy is current)."""
         if self._layout.param_tier == "device" or u.compute_state != Residency.LOADED:
             return
-        if u.update_in_device and u.update_ticket is not None:
-            wait_futures([u.update_ticket])  # the optimizer worker may still be updating this copy
-        u.update_in_device = False
+        if u.update.in_device and u.update.ticket is not None:
+            wait_futures([u.update.ticket])  # the optimizer worker may still be updating this copy
+        u.update.in_device = False
         u.compute_state.to(Residency.HOME)
         self.unbind(u)
         if u is not self._root:
@@ -353,16 +353,16 @@ class DeviceResidency:
         if self._layout.param_tier == "device" or u.compute_state != Residency.HOME:
             return False
         with self._update_lock():
-            if u.update_ticket is None:
+            if u.update.ticket is None:
                 return False
-            fill = self._layout.device_copy_updates and not u.update_started
+            fill = self._layout.device_copy_updates and not u.update.started
             if fill:
                 offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
                 if offset is None:
                     return False
                 u.device_offset = offset
-                u.update_in_device = u.update_fill = True
-        ticket = u.update_ticket
+                u.update.attach_fill()
+        ticket = u.update.ticket
 
         def wait_update() -> None:
             wait_futures([ticket])
@@ -372,15 +372,15 @@ class DeviceResidency:
         if not fill:
             def wait_update_and_writes() -> None:
                 wait_update()
-                for handle in u.home_writes:  # all issued once the update is done
+                for handle in u.update.home_writes:  # all issued once the update is done
                     handle.wait()
             if not self.start_fetch(u, evict=False, after=wait_update_and_writes):
                 return False
-            u.after_update = True
+            u.update.fetch_chained = True
             return True
         u.compute_state.to(Residency.LOADING)
         u.fetch_started = time.perf_counter()
-        u.after_update = True
+        u.update.fetch_chained = True
         dst = self._device.view(u.device_offset, u.compute_numel)
         size = dst.element_size()
         tail = padded_numel(u.spec.trainable_numel, size)
@@ -401,7 +401,7 @@ class DeviceResidency:
         """Finish the fetches that waited for updates now over (prefetch_updating): the
         slot of a failed one goes back (that error is reported with the update's own)."""
         for u in self.units:
-            if u.after_update and u.compute_state == Residency.LOADING:
+            if u.update.fetch_chained and u.compute_state == Residency.LOADING:
                 try:
                     self.finish_fetch(u)
                 except BaseException:  # noqa: B902 - the update's ticket reports it

@@ -157,7 +157,7 @@ class Gradients:
             squares = self._partition.global_grad_squares(self._units)
             scanned = []  # (a NaN is then reported without the parameter that has it)
         for u in scanned:
-            if u.updated:
+            if u.update.updated:
                 squares += u.early_grad_squares
                 if first_nonfinite is None and u.early_nonfinite is not None:
                     first_nonfinite = (u, u.early_nonfinite)

@@ -270,7 +270,7 @@ class PipelinedStep:
             self._issue_writes(u, lo, hi, slot)
             if hi == u.master_numel:
                 u.steps = steps.pop(u.index)
-                u.update_in_device = u.index in in_device  # the whole unit went through
+                u.update.in_device = u.index in in_device  # the whole unit went through
                 self._release_grad(u)
             num_updated += 1
 
@@ -296,8 +296,8 @@ class PipelinedStep:
         num_slots = len(self.slots) - 1
         ring = [1 + (self._next_slot + j) % num_slots for j in range(num_slots)]
         self._next_slot += len(pieces)
-        in_device, fill = u.update_in_device, u.update_fill
-        u.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
+        in_device, fill = u.update.in_device, u.update.fill
+        u.update.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
 
         def start_reads(i: int, index: int) -> List[Any]:
             self.finish_slot_writes(index)  # the slot's previous piece is on disk first
