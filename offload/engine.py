@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import heapq
-import itertools
-import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
@@ -41,6 +37,7 @@ from offload.hooks import Hooks
 from offload.optim import adam_step_flat
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep, drain, wait_all
+from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.memory.homes import Homes
@@ -52,7 +49,7 @@ from offload.memory.budget import (
 from offload.memory.residency import DeviceResidency
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, ParamEntry, Residency, split_into_units)
+    OPTIMIZER_PIECE_NUMEL, ParamEntry, split_into_units)
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
 
@@ -160,8 +157,8 @@ class Engine:
             # [Note: gradient ownership] the gradients, their pool and the loss scale
             self._gradients = Gradients(
                 self.units, layout=layout, partition=self._partition, device=self._device, host=self._host,
-                stats=self.stats_counters, early_updates=lambda: self._early_updates,
-                maybe_update_early=self._maybe_update_early)
+                stats=self.stats_counters, early_updates=lambda: self._updates.early_updates,
+                maybe_update_early=lambda: self._updates.maybe_update_early())
             if self._partition is not None:
                 self._partition.bind_gradient_buffers(self._gradients.grad_buffer)
             self._nvme: Optional[NvmeTier] = None
@@ -177,8 +174,8 @@ class Engine:
             self._residency = DeviceResidency(
                 layout=layout, units=self.units, device=self._device, host=self._host, nvme=self._nvme,
                 partition=self._partition, stats=self.stats_counters, timeline=self._timeline,
-                prefetcher=self._prefetcher, settle_unit=self._settle_unit, pending_update=self._pending_update,
-                update_lock=lambda: self._update_lock)
+                prefetcher=self._prefetcher, settle_unit=lambda u: self._updates.settle_unit(u),
+                pending_update=lambda u: self._updates.pending(u), update_lock=lambda: self._updates.lock)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, placeholder=self._residency.placeholder,
                                 stats=self.stats_counters, bind=self._residency.bind)
@@ -215,14 +212,19 @@ class Engine:
             # rest of backward. [zero] Collectives run only on the main thread (this also
             # skips the root prestage).
             self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-            self._early_updates = False
-            self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
-            # [Note: deferred updates] units waiting for the worker, best first:
-            # (priority, sequence, unit index, unit, hyperparameters, ticket)
-            self._update_heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future]] = []
-            self._update_lock = threading.Lock()
-            self._update_sequence = itertools.count()
-            self._step_pending = False  # a deferred step's updates or bookkeeping are not done
+            # [Note: deferred updates] when each unit's Adam runs, and what waits for it
+            self._updates = UpdateScheduler(
+                self.units, layout=layout, optimizer=optimizer, worker=self._optimizer_worker,
+                step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
+                prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
+                mark_stale=self._residency.mark_stale, forget_stale=self._residency.forget_stale,
+                micro_step=lambda: self._micro_step,
+                last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._check_not_failed,
+                fail_step=self._fail_step, grad_squares=self._gradients.squares,
+                grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step), zero_grad=self.zero_grad,
+                update_in_place=self._update_in_place, release=self._residency.release,
+                drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
+                prefetch_updating=self._residency.prefetch_updating, start_fetch=self._residency.start_fetch)
             self._micro_step = 0
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0
@@ -233,8 +235,8 @@ class Engine:
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
                 prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
-                step_pending=lambda: self._step_pending, wait_optimizer=self._wait_optimizer,
-                early_updates=lambda: self._early_updates, maybe_update_early=self._maybe_update_early)
+                step_pending=lambda: self._updates.step_pending, wait_optimizer=self._updates.wait_optimizer,
+                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early)
             undo.callback(self._hooks.remove)
             self._hooks.install()
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
@@ -282,15 +284,15 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
-        self._settle_all()  # [Note: deferred updates] the last step's updates are done
+        self._updates.settle_all()  # [Note: deferred updates] the last step's updates are done
         scaled = loss / self.layout.accumulation_steps
         if self._gradients.loss_scale != 1.0:
             scaled = scaled * self._gradients.loss_scale
         # The backward before an update may start Adam on units whose gradients are final.
-        self._early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
+        self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
         self._hooks.begin_backward()
-        if self._early_updates and self.layout.staged_step and self._root.trainable and not self._defers_updates() \
+        if self._updates.early_updates and self.layout.staged_step and self._root.trainable and not self._updates.defers_updates() \
                 and not self._root.update.updated and self._step_ring.root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
@@ -301,7 +303,7 @@ class Engine:
             with self.stats_counters.timed("backward"):
                 scaled.backward()
         finally:
-            self._early_updates = False
+            self._updates.early_updates = False
         self._hooks.end_backward()
         self._timeline.span("phase", "backward", start, time.perf_counter())
 
@@ -311,7 +313,7 @@ class Engine:
         if self._micro_step % self.layout.accumulation_steps:
             return
         start = time.perf_counter()
-        self._optimizer_step()
+        self._updates.step()
         # The user's optimizer never runs its own step(); tell torch's LR schedulers that a
         # step happened so they do not warn about calling scheduler.step() first.
         self.optimizer._opt_called = True
@@ -321,12 +323,11 @@ class Engine:
         if self._last_step_end is not None:
             self._last_step_seconds = end - self._last_step_end
         self._last_step_end = end
-        self._prefetch_next_pass()
+        self._updates.prefetch_next_pass()
 
     def zero_grad(self) -> None:
-        self._settle_all()
-        if self._early_futures:  # [Note: update states] early updates queued, no step() since
-            self._wait_optimizer()
+        self._updates.settle_all()
+        self._updates.wait_queued()  # [Note: update states]
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
             u.update.reset()
@@ -338,231 +339,6 @@ class Engine:
     def _check_not_failed(self, what: str) -> None:
         if self._failure is not None:
             raise EngineFailedError(f"{what}: {self._failure['message']}")
-
-    def _quiesce(self, raise_errors: bool = True) -> None:
-        """Nothing in flight afterwards: early updates done, fetches landed."""
-        self._settle_all(raise_errors)
-        self._wait_optimizer()
-        self._residency.drain_fetches()
-
-    def _optimizer_step(self) -> None:
-        self._check_not_failed("step")
-        self._settle_all()
-        if self._defers_updates():
-            self._defer_updates()
-            return
-        self._wait_optimizer()
-        if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
-            self._partition.finish_gradients(self.units)
-        grad_factor, skip = self._gradients.scale_and_skip(self._micro_step)
-        if skip:
-            self.stats_counters.count("skipped_steps")
-            self._step_ring.wait_root_reads()
-            self.zero_grad()
-            return
-        units = [u for u in self.units if any(u.has_grad) and not u.update.updated]
-        try:
-            with self.stats_counters.timed("optimizer"):
-                if self._sharded_step is not None:  # [zero] stage >= 1
-                    self._sharded_step.run(units, grad_factor, self._micro_step)
-                elif self.layout.staged_step:
-                    self._step_ring.staged_update(units, grad_factor, self._micro_step)
-                else:
-                    for u in units:
-                        self._update_in_place(u, grad_factor)
-        finally:  # also after a swap failure: the step is over either way
-            self._step_ring.drain_root_reads()  # the root got no gradient this step
-            self.zero_grad()
-            # Device copies are stale now, except those the update wrote in place.
-            self._residency.drain_fetches()
-            self._residency.forget_stale()
-            if self.layout.param_tier != "device":
-                for u in self.units:
-                    if u.compute_state == Residency.LOADED and not u.update.in_device:
-                        self._residency.release(u)
-                    u.update.in_device = False
-        self._step_ring.raise_write_errors(self._micro_step)
-
-    def _maybe_update_early(self) -> None:
-        """[Note: early updates] In the backward before an update, a unit is done for this
-        pass when all its gradients came in since it was last needed and either the trace
-        needs it no more, or every call it got in this pass has finished its backward
-        (recomputation by activation checkpointing adds calls whose backward never fires:
-        such units wait for the trace, or for step()). A done unit is updated right away on
-        the optimizer worker, so its state I/O and Adam overlap the rest of backward; its
-        device copy is then stale and is dropped on the main thread. Without either signal
-        units wait for step(), which is always correct."""
-        if not self._early_updates:
-            return
-        for u in self.units[1:]:
-            if u.update.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
-                continue
-            trace_done = self._prefetcher.used_later(u.index) is False
-            calls_done = 0 < u.calls <= u.backward_done
-            if trace_done or calls_done:
-                self.stats_counters.count("early_updates")
-                # [Note: updates through the device copy] only once the pass needs no
-                # other unit: until then its slot may be wanted for the next ones
-                u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
-                self._queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
-                if self.layout.param_tier != "device" and not u.update.in_device:
-                    self._residency.mark_stale(u)
-
-    def _hyperparameters(self) -> List[Dict[str, Any]]:
-        """The optimizer's per-group settings now, for an update that runs later (an LR
-        scheduler may change the groups meanwhile)."""
-        return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
-
-    def _queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float) -> None:
-        """Queue u's update on the optimizer worker; u.update.ticket completes with it. The
-        worker takes the lowest ``priority`` first, then the order of queueing."""
-        ticket: Future = Future()
-        with self._update_lock:
-            u.update.queue(ticket)  # [Note: update states]
-            heapq.heappush(self._update_heap, (priority, next(self._update_sequence), u.index, u, groups, ticket))
-        self._early_futures.append(ticket)
-        self._optimizer_worker.submit(self._run_next_update)
-
-    def _run_next_update(self) -> None:
-        """On the optimizer worker: the best queued update (one per _queue_update call)."""
-        with self._update_lock:
-            _, _, _, u, groups, ticket = heapq.heappop(self._update_heap)
-            u.update.start()  # from here on no fill is attached (_prefetch_updating)
-        try:
-            self._update_early(u, groups)
-        except BaseException as error:  # noqa: B902 - reported through the ticket
-            ticket.set_exception(error)
-        else:
-            ticket.set_result(None)
-
-    def _reprioritize(self, priority: Callable[[UnitState], float]) -> None:
-        with self._update_lock:
-            self._update_heap = [(priority(u), n, i, u, g, t) for _, n, i, u, g, t in self._update_heap]
-            heapq.heapify(self._update_heap)
-
-    def _defers_updates(self) -> bool:
-        """[Note: deferred updates] Whether step() leaves the updates to the optimizer
-        worker and returns: with early updates, optimizer states on NVMe and prefetch."""
-        return self.layout.overlap_step_with_forward and self.layout.early_allowed and self.layout.staged_step \
-            and self._prefetcher.enabled
-
-    def _defer_updates(self) -> None:
-        """[Note: deferred updates] step() without waiting for Adam: the units not updated
-        during backward are queued on the optimizer worker, and everything still queued
-        there is reordered to the order in which the next training forward needs the
-        units (the root first), so that forward starts as soon as its first units are
-        done and overlaps the rest of the updates. Each unit's fetch waits for its own
-        update (_settle_unit); the step's bookkeeping (gradient norm, zero_grad, write
-        errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
-        or close (_settle_all), which is also where a failed update is raised."""
-        first_use: Dict[int, int] = {}
-        key = self._hooks.last_train_key
-        for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
-            first_use.setdefault(index, position)
-
-        def priority(u: UnitState) -> float:
-            return -1.0 if u is self._root else float(first_use.get(u.index, len(first_use)))
-
-        groups = self._hyperparameters()
-        self._residency.drain_fetches()  # what is in flight lands before device copies are judged
-        for u in self.units:
-            if any(u.has_grad) and not u.update.updated:
-                u.update.in_device = self._step_ring.device_copy_updatable(u)
-                self._queue_update(u, groups, priority(u))
-                self.stats_counters.count("deferred_updates")
-        self._reprioritize(priority)
-        self._residency.forget_stale()
-        for u in self.units:  # device copies that the updates do not write are stale now
-            if u.compute_state == Residency.LOADED and not u.update.in_device:
-                self._residency.release(u)
-        self._step_pending = True
-
-    def _pending_update(self, u: UnitState) -> bool:
-        """u's queued update, or its swap writes, are not done yet."""
-        return u.update.ticket is not None and (
-            not u.update.ticket.done() or not all(h.done() for h in u.update.home_writes))
-
-    def _settle_unit(self, u: UnitState) -> None:
-        """[Note: deferred updates] Wait for u's queued update; a failed one stops the
-        engine (see _wait_optimizer)."""
-        ticket = u.update.ticket
-        if ticket is None:
-            return
-        with self.stats_counters.timed("optimizer_wait"):
-            wait_futures([ticket])
-            try:
-                for handle in u.update.home_writes:  # the home is current before anything reads it
-                    handle.wait()
-            except OSError:
-                self._settle_all()  # waits for the rest and reports the failed write
-                raise
-        u.update.forget()
-        if ticket.exception() is not None or self._step_ring.write_errors:
-            self._settle_all()  # raises: a failed update, or a home this fetch may read is not written
-
-    def _settle_all(self, raise_errors: bool = True) -> None:
-        """[Note: deferred updates] Finish the last deferred step: wait for its updates,
-        then take the gradient norm, zero the gradients and report swap write failures
-        (recorded as the engine's failure either way; raised when ``raise_errors``)."""
-        if not self._step_pending:
-            return
-        self._step_pending = False
-        try:
-            try:
-                self._wait_optimizer()
-            finally:
-                self._residency.land_fills()
-                for u in self.units:
-                    u.update.forget()
-            self._gradients.scale_and_skip(self._micro_step)  # the norm (a NaN/Inf warning): early squares
-            self.zero_grad()
-            self._step_ring.raise_write_errors(self._micro_step)
-        except BaseException:
-            if raise_errors:
-                raise
-
-    def _update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
-        start = time.perf_counter()
-        u.early_grad_squares, u.early_nonfinite = 0.0, None
-        for k, e in enumerate(u.trainable):
-            if u.has_grad[k]:
-                square = self._gradients.squares(u, k).item()
-                if u.early_nonfinite is None and not math.isfinite(square):
-                    u.early_nonfinite = e
-                u.early_grad_squares += square
-        if self.layout.staged_step:
-            self._step_ring.update_early(u, groups)
-        else:
-            self._update_in_place(u, 1.0, groups)
-        # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
-        self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
-
-    def _wait_optimizer(self) -> None:
-        """Wait for early updates and their write-backs. A failed write is kept in host RAM
-        and reported when the step ends ([Note: swap I/O failures]); any other failure there
-        is fatal: the units updated early and the rest no longer belong to one step."""
-        futures, self._early_futures = self._early_futures, []
-        errors: List[BaseException] = []
-        with self.stats_counters.timed("optimizer_wait"):
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as error:  # noqa: B902 - reported below, after draining
-                    errors.append(error)
-            for index in range(len(self._step_ring.slots)):
-                try:
-                    self._step_ring.finish_slot_writes(index)  # write failures are kept, not raised
-                except OSError as error:
-                    errors.append(error)
-        for u in self.units:  # [Note: update states] (nothing reads the tickets meanwhile)
-            if u.update.ticket in futures:
-                u.update.finish()
-        if errors:
-            self._residency.land_fills()
-            for u in self.units:  # a device copy the failed updates were writing into
-                if u.update.in_device:
-                    self._residency.release(u)
-            self._fail_step(errors[0], "while updating units during backward")
 
     def _fail_step(self, error: BaseException, where: str) -> NoReturn:
         """[Note: swap I/O failures] An update loop stopped part-way ``where``: some units
@@ -579,27 +355,6 @@ class Engine:
         if isinstance(error, OSError):
             raise OSError(error.errno, self._failure["message"]) from error
         raise error
-
-    def _prefetch_next_pass(self) -> None:
-        """After an update every device copy is gone: start bringing back the root and the
-        first units of the next training pass while the caller prepares its batch."""
-        if not self._prefetcher.enabled or self._hooks.last_train_key is None:
-            return
-        budget = self.layout.prefetch_units
-        for index in self._prefetcher.first_units(self._hooks.last_train_key)[:budget]:
-            u = self.units[index]
-            if self._pending_update(u):
-                if self._residency.prefetch_updating(u):
-                    continue
-                break  # [Note: deferred updates] fetches go in the order of use
-            if u.compute_state == Residency.HOME and not self._residency.start_fetch(u, evict=False):
-                break
-        root = self._root
-        if root.compute_state == Residency.HOME:
-            if self._pending_update(root):
-                self._residency.prefetch_updating(root)
-            else:
-                self._residency.start_fetch(root, evict=False)
 
     # ------------------------------------------------------------------ Adam over ranges
     def _next_steps(self, u: UnitState) -> List[int]:
@@ -674,7 +429,7 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
-        self._settle_all()
+        self._updates.settle_all()
         early = [u.name for u in self.units if u.update.updated]
         if early:  # [Note: early updates]
             raise RuntimeError(
@@ -702,7 +457,7 @@ class Engine:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
-        self._quiesce()
+        self._updates.quiesce()
         checkpoint.save_checkpoint(self._checkpoint, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
@@ -710,7 +465,7 @@ class Engine:
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
         offload/checkpoint/."""
-        self._quiesce(raise_errors=False)  # what failed before is what the load recovers from
+        self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
         checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()
 
@@ -830,9 +585,9 @@ class Engine:
         self._closed = True
         # [Note: deferred updates] the last step's updates finish before the tiers close;
         # its bookkeeping is moot now, but not a failed swap write (reported below)
-        deferred, self._step_pending = self._step_pending, False
+        deferred, self._updates.step_pending = self._updates.step_pending, False
         try:
-            self._wait_optimizer()
+            self._updates.wait_optimizer()
             self._residency.drain_fetches()
         finally:
             self._residency.shutdown()

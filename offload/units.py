@@ -118,9 +118,9 @@ class UnitUpdate:
                         under the scheduler's lock, with its ticket), during backward
                         (early) or by step() (deferred)
       QUEUED -> RUNNING optimizer worker: it takes the update off the queue (under the
-                        update lock, so that a fill is attached before or never)
-      RUNNING -> DONE   main thread, after waiting for the ticket (_wait_optimizer,
-                        _settle_unit, _settle_all)
+                        scheduler's lock, so that a fill is attached before or never)
+      RUNNING -> DONE   main thread, after waiting for the ticket (wait_optimizer,
+                        settle_unit, settle_all)
       DONE -> IDLE      main thread: zero_grad (the step's gradients are gone)
 
     A ticket exists exactly in QUEUED and RUNNING. The swap writes of a RUNNING update

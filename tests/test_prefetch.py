@@ -668,12 +668,12 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         train_sleepy(engine, x, 3)  # the last step() returns with updates queued
         # what the next pass's prefetcher would do: a slot for a unit whose update waits
-        waiting = [u for u in engine.units if engine._pending_update(u) and not u.update.started
-                   and u.compute_state == offload.engine.Residency.HOME]
+        waiting = [u for u in engine.units if engine._updates.pending(u) and not u.update.started
+                   and u.compute_state == offload.units.Residency.HOME]
         assert waiting and engine._residency.prefetch_updating(waiting[-1])
-        assert waiting[-1].compute_state == offload.engine.Residency.LOADING
+        assert waiting[-1].compute_state == offload.units.Residency.LOADING
         engine.load_checkpoint(str(tmp_path / "ckpt"))
-        assert all(u.compute_state != offload.engine.Residency.LOADING for u in engine.units)
+        assert all(u.compute_state != offload.units.Residency.LOADING for u in engine.units)
         resumed = state_after(engine, x, 2)
     with slow_sleepy_engine(tmp_path / "b", seed=1, budget_units=16) as fresh:
         fresh.load_checkpoint(str(tmp_path / "ckpt"))
@@ -711,7 +711,7 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
             engine.backward(engine(x))
         monkeypatch.setattr(offload.engine, "adam_step_flat", real)
         assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
-        assert not [u.name for u in engine.units if u.compute_state == offload.engine.Residency.LOADING]
+        assert not [u.name for u in engine.units if u.compute_state == offload.units.Residency.LOADING]
         held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)
         assert engine._device.slot_bytes == held
         engine.load_checkpoint(str(tmp_path / "ckpt"))

@@ -57,14 +57,14 @@ class PipelinedStep:
       root's first piece is read into slot 0 under backward; early updates never use it).
     - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker
       while it runs early or deferred updates (``update_early``); the main thread
-      (``staged_update``, ``finish_slot_writes`` from the engine's _wait_optimizer) only
+      (``staged_update``, ``finish_slot_writes`` from UpdateScheduler.wait_optimizer) only
       after waiting for every update ticket, when the worker is idle. The worker runs one
       update at a time.
     - ``write_errors`` and ``dirty``: whichever thread finishes a slot's writes
       (``finish_slot_writes``). The main thread reads ``write_errors`` while the worker may
-      still append to it (the engine's _settle_unit: a list append is atomic under the
+      still append to it (UpdateScheduler.settle_unit: a list append is atomic under the
       GIL, and one it misses is seen when the step settles); it reads, raises and clears
-      both only once the worker is idle (_wait_optimizer, _settle_all, checkpoints).
+      both only once the worker is idle (wait_optimizer, settle_all, checkpoints).
     """
 
     def __init__(self, slots: List[StagingSlot], *, layout: Layout, root: UnitState, device: DeviceTier,

@@ -1,0 +1,361 @@
+"""The optimizer update scheduler: when each unit's Adam runs, on the main thread in
+step() or on the optimizer worker, early (during backward: [Note: early updates]) or
+deferred (after step() returned: [Note: deferred updates]), and what waits for it.
+
+``UpdateScheduler`` owns the worker's queue (a heap, best first), its lock and the
+tickets of what is queued, and whether a deferred step is pending; each unit's part is
+its ``UnitUpdate`` record (``u.update``, [Note: update states]). The engine builds it
+once at wrap and hands it the mechanisms it drives: the staged step (PipelinedStep), the
+[zero] sharded step, the prefetcher, and as plain callables the parts that stay with the
+engine (gradients, residency, Adam over a unit, the failure state).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+
+import torch
+
+from offload.memory.layout import Layout, UnitState
+from offload.optim.step import PipelinedStep
+from offload.prefetch import Prefetcher
+from offload.stats import Stats, Timeline
+from offload.units import Residency
+
+__all__ = ["UpdateScheduler"]
+
+
+class UpdateScheduler:
+    """Runs the optimizer step and the early and deferred updates of every unit.
+
+    Threads: the main thread calls every public method; the optimizer worker runs
+    ``_run_next_update`` (one update at a time) and nothing else. ``lock`` guards the
+    heap and the QUEUED -> RUNNING move against a fill being attached meanwhile
+    ([Note: update states]); the residency code takes it for that (``prefetch_updating``).
+    """
+
+    def __init__(self, units: List[UnitState], *, layout: Layout, optimizer: torch.optim.Optimizer,
+                 worker: ThreadPoolExecutor, step_ring: PipelinedStep, sharded_step: Optional[Any],
+                 partition: Optional[Any], prefetcher: Prefetcher, stats: Stats, timeline: Timeline,
+                 mark_stale: Callable[[UnitState], None],
+                 forget_stale: Callable[[], None],
+                 micro_step: Callable[[], int],
+                 last_train_key: Callable[[], Optional[Tuple[Any, ...]]],
+                 check_not_failed: Callable[[str], None],
+                 fail_step: Callable[[BaseException, str], NoReturn],
+                 grad_squares: Callable[[UnitState, int], torch.Tensor],
+                 grad_scale_and_skip: Callable[[], Tuple[float, bool]],
+                 zero_grad: Callable[[], None],
+                 update_in_place: Callable[..., None],
+                 release: Callable[[UnitState], None],
+                 drain_fetches: Callable[[], None],
+                 land_fills: Callable[[], None],
+                 prefetch_updating: Callable[[UnitState], bool],
+                 start_fetch: Callable[..., bool]) -> None:
+        """``units``: every unit, the root first. ``worker``: the optimizer worker (one
+        thread; the engine shuts it down). ``sharded_step``: [zero] the ShardedStep at
+        stage >= 1, else None; ``partition``: [zero] the Partition of several ranks, or
+        None. ``mark_stale(u)``: u's device copy is stale (an early update changes its
+        home), residency drops it on the main thread; ``forget_stale()``: no copy is to be
+        dropped any more (the step released them). The other callables are the engine's: its micro-step counter and
+        last training pass's trace key; its failure state (refuse when failed, stop after
+        a step failed part-way); gradients (one parameter's squared norm, the step's factor
+        and skip decision, zero_grad); Adam over a whole host-homed unit
+        (Engine._update_in_place); residency (release a device copy, land the fetches in
+        flight, land those waiting for updates, bring a unit whose update is pending,
+        start a fetch)."""
+        self._units = units
+        self._root = units[0]
+        self._layout = layout
+        self._optimizer = optimizer
+        self._worker = worker
+        self._step_ring = step_ring
+        self._sharded_step = sharded_step
+        self._partition = partition
+        self._prefetcher = prefetcher
+        self._stats = stats
+        self._timeline = timeline
+        self._mark_stale = mark_stale
+        self._forget_stale = forget_stale
+        self._micro_step = micro_step
+        self._last_train_key = last_train_key
+        self._check_not_failed = check_not_failed
+        self._fail_step = fail_step
+        self._grad_squares = grad_squares
+        self._grad_scale_and_skip = grad_scale_and_skip
+        self._zero_grad = zero_grad
+        self._update_in_place = update_in_place
+        self._release = release
+        self._drain_fetches = drain_fetches
+        self._land_fills = land_fills
+        self._prefetch_updating = prefetch_updating
+        self._start_fetch = start_fetch
+        # Set by the engine for the backward before an update (when, see
+        # Layout.early_allowed): units may then be updated as soon as they are done.
+        self.early_updates = False
+        self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
+        # [Note: deferred updates] units waiting for the worker, best first:
+        # (priority, sequence, unit index, unit, hyperparameters, ticket)
+        self._heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future]] = []
+        self.lock = threading.Lock()
+        self._sequence = itertools.count()
+        self.step_pending = False  # a deferred step's updates or bookkeeping are not done
+
+    def wait_queued(self) -> None:
+        """Wait for the updates still queued when no step() came since backward (zero_grad
+        then drops the gradients they read, [Note: update states])."""
+        if self._early_futures:
+            self.wait_optimizer()
+
+    def quiesce(self, raise_errors: bool = True) -> None:
+        """Nothing in flight afterwards: early updates done, fetches landed."""
+        self.settle_all(raise_errors)
+        self.wait_optimizer()
+        self._drain_fetches()
+
+    def step(self) -> None:
+        """The optimizer step of Engine.step (every accumulation_steps-th call): deferred
+        to the worker when it can be, else the updates not run early, here and now."""
+        self._check_not_failed("step")
+        self.settle_all()
+        if self.defers_updates():
+            self._defer_updates()
+            return
+        self.wait_optimizer()
+        if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
+            self._partition.finish_gradients(self._units)
+        grad_factor, skip = self._grad_scale_and_skip()
+        if skip:
+            self._stats.count("skipped_steps")
+            self._step_ring.wait_root_reads()
+            self._zero_grad()
+            return
+        units = [u for u in self._units if any(u.has_grad) and not u.update.updated]
+        try:
+            with self._stats.timed("optimizer"):
+                if self._sharded_step is not None:  # [zero] stage >= 1
+                    self._sharded_step.run(units, grad_factor, self._micro_step())
+                elif self._layout.staged_step:
+                    self._step_ring.staged_update(units, grad_factor, self._micro_step())
+                else:
+                    for u in units:
+                        self._update_in_place(u, grad_factor)
+        finally:  # also after a swap failure: the step is over either way
+            self._step_ring.drain_root_reads()  # the root got no gradient this step
+            self._zero_grad()
+            # Device copies are stale now, except those the update wrote in place.
+            self._drain_fetches()
+            self._forget_stale()
+            if self._layout.param_tier != "device":
+                for u in self._units:
+                    if u.compute_state == Residency.LOADED and not u.update.in_device:
+                        self._release(u)
+                    u.update.in_device = False
+        self._step_ring.raise_write_errors(self._micro_step())
+
+    def maybe_update_early(self) -> None:
+        """[Note: early updates] In the backward before an update, a unit is done for this
+        pass when all its gradients came in since it was last needed and either the trace
+        needs it no more, or every call it got in this pass has finished its backward
+        (recomputation by activation checkpointing adds calls whose backward never fires:
+        such units wait for the trace, or for step()). A done unit is updated right away on
+        the optimizer worker, so its state I/O and Adam overlap the rest of backward; its
+        device copy is then stale and is dropped on the main thread. Without either signal
+        units wait for step(), which is always correct."""
+        if not self.early_updates:
+            return
+        for u in self._units[1:]:
+            if u.update.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
+                continue
+            trace_done = self._prefetcher.used_later(u.index) is False
+            calls_done = 0 < u.calls <= u.backward_done
+            if trace_done or calls_done:
+                self._stats.count("early_updates")
+                # [Note: updates through the device copy] only once the pass needs no
+                # other unit: until then its slot may be wanted for the next ones
+                u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
+                self.queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
+                if self._layout.param_tier != "device" and not u.update.in_device:
+                    self._mark_stale(u)
+
+    def _hyperparameters(self) -> List[Dict[str, Any]]:
+        """The optimizer's per-group settings now, for an update that runs later (an LR
+        scheduler may change the groups meanwhile)."""
+        return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self._optimizer.param_groups]
+
+    def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float) -> None:
+        """Queue u's update on the optimizer worker; u.update.ticket completes with it. The
+        worker takes the lowest ``priority`` first, then the order of queueing."""
+        ticket: Future = Future()
+        with self.lock:
+            u.update.queue(ticket)  # [Note: update states]
+            heapq.heappush(self._heap, (priority, next(self._sequence), u.index, u, groups, ticket))
+        self._early_futures.append(ticket)
+        self._worker.submit(self._run_next_update)
+
+    def _run_next_update(self) -> None:
+        """On the optimizer worker: the best queued update (one per queue_update call)."""
+        with self.lock:
+            _, _, _, u, groups, ticket = heapq.heappop(self._heap)
+            u.update.start()  # from here on no fill is attached (_prefetch_updating)
+        try:
+            self._update_early(u, groups)
+        except BaseException as error:  # noqa: B902 - reported through the ticket
+            ticket.set_exception(error)
+        else:
+            ticket.set_result(None)
+
+    def _reprioritize(self, priority: Callable[[UnitState], float]) -> None:
+        with self.lock:
+            self._heap = [(priority(u), n, i, u, g, t) for _, n, i, u, g, t in self._heap]
+            heapq.heapify(self._heap)
+
+    def defers_updates(self) -> bool:
+        """[Note: deferred updates] Whether step() leaves the updates to the optimizer
+        worker and returns: with early updates, optimizer states on NVMe and prefetch."""
+        return self._layout.overlap_step_with_forward and self._layout.early_allowed and self._layout.staged_step \
+            and self._prefetcher.enabled
+
+    def _defer_updates(self) -> None:
+        """[Note: deferred updates] step() without waiting for Adam: the units not updated
+        during backward are queued on the optimizer worker, and everything still queued
+        there is reordered to the order in which the next training forward needs the
+        units (the root first), so that forward starts as soon as its first units are
+        done and overlaps the rest of the updates. Each unit's fetch waits for its own
+        update (settle_unit); the step's bookkeeping (gradient norm, zero_grad, write
+        errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
+        or close (settle_all), which is also where a failed update is raised."""
+        first_use: Dict[int, int] = {}
+        key = self._last_train_key()
+        for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
+            first_use.setdefault(index, position)
+
+        def priority(u: UnitState) -> float:
+            return -1.0 if u is self._root else float(first_use.get(u.index, len(first_use)))
+
+        groups = self._hyperparameters()
+        self._drain_fetches()  # what is in flight lands before device copies are judged
+        for u in self._units:
+            if any(u.has_grad) and not u.update.updated:
+                u.update.in_device = self._step_ring.device_copy_updatable(u)
+                self.queue_update(u, groups, priority(u))
+                self._stats.count("deferred_updates")
+        self._reprioritize(priority)
+        self._forget_stale()
+        for u in self._units:  # device copies that the updates do not write are stale now
+            if u.compute_state == Residency.LOADED and not u.update.in_device:
+                self._release(u)
+        self.step_pending = True
+
+    def pending(self, u: UnitState) -> bool:
+        """u's queued update, or its swap writes, are not done yet."""
+        return u.update.ticket is not None and (
+            not u.update.ticket.done() or not all(h.done() for h in u.update.home_writes))
+
+    def settle_unit(self, u: UnitState) -> None:
+        """[Note: deferred updates] Wait for u's queued update; a failed one stops the
+        engine (see wait_optimizer)."""
+        ticket = u.update.ticket
+        if ticket is None:
+            return
+        with self._stats.timed("optimizer_wait"):
+            wait_futures([ticket])
+            try:
+                for handle in u.update.home_writes:  # the home is current before anything reads it
+                    handle.wait()
+            except OSError:
+                self.settle_all()  # waits for the rest and reports the failed write
+                raise
+        u.update.forget()
+        if ticket.exception() is not None or self._step_ring.write_errors:
+            self.settle_all()  # raises: a failed update, or a home this fetch may read is not written
+
+    def settle_all(self, raise_errors: bool = True) -> None:
+        """[Note: deferred updates] Finish the last deferred step: wait for its updates,
+        then take the gradient norm, zero the gradients and report swap write failures
+        (recorded as the engine's failure either way; raised when ``raise_errors``)."""
+        if not self.step_pending:
+            return
+        self.step_pending = False
+        try:
+            try:
+                self.wait_optimizer()
+            finally:
+                self._land_fills()
+                for u in self._units:
+                    u.update.forget()
+            self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
+            self._zero_grad()
+            self._step_ring.raise_write_errors(self._micro_step())
+        except BaseException:
+            if raise_errors:
+                raise
+
+    def _update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
+        start = time.perf_counter()
+        u.early_grad_squares, u.early_nonfinite = 0.0, None
+        for k, e in enumerate(u.trainable):
+            if u.has_grad[k]:
+                square = self._grad_squares(u, k).item()
+                if u.early_nonfinite is None and not math.isfinite(square):
+                    u.early_nonfinite = e
+                u.early_grad_squares += square
+        if self._layout.staged_step:
+            self._step_ring.update_early(u, groups)
+        else:
+            self._update_in_place(u, 1.0, groups)
+        # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
+        self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
+
+    def wait_optimizer(self) -> None:
+        """Wait for early updates and their write-backs. A failed write is kept in host RAM
+        and reported when the step ends ([Note: swap I/O failures]); any other failure there
+        is fatal: the units updated early and the rest no longer belong to one step."""
+        futures, self._early_futures = self._early_futures, []
+        errors: List[BaseException] = []
+        with self._stats.timed("optimizer_wait"):
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as error:  # noqa: B902 - reported below, after draining
+                    errors.append(error)
+            for index in range(len(self._step_ring.slots)):
+                try:
+                    self._step_ring.finish_slot_writes(index)  # write failures are kept, not raised
+                except OSError as error:
+                    errors.append(error)
+        for u in self._units:  # [Note: update states] (nothing reads the tickets meanwhile)
+            if u.update.ticket in futures:
+                u.update.finish()
+        if errors:
+            self._land_fills()
+            for u in self._units:  # a device copy the failed updates were writing into
+                if u.update.in_device:
+                    self._release(u)
+            self._fail_step(errors[0], "while updating units during backward")
+
+    def prefetch_next_pass(self) -> None:
+        """After an update every device copy is gone: start bringing back the root and the
+        first units of the next training pass while the caller prepares its batch."""
+        if not self._prefetcher.enabled or self._last_train_key() is None:
+            return
+        budget = self._layout.prefetch_units
+        for index in self._prefetcher.first_units(self._last_train_key())[:budget]:
+            u = self._units[index]
+            if self.pending(u):
+                if self._prefetch_updating(u):
+                    continue
+                break  # [Note: deferred updates] fetches go in the order of use
+            if u.compute_state == Residency.HOME and not self._start_fetch(u, evict=False):
+                break
+        root = self._root
+        if root.compute_state == Residency.HOME:
+            if self.pending(root):
+                self._prefetch_updating(root)
+            else:
+                self._start_fetch(root, evict=False)
