@@ -24,6 +24,7 @@ import contextlib
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
@@ -605,3 +606,15 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ seams
+    @property
+    def debug_tiers(self) -> SimpleNamespace:
+        """The tier objects this engine allocates from: ``device`` (DeviceTier), ``host``
+        (HostTier) and ``nvme`` (NvmeTier, or None without swap and after close()).
+
+        For tests and tools only, not a stable API: it lets a test read a tier's counters
+        (``device.slot_bytes``, ``nvme.space``) or route the NVMe tier's requests through a
+        wrapper of its ``io`` (fault injection, a slow disk) without reading the engine's
+        private fields. Training code must not depend on it."""
+        return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme)

@@ -1,115 +1,21 @@
 """offload.wrap computes the same function as plain PyTorch + torch.optim.AdamW, within the
 device budget, for every tier combination (issue 4)."""
-import contextlib
 import copy
 import errno
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.gpt import GPT, GPTConfig
 from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
-# fp32 parity bound from the issue. The engine runs the same fp32 operations in the same
-# order as torch's single-tensor AdamW, so against reference_optimizer_step the error is 0;
-# 1e-5 leaves room for a kernel that fuses differently (FMA) without hiding a real bug
-# (those show as >1e-3).
-REL_TOL = 1e-5
-
-
-def batches(n, seed=1, batch=2):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len + 1), generator=g) for _ in range(n)]
-
-
-def gpt_loss(model, b):
-    return model(b[:, :-1], b[:, 1:])
-
-
-def make_opt(params, kind="adamw", lr=1e-2, weight_decay=0.1):
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
-    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=False)
-
-
-@contextlib.contextmanager
-def correctly_rounded_sqrt():
-    """torch.Tensor.sqrt correctly rounded while the block runs.
-
-    torch's CPU sqrt calls MKL's vsSqrt, which is not correctly rounded, and how often it
-    misses depends on the CPU: about 0.6% of results one ulp off where [Note: how exact the
-    tests are] (tests/test_adam.py) was measured, 19.5% on an AMD EPYC (AVX2). The engine's
-    Adam uses IEEE sqrt. Adam amplifies one-ulp differences (a tiny gradient that changed
-    in its leading digits moves Adam's normalized update as much as a large one): over the
-    10 steps of test_fp32_parity_every_tier_combination on the EPYC, stock
-    torch.optim.AdamW differs from itself with IEEE sqrt by 1.37e-5 relative, over
-    REL_TOL, while the engine equals the IEEE-sqrt reference bit for bit at every step.
-    sqrt is the only op of _single_tensor_adam's step this replaces."""
-    torch_sqrt = torch.Tensor.sqrt
-
-    def ieee_sqrt(self):
-        if self.dtype != torch.float32 or self.device.type != "cpu" or self.requires_grad:
-            return torch_sqrt(self)
-        return torch.from_numpy(np.sqrt(self.contiguous().numpy()))  # numpy: SQRTPS, correctly rounded
-
-    torch.Tensor.sqrt = ieee_sqrt
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt = torch_sqrt
-
-
-def reference_optimizer_step(opt):
-    """opt.step() of a reference torch.optim.Adam/AdamW(foreach=False), with IEEE sqrt."""
-    with correctly_rounded_sqrt():
-        opt.step()
-
-
-def train_reference(model, data, steps_per_update=1, max_grad_norm=None, opt=None, loss_fn=gpt_loss):
-    opt = opt or make_opt(model.parameters())
-    losses = []
-    for i, b in enumerate(data):
-        loss = loss_fn(model, b)
-        (loss / steps_per_update).backward()
-        losses.append(loss.item())
-        if (i + 1) % steps_per_update == 0:
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            reference_optimizer_step(opt)
-            opt.zero_grad()
-    return losses
-
-
-def train_offload(engine, data, loss_fn=gpt_loss):
-    losses = []
-    for b in data:
-        loss = loss_fn(engine, b)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def max_rel_error(state, ref_state):
-    worst = 0.0
-    for k, ref in ref_state.items():
-        assert k in state, f"missing key {k}"
-        assert state[k].shape == ref.shape, k
-        scale = ref.abs().max().clamp_min(1e-12)
-        worst = max(worst, ((state[k].float() - ref.float()).abs().max() / scale).item())
-    return worst
-
-
-def model_compute_bytes(model):
-    return sum(p.numel() for p in model.parameters()) * 4
+from support import (CFG, REL_TOL, batches, budget_for, gpt_loss, make_opt, max_rel_error, model_compute_bytes,
+                     reference_optimizer_step, train_offload, train_reference)
 
 
 @pytest.fixture
@@ -117,10 +23,6 @@ def swap_dir(tmp_path):
     d = tmp_path / "swap"
     d.mkdir()
     return str(d)
-
-
-def budget_for(model, fraction=0.5):
-    return max(int(model_compute_bytes(model) * fraction), 1)
 
 
 @pytest.mark.parametrize("param_tier", ["device", "host", "nvme"])
@@ -398,21 +300,6 @@ def test_quirky_model_matches_plain_pytorch():
     frozen_unit = next(u for u in engine.units if any(e.fqn == "frozen.weight" for e in u.spec.entries))
     assert all(e.fqn not in ("frozen.weight", "frozen.bias") for e in frozen_unit.trainable)
     engine.close()
-
-
-class Checkpointed(nn.Module):
-    def __init__(self, use_reentrant):
-        super().__init__()
-        self.use_reentrant = use_reentrant
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-                                     for _ in range(4)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x):
-        x = x.requires_grad_() if self.use_reentrant else x
-        for block in self.blocks:
-            x = x + checkpoint(block, x, use_reentrant=self.use_reentrant)
-        return self.head(x).pow(2).mean()
 
 
 def test_eval_and_no_grad_forward_work_between_steps():

@@ -15,7 +15,8 @@ import torch
 import offload
 from offload.errors import EngineFailedError
 from offload.gpt import GPT, GPTConfig
-from offload.io import aligned_empty
+
+from support import FaultyIO, assert_same_state, unwrap_swap_io, wrap_swap_io
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,12 +38,6 @@ def run(engine, start, n, cfg=CFG):
         b = batch(i, cfg)
         engine.backward(engine(b[:, :-1], b[:, 1:]))
         engine.step()
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
 def nvme_config(tmp_path, param_tier="nvme", **extra):
@@ -93,7 +88,7 @@ WORKER = textwrap.dedent("""
             if args.get("kill") == "save":   # in the middle of the next save
                 kill_at(checkpoint_save, "_write_unit", 2)
                 args["save_at"] += 2
-    out = {"removed_stale_runs": len(engine._nvme.space.removed_stale_runs)}
+    out = {"removed_stale_runs": len(engine.debug_tiers.nvme.space.removed_stale_runs)}
     if args.get("save_after"):
         engine.save_checkpoint(args["save_after"])
     torch.save(engine.state_dict(), args["out"])
@@ -134,44 +129,6 @@ def test_sigkill_in_a_step_or_a_save_loses_nothing(kill, tmp_path):
 
 
 # ---------------------------------------------------------------------- ENOSPC / EIO
-class _FailedHandle:
-    def __init__(self, error):
-        self._error = error
-
-    def wait(self):
-        raise self._error
-
-    def done(self):
-        return True
-
-
-class FaultyIO:
-    """Wraps the engine's IOEngine: the k-th write (after scribbling over its target, as a
-    half-done write would) or the k-th read fails with ``err``."""
-
-    def __init__(self, io, err, fail_write=None, fail_read=None):
-        self._io, self._err = io, err
-        self._fail_write, self._fail_read = fail_write, fail_read
-        self.writes = self.reads = 0
-
-    def write_from(self, tensor, path, offset=0):
-        self.writes += 1
-        if self.writes == self._fail_write:
-            garbage = aligned_empty(tensor.numel() * tensor.element_size()).fill_(0x7F)
-            self._io.write_from(garbage, path, offset).wait()
-            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
-        return self._io.write_from(tensor, path, offset)
-
-    def read_into(self, tensor, path, offset=0):
-        self.reads += 1
-        if self.reads == self._fail_read:
-            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
-        return self._io.read_into(tensor, path, offset)
-
-    def __getattr__(self, name):
-        return getattr(self._io, name)
-
-
 def _forward_backward(engine, i):
     b = batch(i)
     engine.backward(engine(b[:, :-1], b[:, 1:]))
@@ -201,7 +158,7 @@ def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(dtype, e
         run(engine, 0, 2)
         engine.save_checkpoint(str(tmp_path / "before"))
         # Installed before backward: units are updated (and written back) during backward.
-        engine._nvme.io = FaultyIO(engine._nvme.io, err, fail_write=3)  # the second unit's master
+        wrap_swap_io(engine, FaultyIO, err, fail_write=3)  # the second unit's master
         _forward_backward(engine, 2)
         with pytest.raises(OSError, match="save_checkpoint") as info:
             step_and_settle(engine)
@@ -209,7 +166,7 @@ def test_failed_swap_write_keeps_the_step_in_memory_and_saves_elsewhere(dtype, e
         assert_same_state(engine.state_dict(), after_fault_step)  # read from the held copies
         with pytest.raises(EngineFailedError, match="held in host RAM"):
             _forward_backward(engine, 3)
-        engine._nvme.io = engine._nvme.io._io
+        unwrap_swap_io(engine)
         engine.save_checkpoint(str(tmp_path / "elsewhere"))
         engine.load_checkpoint(str(tmp_path / "elsewhere"))  # recovers this engine too
         run(engine, 3, 2)
@@ -256,12 +213,12 @@ def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(overlap,
     final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
     with engine:
         # Installed before backward: units are updated (their states read) during backward.
-        engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=2)
+        wrap_swap_io(engine, FaultyIO, errno.EIO, fail_read=2)
         _forward_backward(engine, 2)
         with pytest.raises(OSError, match="resume from the last checkpoint") as info:
             step_and_settle(engine)
         assert info.value.errno == errno.EIO
-        engine._nvme.io = engine._nvme.io._io
+        unwrap_swap_io(engine)
         assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final, "resume from the last checkpoint")
 
 
@@ -308,13 +265,13 @@ def test_failed_fetch_in_forward_names_the_unit_and_the_next_pass_reads_it_again
     with make_engine(config) as engine:
         run(engine, 0, 2)
         engine.zero_grad()  # the last step's deferred updates are done: the next read is a fetch
-        engine._nvme.io = FaultyIO(engine._nvme.io, errno.EIO, fail_read=1)
+        wrap_swap_io(engine, FaultyIO, errno.EIO, fail_read=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the failed pass leaves the recorded trace
             with pytest.raises(OSError, match="fetching unit .* to the device failed") as info:
                 _forward_backward(engine, 2)
         assert info.value.errno == errno.EIO
-        engine._nvme.io = engine._nvme.io._io
+        unwrap_swap_io(engine)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run(engine, 2, 2)
@@ -327,10 +284,10 @@ def test_failed_write_without_room_to_hold_the_states_stops_the_engine(tmp_path)
         host_bytes = probe._host_planned_bytes  # exactly what the wrap-time plan needs
     with make_engine(dict(config, host_budget=host_bytes)) as engine:
         _forward_backward(engine, 0)
-        engine._nvme.io = FaultyIO(engine._nvme.io, errno.ENOSPC, fail_write=1)
+        wrap_swap_io(engine, FaultyIO, errno.ENOSPC, fail_write=1)
         with pytest.raises(OSError, match="more than the host can spare.*resume from the last checkpoint"):
             step_and_settle(engine)
-        engine._nvme.io = engine._nvme.io._io
+        unwrap_swap_io(engine)
         with pytest.raises(EngineFailedError):
             engine.save_checkpoint(str(tmp_path / "ckpt"))
 

@@ -47,7 +47,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -58,6 +57,8 @@ import torch.multiprocessing as mp
 
 import offload
 from offload.gpt import GPT, GPTConfig
+
+from support import free_port
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("OFFLOAD_REGENERATE_GOLDEN") == "1"
@@ -245,12 +246,6 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
 
 
 # ------------------------------------------------------------------ several ranks
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _zero_worker(rank, port, cases, work):
     """Every ZeRO case in turn in one process group (one launch for all of them)."""

@@ -8,7 +8,7 @@ import torch
 import offload
 from offload.gpt import GPT
 
-from test_engine import CFG, REL_TOL, batches, budget_for, make_opt, max_rel_error, train_offload
+from support import CFG, REL_TOL, batches, budget_for, make_opt, max_rel_error, train_offload
 
 pytestmark = pytest.mark.gpu
 

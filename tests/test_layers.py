@@ -292,3 +292,28 @@ def test_checker_fails_on_an_allowlisted_violation_that_is_gone(tmp_path):
         "remove it from the list",
         "KNOWN_VIOLATIONS lists offload.mid -> offload.low, which no longer breaks a rule: "
         "remove it from the list"]
+
+
+# ------------------------------------------------------------------ the tests' own imports
+TESTS_DIR = Path(__file__).parent
+
+
+def imported_test_modules(tree: ast.AST) -> Iterator[str]:
+    """The names of test modules (``test_*``) that ``tree`` imports, wherever the import is."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # "from . import test_x" names the module in the alias; "from test_x import y" in module
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+        else:
+            continue
+        yield from (name for name in names if name.rpartition(".")[2].startswith("test_"))
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/support.py; a test module importing another one would run
+    that module's import-time setup and tie the two files' helpers together."""
+    found = {str(path.relative_to(TESTS_DIR)): sorted(set(imported_test_modules(ast.parse(path.read_text()))))
+             for path in sorted(TESTS_DIR.rglob("*.py"))}
+    assert {path: names for path, names in found.items() if names} == {}

@@ -17,8 +17,8 @@ from offload.gpt import GPT, GPTConfig
 from offload.prefetch import NEVER, ExecutionTrace, Prefetcher, plan_prefetch
 from offload.units import OPTIMIZER_PIECE_NUMEL
 
-from test_engine import (CFG, REL_TOL, Checkpointed, batches, gpt_loss, make_opt, max_rel_error,
-                         train_offload, train_reference)
+from support import (CFG, REL_TOL, Checkpointed, batches, gpt_loss, make_opt, max_rel_error, train_offload,
+                     train_reference, wrap_swap_io)
 
 
 # ---------------------------------------------------------------------------- planner
@@ -211,11 +211,12 @@ def test_alternating_train_and_eval_keeps_both_traces_and_stays_quiet():
 
 # ---------------------------------------------------------------------------- overlap
 class SlowDevice:
-    """Wraps the engine's IOEngine: one request at a time, each taking ``delay`` seconds
-    more than the real I/O (a slow disk with a single queue)."""
+    """Wraps the engine's IOEngine (``inner``): one request at a time, each taking ``delay``
+    seconds more than the real I/O (a slow disk with a single queue). Installed with
+    wrap_swap_io(engine, SlowDevice, delay)."""
 
     def __init__(self, io, delay):
-        self.io, self.delay = io, delay
+        self.inner, self.delay = io, delay
         self.requests = 0
         self._queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -255,15 +256,15 @@ class SlowDevice:
         return handle
 
     def read_into(self, tensor, path, offset=0):
-        return self._submit(self.io.read_into, tensor, path, offset)
+        return self._submit(self.inner.read_into, tensor, path, offset)
 
     def write_from(self, tensor, path, offset=0):
-        return self._submit(self.io.write_from, tensor, path, offset)
+        return self._submit(self.inner.write_from, tensor, path, offset)
 
     def close(self):
         self._queue.put(None)
         self._thread.join()
-        self.io.close()
+        self.inner.close()
 
 
 class Sleep(torch.autograd.Function):
@@ -324,8 +325,7 @@ def measure_steps(prefetch, tmp_path, num_blocks=8, compute_s=0.05, delay_s=0.00
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path), prefetch=prefetch,
                   device_budget=4096 * 8, prefetch_units=2)  # root + 3 blocks + a gradient
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
-    slow = SlowDevice(engine._nvme.io, delay_s)
-    engine._nvme.io = slow
+    slow = wrap_swap_io(engine, SlowDevice, delay_s)
     x = torch.randn(4, 32)
     times, io_seconds, misses, waits = [], [], [], []
     try:
@@ -512,7 +512,7 @@ def test_step_returns_before_its_deferred_updates_finish(tmp_path):
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
                   device_budget=4096 * 8, prefetch_units=2)
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
-    engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+    wrap_swap_io(engine, SlowDevice, 0.005)
     x = torch.randn(4, 32)
     try:
         for _ in range(3):
@@ -550,7 +550,7 @@ def slow_sleepy_engine(swap_dir, seed=0, budget_units=8, **config):
     config = dict(dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(swap_dir),
                        device_budget=4096 * budget_units, prefetch_units=2), **config)
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
-    engine._nvme.io = SlowDevice(engine._nvme.io, 0.005)
+    wrap_swap_io(engine, SlowDevice, 0.005)
     return engine
 
 
@@ -713,7 +713,7 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
         assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
         assert not [u.name for u in engine.units if u.compute_state == offload.units.Residency.LOADING]
         held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)
-        assert engine._device.slot_bytes == held
+        assert engine.debug_tiers.device.slot_bytes == held
         engine.load_checkpoint(str(tmp_path / "ckpt"))
         after = state_after(engine, x, 3)
     for k in final:

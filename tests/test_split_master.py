@@ -7,7 +7,8 @@ import offload
 from offload.gpt import GPT
 from offload.optim import join_master, split_master
 from offload.units import padded_numel
-from test_engine import CFG, batches, budget_for, make_opt, train_offload
+
+from support import CFG, batches, budget_for, make_opt, train_offload
 
 
 def half_away_bits(master):

@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import re
-import socket
 import time
 import traceback
 
@@ -20,7 +19,8 @@ from offload.checkpoint import export_checkpoint
 from offload.gpt import GPT, GPTConfig
 from offload.units import padded_numel
 from offload.zero import even_range
-from test_faults import FaultyIO
+
+from support import FaultyIO, free_port, unwrap_swap_io, wrap_swap_io
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
 REL_TOL = 1e-5
@@ -37,12 +37,6 @@ def batches(n, seed=1):
 
 def make_opt(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def max_rel_error(state, ref_state):
@@ -290,13 +284,13 @@ class _FailingReads:
             return True
 
     def __init__(self, io):
-        self._io = io
+        self.inner = io
 
     def read_into(self, tensor, path, offset=0):
         return self._Failed()
 
     def __getattr__(self, name):
-        return getattr(self._io, name)
+        return getattr(self.inner, name)
 
 
 def _swap_failure_worker(rank, port, out_dir):
@@ -307,7 +301,7 @@ def _swap_failure_worker(rank, port, out_dir):
     try:
         engine.backward(engine(b[:, :-1], b[:, 1:]))
         if rank == 1:  # after backward: the reads that fail are the optimizer step's
-            engine._nvme.io = _FailingReads(engine._nvme.io)
+            wrap_swap_io(engine, _FailingReads)
         engine.step()
         result["step"] = "no error"
     except (OSError, RuntimeError) as exc:
@@ -604,14 +598,14 @@ def _held_copies_worker(rank, port, out_dir):
         result = {"step": "no error"}
         engine.backward(engine(b[:, :-1], b[:, 1:]))
         if rank == 0:  # the rank that writes the checkpoint at stage 0
-            engine._nvme.io = FaultyIO(engine._nvme.io, errno.ENOSPC, fail_write=1)
+            wrap_swap_io(engine, FaultyIO, errno.ENOSPC, fail_write=1)
         try:
             engine.step()
             engine.zero_grad()  # a deferred step's errors come from here
         except OSError as exc:
             result["step"] = str(exc)
         if rank == 0:
-            engine._nvme.io = engine._nvme.io._io
+            unwrap_swap_io(engine)
         engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
         result["state"] = engine.state_dict()
         engine.close()
