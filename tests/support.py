@@ -51,9 +51,9 @@ def correctly_rounded_sqrt():
     """torch.Tensor.sqrt correctly rounded while the block runs.
 
     torch's CPU sqrt calls MKL's vsSqrt, which is not correctly rounded, and how often it
-    misses depends on the CPU: about 0.6% of results one ulp off where [Note: how exact the
-    tests are] (tests/test_adam.py) was measured, 19.5% on an AMD EPYC (AVX2). The engine's
-    Adam uses IEEE sqrt. Adam amplifies one-ulp differences (a tiny gradient that changed
+    misses depends on the CPU: about 0.6% of results one ulp off where [Note: how exact
+    the tests are] (tests/test_optim_cpu_adam.py) was measured, 19.5% on an AMD EPYC
+    (AVX2). The engine's Adam uses IEEE sqrt. Adam amplifies one-ulp differences (a tiny gradient that changed
     in its leading digits moves Adam's normalized update as much as a large one): over the
     10 steps of test_fp32_parity_every_tier_combination on the EPYC, stock
     torch.optim.AdamW differs from itself with IEEE sqrt by 1.37e-5 relative, over
