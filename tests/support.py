@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from offload import _native
 from offload.gpt import GPTConfig
-from offload.io import aligned_empty
+from offload.io import IOEngine, aligned_empty
 
 
 # ------------------------------------------------------------------ the model and its reference
@@ -149,7 +150,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-# ------------------------------------------------------------------ swap I/O stand-ins
+# ------------------------------------------------------------------ swap I/O
+def working_io_backends():
+    """The I/O backends this build has that also start on this machine."""
+    def works(backend):
+        try:
+            IOEngine(backend, queue_depth=2).close()
+            return True
+        except OSError:  # e.g. io_uring refused by seccomp or kernel.io_uring_disabled
+            return False
+
+    return [b for b in _native.io_available_backends() if works(b)]
+
+
 def wrap_swap_io(engine, wrapper, *args, **kwargs):
     """Route the engine's NVMe requests through ``wrapper(io, *args, **kwargs)``, ``io`` being
     the I/O engine they go to now; returns the wrapper. unwrap_swap_io undoes it. A wrapper

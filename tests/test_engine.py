@@ -2,7 +2,6 @@
 device budget, for every tier combination (issue 4)."""
 import copy
 import errno
-import json
 import os
 
 import pytest
@@ -408,36 +407,6 @@ def test_wrap_refused_by_the_swap_tier_leaves_a_meta_model_as_it_was(refusal, tm
         losses = train_offload(engine, batches(1))
         assert all(l == l for l in losses)
     assert os.listdir(swap) == []
-
-
-def test_config_from_dict_and_json(tmp_path):
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps({"device_budget": "2MiB", "param_tier": "host", "dtype": "bf16"}))
-    cfg = offload.OffloadConfig.from_any(str(path))
-    assert cfg.device_budget == 2 * 2**20 and cfg.dtype == "bf16"
-    assert offload.OffloadConfig.from_any({"host_budget": "1.5GiB"}).host_budget == int(1.5 * 2**30)
-
-
-@pytest.mark.parametrize("values,field", [
-    ({"param_tier": "gpu"}, "param_tier"),
-    ({"optimizer_tier": "device"}, "optimizer_tier"),
-    ({"dtype": "fp8"}, "dtype"),
-    ({"device_budget": "lots"}, "device_budget"),
-    ({"prefetch_bytes": "some"}, "prefetch_bytes"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
-    ({"max_grad_norm": -1.0}, "max_grad_norm"),
-    ({"param_tier": "nvme"}, "swap_dir"),
-    ({"bogus": 1}, "bogus"),
-    ({"device": "tpu"}, "device"),
-])
-def test_bad_config_names_the_field(values, field):
-    with pytest.raises(ValueError, match=field):
-        offload.OffloadConfig.from_any(values)
-
-
-def test_unknown_key_lists_valid_fields():
-    with pytest.raises(ValueError, match="valid fields are: .*device_budget"):
-        offload.OffloadConfig.from_dict({"device_bugdet": 1})
 
 
 def test_wrap_time_errors_leave_no_files(swap_dir):
