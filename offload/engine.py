@@ -225,7 +225,8 @@ class Engine:
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step), zero_grad=self.zero_grad,
                 update_in_place=self._update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
-                prefetch_updating=self._residency.prefetch_updating, start_fetch=self._residency.start_fetch)
+                prefetch_updating=lambda u: self._residency.prefetch_updating(u),
+                start_fetch=self._residency.start_fetch)
             self._micro_step = 0
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0

@@ -1,6 +1,6 @@
 """Helpers shared by the test modules: the small GPT and its batches, the plain-PyTorch
-reference the engine is compared with, and a stand-in for the NVMe tier's I/O engine that
-fails on request.
+reference the engine is compared with, small models (Checkpointed, Sleepy), and stand-ins
+for the NVMe tier's I/O engine (FaultyIO fails on request, SlowDevice is a slow disk).
 
 Test modules import from here (``from support import ...``), never from one another
 (tests/test_layers.py checks that). pytest puts tests/ on sys.path before it imports a test
@@ -11,15 +11,19 @@ Tests reach the engine's internals through its documented seams only: ``Engine.s
 counters, ``Engine.debug_tiers`` for the tier objects (wrap_swap_io below goes through it)."""
 import contextlib
 import os
+import queue
 import socket
+import threading
+import time
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import offload
 from offload import _native
-from offload.gpt import GPTConfig
+from offload.gpt import GPT, GPTConfig
 from offload.io import IOEngine, aligned_empty
 
 
@@ -129,6 +133,15 @@ def assert_same_state(a, b):
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
+def nvme_gpt_engine(tmp_path, name="swap"):
+    """A small GPT with params and optimizer on NVMe under a budget that evicts."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name),
+                  device_budget=140 * 1024)
+    return model, offload.wrap(model, make_opt(model.parameters()), config=config)
+
+
 class Checkpointed(nn.Module):
     def __init__(self, use_reentrant):
         super().__init__()
@@ -144,6 +157,44 @@ class Checkpointed(nn.Module):
         return self.head(x).pow(2).mean()
 
 
+# ------------------------------------------------------------------ models that take time
+class Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepyBlock(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return Sleep.apply(torch.tanh(self.lin(x)), self.seconds)
+
+
+class Sleepy(nn.Module):
+    def __init__(self, num_blocks, seconds):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(32))
+        self.blocks = nn.ModuleList(SleepyBlock(seconds) for _ in range(num_blocks))
+
+    def forward(self, x):
+        x = x * self.scale
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+
+# ------------------------------------------------------------------ processes
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,3 +266,60 @@ class FaultyIO:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+class SlowDevice:
+    """Wraps the engine's IOEngine (``inner``): one request at a time, each taking ``delay``
+    seconds more than the real I/O (a slow disk with a single queue). Installed with
+    wrap_swap_io(engine, SlowDevice, delay)."""
+
+    def __init__(self, io, delay):
+        self.inner, self.delay = io, delay
+        self.requests = 0
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    class Handle:
+        def __init__(self):
+            self.event = threading.Event()
+            self.result = self.error = None
+
+        def wait(self):
+            self.event.wait()
+            if self.error:
+                raise self.error
+            return self.result
+
+        def done(self):
+            return self.event.is_set()
+
+    def _serve(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, method, args = item
+            time.sleep(self.delay)
+            try:
+                handle.result = method(*args).wait()
+            except OSError as e:
+                handle.error = e
+            handle.event.set()
+
+    def _submit(self, method, *args):
+        self.requests += 1
+        handle = self.Handle()
+        self._queue.put((handle, method, args))
+        return handle
+
+    def read_into(self, tensor, path, offset=0):
+        return self._submit(self.inner.read_into, tensor, path, offset)
+
+    def write_from(self, tensor, path, offset=0):
+        return self._submit(self.inner.write_from, tensor, path, offset)
+
+    def close(self):
+        self._queue.put(None)
+        self._thread.join()
+        self.inner.close()
