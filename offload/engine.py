@@ -25,7 +25,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, NoReturn, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,17 +35,18 @@ from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
 from offload.hooks import Hooks
-from offload.optim import adam_step_flat
+from offload.optim.adam_ranges import UnitAdam
+from offload.optim.cpu_adam import adam_flavour
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
-from offload.stats import Stats, Timeline, profiled
+from offload.stats import Stats, Timeline
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_host_budget, compute_home_numel, slot_shape,
+    UnitSizes, check_device_budget, check_host_budget, slot_shape,
     swap_bytes, update_buffer_bytes)
 from offload.memory.residency import DeviceResidency
 from offload.tiers import DeviceTier, HostTier, NvmeTier
@@ -66,24 +67,6 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``init_fn(module)`` initializes modules of a meta-device model after
     ``reset_parameters()``."""
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn)
-
-
-def _adam_flavour(optimizer: torch.optim.Optimizer) -> bool:
-    """True for decoupled weight decay (AdamW); checks what we cannot honor."""
-    from offload.optim import CPUAdam  # the one optimizer class of ours
-
-    if not isinstance(optimizer, (torch.optim.Adam, CPUAdam)):
-        raise ValueError(
-            f"optimizer: offload runs Adam/AdamW on the CPU next to the states; got "
-            f"{type(optimizer).__name__}. Pass torch.optim.Adam, torch.optim.AdamW or offload.CPUAdam")
-    for i, group in enumerate(optimizer.param_groups):
-        for key in ("amsgrad", "maximize"):
-            if group.get(key, False):
-                raise ValueError(f"optimizer: param_groups[{i}]['{key}']=True is not supported")
-    if isinstance(optimizer, CPUAdam):
-        return bool(optimizer.defaults.get("adamw", True))
-    return isinstance(optimizer, torch.optim.AdamW) or bool(
-        optimizer.defaults.get("decoupled_weight_decay", False))
 
 
 class Engine:
@@ -111,7 +94,7 @@ class Engine:
         compute_element_bytes = layout.compute_element_bytes
 
         # 2. Units, from the model and the optimizer's param groups.
-        self._adamw = _adam_flavour(optimizer)
+        adamw = adam_flavour(optimizer)  # checks what the optimizer asks that we cannot honor
         group_of: Dict[nn.Parameter, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -162,6 +145,10 @@ class Engine:
                 maybe_update_early=lambda: self._updates.maybe_update_early())
             if self._partition is not None:
                 self._partition.bind_gradient_buffers(self._gradients.grad_buffer)
+            # Adam over ranges of a unit: every update path calls it.
+            self._adam = UnitAdam(optimizer, adamw=adamw, layout=layout, device=self._device,
+                                  gradients=self._gradients, timeline=self._timeline,
+                                  piece_numel=OPTIMIZER_PIECE_NUMEL)
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
@@ -187,8 +174,8 @@ class Engine:
             self._step_ring = PipelinedStep(
                 staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
-                timeline=self._timeline, next_steps=self._next_steps, pieces=self._pieces,
-                adam_range=self._adam_range, compute_target=self._compute_target, release_grad=self._gradients.release,
+                timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
+                adam_range=self._adam.adam_range, compute_target=self._adam.compute_target, release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._fail_step,
                 record_failure=functools.partial(setattr, self, "_failure"))
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
@@ -197,8 +184,8 @@ class Engine:
                 layout=layout, device=self._device, host=self._host, nvme=self._nvme,
                 partition=self._partition, timeline=self._timeline, piece_numel=OPTIMIZER_PIECE_NUMEL,
                 update_buffer_bytes=update_buffer_bytes(unit_sizes, layout),
-                next_steps=self._next_steps, adam_range=self._adam_range,
-                compute_target=self._compute_target, release_grad=self._gradients.release,
+                next_steps=self._adam.next_steps, adam_range=self._adam.adam_range,
+                compute_target=self._adam.compute_target, release_grad=self._gradients.release,
                 wait_all=lambda handles: wait_all(handles, self.stats_counters),
                 drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._fail_step,
             ) if self._partition is not None and self._partition.shards_state else None
@@ -223,7 +210,7 @@ class Engine:
                 last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._check_not_failed,
                 fail_step=self._fail_step, grad_squares=self._gradients.squares,
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step), zero_grad=self.zero_grad,
-                update_in_place=self._update_in_place, release=self._residency.release,
+                update_in_place=self._adam.update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),
                 start_fetch=self._residency.start_fetch)
@@ -358,73 +345,6 @@ class Engine:
             raise OSError(error.errno, self._failure["message"]) from error
         raise error
 
-    # ------------------------------------------------------------------ Adam over ranges
-    def _next_steps(self, u: UnitState) -> List[int]:
-        """Step counts after this update: +1 where the parameter has a gradient."""
-        return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
-
-    def _pieces(self, u: UnitState) -> List[Tuple[int, int]]:
-        return [(lo, min(lo + OPTIMIZER_PIECE_NUMEL, u.master_numel)) for lo in range(0, u.master_numel, OPTIMIZER_PIECE_NUMEL)]
-
-    @profiled("adam")
-    def _adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
-                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
-                    compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,
-                    groups: Optional[List[Dict[str, Any]]] = None) -> None:
-        """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
-        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo.
-        ``groups``: the hyperparameters taken when the update was queued (default: the
-        optimizer's param groups now)."""
-        groups = self.optimizer.param_groups if groups is None else groups
-        for k, e in enumerate(u.trainable):
-            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
-            if a >= b:
-                continue
-            r = slice(a - lo, b - lo)
-            if not u.has_grad[k]:
-                if compute_is_staging:  # the piece is written back whole: keep this one as is
-                    compute_out[r].copy_(master[r])
-                continue
-            group = groups[e.group_index]
-            beta1, beta2 = group["betas"]
-            adam_step_flat(
-                master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
-                copy_out=None if compute_out is None else compute_out[r])
-        if copy_to_device and self.layout.param_tier == "device" and (compute_out is None or self.device.type == "cuda"):
-            end = min(hi, u.spec.trainable_numel)
-            if end > lo:
-                src = compute_out if compute_out is not None else master
-                dst = self._device.view(u.device_offset + lo, end - lo)
-                event = self._device.copy_in(dst, src[:end - lo])
-                if event is not None:
-                    event.synchronize()
-
-    def _compute_target(self, u: UnitState) -> Optional[torch.Tensor]:
-        """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
-        is not staged: the host home, or the device slot on a CPU "device"."""
-        if self.layout.merged or self.compute_dtype == torch.float32:
-            return None
-        if self.layout.param_tier == "host":
-            return u.compute_home
-        if self.layout.param_tier == "device" and self.device.type == "cpu":
-            return self._device.view(u.device_offset, u.compute_numel)
-        return None
-
-    def _update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
-        """Adam on a unit whose master and moments live on the host."""
-        steps = self._next_steps(u)
-        moments = u.moments_home
-        start = time.perf_counter()
-        self._adam_range(u, 0, u.master_numel, steps, self._step_ring.master_home(u), moments[:u.master_numel],
-                         moments[u.master_numel:2 * u.master_numel], self._compute_target(u), False, grad_factor,
-                         groups=groups)
-        self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
-        u.steps = steps
-        self._gradients.release(u)
-
-
     # ------------------------------------------------------------------ reading state
     @torch.no_grad()
     def state_dict(self) -> Dict[str, torch.Tensor]:
@@ -449,7 +369,7 @@ class Engine:
             if isinstance(value, nn.Parameter) and value in entry_of:
                 u, e = entry_of[value]
                 if u.index not in values:
-                    values[u.index] = self._unit_values(u)
+                    values[u.index] = self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
                 result[name] = values[u.index][e.offset].clone()
             else:
                 result[name] = value.detach().to("cpu", copy=True)
@@ -470,30 +390,6 @@ class Engine:
         self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
         checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()
-
-    def _unit_values(self, u: UnitState) -> Dict[int, torch.Tensor]:
-        if self.layout.param_tier == "device":
-            compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
-        elif u.param_shard is not None:  # [zero] stage 3: a collective
-            dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            own = self._homes.load(u.compute_home, compute_home_numel(u.compute_numel, u.param_shard), dtype)
-            compute = torch.empty(u.compute_numel, dtype=dtype)
-            self._partition.gather_params(u, own, compute, lane="main")
-        else:
-            dtype = torch.float32 if self.layout.merged else self.compute_dtype
-            compute = self._homes.load(u.compute_home, u.compute_numel, dtype)
-        master = compute
-        if u.index in self._step_ring.dirty and "master" in self._step_ring.dirty[u.index]:
-            master = self._step_ring.dirty[u.index]["master"]  # [Note: swap I/O failures]
-        elif u.trainable and not self.layout.merged:
-            master = self._homes.read_master(u, compute)
-            if self._partition is not None and self._partition.shards_state:  # [zero] collective
-                master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
-        out = {}
-        for e in u.spec.entries:
-            source = master if e.trainable else compute
-            out[e.offset] = source[e.offset:e.offset + e.numel].view(e.shape)
-        return out
 
     def stats(self) -> Dict[str, Any]:
         """Counters of this engine (bytes, seconds, peaks). ``*_seconds`` are cumulative
@@ -532,29 +428,12 @@ class Engine:
             # fills them lazily)
             "world_size": self._partition.world_size if self._partition is not None else 1,
             "rank": self._partition.rank if self._partition is not None else 0,
-            "optimizer_state_bytes": self._optimizer_state_bytes(),
-            "parameter_bytes": self._parameter_home_bytes(),
+            "optimizer_state_bytes": self._homes.optimizer_state_bytes(),
+            "parameter_bytes": self._homes.parameter_bytes(),
             "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES,
             "gradient_bucket_peak_bytes":
                 self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }
-
-    def _parameter_home_bytes(self) -> int:
-        """Compute copies at home on this rank ([zero] its chunks at stage 3; param_tier
-        'device': the device slots)."""
-        if self.layout.param_tier == "device":
-            return sum(u.compute_numel for u in self.units) * self._residency.placeholder.element_size()
-        return sum(self._home_bytes(u.compute_home) for u in self.units)
-
-    @staticmethod
-    def _home_bytes(home: Any) -> int:
-        if isinstance(home, torch.Tensor):
-            return home.numel() * home.element_size()
-        return 0 if home is None else home.nbytes
-
-    def _optimizer_state_bytes(self) -> int:
-        """fp32 master weights held apart from the compute copy, plus Adam moments."""
-        return sum(self._home_bytes(home) for u in self.units for home in (u.master_home, u.moments_home))
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload
+import offload.optim.adam_ranges
 from offload.errors import EngineFailedError
 from offload.gpt import GPT, GPTConfig
 
@@ -237,7 +238,7 @@ def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_l
     config = nvme_config(tmp_path, max_grad_norm=max_grad_norm, overlap_step_with_forward=overlap)
     final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
     with engine:
-        real, calls = offload.engine.adam_step_flat, []
+        real, calls = offload.optim.adam_ranges.adam_step_flat, []
 
         def interrupted(*args, **kwargs):
             calls.append(1)
@@ -245,11 +246,11 @@ def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_l
                 raise KeyboardInterrupt
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(offload.engine, "adam_step_flat", interrupted)
+        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", interrupted)
         with pytest.raises(KeyboardInterrupt):
             _forward_backward(engine, 2)
             step_and_settle(engine)
-        monkeypatch.setattr(offload.engine, "adam_step_flat", real)
+        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", real)
         assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final,
                                                     "KeyboardInterrupt.*resume from the last checkpoint")
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import offload
+import offload.optim.adam_ranges
 from offload.gpt import GPT
 
 from support import (CFG, SlowDevice, Sleepy, batches, gpt_loss, make_opt, nvme_gpt_engine, train_offload,
@@ -280,7 +281,7 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         fills = engine.stats()["update_fills"]
         train_sleepy(engine, x, 1)  # its updates are still queued when step() returns
-        real, calls = offload.engine.adam_step_flat, []
+        real, calls = offload.optim.adam_ranges.adam_step_flat, []
 
         def failing(*args, **kwargs):
             calls.append(1)
@@ -288,10 +289,10 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
                 raise RuntimeError("injected Adam failure")
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(offload.engine, "adam_step_flat", failing)
+        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", failing)
         with pytest.raises(RuntimeError, match="injected Adam failure"):
             engine.backward(engine(x))
-        monkeypatch.setattr(offload.engine, "adam_step_flat", real)
+        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", real)
         assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
         assert not [u.name for u in engine.units if u.compute_state == offload.units.Residency.LOADING]
         held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)

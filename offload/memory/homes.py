@@ -13,7 +13,7 @@ buffers of its own and does not come here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -230,3 +230,48 @@ class Homes:
         buf = aligned_empty(src.numel() * src.element_size(), dtype=src.dtype)
         buf.copy_(src)
         return buf
+
+    def unit_values(self, u: UnitState, dirty: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """u's current values, {element offset: tensor shaped as its parameter}: the fp32
+        master for trainable parameters, else the compute copy. ``dirty``: u's states held
+        in host RAM after a failed swap write ([Note: swap I/O failures]), which are current.
+        [zero] A collective at stage 3 or with sharded states: every rank calls it."""
+        if self._layout.param_tier == "device":
+            compute = self._device.view(u.device_offset, u.compute_numel).to("cpu")
+        elif u.param_shard is not None:  # [zero] stage 3: a collective
+            dtype = torch.float32 if self._layout.merged else self._layout.compute_dtype
+            own = self.load(u.compute_home, compute_home_numel(u.compute_numel, u.param_shard), dtype)
+            compute = torch.empty(u.compute_numel, dtype=dtype)
+            self._partition.gather_params(u, own, compute, lane="main")
+        else:
+            dtype = torch.float32 if self._layout.merged else self._layout.compute_dtype
+            compute = self.load(u.compute_home, u.compute_numel, dtype)
+        master = compute
+        if "master" in dirty:
+            master = dirty["master"]  # [Note: swap I/O failures]
+        elif u.trainable and not self._layout.merged:
+            master = self.read_master(u, compute)
+            if self._partition is not None and self._partition.shards_state:  # [zero] collective
+                master = self._partition.all_gather_shards(u, master, in_full_coordinates=False).clone()
+        out = {}
+        for e in u.spec.entries:
+            source = master if e.trainable else compute
+            out[e.offset] = source[e.offset:e.offset + e.numel].view(e.shape)
+        return out
+
+    def parameter_bytes(self) -> int:
+        """Compute copies at home on this rank ([zero] its chunks at stage 3; param_tier
+        'device': the device slots)."""
+        if self._layout.param_tier == "device":
+            return sum(u.compute_numel for u in self._units) * self._layout.compute_element_bytes
+        return sum(self._home_bytes(u.compute_home) for u in self._units)
+
+    @staticmethod
+    def _home_bytes(home: Any) -> int:
+        if isinstance(home, torch.Tensor):
+            return home.numel() * home.element_size()
+        return 0 if home is None else home.nbytes
+
+    def optimizer_state_bytes(self) -> int:
+        """fp32 master weights held apart from the compute copy, plus Adam moments."""
+        return sum(self._home_bytes(home) for u in self._units for home in (u.master_home, u.moments_home))

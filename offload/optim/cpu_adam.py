@@ -17,7 +17,7 @@ import torch
 
 from offload import _native
 
-__all__ = ["CPUAdam", "adam_step_flat", "join_master", "split_master"]
+__all__ = ["CPUAdam", "adam_flavour", "adam_step_flat", "join_master", "split_master"]
 
 # Dtype codes understood by the native kernel (native/adam/adam.h, enum DType).
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -310,3 +310,19 @@ class CPUAdam(torch.optim.Optimizer):
                     f"like the param, got {moment.dtype} {tuple(moment.shape)} on "
                     f"{moment.device}"
                 )
+
+
+def adam_flavour(optimizer: torch.optim.Optimizer) -> bool:
+    """True for decoupled weight decay (AdamW); checks what we cannot honor."""
+    if not isinstance(optimizer, (torch.optim.Adam, CPUAdam)):
+        raise ValueError(
+            f"optimizer: offload runs Adam/AdamW on the CPU next to the states; got "
+            f"{type(optimizer).__name__}. Pass torch.optim.Adam, torch.optim.AdamW or offload.CPUAdam")
+    for i, group in enumerate(optimizer.param_groups):
+        for key in ("amsgrad", "maximize"):
+            if group.get(key, False):
+                raise ValueError(f"optimizer: param_groups[{i}]['{key}']=True is not supported")
+    if isinstance(optimizer, CPUAdam):
+        return bool(optimizer.defaults.get("adamw", True))
+    return isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.defaults.get("decoupled_weight_decay", False))

@@ -1,0 +1,110 @@
+"""Adam over a range of one unit's trainable elements: the one place where the optimizer's
+param groups, a unit's gradients and the native kernel meet.
+
+Every update path calls it: the staged piece ring (optim/step.py), the [zero] sharded step
+(zero/step.py) and the in-place update of host-homed states (``update_in_place``, which the
+update scheduler runs). The kernel's exact order of operations is [Note: Adam numerics] in
+native/adam/adam.h.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.memory.layout import Layout, UnitState
+from offload.optim.cpu_adam import adam_step_flat
+from offload.optim.gradients import Gradients
+from offload.stats import Timeline, profiled
+from offload.tiers import DeviceTier
+
+__all__ = ["UnitAdam"]
+
+
+class UnitAdam:
+    """Adam/AdamW over ranges of units' trainable prefixes, with the optimizer's param
+    groups (or the hyperparameters taken when an update was queued). Holds no state of its
+    own between calls; any thread may call it for a unit that thread owns ([Note: threads]
+    in engine.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, adamw: bool, layout: Layout, device: DeviceTier,
+                 gradients: Gradients, timeline: Timeline, piece_numel: int) -> None:
+        """``adamw``: decoupled weight decay. ``piece_numel``: the staged step's piece size
+        (offload.units.OPTIMIZER_PIECE_NUMEL, passed by the engine)."""
+        self._optimizer = optimizer
+        self._adamw = adamw
+        self._layout = layout
+        self._device = device
+        self._gradients = gradients
+        self._timeline = timeline
+        self._piece_numel = piece_numel
+
+    def next_steps(self, u: UnitState) -> List[int]:
+        """Step counts after this update: +1 where the parameter has a gradient."""
+        return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
+
+    def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
+        n, size = u.master_numel, self._piece_numel
+        return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+    @profiled("adam")
+    def adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
+                   compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,
+                   groups: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
+        ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo.
+        ``groups``: the hyperparameters taken when the update was queued (default: the
+        optimizer's param groups now)."""
+        groups = self._optimizer.param_groups if groups is None else groups
+        for k, e in enumerate(u.trainable):
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a >= b:
+                continue
+            r = slice(a - lo, b - lo)
+            if not u.has_grad[k]:
+                if compute_is_staging:  # the piece is written back whole: keep this one as is
+                    compute_out[r].copy_(master[r])
+                continue
+            group = groups[e.group_index]
+            beta1, beta2 = group["betas"]
+            adam_step_flat(
+                master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
+                copy_out=None if compute_out is None else compute_out[r])
+        layout = self._layout
+        if copy_to_device and layout.param_tier == "device" and (compute_out is None or layout.device.type == "cuda"):
+            end = min(hi, u.spec.trainable_numel)
+            if end > lo:
+                src = compute_out if compute_out is not None else master
+                dst = self._device.view(u.device_offset + lo, end - lo)
+                event = self._device.copy_in(dst, src[:end - lo])
+                if event is not None:
+                    event.synchronize()
+
+    def compute_target(self, u: UnitState) -> Optional[torch.Tensor]:
+        """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
+        is not staged: the host home, or the device slot on a CPU "device"."""
+        layout = self._layout
+        if layout.merged or layout.compute_dtype == torch.float32:
+            return None
+        if layout.param_tier == "host":
+            return u.compute_home
+        if layout.param_tier == "device" and layout.device.type == "cpu":
+            return self._device.view(u.device_offset, u.compute_numel)
+        return None
+
+    def update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Adam on a unit whose master and moments live on the host."""
+        steps = self.next_steps(u)
+        moments = u.moments_home
+        master = u.compute_home if self._layout.merged else u.master_home
+        start = time.perf_counter()
+        self.adam_range(u, 0, u.master_numel, steps, master, moments[:u.master_numel],
+                        moments[u.master_numel:2 * u.master_numel], self.compute_target(u), False, grad_factor,
+                        groups=groups)
+        self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
+        u.steps = steps
+        self._gradients.release(u)
