@@ -5,6 +5,29 @@
 delegates to take the resolved modes from ``Layout``. The modes that depend on one another
 (a merged fp32 master, a split master, the staged step, early updates, ZeRO gathers) are
 decided here and nowhere else.
+
+[Note: threads] Which thread writes what: UnitState is the one record several threads
+write, so the rule for every field of it and of the mechanism objects lives here.
+- The main thread (the caller's) runs every public verb and every hook (autograd runs them
+  on the thread that runs backward, while the caller blocks), so it writes the hook and
+  gradient fields (calls, backward_done, grads_since_use, has_grad, grad, param_grads,
+  early_grad_squares), and it alone moves ``compute_state`` and ``device_offset``,
+  publishes ``pending``/``ready_event`` (memory/residency.py), runs the step with clipping,
+  fp16 or ZeRO and every collective except stage 3's gathers, and owns the engine's own
+  fields (micro-step, failure state).
+- The copy worker (``offload-copy``, DeviceResidency) runs the transfers of a fetch into
+  the device slot it was handed and stage-3 all-gathers ([Note: parameter all-gathers]):
+  it writes tensor data in the slot, no field.
+- The optimizer worker (``offload-adam``, UpdateScheduler) runs one update at a time: it
+  moves ``update`` QUEUED -> RUNNING under ``UpdateScheduler.lock`` (which also guards the
+  queue and a fill being attached: [Note: update states]), writes the unit's states at
+  home, ``steps`` and ``update.home_writes``, PipelinedStep's ring fields (its docstring
+  says when the main thread may read them), and gives the unit's gradients back (under the
+  gradient pool's lock and HostTier's). The main thread reads what the worker wrote only
+  after waiting for the unit's ticket.
+- The native I/O threads hold no Python state; a request completes through its handle.
+Shared counters have locks of their own: Stats, NvmeTier (bytes, recent requests),
+HostTier (used bytes); the Timeline appends to deques (atomic).
 """
 from __future__ import annotations
 

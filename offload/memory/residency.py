@@ -192,11 +192,11 @@ class DeviceResidency:
             self._stats.add_bytes("all_gather", num_bytes)
         elif layout.param_tier == "nvme" and layout.device.type == "cpu":
             # The CPU "device" is RAM: read from the swap file straight into the slot.
-            handle = self._nvme.read(dst, u.compute_home)
+            handle = self._nvme.read(dst, u.compute_home, unit=u.name)
             u.pending = lambda: (handle.wait(), None)[1]
             self._stats.add_bytes("nvme_to_device", num_bytes)
         elif layout.param_tier == "nvme":
-            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home)
+            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home, u.name)
             u.pending = future.result
             self._stats.add_bytes("host_to_device", num_bytes)
         elif layout.device.type == "cpu":
@@ -213,19 +213,19 @@ class DeviceResidency:
         """The transfers of start_fetch done whole in the calling thread (the copy worker)."""
         home = u.compute_home
         if self._layout.param_tier == "nvme" and self._layout.device.type == "cpu":
-            return lambda: self._nvme.read(dst, home).wait()
+            return lambda: self._nvme.read(dst, home, unit=u.name).wait()
         if self._layout.param_tier == "nvme":
-            return lambda: self._nvme_to_device(dst, home)
+            return lambda: self._nvme_to_device(dst, home, u.name)
         if self._layout.device.type == "cpu":
             return lambda: dst.copy_(home)
         return lambda: self._device.copy_in(dst, home).synchronize()
 
-    def _nvme_to_device(self, dst: torch.Tensor, home: Any) -> None:
+    def _nvme_to_device(self, dst: torch.Tensor, home: Any, unit: str) -> None:
         """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
         staging = self._fetch_staging.pop()
         try:
             view = staging[:dst.numel()]
-            self._nvme.read(view, home).wait()
+            self._nvme.read(view, home, unit=unit).wait()
             event = self._device.copy_in(dst, view)
             event.synchronize()  # the staging buffer is reused as soon as this returns
         finally:
@@ -238,7 +238,7 @@ class DeviceResidency:
         home = u.compute_home
         if on_nvme(home):
             own = self._gather_home[:compute_home_numel(u.compute_numel, u.param_shard)]
-            self._nvme.read(own, home).wait()
+            self._nvme.read(own, home, unit=u.name).wait()
         else:
             own = home
         if self._layout.device.type == "cpu":
@@ -387,7 +387,7 @@ class DeviceResidency:
         handles = []
         if tail < u.compute_numel:
             extent = sub_extent(u.compute_home, tail * size, (u.compute_numel - tail) * size)
-            handles.append(self._nvme.read(dst[tail:], extent))
+            handles.append(self._nvme.read(dst[tail:], extent, unit=u.name))
             self._stats.add_bytes("nvme_to_device", (u.compute_numel - tail) * size)
 
         def pending() -> None:

@@ -26,7 +26,7 @@ class UnitAdam:
     """Adam/AdamW over ranges of units' trainable prefixes, with the optimizer's param
     groups (or the hyperparameters taken when an update was queued). Holds no state of its
     own between calls; any thread may call it for a unit that thread owns ([Note: threads]
-    in engine.py)."""
+    in memory/layout.py)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, adamw: bool, layout: Layout, device: DeviceTier,
                  gradients: Gradients, timeline: Timeline, piece_numel: int) -> None:

@@ -51,8 +51,8 @@ class PipelinedStep:
     (``staged_update``, main thread) and the early updates' ring (``update_early``, on the
     optimizer worker), both through ``slots``.
 
-    [Note: threads] Who writes what here; no lock is taken, the hand-offs are the update
-    tickets the main thread waits for:
+    Its part of [Note: threads] (memory/layout.py): no lock is taken here, the hand-offs are
+    the update tickets the main thread waits for:
     - ``slots[0]``, ``_slot_writer[0]`` and ``root_prestaged``: the main thread only (the
       root's first piece is read into slot 0 under backward; early updates never use it).
     - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker

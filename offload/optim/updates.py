@@ -33,7 +33,8 @@ __all__ = ["UpdateScheduler"]
 class UpdateScheduler:
     """Runs the optimizer step and the early and deferred updates of every unit.
 
-    Threads: the main thread calls every public method; the optimizer worker runs
+    Threads ([Note: threads] in memory/layout.py): the main thread calls every public
+    method; the optimizer worker runs
     ``_run_next_update`` (one update at a time) and nothing else. ``lock`` guards the
     heap and the QUEUED -> RUNNING move against a fill being attached meanwhile
     ([Note: update states]); the residency code takes it for that (``prefetch_updating``).

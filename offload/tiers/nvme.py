@@ -59,7 +59,7 @@ class NvmeTier:
         (``offload::swap_read::UNIT``, around the issue: the transfer itself runs on the I/O
         engine's threads)."""
         assert dst.numel() * dst.element_size() == extent.nbytes
-        with record_function(f"offload::swap_read::{unit}"):
+        with record_function(f"offload::swap_read::{unit}" if unit else "offload::swap_read"):
             handle = self.io.read_into(dst, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_read += extent.nbytes
@@ -69,7 +69,7 @@ class NvmeTier:
     def write(self, src: torch.Tensor, extent, unit: str = ""):
         """Start writing ``src`` to ``extent`` (see ``read`` for ``unit``)."""
         assert src.numel() * src.element_size() == extent.nbytes
-        with record_function(f"offload::swap_write::{unit}"):
+        with record_function(f"offload::swap_write::{unit}" if unit else "offload::swap_write"):
             handle = self.io.write_from(src, extent.path, extent.offset)
         with self._count_lock:
             self.bytes_written += extent.nbytes
