@@ -35,6 +35,12 @@ from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
 from offload.hooks import Hooks
+from offload.memory.budget import (
+    UnitSizes, check_device_budget, check_host_budget, slot_shape, swap_bytes, update_buffer_bytes)
+from offload.memory.homes import Homes
+from offload.memory.layout import FP32_BYTES, Layout, UnitState
+from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
+from offload.memory.residency import DeviceResidency
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.cpu_adam import adam_flavour
 from offload.optim.gradients import Gradients
@@ -42,20 +48,10 @@ from offload.optim.step import PipelinedStep, drain, wait_all
 from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
-from offload.memory.homes import Homes
-from offload.memory.layout import FP32_BYTES, Layout, UnitState
-from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
-from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_host_budget, slot_shape,
-    swap_bytes, update_buffer_bytes)
-from offload.memory.residency import DeviceResidency
 from offload.tiers import DeviceTier, HostTier, NvmeTier
-from offload.units import (
-    OPTIMIZER_PIECE_NUMEL, ParamEntry, split_into_units)
+from offload.units import OPTIMIZER_PIECE_NUMEL, ParamEntry, split_into_units
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
-
-
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -175,7 +171,8 @@ class Engine:
                 staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
                 timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
-                adam_range=self._adam.adam_range, compute_target=self._adam.compute_target, release_grad=self._gradients.release,
+                adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
+                release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._fail_step,
                 record_failure=functools.partial(setattr, self, "_failure"))
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
@@ -209,7 +206,8 @@ class Engine:
                 micro_step=lambda: self._micro_step,
                 last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._check_not_failed,
                 fail_step=self._fail_step, grad_squares=self._gradients.squares,
-                grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step), zero_grad=self.zero_grad,
+                grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
+                zero_grad=self.zero_grad,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),
@@ -256,7 +254,6 @@ class Engine:
                                   "last_grad_norm": self._gradients.last_grad_norm},
                 restore_counters=restore_counters))
 
-
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -281,8 +278,9 @@ class Engine:
         self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
             (self._micro_step + 1) % self.layout.accumulation_steps == 0
         self._hooks.begin_backward()
-        if self._updates.early_updates and self.layout.staged_step and self._root.trainable and not self._updates.defers_updates() \
-                and not self._root.update.updated and self._step_ring.root_prestaged is None:
+        updates, root = self._updates, self._root
+        if updates.early_updates and self.layout.staged_step and root.trainable and not updates.defers_updates() \
+                and not root.update.updated and self._step_ring.root_prestaged is None:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
             # PipelinedStep.staged_update gives the first unit, the root (early updates use the others).
