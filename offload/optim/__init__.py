@@ -1,6 +1,6 @@
-"""The optimizer: CPU Adam (``cpu_adam``), the engine's pipelined step over staged pieces
-(``step``) and the gradients it consumes, from backward to each unit's update
-(``gradients``)."""
+"""The optimizer: CPU Adam (``cpu_adam``), Adam over a range of one unit (``adam_ranges``),
+the gradients from backward to each unit's update (``gradients``), the pipelined step over
+staged pieces (``step``) and when each unit's update runs (``updates``)."""
 from offload.optim.cpu_adam import CPUAdam, adam_step_flat, join_master, split_master
 
 __all__ = ["CPUAdam", "adam_step_flat", "join_master", "split_master"]
