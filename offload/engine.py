@@ -44,11 +44,12 @@ from offload.memory.residency import DeviceResidency
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.cpu_adam import adam_flavour
 from offload.optim.gradients import Gradients
-from offload.optim.step import PipelinedStep, drain, wait_all
+from offload.optim.step import PipelinedStep
 from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.nvme import drain, wait_all
 from offload.units import OPTIMIZER_PIECE_NUMEL, ParamEntry, split_into_units
 from offload.zero import Partition
 from offload.zero.step import ShardedStep

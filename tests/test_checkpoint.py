@@ -15,6 +15,8 @@ from offload.checkpoint.format import manifest_checksum
 from offload.errors import CheckpointError
 from offload.gpt import GPT, GPTConfig
 
+from support import train_offload
+
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
 
 
@@ -36,13 +38,7 @@ def gpt_loss(engine, i):
 
 
 def run(engine, start, micro_steps, loss_fn=gpt_loss):
-    losses = []
-    for i in range(start, start + micro_steps):
-        loss = loss_fn(engine, i)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_offload(engine, range(start, start + micro_steps), loss_fn)
 
 
 def assert_same_state(a, b):

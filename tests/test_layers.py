@@ -37,12 +37,13 @@ LAYERS: List[List[str]] = [
     ["offload.zero.__init__", "offload.zero.shards", "offload.zero.partition"],
     ["offload.memory"],
     ["offload.prefetch"],
+    # Residency drives the prefetcher, so it sits above prefetch, apart from the rest of
+    # memory; nothing below imports it (the steps and checkpoints get its bound methods).
+    ["offload.memory.residency"],
     ["offload.optim"],
-    # Residency drives the prefetcher and waits on swap reads with optim.step's wait_all;
-    # the home codec splits and joins masters (optim.cpu_adam) and waits for its writes the
-    # same way. Both sit above optim, apart from the rest of memory; nothing below imports
-    # them (the steps and checkpoints get their bound methods).
-    ["offload.memory.residency", "offload.memory.homes"],
+    # The home codec splits and joins masters with optim.cpu_adam's kernels, so it sits
+    # above optim; the steps and checkpoints get its bound methods.
+    ["offload.memory.homes"],
     ["offload.zero.step"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],

@@ -20,7 +20,7 @@ import torch
 from offload.memory.budget import SlotShape, compute_home_numel, low_numel
 from offload.memory.layout import Layout, StagingSlot, UnitState, sub_extent
 from offload.optim import join_master, split_master
-from offload.optim.step import wait_all
+from offload.tiers.nvme import wait_all
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import PAGE_BYTES, Residency

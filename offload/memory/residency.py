@@ -36,7 +36,7 @@ import torch
 
 from offload.memory.budget import compute_home_numel
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
-from offload.optim.step import wait_all
+from offload.tiers.nvme import wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.tiers import DeviceTier, HostTier, NvmeTier

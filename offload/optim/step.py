@@ -19,31 +19,10 @@ from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on
 from offload.optim.cpu_adam import join_master, split_master
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.nvme import drain, wait_all
 from offload.units import Residency, padded_numel
 
-__all__ = ["PipelinedStep", "drain", "wait_all"]
-
-
-def wait_all(handles: List[Any], stats: Stats) -> None:
-    """Waits for every handle (none may stay in flight into a buffer about to be reused),
-    then raises the first error."""
-    first_error: Optional[OSError] = None
-    with stats.timed("io_wait"):
-        while handles:
-            try:
-                handles.pop().wait()
-            except OSError as error:
-                first_error = first_error or error
-    if first_error is not None:
-        raise first_error
-
-
-def drain(handles: List[Any], stats: Stats) -> None:
-    """Wait for handles whose errors are already being reported another way."""
-    try:
-        wait_all(handles, stats)
-    except OSError:
-        pass
+__all__ = ["PipelinedStep"]
 
 
 class PipelinedStep:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Deque, Tuple
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -11,6 +11,7 @@ from torch.profiler import record_function
 from offload.io.engine import IOEngine
 from offload.io.probe import check_backend
 from offload.io.swap import SwapSpace
+from offload.stats import Stats
 
 
 # Requests kept for the engine's trace (export_trace): the most recent ones only, so a long
@@ -29,6 +30,28 @@ def _start_engine(swap_dir: str, backend: str, block_bytes: int, queue_depth: in
                         probe_dir=swap_dir)
     except OSError as error:
         raise OSError(f"io_backend={backend!r}: {error}") from error
+
+
+def wait_all(handles: List[Any], stats: Stats) -> None:
+    """Waits for every handle (none may stay in flight into a buffer about to be reused),
+    then raises the first error."""
+    first_error: Optional[OSError] = None
+    with stats.timed("io_wait"):
+        while handles:
+            try:
+                handles.pop().wait()
+            except OSError as error:
+                first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+
+
+def drain(handles: List[Any], stats: Stats) -> None:
+    """Wait for handles whose errors are already being reported another way."""
+    try:
+        wait_all(handles, stats)
+    except OSError:
+        pass
 
 
 class NvmeTier:
