@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, NoReturn, Optional, Tuple
 import torch
 from torch import nn
 
-from offload import checkpoint
+from offload import checkpoint, faults, units
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
@@ -50,7 +50,7 @@ from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all
-from offload.units import OPTIMIZER_PIECE_NUMEL, ParamEntry, split_into_units
+from offload.units import ParamEntry, split_into_units
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
 
@@ -145,7 +145,7 @@ class Engine:
             # Adam over ranges of a unit: every update path calls it.
             self._adam = UnitAdam(optimizer, adamw=adamw, layout=layout, device=self._device,
                                   gradients=self._gradients, timeline=self._timeline,
-                                  piece_numel=OPTIMIZER_PIECE_NUMEL)
+                                  piece_numel=units.OPTIMIZER_PIECE_NUMEL)
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
@@ -180,7 +180,7 @@ class Engine:
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
                 layout=layout, device=self._device, host=self._host, nvme=self._nvme,
-                partition=self._partition, timeline=self._timeline, piece_numel=OPTIMIZER_PIECE_NUMEL,
+                partition=self._partition, timeline=self._timeline, piece_numel=units.OPTIMIZER_PIECE_NUMEL,
                 update_buffer_bytes=update_buffer_bytes(unit_sizes, layout),
                 next_steps=self._adam.next_steps, adam_range=self._adam.adam_range,
                 compute_target=self._adam.compute_target, release_grad=self._gradients.release,
@@ -227,6 +227,7 @@ class Engine:
                 early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early)
             undo.callback(self._hooks.remove)
             self._hooks.install()
+            faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         # [Note: swap I/O failures] _failure: None, or why the engine refuses to train.
         self._failure: Optional[Dict[str, Any]] = None
@@ -422,6 +423,8 @@ class Engine:
             "update_fills": s.counts["update_fills"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._gradients.loss_scale,
+            "grad_norm": self._gradients.last_grad_norm,  # see Gradients.last_grad_norm
+            "micro_steps": self._micro_step,  # micro-steps since wrap; a checkpoint restores it
             "num_units": len(self.units),
             # [zero] per rank: what this rank holds (gradient buffers as planned: the pool
             # fills them lazily)
@@ -488,12 +491,10 @@ class Engine:
 
     # ------------------------------------------------------------------ seams
     @property
-    def debug_tiers(self) -> SimpleNamespace:
-        """The tier objects this engine allocates from: ``device`` (DeviceTier), ``host``
-        (HostTier) and ``nvme`` (NvmeTier, or None without swap and after close()).
-
-        For tests and tools only, not a stable API: it lets a test read a tier's counters
-        (``device.slot_bytes``, ``nvme.space``) or route the NVMe tier's requests through a
-        wrapper of its ``io`` (fault injection, a slow disk) without reading the engine's
-        private fields. Training code must not depend on it."""
-        return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme)
+    def debug(self) -> SimpleNamespace:
+        """For tests and tools only, not a stable API: the tiers (``device``, ``host``,
+        ``nvme``: None without swap), ``homes``, ``residency`` and ``updates``, so that a test
+        reads a counter or swaps in a wrapper without the engine's private fields
+        (docs/architecture.md, "Seams"). Failures are injected through offload.faults."""
+        return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme, homes=self._homes,
+                               residency=self._residency, updates=self._updates)

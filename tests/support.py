@@ -8,7 +8,7 @@ module from there (the default "prepend" import mode), so ``import support`` wor
 test modules and in the worker processes they start.
 
 Tests reach the engine's internals through its documented seams only: ``Engine.stats()`` for
-counters, ``Engine.debug_tiers`` for the tier objects (wrap_swap_io below goes through it)."""
+counters, ``Engine.debug`` for the tier and mechanism objects, ``offload.faults`` to inject failures (wrap_swap_io below goes through it)."""
 import contextlib
 import os
 import queue
@@ -218,14 +218,14 @@ def wrap_swap_io(engine, wrapper, *args, **kwargs):
     """Route the engine's NVMe requests through ``wrapper(io, *args, **kwargs)``, ``io`` being
     the I/O engine they go to now; returns the wrapper. unwrap_swap_io undoes it. A wrapper
     keeps what it wraps in ``inner``."""
-    nvme = engine.debug_tiers.nvme
+    nvme = engine.debug.nvme
     nvme.io = wrapper(nvme.io, *args, **kwargs)
     return nvme.io
 
 
 def unwrap_swap_io(engine):
     """Undo the last wrap_swap_io: the requests go to the wrapped I/O engine again."""
-    nvme = engine.debug_tiers.nvme
+    nvme = engine.debug.nvme
     nvme.io = nvme.io.inner
 
 

@@ -246,12 +246,12 @@ def test_corrupt_checkpoint_is_rejected_and_nothing_is_loaded(corrupt, tmp_path)
     pattern = corrupt(ckpt)
     with make_engine(config, seed=1) as engine:
         run(engine, 0, 1)
-        before, micro_step = engine.state_dict(), engine._micro_step
+        before, micro_step = engine.state_dict(), engine.stats()["micro_steps"]
         rng = torch.get_rng_state()
         with pytest.raises(CheckpointError, match=pattern):
             engine.load_checkpoint(ckpt)
         assert_same_state(engine.state_dict(), before)
-        assert engine._micro_step == micro_step and torch.equal(torch.get_rng_state(), rng)
+        assert engine.stats()["micro_steps"] == micro_step and torch.equal(torch.get_rng_state(), rng)
         run(engine, 1, 1)  # still trains
 
 

@@ -1,5 +1,6 @@
 """Failures that must lose nothing (issue 7): SIGKILL in a step or a save, ENOSPC/EIO from
 the swap, NaN/Inf gradients, and a soak for leaks. Faults are injected, never waited for."""
+import contextlib
 import errno
 import json
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import offload
-import offload.optim.adam_ranges
+import offload.faults
 from offload.errors import EngineFailedError
 from offload.gpt import GPT, GPTConfig
 
@@ -53,7 +54,7 @@ WORKER = textwrap.dedent("""
     import json, os, signal, sys
     import torch
     torch.set_num_threads(1)
-    import offload, offload.checkpoint.save as checkpoint_save
+    import offload, offload.faults, offload.checkpoint.save as checkpoint_save
     from offload.gpt import GPT, GPTConfig
 
     args = json.loads(sys.argv[1])
@@ -73,10 +74,13 @@ WORKER = textwrap.dedent("""
             return original(*a, **kw)
         setattr(obj, name, patched)
 
+    def sigkill(**context):
+        os.kill(os.getpid(), signal.SIGKILL)
+
     start = 0
     if args.get("load"):
         engine.load_checkpoint(args["load"])
-        start = engine._micro_step
+        start = engine.stats()["micro_steps"]
     for i in range(start, args["micro_steps"]):
         g = torch.Generator().manual_seed(1000 + i)
         b = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
@@ -85,11 +89,14 @@ WORKER = textwrap.dedent("""
         if i + 1 == args.get("save_at"):
             engine.save_checkpoint(args["ckpt"])
             if args.get("kill") == "step":   # in the optimizer step after the next one
-                kill_at(engine._step_ring, "_adam_range", len(engine.units) + 2)  # Adam on a unit (or piece)
+                # Adam on a unit (or piece) in the step after the next; armed until the
+                # process dies (held: a dropped context manager would disarm it)
+                armed = offload.faults.inject("optim.adam_range", sigkill, at=len(engine.units) + 2)
+                armed.__enter__()
             if args.get("kill") == "save":   # in the middle of the next save
                 kill_at(checkpoint_save, "_write_unit", 2)
                 args["save_at"] += 2
-    out = {"removed_stale_runs": len(engine.debug_tiers.nvme.space.removed_stale_runs)}
+    out = {"removed_stale_runs": len(engine.debug.nvme.space.removed_stale_runs)}
     if args.get("save_after"):
         engine.save_checkpoint(args["save_after"])
     torch.save(engine.state_dict(), args["out"])
@@ -226,31 +233,21 @@ def test_failed_swap_read_stops_the_engine_until_a_checkpoint_is_loaded(overlap,
 @OVERLAP
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["early-updates", "step-pipeline"])
 def test_an_interrupt_inside_the_update_stops_the_engine_until_a_checkpoint_is_loaded(
-        max_grad_norm, overlap, tmp_path, monkeypatch):
+        max_grad_norm, overlap, tmp_path):
     """Ctrl-C (or any exception) part-way through the updates leaves some units at the new
     step and others at the old one; even a KeyboardInterrupt, which is not an I/O error,
     must leave the engine refusing to train or save until a checkpoint is loaded. Without
     clipping the updates run during backward on the optimizer worker (the interrupt comes
     back through step(), or the next call when step() defers them); with it, in step()'s
     own pipeline."""
-    import offload.engine
-
     config = nvme_config(tmp_path, max_grad_norm=max_grad_norm, overlap_step_with_forward=overlap)
     final, engine = five_steps_and_an_engine_after_two(config, tmp_path)
     with engine:
-        real, calls = offload.optim.adam_ranges.adam_step_flat, []
-
-        def interrupted(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 5:  # the Adam of some unit after the first ones
-                raise KeyboardInterrupt
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            _forward_backward(engine, 2)
-            step_and_settle(engine)
-        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", real)
+        # the Adam of some unit after the first ones
+        with offload.faults.inject("optim.adam", offload.faults.raising(KeyboardInterrupt), at=5):
+            with pytest.raises(KeyboardInterrupt):
+                _forward_backward(engine, 2)
+                step_and_settle(engine)
         assert_stopped_until_a_checkpoint_is_loaded(engine, tmp_path, final,
                                                     "KeyboardInterrupt.*resume from the last checkpoint")
 
@@ -325,34 +322,29 @@ def test_enospc_on_a_full_filesystem_during_save_keeps_the_last_checkpoint(tmp_p
 WRAP_FAILURES = ["first swap write", "last swap write", "after the last step"]
 
 
-def _swap_writes_in_wrap(make_model, config, monkeypatch):
+def _swap_writes_in_wrap(make_model, config):
     """How many swap writes wrapping ``make_model()`` with ``config`` issues."""
-    start_engine, engines = offload.tiers.nvme._start_engine, []
-    with monkeypatch.context() as m:
-        m.setattr(offload.tiers.nvme, "_start_engine",
-                  lambda *args: engines.append(FaultyIO(start_engine(*args), errno.EIO)) or engines[-1])
+    engines = []
+    with offload.faults.inject("nvme.io_engine", lambda io: engines.append(FaultyIO(io, errno.EIO)) or engines[-1]):
         model = make_model()
         offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config).close()
     return engines[0].writes
 
 
-def _fail_wrap(where, monkeypatch, swap_writes):
-    """Make the next wrap fail ``where`` (one of WRAP_FAILURES); returns the pytest.raises
-    its failure matches."""
+@contextlib.contextmanager
+def _fail_wrap(where, swap_writes):
+    """Inside the block, the next wrap fails ``where`` (one of WRAP_FAILURES), and the
+    block expects that failure; yields pytest.raises's ExceptionInfo."""
     if where == "after the last step":
-        install_hooks = offload.hooks.Hooks.install
-
-        def install_hooks_then_fail(hooks):
-            install_hooks(hooks)
-            raise RuntimeError("injected failure after the last step of wrap")
-
-        monkeypatch.setattr(offload.hooks.Hooks, "install", install_hooks_then_fail)
-        return pytest.raises(RuntimeError, match="injected failure")
-    k = 1 if where == "first swap write" else swap_writes
-    start_engine = offload.tiers.nvme._start_engine
-    monkeypatch.setattr(offload.tiers.nvme, "_start_engine",
-                        lambda *args: FaultyIO(start_engine(*args), errno.EIO, fail_write=k))
-    return pytest.raises(OSError, match=os.strerror(errno.EIO))
+        fault = offload.faults.inject(
+            "wrap.done", offload.faults.raising(RuntimeError("injected failure after the last step of wrap")))
+        refused = pytest.raises(RuntimeError, match="injected failure")
+    else:
+        k = 1 if where == "first swap write" else swap_writes
+        fault = offload.faults.inject("nvme.io_engine", lambda io: FaultyIO(io, errno.EIO, fail_write=k))
+        refused = pytest.raises(OSError, match=os.strerror(errno.EIO))
+    with fault, refused as failure:
+        yield failure
 
 
 def assert_no_hooks(model):
@@ -363,7 +355,7 @@ def assert_no_hooks(model):
 
 
 @pytest.mark.parametrize("where", WRAP_FAILURES)
-def test_a_wrap_failing_part_way_leaves_the_model_as_it_was(where, tmp_path, monkeypatch):
+def test_a_wrap_failing_part_way_leaves_the_model_as_it_was(where, tmp_path):
     """The initial placement lets each parameter's storage go once its unit is home; a wrap
     failing after that must still give the model back with the same parameters and values,
     the optimizer with the same param groups, no hook and no swap file, and a second wrap
@@ -377,10 +369,9 @@ def test_a_wrap_failing_part_way_leaves_the_model_as_it_was(where, tmp_path, mon
     params_before = dict(model.named_parameters())
     values_before = {n: p.detach().clone() for n, p in model.named_parameters()}
     groups_before = [list(g["params"]) for g in opt.param_groups]
-    swap_writes = _swap_writes_in_wrap(lambda: GPT(CFG), config, monkeypatch)
-    with _fail_wrap(where, monkeypatch, swap_writes) as failure:
+    swap_writes = _swap_writes_in_wrap(lambda: GPT(CFG), config)
+    with _fail_wrap(where, swap_writes) as failure:
         offload.wrap(model, opt, config=config)
-    monkeypatch.undo()
     failed = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(failure.tb)
               if isinstance(frame.f_locals.get("self"), offload.engine.Engine)]
     assert failed and all(vars(engine) == {} for engine in failed), "the failed engine holds no buffers"
@@ -401,7 +392,7 @@ def test_a_wrap_failing_part_way_leaves_the_model_as_it_was(where, tmp_path, mon
 
 
 @pytest.mark.parametrize("where", WRAP_FAILURES + ["init_fn"])
-def test_a_wrap_of_a_meta_model_failing_part_way_leaves_it_as_it_was(where, tmp_path, monkeypatch):
+def test_a_wrap_of_a_meta_model_failing_part_way_leaves_it_as_it_was(where, tmp_path):
     """A meta model is materialized into stand-in parameters unit by unit: a wrap failing
     part-way must put its meta parameters (and meta buffers) back in the model and the
     optimizer, leave no hook and no swap file, and rewind the RNG that initialization drew
@@ -411,7 +402,7 @@ def test_a_wrap_of_a_meta_model_failing_part_way_leaves_it_as_it_was(where, tmp_
         with torch.device("meta"):
             return GPT(CFG)
 
-    swap_writes = _swap_writes_in_wrap(meta_gpt, config, monkeypatch)
+    swap_writes = _swap_writes_in_wrap(meta_gpt, config)
     torch.manual_seed(0)
     eager = GPT(CFG)
     torch.manual_seed(0)
@@ -431,10 +422,9 @@ def test_a_wrap_of_a_meta_model_failing_part_way_leaves_it_as_it_was(where, tmp_
     if where == "init_fn":
         refused = pytest.raises(RuntimeError, match="injected failure in init_fn")
     else:
-        refused = _fail_wrap(where, monkeypatch, swap_writes)
+        refused = _fail_wrap(where, swap_writes)
     with refused:
         offload.wrap(model, opt, config=config, init_fn=init_fn)
-    monkeypatch.undo()
     assert dict(model.named_parameters()).keys() == params_before.keys()
     for n, p in model.named_parameters():
         assert p is params_before[n] and p.is_meta and p.shape == params_before[n].shape, n

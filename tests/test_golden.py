@@ -219,9 +219,9 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
             engine.step()
             losses.append(loss.item())
             # None while a deferred step's bookkeeping (the norm among it) is still to run
-            grad_norms.append(engine._gradients.last_grad_norm)
+            grad_norms.append(engine.stats()["grad_norm"])
         state = {name: tensor_digest(t) for name, t in engine.state_dict().items()}
-        grad_norms.append(engine._gradients.last_grad_norm)  # state_dict() settled the last step
+        grad_norms.append(engine.stats()["grad_norm"])  # state_dict() settled the last step
         ckpt = work / f"ckpt-{case.name}"
         engine.save_checkpoint(str(ckpt))
         stats = engine.stats()

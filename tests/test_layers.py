@@ -23,7 +23,7 @@ PACKAGE_DIR = Path(offload.__file__).parent
 # and belongs to the layer of the longest name here that is it or one of its parents. Names
 # of modules that do not exist yet (errors, hooks) hold their place for the split of issue 16.
 LAYERS: List[List[str]] = [
-    ["offload._native", "offload._info", "offload.errors"],
+    ["offload._native", "offload._info", "offload.errors", "offload.faults"],
     # A leaf: config asks it whether an io_backend can start, without the I/O engine.
     ["offload.io.probe"],
     ["offload.config"],

@@ -79,9 +79,9 @@ def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_t
         assert engine.stats()["nvme_bytes"] == whole_bytes - saved
         for u in engine.units:
             t = u.spec.trainable_numel
-            master = engine._homes.read_master(u)[:t]
-            compute = engine._homes.load(u.compute_home, t, torch.bfloat16)
-            low = engine._homes.load(u.master_home, t, torch.int16)
+            master = engine.debug.homes.read_master(u)[:t]
+            compute = engine.debug.homes.load(u.compute_home, t, torch.bfloat16)
+            low = engine.debug.homes.load(u.master_home, t, torch.int16)
             assert u.master_home.nbytes == padded_numel(t, 2) * 2
             assert torch.equal(compute.view(torch.int16).to(torch.int32) & 0xFFFF, half_away_bits(master))
             assert torch.equal(low, master.view(torch.int32).to(torch.int16))  # the low 16 bits

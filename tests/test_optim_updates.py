@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload
-import offload.optim.adam_ranges
+import offload.faults
 from offload.gpt import GPT
 
 from support import (CFG, SlowDevice, Sleepy, batches, gpt_loss, make_opt, nvme_gpt_engine, train_offload,
@@ -164,7 +164,7 @@ def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
     for fill in (True, False):
         with slow_sleepy_engine(tmp_path / str(fill)) as engine:
             if not fill:
-                engine._residency.prefetch_updating = lambda u: False  # the behaviour before fills
+                engine.debug.residency.fill_behind_updates = False  # the behaviour before fills
             per_step = []
             for _ in range(6):
                 before = engine.stats()
@@ -195,7 +195,7 @@ def test_fetches_behind_deferred_updates_keep_the_prefetch_going_with_compute_co
     for chained in (True, False):
         with slow_sleepy_engine(tmp_path / str(chained), param_tier="host") as engine:
             if not chained:
-                engine._residency.prefetch_updating = lambda u: False  # the behaviour before
+                engine.debug.residency.fill_behind_updates = False  # the behaviour before
             train_sleepy(engine, x, 3)
             before = engine.stats()
             train_sleepy(engine, x, 3)
@@ -251,9 +251,9 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         train_sleepy(engine, x, 3)  # the last step() returns with updates queued
         # what the next pass's prefetcher would do: a slot for a unit whose update waits
-        waiting = [u for u in engine.units if engine._updates.pending(u) and not u.update.started
+        waiting = [u for u in engine.units if engine.debug.updates.pending(u) and not u.update.started
                    and u.compute_state == offload.units.Residency.HOME]
-        assert waiting and engine._residency.prefetch_updating(waiting[-1])
+        assert waiting and engine.debug.residency.prefetch_updating(waiting[-1])
         assert waiting[-1].compute_state == offload.units.Residency.LOADING
         engine.load_checkpoint(str(tmp_path / "ckpt"))
         assert all(u.compute_state != offload.units.Residency.LOADING for u in engine.units)
@@ -266,13 +266,11 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")  # the failed pass
-def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, monkeypatch):
+def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path):
     """[Note: updates fill the device copy] A deferred update that fails while the next
     forward has device slots waiting for updates: the error comes out of that forward, no
     slot is left in flight or unaccounted for, and loading the last checkpoint makes the
     rest of the run end where an undisturbed one does."""
-    import offload.engine
-
     x = torch.randn(4, 32)
     with slow_sleepy_engine(tmp_path / "ref") as ref:
         final = state_after(ref, x, 6)
@@ -281,22 +279,15 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path, mon
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         fills = engine.stats()["update_fills"]
         train_sleepy(engine, x, 1)  # its updates are still queued when step() returns
-        real, calls = offload.optim.adam_ranges.adam_step_flat, []
-
-        def failing(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 7:  # two parameters a unit: the fourth unit updated from here
-                raise RuntimeError("injected Adam failure")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", failing)
-        with pytest.raises(RuntimeError, match="injected Adam failure"):
-            engine.backward(engine(x))
-        monkeypatch.setattr(offload.optim.adam_ranges, "adam_step_flat", real)
+        # two parameters a unit: the fourth unit updated from here
+        with offload.faults.inject("optim.adam", offload.faults.raising(RuntimeError("injected Adam failure")),
+                                   at=7):
+            with pytest.raises(RuntimeError, match="injected Adam failure"):
+                engine.backward(engine(x))
         assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
         assert not [u.name for u in engine.units if u.compute_state == offload.units.Residency.LOADING]
         held = sum(u.compute_numel * 4 for u in engine.units if u.device_offset is not None)
-        assert engine.debug_tiers.device.slot_bytes == held
+        assert engine.debug.device.slot_bytes == held
         engine.load_checkpoint(str(tmp_path / "ckpt"))
         after = state_after(engine, x, 3)
     for k in final:

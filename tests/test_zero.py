@@ -96,7 +96,7 @@ def _train_worker(rank, port, config, data, out_dir):
                     host_peak_midway = engine.stats()["host_peak_bytes"]
             result = {"state": engine.state_dict(), "stats": engine.stats(),
                       "host_peak_midway": host_peak_midway,
-                      "grad_norm": engine._gradients.last_grad_norm, "losses": losses}
+                      "grad_norm": engine.stats()["grad_norm"], "losses": losses}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -408,7 +408,7 @@ def _budgeted_worker(rank, port, config, data, out_dir):
         os.makedirs(config["swap_dir"])
         # Small optimizer pieces: a block's shard is updated in several (a multiple of 4096
         # elements keeps every piece on a page in fp32 and 16-bit buffers alike).
-        offload.engine.OPTIMIZER_PIECE_NUMEL = 4096
+        offload.units.OPTIMIZER_PIECE_NUMEL = 4096
 
         def build():
             torch.manual_seed(0)

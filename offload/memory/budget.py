@@ -14,9 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from offload import units as unit_split
 from offload.config import format_size
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
-from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel, split_into_units
+from offload.units import padded_numel, split_into_units
 from offload.zero import ParamShard
 
 
@@ -163,7 +164,7 @@ class SlotShape:
 
 
 def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
-    master = min(max((u.master_numel for u in units), default=0), OPTIMIZER_PIECE_NUMEL)
+    master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
     needs_compute = layout.param_tier == "nvme" and not layout.merged or \
         (layout.param_tier == "device" and layout.device.type == "cuda")
     # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
@@ -185,7 +186,7 @@ def update_buffer_bytes(units: Sequence[UnitSizes], layout: Layout) -> Dict[str,
     sizes = {}
     largest = max((u.state_numel for u in units if u.trainable), default=0)
     if layout.gathers:
-        largest = min(largest, OPTIMIZER_PIECE_NUMEL)
+        largest = min(largest, unit_split.OPTIMIZER_PIECE_NUMEL)
     if layout.param_tier == "nvme" and (layout.merged or layout.compute_dtype != torch.float32):
         home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
         compute = largest if layout.gathers else max(u.compute_numel for u in units)

@@ -83,6 +83,9 @@ class DeviceResidency:
         self._settle_unit = settle_unit
         self._pending_update = pending_update
         self._update_lock = update_lock
+        # [Note: updates fill the device copy] False: a unit whose update is pending is left
+        # to an on-demand fetch, as before fills existed (tests compare the two).
+        self.fill_behind_updates = True
         # [Note: released parameters] what a parameter holds while its unit is not on the device
         self.placeholder = torch.empty(0, dtype=layout.compute_dtype, device=layout.device)
         self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
@@ -350,7 +353,7 @@ class DeviceResidency:
         the update and its swap writes, on the copy worker. The slot is "in flight" until
         then. False when that cannot be: u already on the device, or no free slot; the
         caller then stops, so that the units after u do not take the room u needs."""
-        if self._layout.param_tier == "device" or u.compute_state != Residency.HOME:
+        if not self.fill_behind_updates or self._layout.param_tier == "device" or u.compute_state != Residency.HOME:
             return False
         with self._update_lock():
             if u.update.ticket is None:

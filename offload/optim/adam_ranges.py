@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload import faults
 from offload.memory.layout import Layout, UnitState
 from offload.optim.cpu_adam import adam_step_flat
 from offload.optim.gradients import Gradients
@@ -57,6 +58,7 @@ class UnitAdam:
         ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo.
         ``groups``: the hyperparameters taken when the update was queued (default: the
         optimizer's param groups now)."""
+        faults.hit("optim.adam_range", unit=u.name, lo=lo, hi=hi)
         groups = self._optimizer.param_groups if groups is None else groups
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
@@ -69,6 +71,7 @@ class UnitAdam:
                 continue
             group = groups[e.group_index]
             beta1, beta2 = group["betas"]
+            faults.hit("optim.adam", unit=u.name, lo=a, hi=b)
             adam_step_flat(
                 master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),

@@ -63,7 +63,9 @@ class Gradients:
         # fp16 loss scaling: the scale and the finite steps since it last changed
         self.loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
         self.good_steps = 0
-        self.last_grad_norm: Optional[float] = None  # of the last step (None before one)
+        # The global gradient norm of the last step with finite gradients, the loss scale
+        # divided out, before clipping (None before such a step); stats()["grad_norm"].
+        self.last_grad_norm: Optional[float] = None
 
     # ------------------------------------------------------------------ ownership
     @torch.no_grad()

@@ -8,6 +8,7 @@ from typing import Any, Deque, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
+from offload import faults
 from offload.io.engine import IOEngine
 from offload.io.probe import check_backend
 from offload.io.swap import SwapSpace
@@ -64,7 +65,8 @@ class NvmeTier:
         # SwapSpace runs its preflight (space, permissions, O_DIRECT) before creating files.
         self.space = SwapSpace(swap_dir, reserve_bytes=reserve_bytes)
         try:
-            self.io = _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth)
+            self.io = faults.passing("nvme.io_engine",
+                                     _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth))
         except BaseException:
             self.space.close()
             raise
