@@ -32,6 +32,25 @@ POINTS: Dict[str, str] = {
                         "of a unit's trainable elements, before any element is touched",
     "optim.adam": "each call of the Adam kernel over one parameter's elements of a range",
     "nvme.io_engine": "passing: the I/O engine the NVMe tier has just started (a test may wrap it)",
+    # The durable steps of save_checkpoint, in the order a save reaches them ([Note: atomic
+    # checkpoint directory] in offload/checkpoint/directory.py). Each is hit just before the
+    # system call, with the path it acts on; an OSError raised here is that call failing.
+    "checkpoint.save.restore": "a save: renaming back to NAME a complete copy that a killed save "
+                               "left beside a missing NAME (before anything else is written)",
+    "checkpoint.save.remove_stale": "a save: removing each leftover of a dead process's save once "
+                                    "no complete copy depends on it",
+    "checkpoint.save.mkdir": "creating the partial directory .NAME.partial-PID-HEX beside NAME",
+    "checkpoint.save.create": "creating each file of the checkpoint (units, buffers, RNG states, manifest)",
+    "checkpoint.save.write": "each write of bytes into a checkpoint file",
+    "checkpoint.save.fsync": "the fsync of each checkpoint file after its last write",
+    "checkpoint.save.dir_fsync": "the fsync of the partial directory once every file, manifest last, is in it",
+    "checkpoint.save.exchange": "renameat2(RENAME_EXCHANGE) of the partial directory and the NAME it "
+                                "replaces (an OSError with EINVAL or ENOSYS here takes the fallback)",
+    "checkpoint.save.rename_aside": "fallback: renaming the NAME being replaced to .NAME.old-PID-HEX",
+    "checkpoint.save.rename": "renaming the partial directory to NAME (a first save, or the fallback's "
+                              "second rename)",
+    "checkpoint.save.parent_fsync": "the fsync of NAME's parent directory after the rename or exchange",
+    "checkpoint.save.remove_old": "removing the checkpoint that NAME held before",
 }
 
 _armed: Dict[str, "Armed"] = {}

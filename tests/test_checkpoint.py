@@ -1,6 +1,7 @@
 """Checkpoints (issue 7): save/load resume bit-identically for every tier combination,
 corrupt or mismatched checkpoints are refused before anything changes, export gives a state
 dict that plain PyTorch loads, saves are atomic."""
+import errno
 import json
 import os
 import struct
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import offload
+import offload.faults
 from offload.checkpoint import MANIFEST, export_checkpoint
 from offload.checkpoint.format import manifest_checksum
 from offload.errors import CheckpointError
@@ -367,3 +369,69 @@ def test_save_replaces_atomically_and_cleans_leftovers_of_dead_processes(tmp_pat
         other.save_checkpoint(str(tmp_path / "other"))  # a save into the same parent restores it
         other.load_checkpoint(ckpt)
         assert_same_state(other.state_dict(), state)
+
+
+def test_load_names_the_complete_copies_a_killed_replacement_left(tmp_path):
+    """Where the filesystem cannot exchange directories, a kill between the two renames of
+    a replacement leaves no ``ckpt`` but two complete copies beside it: load_checkpoint
+    names them (not just "does not exist"), and the next save into the parent renames the
+    newest back before it replaces it, so neither is lost."""
+    ckpt = str(tmp_path / "ckpt")
+    dead_pid = 2**22 + 12345  # above pid_max on default kernels: never alive
+    with make_engine({}) as engine:
+        engine.save_checkpoint(ckpt)
+        old_state = engine.state_dict()
+        run(engine, 0, 1)
+        engine.save_checkpoint(str(tmp_path / "new"))
+        new_state = engine.state_dict()
+    old, new = tmp_path / f".ckpt.old-{dead_pid}-00ff00ff", tmp_path / f".ckpt.partial-{dead_pid}-0a0a0a0a"
+    os.rename(ckpt, old)
+    os.rename(tmp_path / "new", new)
+    with make_engine({}, seed=1) as other:
+        with pytest.raises(CheckpointError, match="complete checkpoint") as info:
+            other.load_checkpoint(ckpt)
+        assert repr(str(new)) in str(info.value) and repr(str(old)) in str(info.value)
+        other.load_checkpoint(str(new))  # what the message names loads
+        assert_same_state(other.state_dict(), new_state)
+        other.load_checkpoint(str(old))
+        assert_same_state(other.state_dict(), old_state)
+        # a save into the parent puts the newest back, then removes the other copy
+        other.save_checkpoint(str(tmp_path / "elsewhere"))
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"]
+        other.load_checkpoint(ckpt)
+        assert_same_state(other.state_dict(), new_state)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_checkpoint_files_are_private_whatever_the_umask(umask, tmp_path):
+    """A checkpoint holds the whole model: files 0600, directories 0700, as swap files."""
+    previous = os.umask(umask)
+    try:
+        with make_engine({}, model_fn=Frozen) as engine:  # buffers too
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+            engine.save_checkpoint(str(tmp_path / "ckpt"))  # a replacement as well
+    finally:
+        os.umask(previous)
+    modes = {name: os.stat(tmp_path / "ckpt" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "ckpt")}
+    assert "buffers.bin" in modes and MANIFEST in modes
+    assert modes == {name: 0o600 for name in modes}
+    assert os.stat(tmp_path / "ckpt").st_mode & 0o777 == 0o700
+
+
+def test_a_failed_write_during_a_save_names_the_file_and_keeps_the_last_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with make_engine({}) as engine:
+        engine.save_checkpoint(ckpt)
+        state = engine.state_dict()
+        run(engine, 0, 1)
+        full = OSError(errno.ENOSPC, "No space left on device")
+        with offload.faults.inject("checkpoint.save.write", offload.faults.raising(full), at=4):
+            with pytest.raises(OSError) as info:  # the 4th write: the second unit's master
+                engine.save_checkpoint(ckpt)
+        assert info.value.errno == errno.ENOSPC
+        assert "unit-00001.bin" in str(info.value) and info.value.filename.endswith("unit-00001.bin")
+        assert os.listdir(tmp_path) == ["ckpt"], "the partial directory is removed"
+        run(engine, 1, 1)  # the engine itself is fine
+    with make_engine({}, seed=1) as fresh:
+        fresh.load_checkpoint(ckpt)
+        assert_same_state(fresh.state_dict(), state)

@@ -54,7 +54,7 @@ WORKER = textwrap.dedent("""
     import json, os, signal, sys
     import torch
     torch.set_num_threads(1)
-    import offload, offload.faults, offload.checkpoint.save as checkpoint_save
+    import offload, offload.faults
     from offload.gpt import GPT, GPTConfig
 
     args = json.loads(sys.argv[1])
@@ -64,15 +64,6 @@ WORKER = textwrap.dedent("""
     engine = offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=dict(
         param_tier="nvme", optimizer_tier="nvme", swap_dir=args["swap_dir"], device_budget=100_000,
         gradient_accumulation_steps=2))
-
-    def kill_at(obj, name, k):
-        original, calls = getattr(obj, name), [0]
-        def patched(*a, **kw):
-            calls[0] += 1
-            if calls[0] == k:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(*a, **kw)
-        setattr(obj, name, patched)
 
     def sigkill(**context):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -93,8 +84,10 @@ WORKER = textwrap.dedent("""
                 # process dies (held: a dropped context manager would disarm it)
                 armed = offload.faults.inject("optim.adam_range", sigkill, at=len(engine.units) + 2)
                 armed.__enter__()
-            if args.get("kill") == "save":   # in the middle of the next save
-                kill_at(checkpoint_save, "_write_unit", 2)
+            if args.get("kill") == "save":   # in the middle of the next save: creating
+                # the second unit's file (every durable step: tests/test_checkpoint_crash.py)
+                armed = offload.faults.inject("checkpoint.save.create", sigkill, at=2)
+                armed.__enter__()
                 args["save_at"] += 2
     out = {"removed_stale_runs": len(engine.debug.nvme.space.removed_stale_runs)}
     if args.get("save_after"):

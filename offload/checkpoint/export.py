@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
     CHUNK_BYTES, DTYPES, PieceReader, as_bytes, checked_path, numel_of, read_manifest)
 from offload.errors import CheckpointError
@@ -25,6 +26,7 @@ def export_checkpoint(ckpt_dir: str, out_path: str) -> None:
     parameters in several pieces or whose dtype differs from the saved one, joined or
     converted one at a time."""
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    refuse_missing(ckpt_dir, "export_checkpoint")  # [Note: atomic checkpoint directory]
     manifest = read_manifest(ckpt_dir)
     out_path = os.fspath(out_path)
     items = _export_items(manifest)

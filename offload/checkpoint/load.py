@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
 import torch
 
 from offload.checkpoint.access import Ranks, attempt
+from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
     DTYPES, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
 from offload.errors import CheckpointError
@@ -86,6 +87,7 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
 
     def verify() -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+        refuse_missing(ckpt_dir, "load_checkpoint")  # [Note: atomic checkpoint directory]
         manifest = read_manifest(ckpt_dir, share=(ranks.rank, ranks.world_size))
         return manifest, _match_model(access, manifest, ckpt_dir)
     checked, error = attempt(verify)     # 1. every file checked before any state changes

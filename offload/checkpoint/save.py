@@ -1,11 +1,6 @@
 """Saving a checkpoint: every rank writes its part ([Note: sharded checkpoints]), one unit
-at a time ([Note: bounded checkpoint memory]), into a directory put into place at the end.
-
-[Note: atomic checkpoint directory] Save writes into ``.NAME.partial-PID-HEX`` beside the
-target, fsyncs every file and the directory, then renames it into place. Replacing an
-existing checkpoint first renames it to ``.NAME.old-PID-HEX``; the next save into the same
-parent removes partial and old directories of dead processes, and renames an old one back
-when a crash left no ``NAME`` (so a complete checkpoint always survives).
+at a time ([Note: bounded checkpoint memory]), into a partial directory that is put in
+place at the end ([Note: atomic checkpoint directory] in directory.py).
 """
 from __future__ import annotations
 
@@ -13,61 +8,58 @@ import hashlib
 import json
 import os
 import random
-import re
-import secrets
-import shutil
 import warnings
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Tuple
 
 import torch
 
 from offload.checkpoint.access import Ranks, attempt
+from offload.checkpoint.directory import (
+    clean_stale, create_file, fsync_dir, make_partial, os_step, put_in_place, remove_checkpoint)
 from offload.checkpoint.format import (
     FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
-from offload.io.swap import pid_alive
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess
     from offload.memory.layout import UnitState
 
 
-_STALE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-[0-9a-f]+$")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _HashingWriter:
-    """Writes a file sequentially while hashing it; ``close`` fsyncs and returns (bytes, sha256)."""
+    """Writes a new file (0600, [Note: atomic checkpoint directory]) sequentially while
+    hashing it; ``close`` fsyncs and returns (bytes, sha256). Every OSError names the file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file: BinaryIO = open(path, "xb")
+        self._file: BinaryIO = os.fdopen(create_file(path), "wb")
         self._hash = hashlib.sha256()
         self.nbytes = 0
 
     def write(self, t: torch.Tensor) -> int:
         """Appends the tensor's bytes; returns the byte offset they start at."""
+        return self.write_bytes(as_bytes(t))
+
+    def write_bytes(self, data: "bytes | memoryview") -> int:
         offset = self.nbytes
-        data = as_bytes(t)
         self._hash.update(data)
-        self._file.write(data)
+        os_step("checkpoint.save.write", "write", self.path, self._file.write, data)
         self.nbytes += len(data)
         return offset
 
     def close(self) -> Dict[str, Any]:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            os_step(None, "write", self.path, self._file.flush)
+            os_step("checkpoint.save.fsync", "fsync", self.path, os.fsync, self._file.fileno())
+        except BaseException:
+            self.abort()
+            raise
         self._file.close()
         return {"bytes": self.nbytes, "sha256": self._hash.hexdigest()}
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()  # flushes what is buffered: may fail as the write did
+        except OSError:
+            pass
 
 
 def _jsonable_group(group: Dict[str, Any], index: int) -> Dict[str, Any]:
@@ -100,78 +92,54 @@ def _rng_python() -> Dict[str, Any]:
     return state
 
 
-def _clean_stale(parent: str) -> None:
-    """[Note: atomic checkpoint directory] Leftovers of dead processes in ``parent``."""
-    try:
-        entries = sorted(os.listdir(parent))
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        match = _STALE_RE.match(entry)
-        if not match or pid_alive(int(match.group("pid"))):
-            continue
-        path = os.path.join(parent, entry)
-        target = os.path.join(parent, match.group("name"))
-        if match.group("kind") == "old" and not os.path.exists(target):
-            os.rename(path, target)  # the crash came between the two renames: keep it
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def save_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
     """[Note: sharded checkpoints] Every rank writes its part into one directory, which
     rank 0 prepares beforehand and completes (manifest, rename) afterwards."""
     ranks = Ranks(access, "save_checkpoint")
     ranks.agree("checks", attempt(lambda: access.check_allowed(saving=True))[1])
     target = os.path.abspath(os.fspath(ckpt_dir).rstrip("/") or "/")
-    tmp, error = attempt(lambda: _prepare_directory(target)) if ranks.rank == 0 else (None, None)
+    partial, error = attempt(lambda: _prepare_directory(target)) if ranks.rank == 0 else (None, None)
     ranks.agree("directory", error)
-    tmp = ranks.gather("directory name", tmp)[0]
-    written, error = attempt(lambda: _write_rank(access, tmp))
+    partial = ranks.gather("directory name", partial)[0]
     try:
+        written, error = attempt(lambda: _write_rank(access, partial))
         everyone = ranks.gather("files written", None if error else written)
         ranks.agree("writing", error)
         if ranks.rank == 0:
-            error = attempt(lambda: _complete(access, target, tmp, everyone))[1]
+            error = attempt(lambda: _complete(access, target, partial, everyone))[1]
         ranks.agree("manifest", error)
     except BaseException:
-        if ranks.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if ranks.rank == 0:  # what it holds is incomplete, or (after an exchange) the replaced checkpoint
+            remove_checkpoint(partial)
         raise
 
 
 def _prepare_directory(target: str) -> str:
-    parent, name = os.path.dirname(target), os.path.basename(target)
-    if os.path.exists(target):
-        if not os.path.isdir(target):
+    """Rank 0: leftovers of dead processes cleaned, the target checked, the partial
+    directory made ([Note: atomic checkpoint directory])."""
+    parent = os.path.dirname(target)
+    os_step(None, "create the directory", parent, os.makedirs, parent, 0o777, True)
+    clean_stale(parent)  # first: it may rename a complete copy back to the target
+    if os.path.lexists(target):
+        if not os.path.isdir(target) or os.path.islink(target):
             raise ValueError(f"save_checkpoint: {target!r} exists and is not a directory")
         if os.listdir(target) and not os.path.isfile(os.path.join(target, MANIFEST)):
             raise ValueError(f"save_checkpoint: {target!r} exists and is not an offload checkpoint; "
                              "refusing to replace it")
-    os.makedirs(parent, exist_ok=True)
-    _clean_stale(parent)
-    tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp, 0o755)
-    return tmp
+    return make_partial(target)
 
 
-def _complete(access: "CheckpointAccess", target: str, tmp: str, everyone: List[Dict[str, Any]]) -> None:
-    """Rank 0: the manifest over every rank's files, then the atomic rename."""
-    manifest = _manifest(access, everyone)
-    with open(os.path.join(tmp, MANIFEST), "x") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    parent, name = os.path.dirname(target), os.path.basename(target)
-    old = None
-    if os.path.exists(target):
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _complete(access: "CheckpointAccess", target: str, partial: str, everyone: List[Dict[str, Any]]) -> None:
+    """Rank 0: the manifest over every rank's files, last, then the directory in place."""
+    writer = _HashingWriter(os.path.join(partial, MANIFEST))
+    try:
+        writer.write_bytes(json.dumps(_manifest(access, everyone), indent=1, sort_keys=True).encode())
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    fsync_dir(partial, "checkpoint.save.dir_fsync")
+    put_in_place(partial, target)
 
 
 def _write_rank(access: "CheckpointAccess", tmp: str) -> Dict[str, Any]:
@@ -205,7 +173,11 @@ def _write_rank(access: "CheckpointAccess", tmp: str) -> Dict[str, Any]:
             states.append((rng_files[f"cuda:{i}"], state))
     for file_name, state in states:
         writer = _HashingWriter(os.path.join(tmp, file_name))
-        writer.write(state)
+        try:
+            writer.write(state)
+        except BaseException:
+            writer.abort()
+            raise
         files[file_name] = writer.close()
     return {"files": files, "pieces": pieces, "buffers": buffer_entries,
             "rng": {"torch": rng_files, **_rng_python()}}
