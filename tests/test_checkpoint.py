@@ -4,6 +4,7 @@ dict that plain PyTorch loads, saves are atomic."""
 import errno
 import json
 import os
+import shutil
 import struct
 
 import pytest
@@ -435,3 +436,79 @@ def test_a_failed_write_during_a_save_names_the_file_and_keeps_the_last_checkpoi
     with make_engine({}, seed=1) as fresh:
         fresh.load_checkpoint(ckpt)
         assert_same_state(fresh.state_dict(), state)
+
+
+# ---------------------------------------------------------------------- refused loads
+@pytest.fixture(scope="module")
+def refusal_source(tmp_path_factory):
+    """A checkpoint after 3 micro-steps, and the state a seed-1 engine reaches after 3."""
+    base = tmp_path_factory.mktemp("refusal")
+    with make_engine({}) as source:
+        run(source, 0, 3)
+        source.save_checkpoint(str(base / "ckpt"))
+    with make_engine({}, seed=1) as reference:
+        run(reference, 0, 3)
+        final = reference.state_dict()
+    return base / "ckpt", final
+
+
+def _bad_rng_file(ckpt):
+    """torch's CPU RNG file replaced by bytes torch refuses (with a matching sha256)."""
+    import hashlib
+    path = os.path.join(ckpt, "rng-torch-cpu.bin")
+    data = b"\xff" * os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    _rewrite_manifest(ckpt, lambda m: m["files"]["rng-torch-cpu.bin"].update(
+        sha256=hashlib.sha256(data).hexdigest()))
+    return "rng-torch-cpu.bin.*not a torch RNG state"
+
+
+def _edit(name, change, pattern):
+    def corrupt(ckpt):
+        _rewrite_manifest(ckpt, change)
+        return FIELD + pattern
+    corrupt.__name__ = name
+    return corrupt
+
+
+FIELD = r"manifest\.json'?: field "
+HAND_EDITS = [
+    _edit("no-units", lambda m: m.pop("units"), "'units' is missing"),
+    _edit("shape-string", lambda m: m["units"][1]["entries"][0].update(shape="32x32"),
+          r"'units\[1\]\.entries\[0\]\.shape'"),
+    _edit("fqn-twice", lambda m: m["units"][0]["entries"].append(m["units"][0]["entries"][0]), r".*fqn' repeats"),
+    _edit("group-index", lambda m: m["units"][1]["entries"][0].update(group_index=7), r".*group_index' must be"),
+    _edit("micro-step-string", lambda m: m["engine"].update(micro_step="3"), "'engine.micro_step'"),
+    _edit("loss-scale-zero", lambda m: m["engine"].update(loss_scale=0), "'engine.loss_scale'"),
+    _edit("lr-string", lambda m: m["param_groups"][0].update(lr="fast"),
+          r"'param_groups\[0\]\.lr' must be a finite number"),
+    _edit("betas-short", lambda m: m["param_groups"][0].update(betas=[0.9]), r"'param_groups\[0\]\.betas'"),
+    _edit("python-rng", lambda m: m["rng"]["ranks"][0].update(random=[3, [1, 2], None]),
+          r"'rng\.ranks\[0\]\.random'"),
+    _edit("rng-file-unlisted", lambda m: m["rng"]["ranks"][0]["torch"].update(cpu="unit-00009.bin"),
+          r"'rng\.ranks\[0\]\.torch\.cpu'"),
+    _edit("file-bytes-missing", lambda m: m["files"]["unit-00000.bin"].pop("bytes"),
+          r"'files\.unit-00000\.bin\.bytes' is missing"),
+    _bad_rng_file,
+]
+
+
+@pytest.mark.parametrize("corrupt", HAND_EDITS, ids=[c.__name__ for c in HAND_EDITS])
+def test_a_refused_load_leaves_the_engine_exactly_as_before(corrupt, refusal_source, tmp_path):
+    """A hand-edited manifest (checksum recomputed) or an RNG file torch refuses: a
+    CheckpointError naming the manifest field or the file, raised before any state is
+    replaced, so the engine trains on exactly as if the load had not been tried."""
+    source, final = refusal_source
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(source, ckpt)
+    pattern = corrupt(ckpt)
+    with make_engine({}, seed=1) as engine:
+        run(engine, 0, 1)
+        before, rng = engine.state_dict(), torch.get_rng_state()
+        with pytest.raises(CheckpointError, match=pattern):
+            engine.load_checkpoint(ckpt)
+        assert_same_state(engine.state_dict(), before)
+        assert engine.stats()["micro_steps"] == 1 and torch.equal(torch.get_rng_state(), rng)
+        run(engine, 1, 2)
+        assert_same_state(engine.state_dict(), final)

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
-from typing import Any, BinaryIO, Dict, List, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 from torch import nn
@@ -122,9 +123,8 @@ def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, A
     if manifest.get("checksum") != manifest_checksum(manifest):
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} does not match its checksum "
                               "(the manifest was modified or corrupted)")
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} has no file list")
+    check_fields(manifest, path)
+    files = manifest["files"]
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     first, every = share
@@ -154,6 +154,152 @@ def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, A
         _upgrade_version_1(manifest)
     _check_pieces(manifest, ckpt_dir)
     return manifest
+
+
+class _Fields:
+    """Checks of a manifest's fields, each failure a CheckpointError that names the manifest
+    file and the field (``units[1].entries[0].shape``)."""
+
+    def __init__(self, manifest_path: str) -> None:
+        self.manifest_path = manifest_path
+
+    def fail(self, field: str, problem: str) -> NoReturn:
+        raise CheckpointError(f"checkpoint manifest {self.manifest_path!r}: field {field!r} {problem}")
+
+    def get(self, obj: Dict[str, Any], key: str, field: str, ok: Callable[[Any], bool], kind: str) -> Any:
+        if key not in obj:
+            self.fail(field, "is missing")
+        if not ok(obj[key]):
+            self.fail(field, f"must be {kind}, got {obj[key]!r}"[:300])
+        return obj[key]
+
+    def an_object(self, obj: Dict[str, Any], key: str, field: str) -> Dict[str, Any]:
+        return self.get(obj, key, field, lambda v: isinstance(v, dict), "an object")
+
+    def a_list(self, obj: Dict[str, Any], key: str, field: str, item: Callable[[Any], bool] = lambda v: True,
+               kind: str = "a list") -> List[Any]:
+        return self.get(obj, key, field, lambda v: isinstance(v, list) and all(item(x) for x in v), kind)
+
+    def an_int(self, obj: Dict[str, Any], key: str, field: str, lo: int = 0, hi: Optional[int] = None) -> int:
+        kind = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        return self.get(obj, key, field, lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi), kind)
+
+    def a_string(self, obj: Dict[str, Any], key: str, field: str) -> str:
+        return self.get(obj, key, field, lambda v: isinstance(v, str), "a string")
+
+    def a_dtype(self, obj: Dict[str, Any], key: str, field: str) -> str:
+        return self.get(obj, key, field, lambda v: isinstance(v, str) and v in DTYPES,
+                        f"one of {sorted(DTYPES)}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
+    """Every field load and export read has the type and range they need, so that a
+    hand-edited manifest (checksum recomputed) is refused before any state changes, naming
+    the field. Values that depend on the model or the optimizer are checked against them
+    at load (load.py)."""
+    f = _Fields(manifest_path)
+    version = f.an_int(manifest, "version", "version", lo=1)
+    if version >= 2:
+        f.an_int(manifest, "world_size", "world_size", lo=1)
+        f.an_int(manifest, "stage", "stage", lo=0, hi=3)
+    f.an_object(manifest, "config", "config")
+    f.a_dtype(manifest, "compute_dtype", "compute_dtype")
+    engine = f.an_object(manifest, "engine", "engine")
+    f.an_int(engine, "micro_step", "engine.micro_step")
+    f.get(engine, "loss_scale", "engine.loss_scale", lambda v: _is_number(v) and 0 < v < math.inf,
+          "a finite number > 0")
+    f.an_int(engine, "good_steps", "engine.good_steps")
+    f.get(engine, "last_grad_norm", "engine.last_grad_norm", lambda v: v is None or _is_number(v), "a number or null")
+    groups = f.a_list(manifest, "param_groups", "param_groups", lambda v: isinstance(v, dict), "a list of objects")
+    files = f.an_object(manifest, "files", "files")
+    for name, info in files.items():
+        info = f.get(files, name, f"files.{name}", lambda v: isinstance(v, dict), "an object")
+        f.an_int(info, "bytes", f"files.{name}.bytes")
+        f.get(info, "sha256", f"files.{name}.sha256", lambda v: isinstance(v, str), "a string")
+    if version >= 2:
+        rng = f.an_object(manifest, "rng", "rng")
+        ranks = f.a_list(rng, "ranks", "rng.ranks", lambda v: isinstance(v, dict), "a list of objects")
+        if len(ranks) != manifest["world_size"]:
+            f.fail("rng.ranks", f"has {len(ranks)} entries for world_size {manifest['world_size']}")
+        for r, record in enumerate(ranks):
+            _check_rng(f, record, f"rng.ranks[{r}]", files)
+    else:
+        _check_rng(f, f.an_object(manifest, "rng", "rng"), "rng", files)
+    seen: Dict[str, str] = {}
+    units = f.a_list(manifest, "units", "units", lambda v: isinstance(v, dict), "a list of objects")
+    for i, u in enumerate(units):
+        f.a_string(u, "name", f"units[{i}].name")
+        if version == 1:
+            f.a_string(u, "file", f"units[{i}].file")
+        entries = f.a_list(u, "entries", f"units[{i}].entries", lambda v: isinstance(v, dict), "a list of objects")
+        for j, r in enumerate(entries):
+            field = f"units[{i}].entries[{j}]"
+            fqn = f.a_string(r, "fqn", f"{field}.fqn")
+            if fqn in seen:
+                f.fail(f"{field}.fqn", f"repeats the parameter {fqn!r} of {seen[fqn]}")
+            seen[fqn] = field
+            f.a_list(r, "names", f"{field}.names", lambda v: isinstance(v, str), "a list of strings")
+            shape = f.a_list(r, "shape", f"{field}.shape", lambda v: _is_int(v) and v >= 0, "a list of ints >= 0")
+            f.get(r, "numel", f"{field}.numel", lambda v: v == numel_of(shape), f"{numel_of(shape)} (its shape's)")
+            f.a_dtype(r, "dtype", f"{field}.dtype")
+            trainable = f.get(r, "trainable", f"{field}.trainable", lambda v: isinstance(v, bool), "true or false")
+            if trainable:
+                f.an_int(r, "group_index", f"{field}.group_index", lo=0, hi=len(groups) - 1)
+                f.an_int(r, "step", f"{field}.step")
+            if version >= 2:
+                pieces = f.a_list(r, "pieces", f"{field}.pieces", lambda v: isinstance(v, dict), "a list of objects")
+                for k, piece in enumerate(pieces):
+                    f.a_string(piece, "file", f"{field}.pieces[{k}].file")
+                    f.an_int(piece, "start", f"{field}.pieces[{k}].start")
+                    f.an_int(piece, "numel", f"{field}.pieces[{k}].numel", lo=1)
+                    for key in ("master", "exp_avg", "exp_avg_sq") if trainable else ("value",):
+                        f.an_int(piece, key, f"{field}.pieces[{k}].{key}")
+                    if not trainable:
+                        f.a_dtype(piece, "file_dtype", f"{field}.pieces[{k}].file_dtype")
+            elif trainable:
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    f.an_int(r, key, f"{field}.{key}")
+            else:
+                f.an_int(r, "value", f"{field}.value")
+                f.a_dtype(r, "file_dtype", f"{field}.file_dtype")
+    buffers = f.a_list(manifest, "buffers", "buffers", lambda v: isinstance(v, dict), "a list of objects")
+    for i, b in enumerate(buffers):
+        f.a_string(b, "name", f"buffers[{i}].name")
+        f.a_list(b, "shape", f"buffers[{i}].shape", lambda v: _is_int(v) and v >= 0, "a list of ints >= 0")
+        f.a_dtype(b, "dtype", f"buffers[{i}].dtype")
+        f.an_int(b, "offset", f"buffers[{i}].offset")
+    if buffers and "buffers.bin" not in files:
+        f.fail("files", "does not list 'buffers.bin', which the buffers are in")
+
+
+def _check_rng(f: _Fields, record: Dict[str, Any], field: str, files: Dict[str, Any]) -> None:
+    """One rank's RNG states: torch's by device in listed files, Python's, NumPy's (optional).
+    Whether the generators accept the values is checked at load (load.py)."""
+    torch_files = f.an_object(record, "torch", f"{field}.torch")
+    if "cpu" not in torch_files:
+        f.fail(f"{field}.torch.cpu", "is missing")
+    for device, file_name in torch_files.items():
+        if device != "cpu" and not re.fullmatch(r"cuda:\d+", device):
+            f.fail(f"{field}.torch", f"names the device {device!r}, not 'cpu' or 'cuda:N'")
+        f.get(torch_files, device, f"{field}.torch.{device}", lambda v: isinstance(v, str) and v in files,
+              "the name of a file the manifest lists")
+    f.get(record, "random", f"{field}.random",
+          lambda v: isinstance(v, list) and len(v) == 3 and _is_int(v[0]) and isinstance(v[1], list)
+          and all(_is_int(x) for x in v[1]) and (v[2] is None or _is_number(v[2])),
+          "[version, [ints], gauss or null] (Python's random.getstate())")
+    if "numpy" in record:
+        f.get(record, "numpy", f"{field}.numpy",
+              lambda v: isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and isinstance(v[1], list)
+              and all(_is_int(x) for x in v[1]) and _is_int(v[2]) and _is_int(v[3]) and _is_number(v[4]),
+              "[kind, [ints], pos, has_gauss, gauss] (numpy.random.get_state())")
 
 
 def _upgrade_version_1(manifest: Dict[str, Any]) -> None:

@@ -3,17 +3,18 @@ changes, then the states stream into their tiers unit by unit ([Note: sharded ch
 [Note: bounded checkpoint memory])."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from offload.checkpoint.access import Ranks, attempt
 from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
-    DTYPES, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
+    DTYPES, MANIFEST, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
 from offload.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -59,6 +60,12 @@ def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir:
     if len(groups) != len(access.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {len(groups)} optimizer param groups in the "
                               f"checkpoint, {len(access.optimizer.param_groups)} in the optimizer")
+    for i, (group, values) in enumerate(zip(access.optimizer.param_groups, groups)):
+        for key, value in values.items():
+            problem = _group_value_problem(key, value, group.get(key))
+            if problem is not None:
+                raise CheckpointError(f"checkpoint manifest {os.path.join(ckpt_dir, MANIFEST)!r}: field "
+                                      f"'param_groups[{i}].{key}' {problem}, got {value!r}"[:400])
     _, buffers = state_dict_aliases(access.module)
     saved_buffers = {b["name"]: b for b in manifest["buffers"]}
     if set(saved_buffers) != set(buffers):
@@ -79,6 +86,75 @@ def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir:
     return saved
 
 
+def _group_value_problem(key: str, value: Any, current: Any) -> Optional[str]:
+    """Why a saved param-group value cannot replace the optimizer's ``current`` one (the
+    kind it has, and torch.optim.AdamW's ranges), or None. Keys the optimizer does not have
+    (a scheduler's initial_lr) are taken as saved."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if key == "params":
+        return "is not saved in a checkpoint"
+    if isinstance(current, torch.Tensor):
+        current = current.item() if current.numel() == 1 else None
+    if isinstance(current, bool):
+        return None if isinstance(value, bool) else "must be true or false"
+    low = {"lr": 0.0, "eps": 0.0, "weight_decay": 0.0}.get(key)
+    if number(current):
+        if not number(value):
+            return "must be a finite number"
+        return None if low is None or value >= low else f"must be >= {low}"
+    if isinstance(current, (tuple, list)):
+        if not (isinstance(value, list) and len(value) == len(current) and all(number(v) for v in value)):
+            return f"must be a list of {len(current)} finite numbers"
+        if key == "betas" and not all(0.0 <= v < 1.0 for v in value):
+            return "must be in [0, 1)"
+    return None
+
+
+def _read_rng(manifest: Dict[str, Any], ckpt_dir: str, rank: int) -> Dict[str, Any]:
+    """The RNG states this rank continues from (those of the nearest saved rank), read and
+    tried on scratch generators, so that applying them once the states are replaced cannot
+    fail: a state a generator refuses is a CheckpointError naming its file or field."""
+    saved_ranks = manifest["rng"]["ranks"]
+    r = min(rank, len(saved_ranks) - 1)
+    record, files = saved_ranks[r], manifest["files"]
+    torch_states: List[Tuple[str, torch.Tensor]] = []
+    for device, file_name in record["torch"].items():
+        index = None if device == "cpu" else int(device.split(":")[1])
+        if index is not None and not (torch.cuda.is_available() and index < torch.cuda.device_count()):
+            continue  # a GPU this machine lacks: as set_rng_state would, skip it
+        state = torch.empty(files[file_name]["bytes"], dtype=torch.uint8)
+        with open(checked_path(ckpt_dir, file_name), "rb") as f:
+            read_range(f, file_name, files[file_name]["bytes"], 0, state)
+        try:
+            torch.Generator(device=device).set_state(state)
+        except RuntimeError as error:
+            raise CheckpointError(f"checkpoint file {file_name!r} in {ckpt_dir!r} is not a torch RNG state "
+                                  f"for {device} ({error})") from None
+        torch_states.append((device, state))
+    field = f"checkpoint manifest {os.path.join(ckpt_dir, MANIFEST)!r}: field 'rng.ranks[{r}]"
+    version, internal, gauss = record["random"]
+    python_state = (version, tuple(internal), gauss)
+    try:
+        random.Random().setstate(python_state)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise CheckpointError(f"{field}.random' is not a state of Python's random ({error})") from None
+    numpy_state = None
+    if "numpy" in record:
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        if np is not None:
+            kind, keys, pos, has_gauss, cached = record["numpy"]
+            try:
+                numpy_state = (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+                np.random.RandomState().set_state(numpy_state)
+            except (ValueError, TypeError, OverflowError) as error:
+                raise CheckpointError(f"{field}.numpy' is not a state of numpy.random ({error})") from None
+    return {"torch": torch_states, "random": python_state, "numpy": numpy_state}
+
+
 def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
     """[Note: sharded checkpoints] Every rank verifies its share of the files, then reads
     the elements it keeps from whichever files hold them."""
@@ -86,13 +162,15 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
     ranks = Ranks(access, "load_checkpoint")
     ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
 
-    def verify() -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    def verify() -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], Dict[str, Any]]:
         refuse_missing(ckpt_dir, "load_checkpoint")  # [Note: atomic checkpoint directory]
         manifest = read_manifest(ckpt_dir, share=(ranks.rank, ranks.world_size))
-        return manifest, _match_model(access, manifest, ckpt_dir)
-    checked, error = attempt(verify)     # 1. every file checked before any state changes
+        return manifest, _match_model(access, manifest, ckpt_dir), _read_rng(manifest, ckpt_dir, ranks.rank)
+    # 1. every file and field checked before any state changes: after this, only an I/O
+    # error can stop the load
+    checked, error = attempt(verify)
     ranks.agree("verification", error)
-    manifest, saved = checked
+    manifest, saved, rng = checked
     if manifest["world_size"] != ranks.world_size:
         warnings.warn(f"load_checkpoint: the checkpoint was written by {manifest['world_size']} "
                       f"rank(s), this run has {ranks.world_size}: the states are re-partitioned; "
@@ -110,7 +188,7 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
                                         [saved[e.fqn]["step"] for e in u.trainable])
         finally:
             reader.close()
-        _load_rest(access, manifest, ckpt_dir, ranks.rank)
+        _load_rest(access, manifest, ckpt_dir, rng)
     error = attempt(load_states)[1]
     if isinstance(error, OSError):
         error = OSError(error.errno, f"load_checkpoint({ckpt_dir!r}) failed while writing the states "
@@ -136,7 +214,8 @@ def _unit_reader(u: "UnitState", saved: Dict[str, Dict[str, Any]],
     return read
 
 
-def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: str, rank: int) -> None:
+def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: str, rng: Dict[str, Any]) -> None:
+    """Buffers, param-group values, counters and the RNG states ``_read_rng`` checked."""
     files = manifest["files"]
     _, buffers = state_dict_aliases(access.module)
     if manifest["buffers"]:
@@ -154,22 +233,12 @@ def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: s
             else:
                 group[key] = tuple(value) if isinstance(value, list) else value
     access.restore_training_counters(manifest["engine"])
-    saved_ranks = manifest["rng"]["ranks"]
-    rng = saved_ranks[min(rank, len(saved_ranks) - 1)]
-    for device, file_name in rng["torch"].items():
-        state = torch.empty(files[file_name]["bytes"], dtype=torch.uint8)
-        with open(checked_path(ckpt_dir, file_name), "rb") as f:
-            read_range(f, file_name, files[file_name]["bytes"], 0, state)
+    for device, state in rng["torch"]:
         if device == "cpu":
             torch.set_rng_state(state)
-        elif torch.cuda.is_available() and int(device.split(":")[1]) < torch.cuda.device_count():
+        else:
             torch.cuda.set_rng_state(state, device)
-    version, internal, gauss = rng["random"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in rng:
-        try:
-            import numpy as np
-        except ImportError:
-            return
-        kind, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    random.setstate(rng["random"])
+    if rng["numpy"] is not None:
+        import numpy as np
+        np.random.set_state(rng["numpy"])
