@@ -1,8 +1,9 @@
 """Checkpoints of an Engine: save, verify, load, export (issue 7).
 
 A checkpoint is a directory of raw little-endian files plus ``manifest.json``; format.py
-describes them and reads them back, save.py writes them, load.py streams them into an
-engine's tiers, export.py turns them into one state dict file (``offload export``). Save
+describes them, checks every manifest field and reads them back, save.py writes them,
+directory.py puts a finished one in place, load.py streams them into an engine's tiers,
+export.py turns them into one state dict file (``offload export``). Save
 and load reach the engine's states only through a CheckpointAccess (access.py,
 [Note: checkpoint access]), which the engine builds at the end of wrap.
 
@@ -24,7 +25,8 @@ and nothing is renamed into place.
 most one unit's master, moments and compute copy (plus the engine's own I/O bounce buffer);
 verification and export hash and copy in 4 MiB chunks.
 
-[Note: atomic checkpoint directory] is in save.py.
+[Note: atomic checkpoint directory] is in directory.py: every crash of a save leaves a
+complete checkpoint at its name, or complete copies beside it that load names.
 """
 from offload.checkpoint.access import CheckpointAccess, EngineState, HomeIO
 from offload.checkpoint.export import export_checkpoint
