@@ -49,7 +49,7 @@ POINTS: Dict[str, str] = {
     "checkpoint.save.rename_aside": "fallback: renaming the NAME being replaced to .NAME.old-PID-HEX",
     "checkpoint.save.rename": "renaming the partial directory to NAME (a first save, or the fallback's "
                               "second rename)",
-    "checkpoint.save.parent_fsync": "the fsync of NAME's parent directory after the rename or exchange",
+    "checkpoint.save.parent_fsync": "the fsync of NAME's parent directory after a rename, exchange or restore",
     "checkpoint.save.remove_old": "removing the checkpoint that NAME held before",
 }
 

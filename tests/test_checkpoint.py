@@ -512,3 +512,20 @@ def test_a_refused_load_leaves_the_engine_exactly_as_before(corrupt, refusal_sou
         assert engine.stats()["micro_steps"] == 1 and torch.equal(torch.get_rng_state(), rng)
         run(engine, 1, 2)
         assert_same_state(engine.state_dict(), final)
+
+
+def test_a_symlinked_checkpoint_name_is_refused_and_its_target_kept(tmp_path):
+    """Replacing NAME moves NAME itself: a symbolic link there is refused (naming where it
+    points), and a planted link among a dead save's leftovers is removed as a link, never
+    what it points to."""
+    real = str(tmp_path / "real")
+    with make_engine({}) as engine:
+        engine.save_checkpoint(real)
+        os.symlink(real, tmp_path / "ckpt")
+        with pytest.raises(ValueError, match="symbolic link.*real"):
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+        os.symlink(real, tmp_path / f".other.old-{2**22 + 12345}-0000beef")
+        engine.save_checkpoint(str(tmp_path / "other"))
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "other", "real"]
+        assert os.path.isfile(os.path.join(real, MANIFEST))
+        engine.load_checkpoint(str(tmp_path / "ckpt"))  # loading through a link is fine

@@ -104,7 +104,11 @@ def is_complete(path: str) -> bool:
 
 
 def remove_checkpoint(path: str) -> None:
-    """Remove a checkpoint directory, its manifest first: interrupted, it is not complete."""
+    """Remove a checkpoint directory, its manifest first: interrupted, it is not complete.
+    A symbolic link is removed itself, never what it points to."""
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     try:
         os.unlink(os.path.join(path, MANIFEST))
     except OSError:

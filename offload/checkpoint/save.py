@@ -120,8 +120,11 @@ def _prepare_directory(target: str) -> str:
     parent = os.path.dirname(target)
     os_step(None, "create the directory", parent, os.makedirs, parent, 0o777, True)
     clean_stale(parent)  # first: it may rename a complete copy back to the target
+    if os.path.islink(target):  # an exchange would move the link, not the checkpoint it names
+        raise ValueError(f"save_checkpoint: {target!r} is a symbolic link; save into the directory "
+                         f"it points to ({os.path.realpath(target)!r})")
     if os.path.lexists(target):
-        if not os.path.isdir(target) or os.path.islink(target):
+        if not os.path.isdir(target):
             raise ValueError(f"save_checkpoint: {target!r} exists and is not a directory")
         if os.listdir(target) and not os.path.isfile(os.path.join(target, MANIFEST)):
             raise ValueError(f"save_checkpoint: {target!r} exists and is not an offload checkpoint; "
