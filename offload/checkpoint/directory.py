@@ -165,9 +165,9 @@ def refuse_missing(ckpt_dir: str, what: str) -> None:
         raise CheckpointError(
             f"{what}: checkpoint {ckpt_dir!r} does not exist (or has no {MANIFEST}): a save into it "
             f"was interrupted and left {len(copies)} complete checkpoint(s) beside it, newest first: "
-            f"{', '.join(repr(c) for c in copies)}; load one of them, or call save_checkpoint into "
-            f"{os.path.dirname(ckpt_dir)!r} again, which first renames the newest back to "
-            f"{os.path.basename(ckpt_dir)!r}")
+            f"{', '.join(repr(c) for c in copies)}; load one of them, or rename it to "
+            f"{os.path.basename(ckpt_dir)!r}; once the process that left them has exited, the next "
+            f"save_checkpoint into {os.path.dirname(ckpt_dir)!r} renames the newest back itself")
 
 
 def clean_stale(parent: str) -> None:
