@@ -75,6 +75,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+        FailureState.check_not_wrapped(model)  # before anything is touched
         self._timeline = Timeline()  # its creation is time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config
@@ -230,6 +231,7 @@ class Engine:
             self._hooks.install()
             faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
+        self._status.hold(model)
 
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 import offload
 import offload.faults
@@ -78,3 +79,50 @@ def test_every_verb_after_close_raises_one_clear_error(tmp_path):
         assert name in str(info.value), (name, str(info.value))
     assert not os.path.exists(tmp_path / "ckpt")
     assert engine.stats()["nvme_bytes"] == 0  # the counters stay readable
+
+
+# ---------------------------------------------------------------------- refused wraps
+class NoParameters(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_model_without_parameters_is_refused_before_anything_is_touched(tmp_path):
+    config = nvme_config(tmp_path)
+    spare = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="NoParameters has no parameters"):
+        offload.wrap(NoParameters(), torch.optim.AdamW(spare.parameters()), config=config)
+    assert os.listdir(config["swap_dir"]) == []
+
+
+def test_a_parameter_only_in_the_optimizer_is_refused_naming_it(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    stray = nn.Parameter(torch.zeros(3, 5))
+    opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [stray]}], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"not parameters of the model.*param group 1, shape \(3, 5\)"):
+        offload.wrap(model, opt, config=nvme_config(tmp_path))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert os.listdir(tmp_path / "swap") == []
+
+
+def test_a_model_wrapped_twice_is_refused_before_anything_is_touched(tmp_path):
+    """Item 10: the second wrap of a model (or of one of its modules), while its engine is
+    live or after it closed, says so instead of failing on empty parameters."""
+    config = nvme_config(tmp_path)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    with pytest.raises(ValueError, match="wrapped before, by a live engine"):
+        offload.wrap(model, make_opt(model.parameters()), config=config)
+    with pytest.raises(ValueError, match="module 'shared' of the model was wrapped before"):
+        outer = nn.ModuleDict({"inner": nn.Linear(2, 2), "shared": model.blocks[0]})
+        offload.wrap(outer, make_opt(outer.parameters()), config=config)
+    one_step(engine, batches(1)[0])  # the first engine is untouched
+    engine.close()
+    assert os.listdir(config["swap_dir"]) == []
+    with pytest.raises(ValueError, match="closed now"):
+        offload.wrap(model.blocks[1], make_opt(model.blocks[1].parameters()), config=config)
+    assert os.listdir(config["swap_dir"]) == []

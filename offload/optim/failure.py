@@ -36,8 +36,10 @@ nothing, the micro-step count included.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
+from torch import nn
 
 from offload.errors import EngineFailedError
 
@@ -131,3 +133,26 @@ class FailureState:
             raise OSError(first.errno, f"close(): swap writes of the last optimizer step failed (unit "
                           f"{unit.name!r}: {first}), so that step is lost; call save_checkpoint(DIR) "
                           "before close() to keep it")
+
+    # ------------------------------------------------------------------ which modules it holds
+    # Every module of a wrapped model, to the state of the engine that wrapped it: its
+    # parameters hold placeholders from then on, so wrapping it (or a model sharing a
+    # module with it) again must be refused before anything is touched.
+    _holders: "weakref.WeakKeyDictionary[nn.Module, FailureState]" = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def check_not_wrapped(model: nn.Module) -> None:
+        """ValueError when a module of ``model`` belongs to a model an engine wrapped."""
+        for name, module in model.named_modules():
+            holder = FailureState._holders.get(module)
+            if holder is not None:
+                what = f"module {name!r} of the model" if name else "the model"
+                state = ("an engine that is closed now: its parameters hold no values any more; build the "
+                         "model again (and load a checkpoint into the new engine)") if holder.closed else \
+                    "a live engine: train it through that engine, or close() it and build the model again"
+                raise ValueError(f"wrap: {what} was wrapped before, by {state}")
+
+    def hold(self, model: nn.Module) -> None:
+        """``model`` is wrapped by the engine of this state (after wrap succeeded)."""
+        for module in model.modules():
+            FailureState._holders[module] = self
