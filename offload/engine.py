@@ -41,7 +41,7 @@ from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.residency import DeviceResidency
 from offload.optim.adam_ranges import UnitAdam
-from offload.optim.cpu_adam import adam_flavour
+from offload.optim.cpu_adam import adam_flavour, carried_adam_state
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
@@ -60,7 +60,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
     """Offload ``model``'s training state as ``config`` says and return the Engine that
     trains it. ``optimizer`` must be torch.optim.Adam/AdamW or offload.CPUAdam over the
-    model's parameters; its param groups (and any LR scheduler changing them) are honored.
+    model's parameters; its param groups (and any LR scheduler changing them) are honored,
+    and so is its state when it has taken steps (moved into the engine's homes).
     ``init_fn(module)`` initializes modules of a meta-device model after
     ``reset_parameters()``."""
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn)
@@ -99,6 +100,9 @@ class Engine:
                 group_of[p] = gi
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
+        # What an optimizer that has taken steps holds goes into the homes (checked here).
+        adam_state = carried_adam_state(optimizer, [(e.fqn, e.param) for spec in specs for e in spec.entries
+                                                    if e.trainable])
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
@@ -165,7 +169,7 @@ class Engine:
                 pending_update=lambda u: self._updates.pending(u), update_lock=lambda: self._updates.lock)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, placeholder=self._residency.placeholder,
-                                stats=self.stats_counters, bind=self._residency.bind)
+                                stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
@@ -232,6 +236,8 @@ class Engine:
             faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         self._status.hold(model)
+        for p in adam_state:  # the homes hold it now
+            del optimizer.state[p]
 
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.

@@ -1,6 +1,7 @@
 """The engine's lifecycle at its edges (issue 21 items 6, 8, 10): what wrap refuses before
 touching anything, the optimizer state wrap carries over, close() releasing everything
 whatever failed, and every verb after close()."""
+import copy
 import os
 
 import pytest
@@ -11,7 +12,8 @@ import offload
 import offload.faults
 from offload.gpt import GPT
 
-from support import CFG, batches, gpt_loss, make_opt
+from support import (CFG, REL_TOL, batches, gpt_loss, make_opt, max_rel_error, reference_optimizer_step,
+                     train_offload)
 
 
 def nvme_config(tmp_path, **extra):
@@ -126,3 +128,55 @@ def test_a_model_wrapped_twice_is_refused_before_anything_is_touched(tmp_path):
     with pytest.raises(ValueError, match="closed now"):
         offload.wrap(model.blocks[1], make_opt(model.blocks[1].parameters()), config=config)
     assert os.listdir(config["swap_dir"]) == []
+
+
+# ---------------------------------------------------------------------- optimizer state
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme"), ("device", "host")])
+def test_an_adamw_that_has_taken_steps_carries_its_state_over(tiers, tmp_path):
+    """Item 8: AdamW's step counts and moments (its own layout: state[p]["step"],
+    "exp_avg", "exp_avg_sq") go into the units' homes on wrap. Plain AdamW for k steps,
+    then wrapped for the rest, equals plain AdamW for all steps, and offload for all."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model, whole = copy.deepcopy(ref), copy.deepcopy(ref)
+    data, k = batches(6), 3
+    # a frozen parameter and one that never gets a gradient keep "no state" apart from zeros
+    for m in (ref, model, whole):
+        m.blocks[1].ln1.weight.requires_grad_(False)
+    config = dict(param_tier=tiers[0], optimizer_tier=tiers[1], swap_dir=str(tmp_path), device_budget=None)
+
+    def plain(m, opt, steps):
+        for b in steps:
+            gpt_loss(m, b).backward()
+            reference_optimizer_step(opt)
+            opt.zero_grad()
+
+    ref_opt = make_opt([p for p in ref.parameters() if p.requires_grad])
+    plain(ref, ref_opt, data)
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    plain(model, opt, data[:k])
+    assert all(int(s["step"]) == k for s in opt.state.values())
+    with offload.wrap(model, opt, config=config) as engine:
+        train_offload(engine, data[k:])
+        carried = engine.state_dict()
+    with offload.wrap(whole, make_opt([p for p in whole.parameters() if p.requires_grad]), config=config) as engine:
+        train_offload(engine, data)
+        offload_all = engine.state_dict()
+    assert max_rel_error(carried, ref.state_dict()) < REL_TOL
+    assert max_rel_error(carried, offload_all) < REL_TOL
+
+
+def test_optimizer_state_in_another_layout_is_refused_before_anything_is_touched(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    gpt_loss(model, batches(1)[0]).backward()
+    opt.step()
+    p = model.blocks[0].ln1.weight
+    opt.state[p]["exp_avg"] = torch.zeros(3)  # not the parameter's shape
+    before = {n: q.detach().clone() for n, q in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"blocks.0.ln1.weight.*exp_avg"):
+        offload.wrap(model, opt, config=nvme_config(tmp_path))
+    for n, q in model.named_parameters():
+        assert torch.equal(q.detach(), before[n]), n
+    assert os.listdir(tmp_path / "swap") == []
