@@ -78,8 +78,8 @@ class FailureState:
         """Raise unless the engine may run ``what`` (a public verb): RuntimeError when it is
         closed, EngineFailedError after a failure."""
         if self.closed:
-            raise RuntimeError(f"{what}: the engine is closed (close() was called); wrap the model again "
-                               "(its parameters hold no storage now: load a checkpoint into the new engine)")
+            raise RuntimeError(f"{what}: the engine is closed (close() was called); its model's parameters "
+                               "hold no values any more: build the model again, wrap it and load a checkpoint")
         if self.failure is not None:
             raise EngineFailedError(f"{what}: {self.failure['message']}")
 
