@@ -10,8 +10,8 @@ failures inside a step] (offload/optim/failure.py), never a third:
 - failed: every training verb raises EngineFailedError saying to load a checkpoint; after
   load_checkpoint the run equals the uninterrupted one bit for bit.
 
-Host tiers have no swap I/O and no deferred updates: those points are not generated for
-them; every other point must be reached by the reference run's step (its hits are counted
+Host tiers have no swap I/O and no deferred updates, clipping no early or deferred
+updates: those points are not generated for them; every other point must be reached by the reference run's step (its hits are counted
 there, and give the last hit).
 """
 import contextlib
@@ -32,14 +32,18 @@ from support import FaultyIO, assert_same_state, unwrap_swap_io, wrap_swap_io
 pytestmark = pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2)
-TIERS = {"host": ("host", "host"), "nvme": ("nvme", "nvme")}
+# "nvme-clipped" (fp32 only): with clipping no unit is updated during backward and step()
+# runs the staged pipeline itself ([Note: the piece ring]) instead of deferring.
+TIERS = {"host": ("host", "host"), "nvme": ("nvme", "nvme"), "nvme-clipped": ("nvme", "nvme")}
 # Points the matrix does not arm: wrap's own (a failed wrap changes nothing: its own tests),
 # the checkpoint's (the crash-point harness), and the I/O engine hand-off, which the I/O
 # faults below stand for (a failed read or write of the NVMe tier).
 NOT_IN_A_STEP = ("wrap.", "checkpoint.", "nvme.io_engine")
 STEP_POINTS = [n for n in offload.faults.points() if not n.startswith(NOT_IN_A_STEP)]
 IO_FAULTS = ["nvme.read", "nvme.write"]
-NOT_ON_HOST_TIERS = {"optim.deferred_update", "optim.write_back", *IO_FAULTS}
+NOT_REACHED = {"host": {"optim.deferred_update", "optim.write_back", *IO_FAULTS}, "nvme": set(),
+               # every unit stays resident, updated through its device copy: no fetch, no release
+               "nvme-clipped": {"optim.early_update", "optim.deferred_update", "memory.fetch", "memory.release"}}
 FAST = {("fp32", "nvme"), ("bf16", "host")}  # the rest is marked slow
 
 
@@ -55,7 +59,7 @@ def batch(i):
 def config(dtype, tiers, swap_dir):
     param_tier, optimizer_tier = TIERS[tiers]
     return dict(dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=str(swap_dir),
-                device_budget=60_000)
+                device_budget=60_000, max_grad_norm=1.0 if tiers == "nvme-clipped" else None)
 
 
 def make_engine(cfg):
@@ -96,9 +100,11 @@ def reference(dtype, tiers, swap_root):
 def cases():
     for dtype in ("fp32", "bf16"):
         for tiers in TIERS:
+            if tiers == "nvme-clipped" and dtype != "fp32":
+                continue
             marks = () if (dtype, tiers) in FAST else (pytest.mark.slow,)
             for point in STEP_POINTS + IO_FAULTS:
-                if tiers == "host" and point in NOT_ON_HOST_TIERS:
+                if point in NOT_REACHED[tiers]:
                     continue
                 for which in ("first", "last"):
                     yield pytest.param(dtype, tiers, point, which, marks=marks,
