@@ -25,7 +25,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,7 +33,6 @@ from torch import nn
 from offload import checkpoint, faults, units
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
-from offload.errors import EngineFailedError
 from offload.hooks import Hooks
 from offload.memory.budget import (
     UnitSizes, check_device_budget, check_host_budget, slot_shape, swap_bytes, update_buffer_bytes)
@@ -42,7 +41,8 @@ from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.residency import DeviceResidency
 from offload.optim.adam_ranges import UnitAdam
-from offload.optim.cpu_adam import adam_flavour
+from offload.optim.cpu_adam import adam_flavour, carried_adam_state
+from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
 from offload.optim.updates import UpdateScheduler
@@ -60,7 +60,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
     """Offload ``model``'s training state as ``config`` says and return the Engine that
     trains it. ``optimizer`` must be torch.optim.Adam/AdamW or offload.CPUAdam over the
-    model's parameters; its param groups (and any LR scheduler changing them) are honored.
+    model's parameters; its param groups (and any LR scheduler changing them) are honored,
+    and so is its state when it has taken steps (moved into the engine's homes).
     ``init_fn(module)`` initializes modules of a meta-device model after
     ``reset_parameters()``."""
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn)
@@ -75,6 +76,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+        FailureState.check_not_wrapped(model)  # before anything is touched
         self._timeline = Timeline()  # its creation is time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config
@@ -98,6 +100,9 @@ class Engine:
                 group_of[p] = gi
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
+        # What an optimizer that has taken steps holds goes into the homes (checked here).
+        adam_state = carried_adam_state(optimizer, [(e.fqn, e.param) for spec in specs for e in spec.entries
+                                                    if e.trainable])
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
@@ -131,7 +136,8 @@ class Engine:
             undo.callback(vars(self).clear)
             unmaterialized = install_stand_ins(model, optimizer, meta_replacements, undo)
 
-            # 4. Tiers.
+            # 4. Tiers, and whether the engine may train ([Note: failures inside a step]).
+            self._status = FailureState()
             self.stats_counters = Stats()
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
             self._host = HostTier(layout.host_budget)
@@ -163,10 +169,10 @@ class Engine:
                 pending_update=lambda u: self._updates.pending(u), update_lock=lambda: self._updates.lock)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, placeholder=self._residency.placeholder,
-                                stats=self.stats_counters, bind=self._residency.bind)
+                                stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
-            # a failed swap write there becomes the engine's _failure ([Note: swap I/O failures]).
+            # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
             staging_slots = self._homes.allocate_staging(staging_shape)
             self._step_ring = PipelinedStep(
                 staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
@@ -174,8 +180,8 @@ class Engine:
                 timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
                 adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
                 release_grad=self._gradients.release,
-                read_master=self._homes.read_master, load=self._homes.load, fail_step=self._fail_step,
-                record_failure=functools.partial(setattr, self, "_failure"))
+                read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
+                record_failure=self._status.set)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
@@ -185,7 +191,7 @@ class Engine:
                 next_steps=self._adam.next_steps, adam_range=self._adam.adam_range,
                 compute_target=self._adam.compute_target, release_grad=self._gradients.release,
                 wait_all=lambda handles: wait_all(handles, self.stats_counters),
-                drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._fail_step,
+                drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._status.fail_step,
             ) if self._partition is not None and self._partition.shards_state else None
 
             # 6. Every unit's state to its home tier (materializing meta models).
@@ -205,8 +211,8 @@ class Engine:
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
                 mark_stale=self._residency.mark_stale, forget_stale=self._residency.forget_stale,
                 micro_step=lambda: self._micro_step,
-                last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._check_not_failed,
-                fail_step=self._fail_step, grad_squares=self._gradients.squares,
+                last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._status.check,
+                fail_step=self._status.fail_step, grad_squares=self._gradients.squares,
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
                 zero_grad=self.zero_grad,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
@@ -229,9 +235,9 @@ class Engine:
             self._hooks.install()
             faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
-        # [Note: swap I/O failures] _failure: None, or why the engine refuses to train.
-        self._failure: Optional[Dict[str, Any]] = None
-        self._closed = False
+        self._status.hold(model)
+        for p in adam_state:  # the homes hold it now
+            del optimizer.state[p]
 
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.
@@ -240,16 +246,13 @@ class Engine:
             self._micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
             gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
 
-        def set_failure(failure: Optional[Dict[str, Any]]) -> None:
-            self._failure = failure
-
         self._checkpoint = CheckpointAccess(
             self.units, layout, self._partition, self._device, model, optimizer, config,
             homes=HomeIO(read_master=self._homes.read_master, load=self._homes.load, store=self._homes.store,
                          store_master=self._homes.store_master, split_master_into=self._homes.split_master_into,
                          release=self._residency.release),
             state=EngineState(
-                closed=lambda: self._closed, failure=lambda: self._failure, set_failure=set_failure,
+                closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
                 counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._gradients.loss_scale,
                                   "good_steps": self._gradients.good_steps,
@@ -258,10 +261,15 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        self._check_not_failed("forward")
-        return self.module(*args, **kwargs)
+        self._status.check("forward")
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException as error:
+            self._hooks.abort_forward()  # [Note: failures inside a step] consistent: carry on
+            if not isinstance(error, OSError) or self._status.failure is not None:
+                raise
+            raise with_note(error, "the forward was abandoned, no weight or optimizer state changed: "
+                                   "the next forward reads the unit again") from error
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -272,6 +280,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
+        self._status.check("backward")
         self._updates.settle_all()  # [Note: deferred updates] the last step's updates are done
         scaled = loss / self.layout.accumulation_steps
         if self._gradients.loss_scale != 1.0:
@@ -291,6 +300,8 @@ class Engine:
         try:
             with self.stats_counters.timed("backward"):
                 scaled.backward()
+        except BaseException as error:
+            updates.abort_backward(error)  # [Note: failures inside a step]
         finally:
             self._updates.early_updates = False
         self._hooks.end_backward()
@@ -298,11 +309,16 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
+        self._status.check("step")
         self._micro_step += 1
         if self._micro_step % self.layout.accumulation_steps:
             return
         start = time.perf_counter()
-        self._updates.step()
+        try:
+            self._updates.step()
+            self._updates.prefetch_next_pass()
+        except BaseException as error:  # [Note: failures inside a step] fatal, unless recorded already
+            self._status.fail_step_unless_recorded(error, f"in the optimizer step at micro-step {self._micro_step}")
         # The user's optimizer never runs its own step(); tell torch's LR schedulers that a
         # step happened so they do not warn about calling scheduler.step() first.
         self.optimizer._opt_called = True
@@ -312,38 +328,19 @@ class Engine:
         if self._last_step_end is not None:
             self._last_step_seconds = end - self._last_step_end
         self._last_step_end = end
-        self._updates.prefetch_next_pass()
 
     def zero_grad(self) -> None:
+        self._status.check_open("zero_grad")
         self._updates.settle_all()
         self._updates.wait_queued()  # [Note: update states]
         for u in self.units:
             u.has_grad = [False] * len(u.trainable)
             u.update.reset()
             self._gradients.release(u)
+            for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
+                e.param.grad = None
         if self._partition is not None:  # [zero]
             self._partition.zero_grad()
-
-    # ------------------------------------------------------------------ optimizer step
-    def _check_not_failed(self, what: str) -> None:
-        if self._failure is not None:
-            raise EngineFailedError(f"{what}: {self._failure['message']}")
-
-    def _fail_step(self, error: BaseException, where: str) -> NoReturn:
-        """[Note: swap I/O failures] An update loop stopped part-way ``where``: some units
-        hold this step's states and others the last one's, so the engine refuses to go on
-        (a fatal failure) whatever stopped it: a swap I/O error (re-raised as an OSError
-        with the message), an interrupt, a failed collective [zero] or a bug (re-raised as
-        itself)."""
-        cause = f"swap I/O failed ({error})" if isinstance(error, OSError) else \
-            f"{type(error).__name__} ({error})" if str(error) else type(error).__name__
-        self._failure = {"fatal": True, "message": (
-            f"{cause} {where}; some units were updated and others not, so the in-memory state "
-            "mixes two steps: resume from the last checkpoint (engine.load_checkpoint(DIR) or "
-            "a new process)")}
-        if isinstance(error, OSError):
-            raise OSError(error.errno, self._failure["message"]) from error
-        raise error
 
     # ------------------------------------------------------------------ reading state
     @torch.no_grad()
@@ -351,6 +348,7 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
+        self._status.check_open("state_dict")
         self._updates.settle_all()
         early = [u.name for u in self.units if u.update.updated]
         if early:  # [Note: early updates]
@@ -462,26 +460,19 @@ class Engine:
             self._nvme = None
 
     def close(self) -> None:
-        """Remove hooks and swap files; the engine cannot train afterwards. Idempotent."""
-        if getattr(self, "_closed", True):
+        """Remove hooks and swap files; the engine cannot train afterwards. Idempotent.
+        Everything is released whatever fails; then a failure of the last step is raised."""
+        status = vars(self).get("_status")  # none after a failed wrap ([Note: a failed wrap changes nothing])
+        if status is None or status.closed:
             return
-        self._closed = True
+        status.closed = True
         # [Note: deferred updates] the last step's updates finish before the tiers close;
-        # its bookkeeping is moot now, but not a failed swap write (reported below)
+        # its bookkeeping is moot now, but not a failed update or swap write (reported last)
         deferred, self._updates.step_pending = self._updates.step_pending, False
-        try:
-            self._updates.wait_optimizer()
-            self._residency.drain_fetches()
-        finally:
-            self._residency.shutdown()
-            self._optimizer_worker.shutdown(wait=True)
-        self._hooks.remove()
-        self._close_tiers()
-        if deferred and self._step_ring.write_errors:
-            (unit, first), *_ = self._step_ring.write_errors
-            raise OSError(first.errno, f"close(): swap writes of the last optimizer step failed (unit "
-                          f"{unit.name!r}: {first}), so that step is lost; call save_checkpoint(DIR) "
-                          "before close() to keep it")
+        status.close(finish=[self._updates.wait_optimizer, self._residency.drain_fetches],
+                     release=[self._residency.shutdown, functools.partial(self._optimizer_worker.shutdown, wait=True),
+                              self._hooks.remove, self._close_tiers],
+                     write_errors=lambda: self._step_ring.write_errors if deferred else [])
 
     def __enter__(self) -> "Engine":
         return self

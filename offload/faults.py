@@ -32,6 +32,19 @@ POINTS: Dict[str, str] = {
                         "of a unit's trainable elements, before any element is touched",
     "optim.adam": "each call of the Adam kernel over one parameter's elements of a range",
     "nvme.io_engine": "passing: the I/O engine the NVMe tier has just started (a test may wrap it)",
+    "memory.fetch": "DeviceResidency.finish_fetch: a unit's compute copy has landed on the device, "
+                    "before it is bound (raising there is a failed fetch)",
+    "memory.release": "DeviceResidency.release: a unit's device copy is about to be dropped",
+    "hooks.forward": "Hooks._unit_pre_forward: a unit's forward is about to run (main thread)",
+    "hooks.backward": "Hooks._pre_backward: a unit's backward is about to run (main thread)",
+    "optim.grad_ready": "Gradients.on_grad_ready: autograd hands over a parameter's gradient, "
+                        "before it is taken (main thread)",
+    "optim.early_update": "UpdateScheduler: a unit's early update starts on the optimizer worker, "
+                          "during backward ([Note: early updates])",
+    "optim.deferred_update": "UpdateScheduler: a unit's deferred update starts on the optimizer "
+                             "worker, after step() returned ([Note: deferred updates])",
+    "optim.write_back": "PipelinedStep: a piece's updated states are about to be written back to "
+                        "NVMe (step, early or deferred update)",
     # The durable steps of save_checkpoint, in the order a save reaches them ([Note: atomic
     # checkpoint directory] in offload/checkpoint/directory.py). Each is hit just before the
     # system call, with the path it acts on; an OSError raised here is that call failing.

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from offload import faults
 from offload.memory.layout import UnitState
 from offload.optim.gradients import Gradients
 from offload.prefetch import Prefetcher
@@ -170,6 +171,17 @@ class Hooks:
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
 
+    def abort_forward(self) -> None:
+        """A forward raised ([Note: failures inside a step]). torch runs the always-called
+        post-forward hooks for an Exception only: after a KeyboardInterrupt (or any other
+        BaseException) end the pass here, so that the next forward starts a new one."""
+        self._forward_depth = 0
+        while self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+        for u in self._units:
+            if u.compute_state == Residency.IN_USE:
+                u.compute_state.to(Residency.LOADED)
+
     def _pass_key(self, args: Any, kwargs: Any) -> Tuple[Hashable, ...]:
         """Passes of one kind share a trace: same mode, grad mode and argument shapes."""
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -188,6 +200,7 @@ class Hooks:
 
     def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:
         start = time.perf_counter()
+        faults.hit("hooks.forward", unit=u.name)
         u.calls += 1
         # 1. u on the device (its prefetch waited for, or fetched now), the next ones issued.
         self._need(u)
@@ -234,6 +247,7 @@ class Hooks:
 
     def _pre_backward(self, u: UnitState, grad: torch.Tensor) -> None:
         """The gradient of u's output has arrived: u's backward is next. Bring it back."""
+        faults.hit("hooks.backward", unit=u.name)
         now = time.perf_counter()
         # 1. The unit before it is done computing.
         if self._backward_unit is not None and self._backward_unit is not u:

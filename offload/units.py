@@ -284,6 +284,15 @@ def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
     fqn_of: Dict[nn.Parameter, str] = {}
     for fqn, p in model.named_parameters(remove_duplicate=True):
         fqn_of[p] = fqn
+    if not fqn_of:
+        raise ValueError(f"model: {type(model).__name__} has no parameters, so there is nothing to offload; "
+                         "wrap a model with parameters (nn.Module.parameters() is empty)")
+    strays = [(gi, tuple(p.shape)) for p, gi in group_of.items() if p not in fqn_of]
+    if strays:
+        raise ValueError(
+            f"optimizer: {len(strays)} parameter(s) of its param groups are not parameters of the model "
+            f"given to wrap(), so they would never be trained (the first: param group {strays[0][0]}, "
+            f"shape {strays[0][1]}); build the optimizer over model.parameters()")
 
     owners: Dict[nn.Parameter, List[int]] = {}
     unit_modules = _unit_modules(model, unit_classes, predicate)

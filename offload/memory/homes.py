@@ -13,9 +13,10 @@ buffers of its own and does not come here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from offload.memory.budget import SlotShape, compute_home_numel, low_numel
 from offload.memory.layout import Layout, StagingSlot, UnitState, sub_extent
@@ -43,8 +44,10 @@ class Homes:
 
     def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], partition: Optional[Partition], placeholder: torch.Tensor,
-                 stats: Stats, bind: Callable[[UnitState], None]) -> None:
+                 stats: Stats, bind: Callable[[UnitState], None],
+                 adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None) -> None:
         self._units = units
+        self._adam_state = adam_state or {}  # carried_adam_state: what the optimizer had, by parameter
         self._layout = layout
         self._device = device
         self._host = host
@@ -128,9 +131,28 @@ class Homes:
             self.store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
             self.store_master(u, master, 0, low)
-            self.store_zeros(u.moments_home)
+            self._store_initial_moments(u)
         if layout.param_tier == "device":
             self._bind(u)
+
+    def _store_initial_moments(self, u: UnitState) -> None:
+        """u's moments and step counts: zeros, or those the optimizer had (``adam_state``:
+        its exp_avg and exp_avg_sq laid out like the master, this rank's [zero] shard)."""
+        carried = [self._adam_state.get(e.param) for e in u.trainable]
+        if not any(carried):
+            self.store_zeros(u.moments_home)
+            return
+        t, s = u.spec.trainable_numel, u.shard
+        exp_avg, exp_avg_sq = torch.zeros(t, dtype=torch.float32), torch.zeros(t, dtype=torch.float32)
+        for e, state in zip(u.trainable, carried):
+            if state is not None:
+                exp_avg[e.offset:e.offset + e.numel].copy_(state[1].detach().reshape(-1))
+                exp_avg_sq[e.offset:e.offset + e.numel].copy_(state[2].detach().reshape(-1))
+        moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
+        moments[:s.numel].copy_(exp_avg[s.lo:s.hi])
+        moments[s.state_numel:s.state_numel + s.numel].copy_(exp_avg_sq[s.lo:s.hi])
+        self.store(u.moments_home, moments)
+        u.steps = [state[0] if state is not None else 0 for state in carried]
 
     # ------------------------------------------------------------------ the master codec
     def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable, ContextManager, List, Optional
 
 import torch
 
+from offload import faults
 from offload.memory.budget import compute_home_numel
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
 from offload.tiers.nvme import wait_all
@@ -257,6 +258,7 @@ class DeviceResidency:
         u.update.fetch_chained = False
         try:
             u.ready_event = pending()
+            faults.hit("memory.fetch", unit=u.name)
         except BaseException as error:
             # The slot holds no valid copy: back to HOME, so that a later use reads it again
             # (the home copy is untouched; nothing else changed).
@@ -266,7 +268,7 @@ class DeviceResidency:
                 u.device_offset = None
             if isinstance(error, OSError):
                 raise OSError(error.errno, f"fetching unit {u.name!r} to the device failed ({error}); "
-                              "its home copy is unchanged and the next use reads it again") from error
+                              "its home copy is unchanged") from error
             raise
         u.compute_state.to(Residency.LOADED)
         self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
@@ -297,6 +299,7 @@ class DeviceResidency:
         """Drop u's device copy (its home copy is current)."""
         if self._layout.param_tier == "device" or u.compute_state != Residency.LOADED:
             return
+        faults.hit("memory.release", unit=u.name)
         if u.update.in_device and u.update.ticket is not None:
             wait_futures([u.update.ticket])  # the optimizer worker may still be updating this copy
         u.update.in_device = False

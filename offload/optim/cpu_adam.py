@@ -17,7 +17,7 @@ import torch
 
 from offload import _native
 
-__all__ = ["CPUAdam", "adam_flavour", "adam_step_flat", "join_master", "split_master"]
+__all__ = ["CPUAdam", "adam_flavour", "adam_step_flat", "carried_adam_state", "join_master", "split_master"]
 
 # Dtype codes understood by the native kernel (native/adam/adam.h, enum DType).
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -310,6 +310,36 @@ class CPUAdam(torch.optim.Optimizer):
                     f"like the param, got {moment.dtype} {tuple(moment.shape)} on "
                     f"{moment.device}"
                 )
+
+
+def carried_adam_state(optimizer: torch.optim.Optimizer, params: "Iterable[tuple[str, torch.nn.Parameter]]"
+                       ) -> "dict[torch.nn.Parameter, tuple[int, torch.Tensor, torch.Tensor]]":
+    """The state an Adam/AdamW (or CPUAdam) that has taken steps holds for each of ``params``
+    ((name, parameter) pairs of the trainable parameters), in its own layout:
+    ``state[p]["step"]``, ``"exp_avg"``, ``"exp_avg_sq"``, as (step, exp_avg, exp_avg_sq);
+    parameters without state are left out (they start at step 0, zero moments). Wrap puts
+    them into the units' homes, so that wrapping a trained optimizer goes on where it was.
+    A state in any other layout is a ValueError naming the parameter, raised before wrap
+    touches anything."""
+    carried = {}
+    for name, p in params:
+        state = optimizer.state.get(p)  # .get: optimizer.state is a defaultdict
+        if not state:
+            continue
+        if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
+            raise ValueError(f"optimizer: the state of parameter {name!r} has keys {sorted(state)}, not Adam's "
+                             "'step', 'exp_avg' and 'exp_avg_sq'; wrap a fresh optimizer or load a checkpoint")
+        step = float(state["step"])
+        if step < 0 or step != int(step):
+            raise ValueError(f"optimizer: state[{name!r}]['step'] must be a non-negative whole number, got {step}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state[key]
+            if not isinstance(moment, torch.Tensor) or moment.shape != p.shape or not moment.is_floating_point():
+                what = f"shape {tuple(moment.shape)}" if isinstance(moment, torch.Tensor) else type(moment).__name__
+                raise ValueError(f"optimizer: state[{name!r}][{key!r}] must be a floating-point tensor shaped "
+                                 f"like the parameter {tuple(p.shape)}, got {what}")
+        carried[p] = (int(step), state["exp_avg"], state["exp_avg_sq"])
+    return carried
 
 
 def adam_flavour(optimizer: torch.optim.Optimizer) -> bool:

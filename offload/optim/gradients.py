@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from offload import faults
 from offload.memory.layout import Layout, UnitState
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier
@@ -75,6 +76,7 @@ class Gradients:
         grad = param.grad
         if grad is None:
             return
+        faults.hit("optim.grad_ready", unit=u.name, param=u.trainable[k].fqn)
         num_bytes = grad.numel() * grad.element_size()
         self._device.hold_transient(num_bytes)
         e = u.trainable[k]

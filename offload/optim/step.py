@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
+from offload import faults
 from offload.config import format_size
 from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.optim.cpu_adam import join_master, split_master
@@ -193,6 +194,7 @@ class PipelinedStep:
 
     def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
         """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
+        faults.hit("optim.write_back", unit=u.name, lo=lo, hi=hi)
         writes, n = [], hi - lo
         home = self.master_home(u)
         if self._layout.split_master:  # [Note: split master] the high halves go with the compute copy

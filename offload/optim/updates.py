@@ -21,7 +21,9 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 
+from offload import faults
 from offload.memory.layout import Layout, UnitState
+from offload.optim.failure import with_note
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
@@ -101,8 +103,8 @@ class UpdateScheduler:
         self.early_updates = False
         self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
         # [Note: deferred updates] units waiting for the worker, best first:
-        # (priority, sequence, unit index, unit, hyperparameters, ticket)
-        self._heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future]] = []
+        # (priority, sequence, unit index, unit, hyperparameters, ticket, fault point)
+        self._heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future, str]] = []
         self.lock = threading.Lock()
         self._sequence = itertools.count()
         self.step_pending = False  # a deferred step's updates or bookkeeping are not done
@@ -144,8 +146,7 @@ class UpdateScheduler:
                 elif self._layout.staged_step:
                     self._step_ring.staged_update(units, grad_factor, self._micro_step())
                 else:
-                    for u in units:
-                        self._update_in_place(u, grad_factor)
+                    self._update_all_in_place(units, grad_factor)
         finally:  # also after a swap failure: the step is over either way
             self._step_ring.drain_root_reads()  # the root got no gradient this step
             self._zero_grad()
@@ -158,6 +159,38 @@ class UpdateScheduler:
                         self._release(u)
                     u.update.in_device = False
         self._step_ring.raise_write_errors(self._micro_step())
+
+    def _update_all_in_place(self, units: List[UnitState], grad_factor: float) -> None:
+        """The step's updates of host-homed units, one after the other: stopping part-way
+        mixes two steps, which is fatal ([Note: failures inside a step])."""
+        done = 0
+        try:
+            for u in units:
+                self._update_in_place(u, grad_factor)
+                done += 1
+        except BaseException as error:
+            where = f"unit {units[done].name!r}" if done < len(units) else "a unit"
+            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step()} while working on {where}")
+
+    def abort_backward(self, error: BaseException) -> None:
+        """[Note: failures inside a step] backward raised ``error``: raise it, the engine
+        either failed (an early update was queued: that unit has this step's update, the
+        others never will) or consistent (none was: the partial gradients are dropped as by
+        zero_grad, the weights and states are those before this backward)."""
+        self.early_updates = False
+        self._step_ring.drain_root_reads()  # nothing is left reading into a slot
+        queued = [u.name for u in self._units if u.update.updated]
+        try:
+            self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
+        except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
+            pass
+        if queued:
+            self._fail_step(error, f"in backward, after {len(queued)} unit(s) were updated early "
+                                   f"({', '.join(queued[:4])}{', ...' if len(queued) > 4 else ''})")
+        self._zero_grad()
+        raise with_note(error, "backward failed before any unit was updated: the gradients accumulated "
+                               "since the last optimizer step were dropped (as by zero_grad()); weights and "
+                               "optimizer states are unchanged, so training can go on with the next batch")
 
     def maybe_update_early(self) -> None:
         """[Note: early updates] In the backward before an update, a unit is done for this
@@ -180,7 +213,7 @@ class UpdateScheduler:
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
                 u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
-                self.queue_update(u, self._hyperparameters(), math.inf)  # in arrival order
+                self.queue_update(u, self._hyperparameters(), math.inf, "optim.early_update")  # arrival order
                 if self._layout.param_tier != "device" and not u.update.in_device:
                     self._mark_stale(u)
 
@@ -189,22 +222,24 @@ class UpdateScheduler:
         scheduler may change the groups meanwhile)."""
         return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self._optimizer.param_groups]
 
-    def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float) -> None:
+    def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float, point: str) -> None:
         """Queue u's update on the optimizer worker; u.update.ticket completes with it. The
-        worker takes the lowest ``priority`` first, then the order of queueing."""
+        worker takes the lowest ``priority`` first, then the order of queueing; ``point``:
+        the fault point the update hits when it starts (early or deferred)."""
         ticket: Future = Future()
         with self.lock:
             u.update.queue(ticket)  # [Note: update states]
-            heapq.heappush(self._heap, (priority, next(self._sequence), u.index, u, groups, ticket))
+            heapq.heappush(self._heap, (priority, next(self._sequence), u.index, u, groups, ticket, point))
         self._early_futures.append(ticket)
         self._worker.submit(self._run_next_update)
 
     def _run_next_update(self) -> None:
         """On the optimizer worker: the best queued update (one per queue_update call)."""
         with self.lock:
-            _, _, _, u, groups, ticket = heapq.heappop(self._heap)
+            _, _, _, u, groups, ticket, point = heapq.heappop(self._heap)
             u.update.start()  # from here on no fill is attached (_prefetch_updating)
         try:
+            faults.hit(point, unit=u.name)
             self._update_early(u, groups)
         except BaseException as error:  # noqa: B902 - reported through the ticket
             ticket.set_exception(error)
@@ -213,7 +248,7 @@ class UpdateScheduler:
 
     def _reprioritize(self, priority: Callable[[UnitState], float]) -> None:
         with self.lock:
-            self._heap = [(priority(u), n, i, u, g, t) for _, n, i, u, g, t in self._heap]
+            self._heap = [(priority(u), n, i, u, g, t, p) for _, n, i, u, g, t, p in self._heap]
             heapq.heapify(self._heap)
 
     def defers_updates(self) -> bool:
@@ -244,7 +279,7 @@ class UpdateScheduler:
         for u in self._units:
             if any(u.has_grad) and not u.update.updated:
                 u.update.in_device = self._step_ring.device_copy_updatable(u)
-                self.queue_update(u, groups, priority(u))
+                self.queue_update(u, groups, priority(u), "optim.deferred_update")
                 self._stats.count("deferred_updates")
         self._reprioritize(priority)
         self._forget_stale()
