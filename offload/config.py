@@ -92,7 +92,8 @@ MAX_COLLECTIVE_TIMEOUT_SECONDS = datetime.timedelta.max.total_seconds()
 
 def _one_of(name: str, value: Any, accepted: Tuple[Any, ...]) -> None:
     # bool is an int (True == 1) and 1.0 == 1: neither may pass for a member of ``accepted``
-    if isinstance(value, bool) or not any(type(value) is type(a) and value == a for a in accepted):
+    # (a str subclass, such as a str-valued Enum of a config system, still may)
+    if isinstance(value, bool) or not any(isinstance(value, type(a)) and value == a for a in accepted):
         raise ValueError(f"{name}: got {value!r}; accepted values are {', '.join(map(repr, accepted))}")
 
 

@@ -138,6 +138,18 @@ def test_config_accepts_the_edges_of_each_range(values):
     assert offload.OffloadConfig.from_any(config.to_dict()) == config
 
 
+def test_config_takes_str_valued_enums():
+    """Config systems hand over str-valued Enums; the exact-type check for stage must not
+    refuse them."""
+    import enum
+
+    class Tier(str, enum.Enum):
+        HOST = "host"
+
+    config = offload.OffloadConfig(param_tier=Tier.HOST, optimizer_tier=Tier.HOST)
+    assert config.param_tier == "host"
+
+
 def test_config_limits_match_the_native_io_engine():
     """OffloadConfig's io_* limits are the native engine's: the largest accepted values start
     an IOEngine, one step beyond is refused by both."""
