@@ -9,9 +9,11 @@ exists.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple, Union
 
@@ -71,9 +73,42 @@ def _check_backend_usable(backend: str) -> None:
             f"(the first of {', '.join(IO_BACKENDS)} that works) or another backend")
 
 
+# The native I/O engine's limits (native/io/engine.cpp, Engine::Engine; offload/io/engine.py
+# checks the same): a block is one kernel request, a positive multiple of 4096 up to 1 GiB;
+# up to 4096 blocks are in flight (io_uring and libaio size their rings by it). Spelled out
+# here so a config is checked without the native extension; tests/test_config.py pins them
+# against IOEngine.
+IO_BLOCK_ALIGN_BYTES = 4096
+MAX_IO_BLOCK_BYTES = 1 << 30
+MAX_IO_QUEUE_DEPTH = 4096
+
+# Loss scales multiply a tensor loss: one above the largest finite float32 makes every
+# scaled loss inf, so every fp16 step would be skipped as an overflow.
+MAX_LOSS_SCALE = torch.finfo(torch.float32).max
+
+# datetime.timedelta's largest, which the process group's timeout is built from.
+MAX_COLLECTIVE_TIMEOUT_SECONDS = datetime.timedelta.max.total_seconds()
+
+
 def _one_of(name: str, value: Any, accepted: Tuple[Any, ...]) -> None:
-    if value not in accepted:
+    # bool is an int (True == 1) and 1.0 == 1: neither may pass for a member of ``accepted``
+    # (a str subclass, such as a str-valued Enum of a config system, still may)
+    if isinstance(value, bool) or not any(isinstance(value, type(a)) and value == a for a in accepted):
         raise ValueError(f"{name}: got {value!r}; accepted values are {', '.join(map(repr, accepted))}")
+
+
+def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> None:
+    """An int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low \
+            or (high is not None and value > high):
+        accepted = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+        raise ValueError(f"{name}: expected {accepted}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, high: float) -> None:
+    """A finite int or float (not a bool) in (0, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise ValueError(f"{name}: expected a finite number > 0 and <= {high:g}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -116,14 +151,15 @@ class OffloadConfig:
 
     collective_timeout_seconds: float = 300.0
     """Several ranks: a collective that waits longer than this for another rank raises an
-    error naming the rank that did not arrive (instead of hanging)."""
+    error naming the rank that did not arrive (instead of hanging). Finite, > 0."""
 
     gradient_accumulation_steps: int = 1
     """engine.backward() divides the loss by this; engine.step() applies the optimizer on
     every gradient_accumulation_steps-th call."""
 
     max_grad_norm: Optional[float] = None
-    """Clip the global gradient norm (over all units) to this; None: no clipping."""
+    """Clip the global gradient norm (over all units) to this, a finite number > 0; None: no
+    clipping (inf is refused: it would clip nothing yet cost what clipping costs)."""
 
     unit_classes: Tuple[str, ...] = ()
     """Names of module classes that form units (e.g. ("Block",)). Empty: each child of every
@@ -144,13 +180,15 @@ class OffloadConfig:
     fails there is an OSError naming io_backend, and the swap directory is left as it was."""
 
     io_block_bytes: Size = 1 << 20
-    """Requests larger than this are split into blocks of this size, many in flight."""
+    """Requests larger than this are split into blocks of this size, many in flight. A
+    multiple of 4096 bytes from 4KiB to 1GiB (the native engine's limits)."""
 
     io_queue_depth: int = 32
-    """Blocks in flight per I/O engine."""
+    """Blocks in flight per I/O engine: 1 to 4096 (the native engine's limit)."""
 
     prefetch: bool = True
-    """Replay the recorded unit order to fetch ahead of use."""
+    """Replay the recorded unit order to fetch ahead of use. False: prefetch_units and
+    prefetch_bytes are ignored (with a warning when set)."""
 
     prefetch_units: int = 2
     """How many units ahead the prefetcher may bring compute copies (within device_budget)."""
@@ -161,7 +199,8 @@ class OffloadConfig:
     much as device_budget leaves. Also bounded by prefetch_units."""
 
     optimizer_pipeline_depth: int = 3
-    """Host staging slots of the optimizer step pipeline (read ahead, update, write back)."""
+    """Host staging slots of the optimizer step pipeline (read ahead, update, write back): an
+    int >= 2, one slot updating while another is in flight."""
 
     overlap_step_with_forward: bool = True
     """When units are updated during backward (no max_grad_norm, not fp16, one rank, prefetch
@@ -179,13 +218,14 @@ class OffloadConfig:
     differ only at exact ties, by one bf16 ulp. False: a whole fp32 master apart."""
 
     initial_loss_scale: float = 2.0**16
-    """fp16 only: starting dynamic loss scale."""
+    """fp16 only: starting dynamic loss scale; finite, > 0, at most the largest float32 and
+    at least min_loss_scale. Ignored, with a warning when set, for other dtypes."""
 
     loss_scale_window: int = 1000
-    """fp16 only: steps without overflow before the scale doubles."""
+    """fp16 only: steps without overflow before the scale doubles (an int >= 1)."""
 
     min_loss_scale: float = 1.0
-    """fp16 only: the scale never falls below this."""
+    """fp16 only: the scale never falls below this; finite, > 0, <= initial_loss_scale."""
 
     skip_nonfinite_steps: bool = False
     """fp32/bf16: skip the optimizer step when a gradient is NaN/Inf (fp16 always skips)."""
@@ -213,44 +253,72 @@ class OffloadConfig:
                     "swap_dir: required when param_tier or optimizer_tier is 'nvme' "
                     f"(param_tier={self.param_tier!r}, optimizer_tier={self.optimizer_tier!r})")
         if self.swap_dir is not None:
-            if not isinstance(self.swap_dir, (str, os.PathLike)):
-                raise ValueError(f"swap_dir: expected a directory path, got {self.swap_dir!r}")
+            if not isinstance(self.swap_dir, (str, os.PathLike)) or \
+                    not isinstance(os.fspath(self.swap_dir), str) or "\0" in os.fspath(self.swap_dir):
+                raise ValueError(f"swap_dir: expected a directory path (a str without NUL bytes), "
+                                 f"got {self.swap_dir!r}")
             object.__setattr__(self, "swap_dir", os.fspath(self.swap_dir))
-        for name in ("gradient_accumulation_steps", "io_queue_depth", "optimizer_pipeline_depth",
-                     "loss_scale_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if isinstance(self.prefetch_units, bool) or not isinstance(self.prefetch_units, int) \
-                or self.prefetch_units < 0:
-            raise ValueError(f"prefetch_units: expected an int >= 0, got {self.prefetch_units!r}")
-        if self.optimizer_pipeline_depth < 2:
-            raise ValueError(
-                f"optimizer_pipeline_depth: expected an int >= 2 (one slot updating, one in flight), "
-                f"got {self.optimizer_pipeline_depth}")
+        for name in ("gradient_accumulation_steps", "loss_scale_window"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("io_queue_depth", self.io_queue_depth, 1, MAX_IO_QUEUE_DEPTH)
+        _check_int("prefetch_units", self.prefetch_units, 0)
+        _check_int("optimizer_pipeline_depth", self.optimizer_pipeline_depth, 2)  # one updating, one in flight
         if self.max_grad_norm is not None:
             if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) \
-                    or not self.max_grad_norm > 0:
-                raise ValueError(f"max_grad_norm: expected a number > 0 or None, got {self.max_grad_norm!r}")
-        if self.io_block_bytes is None or self.io_block_bytes < 4096 or self.io_block_bytes % 4096:
-            raise ValueError(f"io_block_bytes: expected a multiple of 4096 bytes, got {self.io_block_bytes!r}")
-        if self.device_budget is not None and self.device_budget == 0:
-            raise ValueError("device_budget: must be > 0 (or None for no limit)")
-        if isinstance(self.unit_classes, str) or not all(isinstance(c, str) for c in self.unit_classes):
-            raise ValueError(f"unit_classes: expected a list of module class names, got {self.unit_classes!r}")
-        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+                    or not 0 < self.max_grad_norm < float("inf"):
+                raise ValueError(f"max_grad_norm: expected a finite number > 0, or None for no "
+                                 f"clipping, got {self.max_grad_norm!r}")
+        if self.io_block_bytes is None or self.io_block_bytes < IO_BLOCK_ALIGN_BYTES \
+                or self.io_block_bytes % IO_BLOCK_ALIGN_BYTES or self.io_block_bytes > MAX_IO_BLOCK_BYTES:
+            raise ValueError(
+                f"io_block_bytes: expected a multiple of {IO_BLOCK_ALIGN_BYTES} bytes from "
+                f"{IO_BLOCK_ALIGN_BYTES} to {MAX_IO_BLOCK_BYTES} (1GiB), got {self.io_block_bytes!r}")
+        for name in ("device_budget", "host_budget"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name}: must be > 0 (or None for no limit)")
+        self._check_units()
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            _check_number(name, getattr(self, name), MAX_LOSS_SCALE)
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(
+                f"min_loss_scale: {self.min_loss_scale!r} is above initial_loss_scale="
+                f"{self.initial_loss_scale!r}; the scale starts at initial_loss_scale and never "
+                "falls below min_loss_scale, so min_loss_scale must be <= initial_loss_scale")
+        _check_number("collective_timeout_seconds", self.collective_timeout_seconds,
+                      MAX_COLLECTIVE_TIMEOUT_SECONDS)
+        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        self._warn_ignored()
+
+    def _check_units(self) -> None:
+        classes = self.unit_classes
+        if isinstance(classes, (str, bytes)) or not isinstance(classes, (list, tuple, set, frozenset)) \
+                or not all(isinstance(c, str) and c for c in classes):
+            raise ValueError(
+                f"unit_classes: expected a list of module class names (non-empty str), got {classes!r}")
+        object.__setattr__(self, "unit_classes", tuple(classes))
         if self.unit_predicate is not None:
             if not callable(self.unit_predicate):
                 raise ValueError(f"unit_predicate: expected a callable(name, module) -> bool, got {self.unit_predicate!r}")
             if self.unit_classes:
                 raise ValueError("unit_predicate: give either unit_classes or unit_predicate, not both")
-        for name in ("initial_loss_scale", "min_loss_scale", "collective_timeout_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: expected a number > 0, got {value!r}")
-        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+
+    def _warn_ignored(self) -> None:
+        """One warning naming the fields set away from their defaults that this config ignores.
+        (swap_dir and the io_* fields without an "nvme" tier are not reported: scripts that
+        switch tiers keep them set, and offload profile builds configs to check a backend.)"""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        ignored = []
+        if self.dtype != "fp16":
+            ignored += [(n, f"dtype={self.dtype!r}, not 'fp16'") for n in
+                        ("initial_loss_scale", "min_loss_scale", "loss_scale_window")]
+        if not self.prefetch:
+            ignored += [(n, "prefetch=False") for n in ("prefetch_units", "prefetch_bytes")]
+        ignored = [f"{name} ({why})" for name, why in ignored if getattr(self, name) != defaults[name]]
+        if ignored:
+            warnings.warn(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}",
+                          UserWarning, stacklevel=4)
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:
@@ -274,6 +342,8 @@ class OffloadConfig:
             raise ValueError(f"config: JSON file {os.fspath(path)!r} does not exist") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"config: {os.fspath(path)!r} is not valid JSON: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config: cannot read JSON file {os.fspath(path)!r}: {e}") from None
         if not isinstance(values, dict):
             raise ValueError(f"config: {os.fspath(path)!r} must hold a JSON object of config fields")
         return cls.from_dict(values)

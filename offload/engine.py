@@ -487,5 +487,5 @@ class Engine:
         ``nvme``: None without swap), ``homes``, ``residency`` and ``updates``, so that a test
         reads a counter or swaps in a wrapper without the engine's private fields
         (docs/architecture.md, "Seams"). Failures are injected through offload.faults."""
-        return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme, homes=self._homes,
-                               residency=self._residency, updates=self._updates)
+        return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme, homes=self._homes, residency=self._residency,
+                               updates=self._updates, timeline=self._timeline, prefetcher=self._prefetcher)

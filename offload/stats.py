@@ -75,6 +75,10 @@ class Timeline:
         self.origin = time.perf_counter()
         self._spans: Deque[Tuple[str, str, float, float]] = collections.deque(maxlen=TIMELINE_SPANS)
 
+    def __len__(self) -> int:
+        """Spans kept now (at most ``TIMELINE_SPANS``)."""
+        return len(self._spans)
+
     def span(self, lane: str, name: str, start: float, end: float) -> None:
         self._spans.append((lane, name, start, end))
 

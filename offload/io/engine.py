@@ -41,6 +41,11 @@ __all__ = ["IOEngine", "IOHandle", "aligned_empty", "ALIGN_BYTES", "HUGE_PAGE_BY
 # Swap spaces use a few large files; 128 descriptors cover a terabyte of 8 GiB swap files.
 DEFAULT_MAX_OPEN_FILES = 128
 
+# Requests an engine tracks for ``wait_all`` (a handle and its native request, well under
+# 1 KiB each): past this many, those already finished stop being tracked, so a long run
+# holds at most this many finished ones. Read when an IOEngine is built.
+TRACKED_REQUESTS = 4096
+
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialized 1-D tensor of ``nbytes`` bytes whose data starts on a 4 KiB boundary
@@ -177,6 +182,7 @@ class IOEngine:
         self.block_bytes = block_bytes
         self.queue_depth = queue_depth
         self._pending: List[IOHandle] = []
+        self._tracked_requests = TRACKED_REQUESTS
         self._warned_buffered = False
         self._closed = False
 
@@ -198,7 +204,7 @@ class IOEngine:
         request = self._core.submit(is_write, tensor.data_ptr(), nbytes, path, offset)
         handle = IOHandle(request, tensor)
         self._pending.append(handle)
-        if len(self._pending) > 4096:
+        if len(self._pending) > self._tracked_requests:
             self._pending = [h for h in self._pending if not h.done()]
         if not self._warned_buffered and self._core.num_buffered_opens:
             self._warned_buffered = True

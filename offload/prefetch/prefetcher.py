@@ -9,15 +9,25 @@ the unit whose next use is farthest leaves first.
 control flow, a skipped module, a recompute that did not happen before), or that ends
 before the trace does, stops prefetching for the rest of that pass: everything left is
 fetched on demand, which is always correct (see [Note: saved parameters] in hooks.py).
-One warning per cause, not per pass, and the pass just seen becomes the new trace.
+One warning per cause and kind of pass (again only if its trace was evicted since, see
+MAX_TRACES), not per pass, and the pass just seen becomes the new trace.
 """
 from __future__ import annotations
 
+import collections
 import warnings
-from typing import Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
 from offload.prefetch.plan import PrefetchPlan, plan_prefetch
 from offload.prefetch.trace import NEVER, ExecutionTrace
+
+# Traces kept, one per kind of pass (mode, grad mode, the shapes of the inputs): a run fed
+# many input shapes (variable sequence lengths, a short last batch) would otherwise keep one
+# per shape for ever. The least recently replayed leaves first; a kind of pass seen again
+# after its trace left is recorded anew (one pass of on-demand fetches). A trace costs about
+# 120 bytes per unit (two uses each, forward and backward), so 256 of a 100-unit model hold
+# about 3 MiB. Read when a Prefetcher is built.
+MAX_TRACES = 256
 
 
 class Prefetcher:
@@ -25,7 +35,8 @@ class Prefetcher:
 
     The engine tells it when a pass begins and ends and which unit it needs; in return it
     gets the plan to carry out (``plan``), and the next-use distance of a unit for eviction
-    when it has to make room on demand (``next_use``).
+    when it has to make room on demand (``next_use``). It keeps the traces of the
+    ``MAX_TRACES`` kinds of pass used most recently.
     """
 
     def __init__(self, enabled: bool, max_units_ahead: int,
@@ -35,8 +46,10 @@ class Prefetcher:
         self.max_units_ahead = max_units_ahead
         self.max_bytes_ahead = max_bytes_ahead
         self._warn = warn
-        self._traces: Dict[Hashable, ExecutionTrace] = {}
-        self._warned: set = set()
+        self._max_traces = MAX_TRACES
+        assert self._max_traces >= 1, "MAX_TRACES must keep at least the trace of the pass running"
+        self._traces: "collections.OrderedDict[Hashable, ExecutionTrace]" = collections.OrderedDict()
+        self._warned: set = set()  # (key, cause), for keys in _traces only
         self._key: Optional[Hashable] = None
         self._trace: Optional[ExecutionTrace] = None   # being replayed, None when recording only
         self._recording: List[int] = []
@@ -50,6 +63,8 @@ class Prefetcher:
         self.end_pass()
         self._key = key
         self._trace = self._traces.get(key) if self.enabled else None
+        if self._trace is not None:
+            self._traces.move_to_end(key)
         self._recording = []
         self._position = 0
         self._diverged = False
@@ -64,6 +79,10 @@ class Prefetcher:
                           f"{len(self._trace)} units its trace predicted")
         if self._recording and (self._trace is None or self._diverged):
             self._traces[self._key] = ExecutionTrace(tuple(self._recording))
+            self._traces.move_to_end(self._key)
+            while len(self._traces) > self._max_traces:
+                evicted, _ = self._traces.popitem(last=False)
+                self._warned = {(key, cause) for key, cause in self._warned if key != evicted}
         self._key = None
         self._trace = None
 
@@ -95,6 +114,11 @@ class Prefetcher:
             self._warn(f"offload: execution left the recorded unit trace ({detail}); the rest of "
                        "this pass fetches on demand and a new trace is recorded. This warning is "
                        "shown once per cause.")
+
+    @property
+    def num_traces(self) -> int:
+        """Traces kept now (at most ``MAX_TRACES``)."""
+        return len(self._traces)
 
     def count(self, hit: bool) -> None:
         if hit:
