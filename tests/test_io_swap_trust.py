@@ -145,3 +145,25 @@ def test_sigterm_handler_of_the_user_is_left_alone_and_ours_is_removed_on_close(
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == ["mine", "wrapped __main__", "closed __main__"], result.stdout
     assert os.listdir(swap) == []
+
+
+def test_a_forked_child_killed_by_sigterm_leaves_the_parents_swap_files(tmp_path):
+    """A DataLoader worker is a fork: it inherits the space and SIGTERM's handler (and is
+    sent SIGTERM when it hangs at shutdown), but the swap files stay the parent's."""
+    script = f"""
+import os, signal, time
+from offload.io import SwapSpace
+space = SwapSpace({str(tmp_path)!r}, reserve_bytes=4096)
+space.allocate(4096)
+child = os.fork()
+if child == 0:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+    os._exit(3)
+_, status = os.waitpid(child, 0)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, sorted(os.listdir(space.run_dir)))
+space.close()
+"""
+    result = run_python(script)
+    assert result.stdout.split() == ["True", "['lock',", "'swap-0000.bin']"], result.stdout + result.stderr
+    assert os.listdir(tmp_path) == []

@@ -38,13 +38,12 @@ import errno
 import fcntl
 import os
 import secrets
-import shutil
 import signal
 import stat
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from offload.io.probe import ALIGN_BYTES, probe_o_direct
@@ -165,8 +164,9 @@ def _check_own(st: os.stat_result, kind: str, path: str) -> None:
     "directory") owned by this user; a ValueError naming ``path`` otherwise."""
     is_kind = stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)
     if not is_kind:
-        raise ValueError(f"{path} is not a regular {kind}; remove it (swap_dir entries are never "
-                         "followed or replaced)")
+        what = "a directory" if kind == "directory" else "a regular file"
+        raise ValueError(f"{path} is not {what}; remove it (swap_dir entries are never followed "
+                         "or replaced)")
     if st.st_uid != os.geteuid():
         raise ValueError(f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()}); "
                          "remove it or use another swap_dir")
@@ -302,7 +302,7 @@ _spaces_lock = threading.RLock()  # the handler runs on the main thread, maybe i
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    for space in list(_open_spaces):
+    for space in list(_open_spaces):  # close() leaves alone the spaces of a parent we forked from
         try:
             space.close()
         except Exception:
@@ -351,6 +351,9 @@ class SwapSpace:
             raise ValueError(f"file_bytes must be a positive multiple of {ALIGN_BYTES}, "
                              f"got {file_bytes}")
         self._closed = True  # until fully set up: close() then has nothing to undo
+        # A forked child (a DataLoader worker) inherits the space and SIGTERM's handler, but
+        # the files are the parent's: only the process that created them removes them.
+        self._owner_pid = os.getpid()
         self._dir_fd: Optional[int] = None
         self._dir_lock_fd: Optional[int] = None
         self._run_fd: Optional[int] = None
@@ -551,7 +554,7 @@ class SwapSpace:
         for fd in self._files.values():
             os.close(fd)
         self._files = {}
-        if self._run_fd is not None:
+        if self._run_fd is not None and os.getpid() == self._owner_pid:
             try:
                 run_ino = os.fstat(self._run_fd).st_ino
                 with os.scandir(self._run_fd) as entries:
@@ -561,7 +564,7 @@ class SwapSpace:
                     os.rmdir(self._run_name, dir_fd=self._dir_fd)
             except OSError:
                 pass
-        if self._dir_lock_fd is not None:
+        if self._dir_lock_fd is not None and os.getpid() == self._owner_pid:
             try:  # unlink while still holding the lock; see _lock_file
                 if os.stat(_LOCK_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == \
                         os.fstat(self._dir_lock_fd).st_ino:
