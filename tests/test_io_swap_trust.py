@@ -167,3 +167,28 @@ space.close()
     result = run_python(script)
     assert result.stdout.split() == ["True", "['lock',", "'swap-0000.bin']"], result.stdout + result.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_held_file_is_used_by_descriptor_until_released(tmp_path):
+    """[Note: held files] requests naming a held path go to the held descriptor, whatever the
+    path names now; after release_file the path is resolved again."""
+    from offload.io import IOEngine
+    held, other = tmp_path / "held", tmp_path / "other"
+    held.write_bytes(b"h" * 4096)
+    other.write_bytes(b"o" * 4096)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        with IOEngine("threads") as io:
+            io.hold_file(str(held), fd)
+            os.rename(held, tmp_path / "moved")
+            os.symlink(other, held)
+            back = aligned_empty(4096)
+            io.read_into(back, str(held), 0).wait()
+            assert bytes(back.numpy()) == b"h" * 4096
+            with pytest.raises(OSError, match="Bad file descriptor"):  # held read-only
+                io.write_from(back, str(held), 0).wait()
+            assert io.release_file(str(held)) and not io.release_file(str(held))
+            io.read_into(back, str(held), 0).wait()
+            assert bytes(back.numpy()) == b"o" * 4096
+    finally:
+        os.close(fd)
