@@ -181,7 +181,7 @@ def _open_own(name: str, dir_fd: int, path: str, flags: int, kind: str = "file")
         if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and kind == "directory"):
             raise ValueError(f"{path} is a symbolic link or not a {kind}; refusing to follow it "
                              "(remove it)") from None
-        raise
+        raise OSError(error.errno, error.strerror, path) from None  # named in full, not by dir_fd
     try:
         _check_own(os.fstat(fd), kind, path)
     except BaseException:
