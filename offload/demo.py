@@ -11,6 +11,7 @@ is slower; --d-model/--layers/--steps scale it down or up.
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import shutil
@@ -131,12 +132,80 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+# The temporary swap directory of a demo: ``offload-demo-*`` in the temp directory, with a
+# ``demo.lock`` flock()ed for the demo's life. A demo removes the ones whose lock is free (a
+# demo killed by SIGKILL leaves its directory), and SIGTERM while it runs unwinds the demo so
+# that its own directory goes too, see _SigtermUnwinds.
+DEMO_DIR_PREFIX = "offload-demo-"
+DEMO_LOCK = "demo.lock"
+
+
+def make_temporary_swap_dir(out: TextIO) -> Tuple[str, int]:
+    """A new temporary swap directory and the fd of its flock()ed lock, after removing the
+    directories of demos that are no longer running (reported on ``out``)."""
+    from offload.io.swap import remove_if_dead
+
+    parent = tempfile.gettempdir()
+    parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in sorted(os.listdir(parent_fd)):
+            if not name.startswith(DEMO_DIR_PREFIX):
+                continue
+            try:  # no lock yet: a demo creating it right now
+                freed = remove_if_dead(parent_fd, name, os.path.join(parent, name), DEMO_LOCK,
+                                       no_lock_means_dead=False)
+            except (OSError, ValueError):  # another user's, or not a directory: not ours to remove
+                continue
+            if freed is not None:
+                print(f"removed {os.path.join(parent, name)} of a demo that was killed ({_fmt(freed)} freed)",
+                      file=out)
+    finally:
+        os.close(parent_fd)
+    swap_dir = tempfile.mkdtemp(prefix=DEMO_DIR_PREFIX)
+    lock_fd = os.open(os.path.join(swap_dir, DEMO_LOCK),
+                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    return swap_dir, lock_fd
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (closing the engine, removing the temporary directory)."""
+
+
+class _SigtermUnwinds:
+    """SIGTERM raises _Terminated while inside (where SIGTERM's handler was SIG_DFL); on the
+    way out, after the cleanup the unwinding did, SIGTERM is delivered again with its default
+    action, so the demo still ends "killed by SIGTERM" ([Note: SIGTERM] in offload/io/swap.py
+    does the same for the library without unwinding)."""
+
+    def __enter__(self) -> "_SigtermUnwinds":
+        self._installed = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        raise _Terminated
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if kind is _Terminated:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _fmt(n: int) -> str:
     from offload.config import format_size
     return format_size(n)
 
 
 def run_demo(s: DemoSettings, out: TextIO = sys.stdout) -> int:
+    with _SigtermUnwinds():
+        return _run_demo(s, out)
+
+
+def _run_demo(s: DemoSettings, out: TextIO) -> int:
     import offload
     from offload.gpt import GPT, GPTConfig
     from offload.plan import place, shape_from_module
@@ -161,29 +230,32 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout) -> int:
     block_bytes = (cfg.num_params - 256 * s.d_model - s.seq_len * s.d_model - 2 * s.d_model) // s.num_layers * 4
     budget = s.device_budget if s.device_budget is not None else placement.device_bytes + 2 * block_bytes
     temporary = s.swap_dir is None
-    swap_dir = tempfile.mkdtemp(prefix="offload-demo-") if temporary else os.path.abspath(s.swap_dir)
+    swap_dir: Optional[str] = None
+    demo_lock: Optional[int] = None
     if not temporary:
+        swap_dir = os.path.abspath(s.swap_dir)
         os.makedirs(swap_dir, exist_ok=True)
-
-    print(f"offload demo: training a byte-level GPT on Python's own standard library source\n"
-          f"  model   {cfg.num_params / 1e6:.2f} M parameters (d_model {s.d_model}, {s.num_layers} layers, "
-          f"{s.num_heads} heads, seq_len {s.seq_len}), {s.dtype} compute, AdamW lr {s.lr:g}\n"
-          f"  data    {len(text) / MiB:.1f} MiB from {num_files} .py files under {source_dir}\n"
-          f"  budget  device {_fmt(budget)} for a model whose compute copy is {_fmt(model_bytes)} "
-          f"(units stream in and out)\n"
-          f"  tiers   params + fp32 master + Adam moments -> nvme swap files, gradients -> host "
-          f"({_fmt(placement.nvme_bytes)} of swap)\n"
-          f"  swap    {swap_dir}{' (temporary)' if temporary else ''}\n"
-          f"  run     {s.steps} steps of {s.batch_size} x {s.seq_len} tokens", file=out, flush=True)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    config = offload.OffloadConfig(device="cpu" if not torch.cuda.is_available() else "auto",
-                                   device_budget=budget, param_tier="nvme", optimizer_tier="nvme",
-                                   swap_dir=swap_dir, dtype=s.dtype, max_grad_norm=1.0)
     engine = None
     interrupted = False
     losses: List[float] = []
     try:
+        if temporary:
+            swap_dir, demo_lock = make_temporary_swap_dir(out)
+        print(f"offload demo: training a byte-level GPT on Python's own standard library source\n"
+              f"  model   {cfg.num_params / 1e6:.2f} M parameters (d_model {s.d_model}, {s.num_layers} layers, "
+              f"{s.num_heads} heads, seq_len {s.seq_len}), {s.dtype} compute, AdamW lr {s.lr:g}\n"
+              f"  data    {len(text) / MiB:.1f} MiB from {num_files} .py files under {source_dir}\n"
+              f"  budget  device {_fmt(budget)} for a model whose compute copy is {_fmt(model_bytes)} "
+              f"(units stream in and out)\n"
+              f"  tiers   params + fp32 master + Adam moments -> nvme swap files, gradients -> host "
+              f"({_fmt(placement.nvme_bytes)} of swap)\n"
+              f"  swap    {swap_dir}{' (temporary)' if temporary else ''}\n"
+              f"  run     {s.steps} steps of {s.batch_size} x {s.seq_len} tokens", file=out, flush=True)
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        config = offload.OffloadConfig(device="cpu" if not torch.cuda.is_available() else "auto",
+                                       device_budget=budget, param_tier="nvme", optimizer_tier="nvme",
+                                       swap_dir=swap_dir, dtype=s.dtype, max_grad_norm=1.0)
         engine = offload.wrap(model, optimizer, config, init_fn=_init_weights)
         warmup = max(1, s.steps // 10)
         schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: min(
@@ -230,8 +302,9 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout) -> int:
     finally:
         if engine is not None:
             engine.close()
-        if temporary:
+        if demo_lock is not None:
             shutil.rmtree(swap_dir, ignore_errors=True)
+            os.close(demo_lock)
     if temporary:
         left = [swap_dir] if os.path.exists(swap_dir) else []
     else:

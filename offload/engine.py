@@ -400,8 +400,8 @@ class Engine:
             "device_budget_bytes": self._device.budget_bytes,
             "host_peak_bytes": self._host.peak_bytes,
             "host_bytes": self._host.used_bytes,
-            "nvme_bytes": nvme.used_bytes if nvme else 0,
-            "bytes_read_nvme": nvme.bytes_read if nvme else 0,
+            "nvme_bytes": nvme.used_bytes if nvme else 0, "bytes_read_nvme": nvme.bytes_read if nvme else 0,
+            "stale_swap_bytes_removed": nvme.space.stale_bytes_removed if nvme else 0,  # [Note: stale runs]
             "bytes_written_nvme": nvme.bytes_written if nvme else 0,
             "bytes_host_to_device": s.bytes["host_to_device"],
             "bytes_nvme_to_device": s.bytes["nvme_to_device"],

@@ -5,6 +5,7 @@ The plan's byte counts are also checked in-process against what the engine reall
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -281,3 +282,47 @@ def test_doctor_reports_a_missing_native_build_instead_of_crashing(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_NATIVE + "import offload\noffload.wrap"],
                           capture_output=True, text=True, timeout=300)
     assert "offload.wrap needs the native extension" in proc.stderr, proc.stderr
+
+
+DEMO_SETTINGS = "DemoSettings(d_model=32, num_layers=2, num_heads=2, seq_len=32, batch_size=4, data_bytes=256 << 10, steps=2)"
+
+
+def demo_dirs(directory) -> list:
+    return sorted(n for n in os.listdir(directory) if n.startswith("offload-demo-"))
+
+
+def run_in_temp(script: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=240)
+
+
+def test_demo_sigterm_during_wrap_removes_its_temporary_directory(tmp_path):
+    script = ("import os, signal, offload.faults\n"
+              "from offload.demo import DemoSettings, run_demo\n"
+              "with offload.faults.inject('wrap.done', lambda **context: os.kill(os.getpid(), signal.SIGTERM)):\n"
+              f"    run_demo({DEMO_SETTINGS})\n")
+    result = run_in_temp(script, tmp_path)
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr
+    assert "(temporary)" in result.stdout
+    assert demo_dirs(tmp_path) == []
+
+
+def test_a_demo_removes_the_temporary_directories_of_killed_demos_only(tmp_path):
+    killed = ("import os, signal\n"
+              "from offload.demo import make_temporary_swap_dir\n"
+              "from offload.io import SwapSpace\n"
+              "swap_dir, lock = make_temporary_swap_dir(None)\n"
+              "SwapSpace(swap_dir, reserve_bytes=1 << 20).allocate(1 << 20)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert run_in_temp(killed, tmp_path).returncode == -signal.SIGKILL
+    (dead,) = demo_dirs(tmp_path)
+    live = tmp_path / "offload-demo-live"
+    live.mkdir()
+    with open(live / "demo.lock", "w") as held:  # a demo still running holds its lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = run_in_temp(f"from offload.demo import DemoSettings, run_demo\nrun_demo({DEMO_SETTINGS})\n",
+                             tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"removed {tmp_path / dead} of a demo that was killed" in result.stdout
+    assert demo_dirs(tmp_path) == ["offload-demo-live"]

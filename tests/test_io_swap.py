@@ -1,4 +1,5 @@
 """SwapSpace: preflight, the per-directory lock, stale-run cleanup, the extent allocator."""
+import fcntl
 import os
 import random
 import stat
@@ -8,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import offload
+from offload.gpt import GPT, GPTConfig
 from offload.io import Extent, IOEngine, SwapSpace, aligned_empty
 from offload.io.swap import ExtentAllocator
 
@@ -102,14 +105,56 @@ def test_stale_run_of_dead_process_is_removed(tmp_path):
         assert not os.path.exists(stale)
 
 
-def test_live_foreign_run_dir_is_left_alone(tmp_path):
+def test_run_dir_whose_lock_is_held_is_left_alone(tmp_path):
     live = tmp_path / "offload-run-1-abcd"
     live.mkdir()
-    (live / "lock").write_text("1\n")  # pid 1 is alive
-    with pytest.warns(RuntimeWarning, match="live process"):
-        with SwapSpace(tmp_path, file_bytes=1 << 20) as space:
-            assert (str(live), 1) in space.live_runs
+    (live / "lock").write_text("1\n")
+    with open(live / "lock", "r+") as held:  # a live run holds the flock on its lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.warns(RuntimeWarning, match="live process"):
+            with SwapSpace(tmp_path, file_bytes=1 << 20) as space:
+                assert (str(live), 1) in space.live_runs and space.removed_stale_runs == []
     assert live.exists()
+
+
+def test_stale_run_whose_pid_is_reused_is_removed_and_reported(tmp_path):
+    """[Note: stale runs] The flock, not the pid, says whether a run is alive: in a container
+    the dead trainer's pid is often the new one's (here: this very process, alive)."""
+    stale = tmp_path / f"offload-run-{os.getpid()}-abcd"
+    stale.mkdir(mode=0o700)
+    (stale / "lock").write_text(f"{os.getpid()}\n")
+    (stale / "swap-0000.bin").write_bytes(b"x" * (1 << 20))
+    with pytest.warns(RuntimeWarning, match=r"removed 1 run directory of killed runs, freeing \d+ bytes") as seen:
+        with SwapSpace(tmp_path, file_bytes=1 << 20) as space:
+            assert space.removed_stale_runs == [str(stale)] and space.live_runs == []
+            assert space.stale_bytes_removed >= 1 << 20
+    assert str(stale) in str(seen[0].message)
+    assert not stale.exists()
+
+
+def test_swap_files_are_sized_from_the_plan(tmp_path):
+    """A run needing 10 MiB gets 10 MiB of swap file, not a 1 GiB file: on a 256 MiB
+    filesystem it fits, and the preflight checked exactly what is created."""
+    planned = [3 << 20, 4096, 7 << 20]
+    with SwapSpace(tmp_path, reserve_bytes=sum(planned)) as space:
+        extents = [space.allocate(n) for n in planned]
+        assert space.capacity_bytes == space.used_bytes == sum(planned)
+        files = sorted(os.listdir(space.run_dir))
+        assert files == ["lock", "swap-0000.bin"]
+        assert os.path.getsize(os.path.join(space.run_dir, "swap-0000.bin")) == sum(planned)
+        assert {e.path for e in extents} == {os.path.join(space.run_dir, "swap-0000.bin")}
+        more = space.allocate(8192)  # beyond the plan: grows by what was asked, not by a plan
+        assert space.capacity_bytes == sum(planned) + 8192 and more.offset == 0
+
+
+def test_an_empty_extent_moves_nothing(tmp_path):
+    with SwapSpace(tmp_path, reserve_bytes=4096) as space, IOEngine("threads") as io:
+        empty = space.allocate(0)
+        space.hold_files(io.hold_file)
+        assert empty.nbytes == 0 and space.used_bytes == 0
+        assert io.write_from(torch.empty(0, dtype=torch.uint8), empty.path, empty.offset).wait() == 0
+        assert io.read_into(torch.empty(0, dtype=torch.uint8), empty.path, empty.offset).wait() == 0
+        space.free(empty)
 
 
 def test_preflight_errors_name_the_directory(tmp_path):
@@ -127,3 +172,58 @@ def test_preflight_errors_name_the_directory(tmp_path):
 
 def test_extent_is_plain_record():
     assert Extent("p", 0, 4096) == Extent("p", 0, 4096)
+
+
+# ---------------------------------------------------------------------- through the engine
+class Blocks(torch.nn.Module):
+    """Every parameter in a ModuleList: the root unit has no elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def train_blocks(tmp_path, tier):
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with offload.wrap(model, optimizer, config=dict(device="cpu", param_tier=tier, optimizer_tier=tier,
+                                                    swap_dir=str(tmp_path))) as engine:
+        for step in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        stats = engine.stats()
+        return engine.state_dict(), stats
+
+
+def test_a_model_with_an_empty_root_trains_on_nvme_as_on_host(tmp_path):
+    on_host, _ = train_blocks(tmp_path, "host")
+    on_nvme, stats = train_blocks(tmp_path, "nvme")
+    assert stats["nvme_bytes"] > 0
+    assert on_host.keys() == on_nvme.keys()
+    for name in on_host:
+        assert torch.equal(on_host[name], on_nvme[name]), name
+
+
+def test_wrap_sizes_the_swap_file_from_its_plan_and_reports_stale_runs(tmp_path):
+    stale = tmp_path / "offload-run-999999-dead"
+    stale.mkdir(mode=0o700)
+    (stale / "swap-0000.bin").write_bytes(b"x" * (1 << 20))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2))
+    with pytest.warns(RuntimeWarning, match="removed 1 run directory"):
+        engine = offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(
+            device="cpu", param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path)))
+    with engine:
+        stats = engine.stats()
+        space = engine.debug.nvme.space
+        assert stats["stale_swap_bytes_removed"] >= 1 << 20
+        # The plan is what wrap allocates: one file, exactly that size (it was 1 GiB).
+        assert space.capacity_bytes == space.used_bytes == stats["nvme_bytes"] == space.reserve_bytes
+        assert os.path.getsize(os.path.join(space.run_dir, "swap-0000.bin")) == stats["nvme_bytes"] < 1 << 20

@@ -68,6 +68,10 @@ void register_io(py::module_& m) {
       .def("wait_all", &Engine::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("close_files", &Engine::close_files, py::call_guard<py::gil_scoped_release>())
+      .def("hold_file", &Engine::hold_file, py::arg("path"), py::arg("fd"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release_file", &Engine::release_file, py::arg("path"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_open_files", &Engine::num_open_files)
       .def_property_readonly("num_opens", &Engine::num_opens)
       .def_property_readonly("backend", &Engine::backend_name)

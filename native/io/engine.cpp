@@ -147,6 +147,13 @@ std::shared_ptr<Request> Engine::submit(bool is_write, void* buf, std::size_t nb
   return r;
 }
 
+void Engine::hold_file(const std::string& path, int fd) {
+  int err = 0;
+  if (!files_.hold(path, fd, &err))
+    throw std::system_error(err, std::generic_category(), "hold of '" + path + "' (fd " +
+                                                              std::to_string(fd) + ")");
+}
+
 void Engine::wait_all() {
   std::unique_lock<std::mutex> lock(mutex_);
   idle_.wait(lock, [this] { return num_unfinished_ == 0; });

@@ -99,8 +99,13 @@ class Engine {
 
   const std::string& backend_name() const { return backend_name_; }
   // Closes the cached descriptors (requests in flight keep theirs until they finish), so
-  // files removed after moving bytes with this engine give their space back now.
-  void close_files() { files_.clear(); }
+  // files removed after moving bytes with this engine give their space back now. Held files
+  // ([Note: held files] in file_cache.h) stay until release_file() or close().
+  void close_files() { files_.clear(false); }
+  // Requests naming path use a duplicate of fd from now on, never resolving path again.
+  // Throws std::system_error when fd cannot be duplicated or inspected.
+  void hold_file(const std::string& path, int fd);
+  bool release_file(const std::string& path) { return files_.release(path); }
   std::size_t num_open_files() const { return files_.size(); }
   // Opens so far, and those of them without O_DIRECT because the filesystem cannot honor it.
   std::uint64_t num_opens() const { return files_.num_opens(); }

@@ -12,6 +12,14 @@
 // (shared_ptr): eviction and clear() never close a file under blocks in flight. A removed file
 // whose descriptor is still cached keeps its disk space until it is evicted, clear()ed or the
 // engine closes; callers that delete files they moved bytes with call Engine::close_files().
+//
+// [Note: held files]
+// A caller that has opened a file itself, safely (O_NOFOLLOW, through directory descriptors,
+// owner and mode checked: the swap space), hands the descriptor over with hold(): from then on
+// requests naming that path use a duplicate of it and never resolve the path again, so a path
+// swapped for a symlink or another file afterwards is not followed. Held files are not
+// evicted, not stat()ed per request and not dropped by clear_cached(); release() or clear()
+// lets go of them.
 #pragma once
 
 #include <sys/types.h>
@@ -48,14 +56,22 @@ class FileCache {
   // The open file at path, writable when for_write (created with mode 0600 if missing).
   // Returns nullptr and sets *err to the errno of the failed open.
   std::shared_ptr<OpenFile> acquire(const std::string& path, bool for_write, int* err);
-  // Drops every cached descriptor; files still used by requests close when those finish.
-  void clear();
+  // Requests naming path use a duplicate of fd from now on ([Note: held files]). Returns false
+  // and sets *err when fd cannot be duplicated or inspected.
+  bool hold(const std::string& path, int fd, int* err);
+  // Lets go of a held path; false if it was not held.
+  bool release(const std::string& path);
+  // Drops every cached descriptor, held ones too when with_held; files still used by requests
+  // close when those finish.
+  void clear(bool with_held = true);
   std::size_t size() const;
   std::uint64_t num_opens() const { return num_opens_.load(); }
   std::uint64_t num_buffered_opens() const { return num_buffered_opens_.load(); }
 
  private:
   std::shared_ptr<OpenFile> open(const std::string& path, bool for_write, int* err);
+  // Fills in direct (honored O_DIRECT), device and inode of file->fd; false and *err on error.
+  bool inspect(OpenFile& file, bool direct, int* err);
   void forget_locked(const std::string& path);
 
   const std::size_t max_files_;
@@ -65,6 +81,7 @@ class FileCache {
   // Most recently used first; index_ points into it.
   std::list<std::pair<std::string, std::shared_ptr<OpenFile>>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> index_;
+  std::unordered_map<std::string, std::shared_ptr<OpenFile>> held_;
 };
 
 }  // namespace offload::io

@@ -22,6 +22,10 @@ flight (io_uring, libaio or a thread pool of pread/pwrite, see native/io/). Sema
   first). Each request still checks its path: a file removed since is an error as if it had
   never been opened, a file replaced since is opened anew. A removed file keeps its disk space
   while the engine holds it open; ``close_files()`` (or ``close()``) lets go of every file.
+- ``hold_file(path, fd)`` hands over a file the caller opened itself (the swap space does, with
+  O_NOFOLLOW through directory descriptors): requests naming ``path`` then use that open file
+  and never resolve ``path`` again, until ``release_file(path)`` or ``close()``. A path
+  replaced by a symlink or another file afterwards is not followed.
 """
 from __future__ import annotations
 
@@ -243,6 +247,21 @@ class IOEngine:
         bytes of, so their disk space is freed at once."""
         if not self._closed:
             self._core.close_files()
+
+    def hold_file(self, path, fd: int) -> None:
+        """Requests naming ``path`` use (a duplicate of) the open file ``fd`` from now on and
+        never resolve ``path`` again; see [Note: held files] in native/io/file_cache.h. ``fd``
+        stays the caller's to close. ``OSError`` if ``fd`` is not an open file."""
+        path = check_path(path)
+        if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+            raise TypeError(f"fd must be a non-negative int, got {fd!r}")
+        if self._closed:
+            raise ValueError("I/O engine is closed")
+        self._core.hold_file(path, fd)
+
+    def release_file(self, path) -> bool:
+        """Lets go of a file given to ``hold_file``; False if ``path`` was not held."""
+        return False if self._closed else self._core.release_file(check_path(path))
 
     def close(self) -> None:
         """Waits for everything in flight (errors are not raised here) and stops the engine."""

@@ -67,6 +67,8 @@ class NvmeTier:
         try:
             self.io = faults.passing("nvme.io_engine",
                                      _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth))
+            # [Note: swap directory trust] requests use the swap files' descriptors, never paths
+            self.space.hold_files(self.io.hold_file)
         except BaseException:
             self.space.close()
             raise
