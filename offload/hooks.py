@@ -13,9 +13,8 @@ replaces every saved view of the arena by a reference (unit, offset, size, strid
 backward unpacks it, fetches the unit again if it has left the device. So correctness never
 depends on what is resident when; residency only decides speed.
 
-[Note: released parameters] A parameter whose unit is not on the device holds an empty
-tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
-optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
+[Note: released parameters] (memory/released.py): a parameter whose unit is not on the
+device keeps its shape; read weights with ``engine.state_dict()``.
 """
 from __future__ import annotations
 
@@ -145,6 +144,10 @@ class Hooks:
         if self._forward_depth > 1:
             return
         self._forward_started = time.perf_counter()
+        # A new pass, no unit the current one. It raises, before anything of the pass
+        # changes, if a released parameter was written ([Note: released parameters]); the
+        # root post-forward hook runs all the same (always_call) and undoes the depth.
+        self._forget_last_needed()
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
         #    waits for its own unit), and [zero] the ranks' buffers agree.
         if not self._step_pending():
@@ -156,7 +159,6 @@ class Hooks:
         if key[0] and key[1]:
             self.last_train_key = key
         self._prefetcher.begin_pass(key)
-        self._forget_last_needed()
         for u in self._units:
             u.calls = u.backward_done = 0
         # 3. Saved views of the arena become references ([Note: saved parameters]).
