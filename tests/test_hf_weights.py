@@ -322,3 +322,57 @@ def test_a_broken_safetensors_file_is_refused_naming_it(content, message, tmp_pa
     path.write_bytes(content)
     with pytest.raises(ValueError, match=f"broken.safetensors.*{message}"):
         SafetensorsFile(str(path))
+
+
+# ---------------------------------------------------------------------- memory
+RSS_WORKER = """
+import json, resource, sys
+import torch
+torch.set_num_threads(1)
+import offload
+from offload.gpt import GPT, GPTConfig
+from offload.io.safetensors import SafetensorsWriter
+args = json.loads(sys.argv[1])
+cfg = GPTConfig(vocab_size=8192, seq_len=64, d_model=1024, num_heads=16, num_layers=args["layers"])
+with torch.device("meta"):
+    model = GPT(cfg)
+if args["write"]:  # random weights, streamed a tensor at a time
+    shapes = [(n, torch.float32, tuple(p.shape)) for n, p in model.named_parameters()]
+    writer = SafetensorsWriter(args["path"], shapes)
+    for name, _, shape in shapes:
+        writer.write(name, torch.randn(shape))
+    writer.finish()
+    sys.exit(0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+engine = offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(
+    param_tier="nvme", optimizer_tier="nvme", swap_dir=args["swap"], device_budget="200MiB"), weights=args["path"])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+engine.close()
+print(json.dumps({"before": before * 1024, "peak": peak * 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_weights_into_nvme_tiers_hold_a_few_units_of_ram_whatever_the_model_size(tmp_path):
+    """[Note: weights into the tiers] A 1.1 GiB model (fp32, 18 blocks of 48 MiB) and a
+    0.3 GiB one (4 blocks) with the same units, loaded through weights= with every state
+    on NVMe: the larger one's peak RSS exceeds the smaller one's by less than two blocks
+    (96 MiB), i.e. it does not grow with the model, though the larger holds 0.8 GiB more
+    weights. Each in its own process (ru_maxrss is per process)."""
+    import subprocess
+    import sys
+
+    peaks = {}
+    for layers in (4, 18):
+        path = str(tmp_path / f"gpt{layers}.safetensors")
+        swap = tmp_path / f"swap{layers}"
+        swap.mkdir()
+        common = dict(layers=layers, path=path, swap=str(swap))
+        for write in (True, False):
+            out = subprocess.run([sys.executable, "-c", RSS_WORKER, json.dumps(dict(common, write=write))],
+                                 capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, out.stderr
+        peaks[layers] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+        os.unlink(path)
+    block_bytes = 12 * 1024 * 1024 * 4
+    assert peaks[18] - peaks[4] < 2 * block_bytes, (peaks, "peak RSS grows with the model")
