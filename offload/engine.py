@@ -26,7 +26,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, NoReturn, Optional
 
 import torch
 from torch import nn
@@ -224,7 +224,8 @@ class Engine:
                 prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
                 step_pending=lambda: self._updates.step_pending, wait_optimizer=self._updates.wait_optimizer,
-                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early)
+                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
+                settled_values=self._settled)
             undo.callback(self._hooks.remove)
             self._hooks.install()
             faults.hit("wrap.done")
@@ -351,21 +352,19 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
-        return {name: value.to("cpu", copy=True) for name, value in self._settled_weights("state_dict()")}
+        values = self._settled("state_dict()")
+        return {name: value.to("cpu", copy=True) for name, value in iter_weights(self.module, self.units, values)}
 
     def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None,
                         max_shard_size: "int | str" = "5GB") -> None:
         """The weights as a Hugging Face model directory that ``from_pretrained`` loads
         (safetensors, sharded above ``max_shard_size``, config.json), one unit at a time;
         ``dtype`` (e.g. torch.bfloat16) converts floating tensors. [Note: weights out]"""
-        self._settled_weights("save_pretrained()")
-        save_pretrained(directory, self.module, self.units, self._current_values,
+        save_pretrained(directory, self.module, self.units, self._settled("save_pretrained()"),
                         torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size)
 
-    def _current_values(self, u: UnitState) -> Dict[int, torch.Tensor]:
-        return self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
-
-    def _settled_weights(self, what: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """The reader of a unit's current values, once this step's updates are all done or none started."""
         self._updates.settle_all()
         early = [u.name for u in self.units if u.update.updated]
         if early:  # [Note: early updates]
@@ -373,7 +372,7 @@ class Engine:
                 f"{what} between backward() and step(): the optimizer already updated {len(early)} "
                 f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
                 "and not the others yet, so the weights would mix two steps; call it after step()")
-        return iter_weights(self.module, self.units, self._current_values)
+        return lambda u: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
