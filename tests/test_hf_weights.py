@@ -283,6 +283,36 @@ def test_save_pretrained_over_an_earlier_save_in_the_other_layout_leaves_no_stal
         assert torch.equal(v, state[k]), k
 
 
+@pytest.mark.parametrize("shard", [None, 40_000], ids=["one-file", "sharded"])
+def test_offload_export_format_safetensors_writes_a_model_directory_from_a_checkpoint(shard, tmp_path):
+    """`offload export CKPT OUT --format safetensors`: the model directory save_pretrained
+    writes, from a checkpoint (config.json copied beside by the user)."""
+    import shutil
+    import subprocess
+    import sys
+
+    cls, config = saved("gpt2", tmp_path / "model")
+    model = meta_model(cls, config)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config_for("nvme", tmp_path),
+                      weights=tmp_path / "model") as engine:
+        batch = ids()
+        engine.backward(engine(batch, labels=batch).loss)
+        engine.step()
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        state = engine.state_dict()
+    out = tmp_path / "exported"
+    args = [sys.executable, "-m", "offload", "export", str(tmp_path / "ckpt"), str(out), "--format", "safetensors"]
+    if shard:
+        args += ["--max-shard-size", str(shard)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240,
+                            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(offload.__file__))))
+    assert result.returncode == 0, result.stderr
+    assert ("model.safetensors.index.json" in os.listdir(out)) == bool(shard)
+    shutil.copy(tmp_path / "model" / "config.json", out)
+    for k, v in cls.from_pretrained(out).state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 # ---------------------------------------------------------------------- the format
 def test_safetensors_files_round_trip_with_the_safetensors_package(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5),

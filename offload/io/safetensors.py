@@ -206,9 +206,24 @@ class SafetensorsWriter:
         if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"safetensors writer: expected {want!r} {shape} {dtype}, got {name!r} "
                              f"{tuple(tensor.shape)} {tensor.dtype}")
-        data = tensor.detach().to("cpu").contiguous()
-        if nbytes:
-            self._file.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+        self.write_parts(name, [tensor])
+
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Tensor ``name`` as consecutive flat parts of its dtype (a big tensor streamed in
+        chunks); their bytes must add up to the tensor's."""
+        want, dtype, shape, nbytes = self._order[self._next]
+        if name != want:
+            raise ValueError(f"safetensors writer: expected {want!r}, got {name!r}")
+        written = 0
+        for part in parts:
+            if part.dtype != dtype:
+                raise ValueError(f"safetensors writer: {name!r} is {dtype}, got a part in {part.dtype}")
+            data = part.detach().to("cpu").contiguous().reshape(-1)
+            if data.numel():
+                self._file.write(memoryview(data.view(torch.uint8).numpy()))
+            written += data.numel() * data.element_size()
+        if written != nbytes:
+            raise ValueError(f"safetensors writer: {name!r} needs {nbytes} bytes, got {written}")
         self._next += 1
 
     def finish(self) -> None:
