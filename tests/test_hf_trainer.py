@@ -243,3 +243,13 @@ def test_import_offload_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
 
+
+
+@pytest.mark.slow  # about 10 s on an idle 2-core machine, 30-50 s on a busy one (a subprocess importing transformers)
+def test_the_finetune_llama_example_runs(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_llama.py"), "--work-dir", str(tmp_path)],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "loaded with from_pretrained" in result.stdout
+    assert (tmp_path / "finetuned" / "model.safetensors").exists()
