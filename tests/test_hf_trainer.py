@@ -201,6 +201,40 @@ def test_a_checkpoint_without_engine_states_is_refused_for_resume(base_dir, tmp_
         trainer.close()
 
 
+
+def test_without_clipping_deferred_steps_train_alike_and_say_why_grad_norm_is_not_logged(base_dir, tmp_path):
+    """NVMe states, no clipping: the engine finishes each step during the next forward
+    (overlap_step_with_forward), so the norm is not known when the Trainer logs."""
+    args = dict(max_grad_norm=0.0)
+    plain = Trainer(model=model_from(base_dir), args=training_args(tmp_path / "plain", **args),
+                    train_dataset=TokenDataset(24, seed=1))
+    plain.train()
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", **args), nvme(tmp_path / "swap"),
+                              train_dataset=TokenDataset(24, seed=1))
+    try:
+        with pytest.warns(RuntimeWarning, match="grad_norm is not logged"):
+            trainer.train()
+        assert trainer.engine.stats()["deferred_updates"] > 0
+    finally:
+        trainer.close()
+    assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=REL_TOL)
+    assert logged(trainer, "grad_norm") == [] and len(logged(plain, "grad_norm")) == 6
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(base_dir, tmp_path):
+    args = training_args(tmp_path / "out", eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                         load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    trainer = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1),
+                              eval_dataset=TokenDataset(6, seed=2))
+    try:
+        trainer.train()
+        eval_losses = logged(trainer, "eval_loss")
+        best = eval_losses.index(min(eval_losses))
+        assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{2 * (best + 1)}")
+        assert trainer.evaluate()["eval_loss"] == eval_losses[best]
+    finally:
+        trainer.close()
+
 @pytest.mark.parametrize("arguments, offload_config, names", [
     (dict(optim="sgd"), {}, ["optim='sgd'"]),
     (dict(optim="adafactor", fp16=True, torch_compile=True), {}, ["optim='adafactor'", "fp16=True", "torch_compile=True"]),

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -209,7 +210,8 @@ class OffloadTrainer(Trainer):
         with torch.random.fork_rng(devices=[]):
             self.engine = offload.wrap(self.model, adam, config=config, weights=weights)
         self.optimizer = EngineAdam(adam)
-        self._grad_norm: Optional[float] = None
+        self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
+        self._warned_grad_norm = False
 
     def close(self) -> None:
         """Close the engine (its swap files are removed); the trainer cannot train afterwards."""
@@ -255,8 +257,15 @@ class OffloadTrainer(Trainer):
         """The global gradient norm before clipping of the update just made; None when the
         engine deferred that update's bookkeeping to the next pass (overlap_step_with_forward
         without clipping): it is not known yet."""
-        stats = self.engine.stats()
-        return None if self.engine.debug.updates.step_pending else stats["grad_norm"]
+        if not self.engine.debug.updates.step_pending:
+            return self.engine.stats()["grad_norm"]
+        if not self._warned_grad_norm:
+            self._warned_grad_norm = True
+            warnings.warn("grad_norm is not logged: the engine finishes each optimizer step's bookkeeping "
+                          "(the gradient norm among it) during the next forward (overlap_step_with_forward); "
+                          "set offload_config overlap_step_with_forward=False, or max_grad_norm, to log it",
+                          RuntimeWarning, stacklevel=2)
+        return None
 
     def _clip_grad_norm(self, model: nn.Module) -> Optional[float]:
         """The engine clipped in training_step; this is the norm it measured."""
