@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from offload.integrations.transformers import ENGINE_CHECKPOINT_DIR, OffloadTrainer
@@ -235,6 +237,28 @@ def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(base_di
     finally:
         trainer.close()
 
+
+def test_a_peft_lora_model_trains_like_the_plain_trainer_and_saves_its_adapters(base_dir, tmp_path):
+    def lora_model():
+        torch.manual_seed(1)
+        return get_peft_model(model_from(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               lora_dropout=0.0))
+
+    plain = Trainer(model=lora_model(), args=training_args(tmp_path / "plain"), train_dataset=TokenDataset(24, seed=1))
+    plain.train()
+    plain.save_model(tmp_path / "plain-adapter")
+    trainer = OffloadTrainer(model=lora_model(), args=training_args(tmp_path / "out"), offload_config=nvme(tmp_path),
+                             train_dataset=TokenDataset(24, seed=1))
+    try:
+        trainer.train()
+        trainer.save_model(tmp_path / "adapter")
+    finally:
+        trainer.close()
+    assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=REL_TOL)
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    reference = load_file(str(tmp_path / "plain-adapter" / "adapter_model.safetensors"))
+    assert adapter.keys() == reference.keys() and max_rel_error(adapter, reference) < REL_TOL
+
 @pytest.mark.parametrize("arguments, offload_config, names", [
     (dict(optim="sgd"), {}, ["optim='sgd'"]),
     (dict(optim="adafactor", fp16=True, torch_compile=True), {}, ["optim='adafactor'", "fp16=True", "torch_compile=True"]),
@@ -243,16 +267,21 @@ def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(base_di
     ({}, dict(gradient_accumulation_steps=4, max_grad_norm=2.0), ["gradient_accumulation_steps=4", "max_grad_norm=2.0"]),
     ({}, dict(dtype="bf16"), ["dtype='bf16'"]),
     ({}, dict(device="cuda"), ["device='cuda'"]),
+    ("sgd", {}, ["optimizers=(SGD"]),
 ])
 def test_unsupported_settings_are_refused_with_their_names_before_anything_is_touched(
         arguments, offload_config, names, base_dir, tmp_path):
     model = model_from(base_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizers = (None, None)
+    if arguments == "sgd":
+        arguments, optimizers = {}, (torch.optim.SGD(model.parameters(), lr=0.1), None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp given as a string is deprecated
         args = training_args(tmp_path / "out", **arguments)
     with pytest.raises(ValueError, match="cannot honour") as refusal:
-        OffloadTrainer(model=model, args=args, offload_config=offload_config, train_dataset=TokenDataset(4, seed=1))
+        OffloadTrainer(model=model, args=args, offload_config=offload_config, optimizers=optimizers,
+                       train_dataset=TokenDataset(4, seed=1))
     for name in names:
         assert name in str(refusal.value)
     assert not (tmp_path / "out").exists()  # the Trainer was not built

@@ -63,6 +63,9 @@ SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """TrainingArguments.optim values the engine runs: torch's AdamW (the engine's CPU Adam
 replaces its kernel, fused or not)."""
 
+ADAM_CLASSES = (torch.optim.Adam, offload.CPUAdam)  # torch.optim.AdamW is an Adam
+"""Optimizers the engine runs (its CPU Adam reads their param groups)."""
+
 # OffloadConfig fields that TrainingArguments decides, with the TrainingArguments name.
 _FIELDS_FROM_ARGS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
                      "max_grad_norm": "max_grad_norm", "dtype": "bf16"}
@@ -108,7 +111,7 @@ class EngineAdam(torch.optim.Optimizer):
         return f"EngineAdam({self.adam!r})"
 
 
-def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, model_init: Any,
+def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, model_init: Any, optimizer: Any,
                          optimizer_cls_and_kwargs: Any) -> List[str]:
     """Every setting OffloadTrainer cannot honour, as 'name=value: why' ([] when none)."""
     problems = []
@@ -119,9 +122,11 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
     if args.optim_args:
         problems.append(f"optim_args={args.optim_args!r}: the engine's AdamW takes no extra arguments")
     if optimizer_cls_and_kwargs is not None and not (
-            isinstance(optimizer_cls_and_kwargs[0], type) and issubclass(optimizer_cls_and_kwargs[0], torch.optim.Adam)):
+            isinstance(optimizer_cls_and_kwargs[0], type) and issubclass(optimizer_cls_and_kwargs[0], ADAM_CLASSES)):
         problems.append(f"optimizer_cls_and_kwargs={optimizer_cls_and_kwargs[0]!r}: the engine runs "
-                        "torch.optim.Adam/AdamW only")
+                        "torch.optim.Adam/AdamW or offload.CPUAdam only")
+    if optimizer is not None and not isinstance(optimizer, ADAM_CLASSES):
+        problems.append(f"optimizers=({type(optimizer).__name__}, ...): the engine runs torch.optim.Adam/AdamW or offload.CPUAdam only")
     named = [
         ("deepspeed", args.deepspeed, "the engine does what DeepSpeed would"),
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),
@@ -189,7 +194,7 @@ class OffloadTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # as Trainer does
         config = OffloadConfig.from_any(offload_config)
-        problems = unsupported_settings(args, config, model_init=model_init,
+        problems = unsupported_settings(args, config, model_init=model_init, optimizer=optimizers[0],
                                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         if problems:
             raise ValueError("OffloadTrainer cannot honour these settings:\n  " + "\n  ".join(problems))
