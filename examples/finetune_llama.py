@@ -46,7 +46,7 @@ def save_pretrained_llama(directory: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", help="where the model, checkpoints and output go (default: a temporary directory)")
+    parser.add_argument("--work-dir", help="where the model, run and output go (default: a temporary directory)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryDirectory() as swap_dir:

@@ -261,10 +261,12 @@ def test_a_peft_lora_model_trains_like_the_plain_trainer_and_saves_its_adapters(
 
 @pytest.mark.parametrize("arguments, offload_config, names", [
     (dict(optim="sgd"), {}, ["optim='sgd'"]),
-    (dict(optim="adafactor", fp16=True, torch_compile=True), {}, ["optim='adafactor'", "fp16=True", "torch_compile=True"]),
+    (dict(optim="adafactor", fp16=True, torch_compile=True), {},
+     ["optim='adafactor'", "fp16=True", "torch_compile=True"]),
     (dict(fsdp="full_shard"), {}, ["fsdp="]),
     (dict(auto_find_batch_size=True, bf16_full_eval=True), {}, ["auto_find_batch_size=True", "bf16_full_eval=True"]),
-    ({}, dict(gradient_accumulation_steps=4, max_grad_norm=2.0), ["gradient_accumulation_steps=4", "max_grad_norm=2.0"]),
+    ({}, dict(gradient_accumulation_steps=4, max_grad_norm=2.0),
+     ["gradient_accumulation_steps=4", "max_grad_norm=2.0"]),
     ({}, dict(dtype="bf16"), ["dtype='bf16'"]),
     ({}, dict(device="cuda"), ["device='cuda'"]),
     ("sgd", {}, ["optimizers=(SGD"]),

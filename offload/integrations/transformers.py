@@ -78,7 +78,7 @@ class EngineAdam(torch.optim.Optimizer):
     engine has updated in ``training_step`` ([Note: the Trainer's loop around the engine]).
     Like accelerate's AcceleratedOptimizer it does not call ``Optimizer.__init__``."""
 
-    def __init__(self, adam: torch.optim.Optimizer) -> None:  # noqa: super().__init__ on purpose not called
+    def __init__(self, adam: torch.optim.Optimizer) -> None:
         self.adam = adam
 
     @property
@@ -126,7 +126,8 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
         problems.append(f"optimizer_cls_and_kwargs={optimizer_cls_and_kwargs[0]!r}: the engine runs "
                         "torch.optim.Adam/AdamW or offload.CPUAdam only")
     if optimizer is not None and not isinstance(optimizer, ADAM_CLASSES):
-        problems.append(f"optimizers=({type(optimizer).__name__}, ...): the engine runs torch.optim.Adam/AdamW or offload.CPUAdam only")
+        problems.append(f"optimizers=({type(optimizer).__name__}, ...): the engine runs torch.optim.Adam/AdamW "
+                        "or offload.CPUAdam only")
     named = [
         ("deepspeed", args.deepspeed, "the engine does what DeepSpeed would"),
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),
