@@ -259,6 +259,17 @@ def test_a_peft_lora_model_trains_like_the_plain_trainer_and_saves_its_adapters(
     reference = load_file(str(tmp_path / "plain-adapter" / "adapter_model.safetensors"))
     assert adapter.keys() == reference.keys() and max_rel_error(adapter, reference) < REL_TOL
 
+
+def test_a_closed_trainer_refuses_to_train_evaluate_or_save(base_dir, tmp_path):
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", max_steps=1), nvme(tmp_path / "swap"),
+                              train_dataset=TokenDataset(4, seed=1), eval_dataset=TokenDataset(2, seed=2))
+    trainer.close()
+    trainer.close()
+    assert os.listdir(tmp_path / "swap") == []
+    for call in (trainer.train, trainer.evaluate, lambda: trainer.save_model(tmp_path / "final")):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+
 @pytest.mark.parametrize("arguments, offload_config, names", [
     (dict(optim="sgd"), {}, ["optim='sgd'"]),
     (dict(optim="adafactor", fp16=True, torch_compile=True), {},

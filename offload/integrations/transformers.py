@@ -218,10 +218,19 @@ class OffloadTrainer(Trainer):
         self.optimizer = EngineAdam(adam)
         self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
         self._warned_grad_norm = False
+        self._closed = False
 
     def close(self) -> None:
-        """Close the engine (its swap files are removed); the trainer cannot train afterwards."""
+        """Close the engine (its swap files are removed); the trainer cannot train, evaluate
+        or save afterwards. Idempotent."""
+        self._closed = True
         self.engine.close()
+
+    def _check_open(self, what: str) -> None:
+        # The model's forward runs through the engine's hooks, not through engine(...), which
+        # would refuse a closed engine itself: without hooks the parameters are placeholders.
+        if self._closed:
+            raise RuntimeError(f"{what}: the OffloadTrainer is closed (its engine let go of the model's states)")
 
     # ------------------------------------------------------------------ setup
     def _build_accelerator_args(self, **kwargs: Any) -> Dict[str, Any]:
@@ -237,6 +246,7 @@ class OffloadTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: Dict[str, Any],
                       num_items_in_batch: "torch.Tensor | int | None" = None) -> torch.Tensor:
         """[Note: the Trainer's loop around the engine] step 3."""
+        self._check_open("training_step")
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
@@ -258,6 +268,12 @@ class OffloadTrainer(Trainer):
                 engine.step()
             self._grad_norm = self._measured_grad_norm()
         return loss.detach()
+
+    def prediction_step(self, model: nn.Module, inputs: Dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: Optional[List[str]] = None) -> Tuple[Any, Any, Any]:
+        """Trainer's, in the engine's eval mode (evaluation_loop sets it on the model)."""
+        self._check_open("evaluation")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _measured_grad_norm(self) -> Optional[float]:
         """The global gradient norm before clipping of the update just made; None when the
@@ -284,6 +300,7 @@ class OffloadTrainer(Trainer):
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         """Hugging Face weights streamed from the tiers (engine.save_pretrained); a PEFT model
         saves its adapters with its own save_pretrained. Then what Trainer._save adds."""
+        self._check_open("save_model")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
