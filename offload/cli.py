@@ -111,10 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Exit code 1 when something required is missing, with the fix.")
     doctor.add_argument("--swap-dir", default=None, help="directory to check (default: the temp directory)")
 
-    export = sub.add_parser("export", help="export a checkpoint directory to one state-dict file",
-                            description="Write the full-precision weights of checkpoint CKPT to OUT.")
+    export = sub.add_parser("export", help="export a checkpoint's weights (a state-dict file or a model directory)",
+                            description="Write the full-precision weights of checkpoint CKPT to OUT: a torch.save "
+                                        "file, one .safetensors file (OUT ending in .safetensors), or with "
+                                        "--format safetensors and any other OUT a Hugging Face model directory "
+                                        "(model.safetensors, or shards and model.safetensors.index.json) that "
+                                        "from_pretrained loads once the model's config.json is beside it.")
     export.add_argument("ckpt", metavar="CKPT")
     export.add_argument("out", metavar="OUT")
+    export.add_argument("--format", choices=["torch", "safetensors"], default=None,
+                        help="default: safetensors when OUT ends in .safetensors, else torch")
+    export.add_argument("--max-shard-size", default="5GB", help="largest shard of a model directory (default 5GB)")
     return parser
 
 
@@ -198,11 +205,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from offload.checkpoint import export_checkpoint
+    from offload.checkpoint import export_checkpoint, export_pretrained
     from offload.errors import CheckpointError
 
     try:
-        export_checkpoint(args.ckpt, args.out)
+        if args.format == "safetensors" and not args.out.endswith(".safetensors"):
+            export_pretrained(args.ckpt, args.out, args.max_shard_size)
+        elif args.format == "torch" and args.out.endswith(".safetensors"):
+            return _error("--format torch: OUT ends in .safetensors; name it otherwise")
+        else:
+            export_checkpoint(args.ckpt, args.out)
     except (CheckpointError, ValueError, OSError) as e:
         return _error(str(e))
     print(f"exported {args.ckpt} to {args.out}")

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.residency import DeviceResidency
+from offload.memory.weights import close_weights, iter_weights, open_weights, save_pretrained
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.cpu_adam import adam_flavour, carried_adam_state
 from offload.optim.failure import FailureState, with_note
@@ -50,21 +52,22 @@ from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all
-from offload.units import ParamEntry, split_into_units
+from offload.units import split_into_units
 from offload.zero import Partition
 from offload.zero.step import ShardedStep
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
          config: "OffloadConfig | dict | str | None" = None, *,
-         init_fn: Optional[Callable[[nn.Module], None]] = None) -> "Engine":
+         init_fn: Optional[Callable[[nn.Module], None]] = None, weights: "str | os.PathLike | None" = None) -> "Engine":
     """Offload ``model``'s training state as ``config`` says and return the Engine that
     trains it. ``optimizer`` must be torch.optim.Adam/AdamW or offload.CPUAdam over the
     model's parameters; its param groups (and any LR scheduler changing them) are honored,
     and so is its state when it has taken steps (moved into the engine's homes).
     ``init_fn(module)`` initializes modules of a meta-device model after
-    ``reset_parameters()``."""
-    return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn)
+    ``reset_parameters()``. ``weights``: a Hugging Face model directory or a .safetensors
+    file whose tensors become the parameters' values ([Note: weights into the tiers])."""
+    return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
 
 
 class Engine:
@@ -75,7 +78,7 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
-                 init_fn: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 init_fn: Optional[Callable[[nn.Module], None]] = None, weights: Any = None) -> None:
         FailureState.check_not_wrapped(model)  # before anything is touched
         self._timeline = Timeline()  # its creation is time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
@@ -111,12 +114,8 @@ class Engine:
         self._root = self.units[0]
         if self._partition is not None:
             home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes
-            for u in self.units:  # what this rank keeps of each unit, set here and nowhere else
-                shards = self._partition.assign(u, home_element_bytes)
-                if shards is not None:  # stage >= 1 (stage 0 keeps everything: the defaults)
-                    u.shard, u.grad_numel, u.grad_base = shards.shard, shards.grad_numel, shards.grad_base
-                    if shards.param_shard is not None:  # stage 3
-                        u.param_shard, u.compute_numel = shards.param_shard, shards.compute_numel
+            for u in self.units:
+                u.take_shards(self._partition.assign(u, home_element_bytes))
             self._partition.check_consistent(config, self.units, optimizer)
 
         # 3. Budgets, checked before anything is allocated.
@@ -127,6 +126,7 @@ class Engine:
         nvme_bytes = swap_bytes(unit_sizes, layout)
         self._host_planned_bytes = check_host_budget(unit_sizes, layout).total
         staging_shape = slot_shape(unit_sizes, layout)
+        weight_files = open_weights(weights, model)  # every name and shape checked here
 
         # From here on wrap changes what the caller holds: a failure anywhere below puts it
         # all back ([Note: a failed wrap changes nothing]).
@@ -134,6 +134,7 @@ class Engine:
             # Last of all: the half-built engine lets go of its buffers (its traceback keeps
             # it alive), so that wrapping again finds the memory free.
             undo.callback(vars(self).clear)
+            undo.callback(close_weights, weight_files)
             unmaterialized = install_stand_ins(model, optimizer, meta_replacements, undo)
 
             # 4. Tiers, and whether the engine may train ([Note: failures inside a step]).
@@ -157,10 +158,8 @@ class Engine:
             if needs_nvme:
                 self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
                                       config.io_block_bytes, config.io_queue_depth)
-            # 5. The device residency of the compute copies ([Note: residency]: the copy
-            # worker, fetch buffers, prefetch; the placeholder that released parameters
-            # hold, [Note: released parameters]), the homes and the codec that reads and
-            # writes them whole, and the optimizer steps.
+            # 5. The device residency of the compute copies ([Note: residency]), the homes
+            # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
             self._residency = DeviceResidency(
                 layout=layout, units=self.units, device=self._device, host=self._host, nvme=self._nvme,
@@ -168,7 +167,7 @@ class Engine:
                 prefetcher=self._prefetcher, settle_unit=lambda u: self._updates.settle_unit(u),
                 pending_update=lambda u: self._updates.pending(u), update_lock=lambda: self._updates.lock)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
-                                partition=self._partition, placeholder=self._residency.placeholder,
+                                partition=self._partition, release_param=self._residency.released.release,
                                 stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
@@ -196,7 +195,8 @@ class Engine:
 
             # 6. Every unit's state to its home tier (materializing meta models).
             move_to_homes(model, self.units, unmaterialized, self.device, init_fn, self._homes.write_initial_state,
-                          undo)
+                          undo, weight_files)
+            close_weights(weight_files)
 
             # 7. The worker that updates units, hooks.
             # Early optimizer updates (a unit's Adam as soon as its gradients are final in
@@ -230,7 +230,8 @@ class Engine:
                 prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
                 step_pending=lambda: self._updates.step_pending, wait_optimizer=self._updates.wait_optimizer,
-                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early)
+                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
+                settled_values=self._settled)
             undo.callback(self._hooks.remove)
             self._hooks.install()
             faults.hit("wrap.done")
@@ -348,30 +349,28 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
-        self._status.check_open("state_dict")
+        values = self._settled("state_dict")
+        return {name: value.to("cpu", copy=True) for name, value in iter_weights(self.module, self.units, values)}
+
+    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None,
+                        max_shard_size: "int | str" = "5GB") -> None:
+        """The weights as a Hugging Face model directory that ``from_pretrained`` loads
+        (safetensors, sharded above ``max_shard_size``, config.json), one unit at a time;
+        ``dtype`` (e.g. torch.bfloat16) converts floating tensors. [Note: weights out]"""
+        save_pretrained(directory, self.module, self.units, self._settled("save_pretrained"),
+                        torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size)
+
+    def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """The reader of a unit's current values, once this step's updates are all done or none started."""
+        self._status.check_open(what)
         self._updates.settle_all()
         early = [u.name for u in self.units if u.update.updated]
         if early:  # [Note: early updates]
             raise RuntimeError(
-                f"state_dict() between backward() and step(): the optimizer already updated "
-                f"{len(early)} unit(s) during backward ({', '.join(early[:4])}"
-                f"{', ...' if len(early) > 4 else ''}) and not the others yet, so the weights would "
-                "mix two steps; call it after step()")
-        values: Dict[int, Dict[int, torch.Tensor]] = {}
-        entry_of: Dict[nn.Parameter, Tuple[UnitState, ParamEntry]] = {}
-        for u in self.units:
-            for e in u.spec.entries:
-                entry_of[e.param] = (u, e)
-        result: Dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            if isinstance(value, nn.Parameter) and value in entry_of:
-                u, e = entry_of[value]
-                if u.index not in values:
-                    values[u.index] = self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
-                result[name] = values[u.index][e.offset].clone()
-            else:
-                result[name] = value.detach().to("cpu", copy=True)
-        return result
+                f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
+                f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
+                "and not the others yet, so the weights would mix two steps; call it after step()")
+        return lambda u: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory

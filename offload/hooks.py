@@ -13,16 +13,15 @@ replaces every saved view of the arena by a reference (unit, offset, size, strid
 backward unpacks it, fetches the unit again if it has left the device. So correctness never
 depends on what is resident when; residency only decides speed.
 
-[Note: released parameters] A parameter whose unit is not on the device holds an empty
-tensor (``param.data`` is swapped, the ``nn.Parameter`` object stays the same, so the user's
-optimizer and the gradient hooks keep working). Use ``engine.state_dict()`` to read weights.
+[Note: released parameters] (memory/released.py): a parameter whose unit is not on the
+device keeps its shape; read weights with ``engine.state_dict()``.
 """
 from __future__ import annotations
 
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -67,6 +66,71 @@ class _SavedParamRef:
     stride: Tuple[int, ...]
 
 
+class _StateDicts:
+    """[Note: state_dict of a wrapped model] After wrap a parameter holds a placeholder
+    ([Note: released parameters]), so ``model.state_dict()`` (or any submodule's) would give
+    NaN views. Hooks on every module put the values in: each module's post-hook replaces
+    the entries of the parameters it owns by their current full-precision values (the
+    fp32 master where one exists, as ``engine.state_dict()``; on the CPU), read a unit at a
+    time for the whole call (the outermost module's pre-hook starts the call, its post-hook
+    ends it). So code that saves through ``state_dict()`` (peft's ``save_pretrained`` of an
+    adapter, a Trainer's ``save_model``) writes the trained values. ``keep_vars=True`` gets
+    the parameter objects, as ever. ``load_state_dict`` into a wrapped model is refused
+    with a ValueError naming the ways to load weights (its writes would be lost)."""
+
+    def __init__(self, module: nn.Module, units: List[UnitState],
+                 settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
+        self._module = module
+        self._settled_values = settled_values
+        entry_of = {e.param: (u, e) for u in units for e in u.spec.entries}
+        self._owned: Dict[nn.Module, List[Tuple[str, UnitState, Any]]] = {}
+        for m in module.modules():
+            self._owned[m] = [(name, *entry_of[p]) for name, p in m._parameters.items() if p in entry_of]
+        self._call: Optional[Tuple[nn.Module, bool]] = None  # (outermost module, keep_vars)
+        self._values: Optional[Callable[[UnitState], Dict[int, torch.Tensor]]] = None
+        self._cached: Tuple[Optional[UnitState], Dict[int, torch.Tensor]] = (None, {})
+
+    def install(self) -> List[Any]:
+        handles = []
+        for m, owned in self._owned.items():
+            # (partials: torch marks a post-hook with an attribute, which a bound method refuses)
+            handles.append(m.register_state_dict_pre_hook(functools.partial(_StateDicts._pre, self)))
+            handles.append(m.register_state_dict_post_hook(functools.partial(_StateDicts._post, self)))
+            if owned or m is self._module:
+                handles.append(m.register_load_state_dict_pre_hook(self._refuse_load))
+        return handles
+
+    def _pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._call is None:
+            self._values = None if keep_vars else self._settled_values("state_dict")
+            self._call = (module, keep_vars)
+
+    def _post(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
+        outermost, keep_vars = self._call if self._call is not None else (module, True)
+        try:
+            if not keep_vars:
+                for name, u, e in self._owned.get(module, ()):
+                    key = prefix + name
+                    if key in state_dict:
+                        if self._cached[0] is not u:
+                            self._cached = (None, {})
+                            self._cached = (u, self._values(u))
+                        state_dict[key] = self._cached[1][e.offset].clone()
+        except BaseException:
+            self._end()
+            raise
+        if module is outermost:
+            self._end()
+
+    def _end(self) -> None:
+        self._call, self._values, self._cached = None, None, (None, {})
+
+    def _refuse_load(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("load_state_dict() into a model wrapped by offload would be lost (its values live "
+                         "in the engine's tiers): load weights with wrap(..., weights=PATH) or "
+                         "engine.load_checkpoint(DIR)")
+
+
 class Hooks:
     """The hooks on the model (its root, every other unit's module, every trainable
     parameter's gradient) and the saved-tensor hooks of a forward under grad mode; owns
@@ -83,7 +147,8 @@ class Hooks:
                  step_pending: Callable[[], bool],
                  wait_optimizer: Callable[[], None],
                  early_updates: Callable[[], bool],
-                 maybe_update_early: Callable[[], None]) -> None:
+                 maybe_update_early: Callable[[], None],
+                 settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
         """``units``: the root first. ``gradients`` takes each parameter's gradient once
         autograd has accumulated it. ``partition``: [zero] the ranks' partition, or None.
         The callables are the engine's, for residency and the optimizer step:
@@ -94,7 +159,10 @@ class Hooks:
         - ``step_pending()``: the last step's deferred updates are still running ([Note:
           deferred updates]); ``wait_optimizer()``: wait for every queued update;
         - ``early_updates()``: this backward may update units as they finish ([Note: early
-          updates]); ``maybe_update_early()``: start the updates of units now done."""
+          updates]); ``maybe_update_early()``: start the updates of units now done;
+        - ``settled_values(what)``: the reader of a unit's current values (Homes.unit_values),
+          raising if ``what`` came between an early update and step() ([Note: state_dict
+          of a wrapped model])."""
         self._module = module
         self._units = units
         self._root = units[0]
@@ -110,6 +178,7 @@ class Hooks:
         self._wait_optimizer = wait_optimizer
         self._early_updates = early_updates
         self._maybe_update_early = maybe_update_early
+        self._state_dicts = _StateDicts(module, units, settled_values)
         # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
         self._buffers = [b for b in module.buffers()]
         self._handles: List[Any] = []
@@ -134,6 +203,7 @@ class Hooks:
             for k, e in enumerate(u.trainable):
                 handles.append(e.param.register_post_accumulate_grad_hook(
                     functools.partial(self._gradients.on_grad_ready, u, k)))
+        handles.extend(self._state_dicts.install())
 
     def remove(self) -> None:
         for h in self._handles:
@@ -146,6 +216,10 @@ class Hooks:
         if self._forward_depth > 1:
             return
         self._forward_started = time.perf_counter()
+        # A new pass, no unit the current one. It raises, before anything of the pass
+        # changes, if a released parameter was written ([Note: released parameters]); the
+        # root post-forward hook runs all the same (always_call) and undoes the depth.
+        self._forget_last_needed()
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
         #    waits for its own unit), and [zero] the ranks' buffers agree.
         if not self._step_pending():
@@ -157,7 +231,6 @@ class Hooks:
         if key[0] and key[1]:
             self.last_train_key = key
         self._prefetcher.begin_pass(key)
-        self._forget_last_needed()
         for u in self._units:
             u.calls = u.backward_done = 0
         # 3. Saved views of the arena become references ([Note: saved parameters]).

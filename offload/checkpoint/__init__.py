@@ -29,10 +29,10 @@ verification and export hash and copy in 4 MiB chunks.
 complete checkpoint at its name, or complete copies beside it that load names.
 """
 from offload.checkpoint.access import CheckpointAccess, EngineState, HomeIO
-from offload.checkpoint.export import export_checkpoint
+from offload.checkpoint.export import export_checkpoint, export_pretrained
 from offload.checkpoint.format import FORMAT, MANIFEST, VERSION, read_manifest
 from offload.checkpoint.load import load_checkpoint
 from offload.checkpoint.save import save_checkpoint
 
 __all__ = ["CheckpointAccess", "EngineState", "HomeIO", "FORMAT", "MANIFEST", "VERSION",
-           "export_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]
+           "export_checkpoint", "export_pretrained", "load_checkpoint", "read_manifest", "save_checkpoint"]

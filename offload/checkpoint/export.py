@@ -1,17 +1,20 @@
-"""A checkpoint's weights as one state dict file (``offload export``)."""
+"""A checkpoint's weights as one state dict file, or as a Hugging Face model directory
+(``offload export``)."""
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
 from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
-    CHUNK_BYTES, DTYPES, PieceReader, as_bytes, checked_path, numel_of, read_manifest)
+    CHUNK_BYTES, DTYPES, PieceReader, checked_path, numel_of, read_manifest)
+from offload.config import parse_size
 from offload.errors import CheckpointError
+from offload.io.safetensors import INDEX_NAME, SINGLE_NAME, SafetensorsWriter
 
 
 def export_checkpoint(ckpt_dir: str, out_path: str) -> None:
@@ -92,37 +95,73 @@ def _write_torch_save(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[
 
 
 def _write_safetensors(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[str, Any]], tmp: str) -> None:
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-             torch.uint8: "U8", torch.bool: "BOOL"}
-    header: Dict[str, Any] = {}
-    position = 0
-    plan = []
-    for item in items:
-        dtype = DTYPES[item["dtype"]]
-        nbytes = numel_of(item["shape"]) * dtype.itemsize
-        for name in item["names"]:  # safetensors has no aliasing: each name gets its bytes
-            header[name] = {"dtype": names[dtype], "shape": item["shape"],
-                            "data_offsets": [position, position + nbytes]}
-            plan.append(item)
-            position += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    """One safetensors file at ``tmp``; each name of a tied parameter gets its own bytes
+    (safetensors has no aliasing)."""
+    layout = [(name, DTYPES[item["dtype"]], tuple(item["shape"])) for item in items for name in item["names"]]
+    _write_shard(ckpt_dir, manifest, [(name, item) for item in items for name in item["names"]], layout, tmp)
+
+
+def _write_shard(ckpt_dir: str, manifest: Dict[str, Any], named: List[Tuple[str, Dict[str, Any]]],
+                 layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]], path: str) -> None:
+    """The tensors ``named`` (name, export item) as one safetensors file at ``path``, each
+    streamed from the checkpoint's files in chunks of CHUNK_BYTES."""
     reader = PieceReader(ckpt_dir, manifest["files"])
+    writer = SafetensorsWriter(path, layout, metadata={"format": "pt"})
     try:
-        with open(tmp, "wb") as out:
-            out.write(len(blob).to_bytes(8, "little"))
-            out.write(blob)
-            for item in plan:
-                dtype = DTYPES[item["dtype"]]
-                for file_name, offset, numel, file_dtype_name in item["pieces"]:
-                    file_dtype = DTYPES[file_dtype_name]
-                    per_chunk = max(1, CHUNK_BYTES // file_dtype.itemsize)
-                    for done in range(0, numel, per_chunk):
-                        chunk = torch.empty(min(per_chunk, numel - done), dtype=file_dtype)
-                        reader.read(file_name, offset + done * file_dtype.itemsize, chunk)
-                        out.write(as_bytes(chunk.to(dtype)))
-            out.flush()
-            os.fsync(out.fileno())
+        for name, item in named:
+            writer.write_parts(name, _chunks(reader, item))
+        writer.finish()
+    except BaseException:
+        writer.abandon()
+        raise
     finally:
         reader.close()
+
+
+def _chunks(reader: PieceReader, item: Dict[str, Any]) -> Iterator[torch.Tensor]:
+    dtype = DTYPES[item["dtype"]]
+    for file_name, offset, numel, file_dtype_name in item["pieces"]:
+        file_dtype = DTYPES[file_dtype_name]
+        per_chunk = max(1, CHUNK_BYTES // file_dtype.itemsize)
+        for done in range(0, numel, per_chunk):
+            chunk = torch.empty(min(per_chunk, numel - done), dtype=file_dtype)
+            reader.read(file_name, offset + done * file_dtype.itemsize, chunk)
+            yield chunk.to(dtype)
+
+
+def export_pretrained(ckpt_dir: str, out_dir: str, max_shard_size: "int | str" = "5GB") -> None:
+    """The checkpoint's weights as a Hugging Face model directory, as
+    ``Engine.save_pretrained`` writes it ([Note: weights out] in memory/weights.py):
+    ``model.safetensors``, or shards of at most ``max_shard_size`` and
+    ``model.safetensors.index.json``; a tied parameter under its first name only. No
+    config.json (a checkpoint does not hold the model's config: copy it beside)."""
+    ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+    manifest = read_manifest(ckpt_dir)
+    limit = parse_size(max_shard_size, "max_shard_size")
+    if not limit:
+        raise ValueError(f"max_shard_size: must be a positive size, got {max_shard_size!r}")
+    named = [(item["names"][0], item) for item in _export_items(manifest)]
+    shards: List[List[Tuple[str, Dict[str, Any]]]] = [[]]
+    size = 0
+    for name, item in named:
+        nbytes = numel_of(item["shape"]) * DTYPES[item["dtype"]].itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, item))
+        size += nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    names = [SINGLE_NAME] if len(shards) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    total = 0
+    for file_name, shard in zip(names, shards):
+        layout = [(name, DTYPES[item["dtype"]], tuple(item["shape"])) for name, item in shard]
+        _write_shard(ckpt_dir, manifest, shard, layout, os.path.join(out_dir, file_name))
+        total += sum(numel_of(item["shape"]) * DTYPES[item["dtype"]].itemsize for _, item in shard)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file_name for file_name, shard in zip(names, shards) for name, _ in shard}}
+        tmp = os.path.join(out_dir, INDEX_NAME + ".partial")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out_dir, INDEX_NAME))

@@ -24,7 +24,7 @@ from offload.optim import join_master, split_master
 from offload.tiers.nvme import wait_all
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
-from offload.units import PAGE_BYTES, Residency
+from offload.units import PAGE_BYTES, ParamEntry, Residency
 from offload.zero import Partition
 
 _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
@@ -36,14 +36,14 @@ class Homes:
     Collaborators: the ``device``, ``host`` and ``nvme`` tiers (nvme None when nothing is
     homed there); the ``partition`` ([zero] None with one rank), which cuts what this rank
     keeps and through which every rank starts from rank 0's initial values;
-    ``placeholder``, the empty compute-dtype tensor on the device that a parameter holds
-    while its unit is not there ([Note: released parameters]); ``stats``, which counts the
+    ``release_param``, which points a parameter at its placeholder while its unit is not
+    on the device ([Note: released parameters]); ``stats``, which counts the
     waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
     at its device copy, called once a device-homed unit's initial state is written.
     """
 
     def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], partition: Optional[Partition], placeholder: torch.Tensor,
+                 nvme: Optional[NvmeTier], partition: Optional[Partition], release_param: Callable[[ParamEntry], None],
                  stats: Stats, bind: Callable[[UnitState], None],
                  adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None) -> None:
         self._units = units
@@ -53,7 +53,7 @@ class Homes:
         self._host = host
         self._nvme = nvme
         self._partition = partition
-        self._placeholder = placeholder
+        self._release_param = release_param
         self._stats = stats
         self._bind = bind
 
@@ -110,7 +110,7 @@ class Homes:
         from offload.io import aligned_empty
 
         layout = self._layout
-        compute = aligned_empty(u.compute_numel * self._placeholder.element_size(), layout.compute_dtype).zero_()
+        compute = aligned_empty(u.compute_numel * layout.compute_element_bytes, layout.compute_dtype).zero_()
         master = torch.zeros(u.master_numel, dtype=torch.float32) \
             if not layout.merged or self._partition is not None else None
         for e in u.spec.entries:
@@ -118,7 +118,7 @@ class Homes:
             compute[e.offset:e.offset + e.numel].copy_(value)
             if e.trainable and master is not None:
                 master[e.offset:e.offset + e.numel].copy_(value)
-            e.param.data = self._placeholder
+            self._release_param(e)
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
         t = u.spec.trainable_numel

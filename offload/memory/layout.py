@@ -198,6 +198,16 @@ class UnitState:
         # [Note: update states] its early or deferred optimizer update of this step
         self.update = UnitUpdate(f"{spec.name}.update")
 
+    def take_shards(self, shards: Any) -> None:
+        """[zero] What this rank keeps of the unit (zero.shards.UnitShards from
+        Partition.assign; None at stage 0, which keeps everything: the defaults). The engine
+        calls it once per unit at wrap, and nothing else sets these fields."""
+        if shards is None:
+            return
+        self.shard, self.grad_numel, self.grad_base = shards.shard, shards.grad_numel, shards.grad_base
+        if shards.param_shard is not None:  # stage 3
+            self.param_shard, self.compute_numel = shards.param_shard, shards.compute_numel
+
 
 class StagingSlot:
     """Host buffers the optimizer pipeline reads one unit's states into."""

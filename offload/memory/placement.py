@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from offload.memory.layout import UnitState
+from offload.memory.weights import PretrainedWeights
 from offload.units import UnitSpec
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
@@ -59,14 +64,17 @@ def install_stand_ins(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[nn.Parameter],
                   device: torch.device, init_fn: Optional[Callable[[nn.Module], None]],
-                  write_home: Callable[[UnitState], None], undo: contextlib.ExitStack) -> None:
+                  write_home: Callable[[UnitState], None], undo: contextlib.ExitStack,
+                  weights: Optional[PretrainedWeights] = None) -> None:
     """Copy each unit's parameters into its home buffers (``write_home(u)``:
     Homes.write_initial_state) and free the originals; buffers go to ``device``. A
     meta-device model (its stand-ins in ``unmaterialized``, emptied here) is materialized
     module by module in model order (so initial values follow the same RNG sequence as an
     eager build), each unit written home as soon as all its parameters exist: the whole
-    model never has to be in RAM. What this changes in the model is put back when ``undo``
-    unwinds ([Note: a failed wrap changes nothing])."""
+    model never has to be in RAM. With ``weights``, each parameter (and each buffer the
+    files hold) takes its values from them instead ([Note: weights into the tiers] in
+    memory/weights.py). What this changes in the model is put back when ``undo`` unwinds
+    ([Note: a failed wrap changes nothing])."""
     unit_of: Dict[nn.Parameter, UnitState] = {}
     for u in units:
         for e in u.spec.entries:
@@ -89,23 +97,35 @@ def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[
             write_home(u)
 
     shape_of = {e.param: e.shape for u in units for e in u.spec.entries}
-    for module in model.modules():
-        materialized = False
+    fqn_of = {e.param: e.fqn for u in units for e in u.spec.entries}
+    # [Note: weights into the tiers] without an init_fn, a transformers model's own
+    # initializer computes the meta buffers the files do not hold
+    buffer_init = init_fn if init_fn is not None or weights is None else getattr(model, "_init_weights", None)
+    for prefix, module in model.named_modules():
+        materialized = needs_init = False
         for name, p in list(module._parameters.items()):
             if p is not None and p in unmaterialized:
                 p.data = torch.empty(shape_of[p], dtype=p.dtype, device="cpu")
                 unmaterialized.discard(p)
-                materialized = True
+                materialized = needs_init = weights is None
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=device))
                 materialized = True
-        if materialized:
+                needs_init = needs_init or weights is None or not weights.has_buffer(_qualified(prefix, name))
+        if materialized and needs_init:
             with torch.no_grad():
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
-                if init_fn is not None:
-                    init_fn(module)
+                if buffer_init is not None:
+                    buffer_init(module)
+        if weights is not None:
+            for name, p in module._parameters.items():
+                if p is not None and p not in done:
+                    p.data = weights.parameter(fqn_of[p], p.dtype)
+            for name, b in list(module._buffers.items()):
+                if b is not None and weights.has_buffer(_qualified(prefix, name)):
+                    _swap_in(undo, module._buffers, name, weights.buffer(_qualified(prefix, name), b.dtype))
         for name, b in list(module._buffers.items()):
             if b is not None and b.device != device:
                 _swap_in(undo, module._buffers, name, b.to(device))

@@ -37,6 +37,7 @@ import torch
 from offload import faults
 from offload.memory.budget import compute_home_numel
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
+from offload.memory.released import ReleasedParameters
 from offload.tiers.nvme import wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
@@ -50,7 +51,7 @@ class DeviceResidency:
 
     It owns the copy worker, the staging buffers of fetches, the use clock, the stale units
     and the placeholder that a parameter whose unit is not on the device holds ([Note:
-    released parameters] in offload/engine.py), and it drives the prefetcher.
+    released parameters] in memory/released.py), and it drives the prefetcher.
 
     Collaborators, given at construction: ``layout``; ``units`` (``units[0]`` is the root);
     the ``device``, ``host`` and ``nvme`` tiers (``nvme`` None without swap); ``partition``
@@ -88,7 +89,7 @@ class DeviceResidency:
         # to an on-demand fetch, as before fills existed (tests compare the two).
         self.fill_behind_updates = True
         # [Note: released parameters] what a parameter holds while its unit is not on the device
-        self.placeholder = torch.empty(0, dtype=layout.compute_dtype, device=layout.device)
+        self.released = ReleasedParameters([u.spec for u in units], layout.compute_dtype, layout.device)
         self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
         self._last_needed: Optional[UnitState] = None
         self._tick = 0  # the use clock: u.last_use orders eviction among units the trace does not know
@@ -117,7 +118,9 @@ class DeviceResidency:
         self._copy_worker.shutdown(wait=True)
 
     def begin_pass(self) -> None:
-        """A forward pass starts: its first unit is a new use, whatever the last pass used."""
+        """A forward pass starts: its first unit is a new use, whatever the last pass used.
+        First, a RuntimeError if a released parameter was written ([Note: released parameters])."""
+        self.released.check_unwritten()
         self._last_needed = None
 
     def mark_stale(self, u: UnitState) -> None:
@@ -136,7 +139,7 @@ class DeviceResidency:
 
     def unbind(self, u: UnitState) -> None:
         for e in u.spec.entries:
-            e.param.data = self.placeholder
+            self.released.release(e)
 
     def need(self, u: UnitState) -> None:
         """u is about to be used: record it in the trace, have it on the device, and let the
