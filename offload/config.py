@@ -149,6 +149,14 @@ class OffloadConfig:
     io_queue_depth: int = 32
     """Blocks in flight per I/O engine."""
 
+    swap_checksums: bool = True
+    """Keep a CRC32C of every 4 KiB page written to swap (in host RAM: 1.25 MiB per GiB of
+    swap) and check every page read against it: swap data changed behind the run's back
+    (a disk or filesystem fault, another process) is an OSError (errno EIO) naming the unit,
+    the swap file and the offset, never trained on. The hardware CRC32C instruction (SSE4.2;
+    a table kernel elsewhere) keeps the cost small (README: "Swap integrity" for the
+    measurement); False skips it. Changes no result."""
+
     prefetch: bool = True
     """Replay the recorded unit order to fetch ahead of use."""
 
@@ -248,7 +256,8 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")
-        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master"):
+        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master",
+                     "swap_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
 
