@@ -150,10 +150,11 @@ __attribute__((target("sse4.2"))) std::uint32_t raw_sse42(std::uint32_t crc, con
 // [Note: page CRCs from DRAM]
 // A swap page is checked right after a DMA read put it in DRAM, so the page kernel is bound
 // by how many cache misses it keeps in flight, not by the crc32 unit: one page at a time
-// (three lanes inside it) ran at 2-4 GB/s from DRAM on the 2-core reference machine where
-// it runs at 20+ GB/s from cache. Three whole pages at a time, each its own CRC (nothing
-// to join), with the lines kPrefetchPages pages ahead in each stream prefetched, ran at
-// 1.5-2x that in the same runs (tools/bench_checksum.py gives the figures).
+// (three lanes inside it) ran at 3-7 GB/s from DRAM on the 2-core reference machine, where
+// it runs at 20+ GB/s from cache and a plain read streams ~19 GB/s. Three whole pages at a
+// time, each its own CRC (nothing to join), with the lines kPrefetchPages pages ahead in
+// each stream prefetched, ran 1.5-2x faster in alternated runs on the busy machine and at
+// 16 GB/s, 0.86x the plain read, in tools/bench_checksum.py (23 GB/s from cache).
 constexpr std::size_t kPrefetchPages = 6;
 
 __attribute__((target("sse4.2"))) void pages_sse42(const unsigned char* p, std::size_t n,
