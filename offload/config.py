@@ -149,15 +149,14 @@ class OffloadConfig:
     io_queue_depth: int = 32
     """Blocks in flight per I/O engine."""
 
-    swap_checksums: bool = False
+    swap_checksums: bool = True
     """Keep a CRC32C of every 4 KiB page written to swap (in host RAM: 1.25 MiB per GiB of
     swap) and check every page read against it: swap data changed behind the run's back
     (a disk or filesystem fault, another process) is then an OSError (errno EIO) naming the
-    unit, the swap file and the offset, never trained on. Changes no result. Off by default:
-    the pages are checksummed on the CPU (the SSE4.2 crc32 instruction, a table kernel
-    elsewhere) at about 13 GB/s from DRAM, which cost ~80 ms of CPU per step (7% of the
-    step's CPU time) on the README's reference benchmark, more than the 3% a default may
-    cost (README: "Swap integrity")."""
+    unit, the swap file and the offset, never trained on. Changes no result. The pages are
+    summed on the CPU (the SSE4.2 crc32 instruction, a table kernel elsewhere, ~16 GB/s
+    from DRAM): 2% of a step on the README's benchmark, 3.4% of its CPU time (README:
+    "Swap integrity"). False skips it."""
 
     prefetch: bool = True
     """Replay the recorded unit order to fetch ahead of use."""

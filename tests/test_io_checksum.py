@@ -187,17 +187,17 @@ def assert_names_the_place(error, unit, extent, bad_offset):
     assert extent.path in message and f"offset {bad_offset}" in message
 
 
-def test_swap_checksums_are_an_option_off_by_default(tmp_path):
-    """Off by default (README, "Swap integrity": the measured cost is above the 3% a default
-    may cost); swap_checksums=True keeps the tables."""
-    assert offload.OffloadConfig().swap_checksums is False
-    _, engine = nvme_engine(tmp_path, swap_checksums=True)
-    with engine:
-        assert engine.debug.nvme.checksums is not None
+def test_swap_checksums_are_on_by_default(tmp_path):
+    """On by default (README, "Swap integrity": the measured cost is within the 3% a default
+    may cost); swap_checksums=False keeps no tables."""
+    assert offload.OffloadConfig().swap_checksums is True
     torch.manual_seed(0)
     model = GPT(CFG)
     with offload.wrap(model, make_opt(model.parameters()),
                       config=dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"))) as engine:
+        assert engine.debug.nvme.checksums is not None
+    _, engine = nvme_engine(tmp_path, swap_checksums=False)
+    with engine:
         assert engine.debug.nvme.checksums is None
 
 

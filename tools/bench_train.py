@@ -254,7 +254,7 @@ def offload_config(spec: dict, device_budget):
     assert row in NVME_ROWS, row
     return dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
                 swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch",
-                swap_checksums=spec.get("swap_checksums", False))
+                swap_checksums=spec.get("swap_checksums", True))
 
 
 def wrap_with_budget(spec: dict):
@@ -858,8 +858,8 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     p.add_argument("--model", choices=("full", "small", "quick"), default=None,
                    help="the GPT's size (default full; quick with --quick): small is ~21M params")
-    p.add_argument("--swap-checksums", choices=("on", "off"), default="off",
-                   help="OffloadConfig.swap_checksums of the NVMe rows (default off, the engine's)")
+    p.add_argument("--swap-checksums", choices=("on", "off"), default="on",
+                   help="OffloadConfig.swap_checksums of the NVMe rows (default on, the engine's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; 2 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 4; 2 with --quick)")

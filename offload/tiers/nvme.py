@@ -64,7 +64,7 @@ class NvmeTier:
     offload/io/checksum.py); ``self.checksums`` is then their tables, else None."""
 
     def __init__(self, swap_dir: str, reserve_bytes: int, backend: str, block_bytes: int,
-                 queue_depth: int, checksums: bool = False) -> None:
+                 queue_depth: int, checksums: bool = True) -> None:
         # SwapSpace runs its preflight (space, permissions, O_DIRECT) before creating files.
         self.space = SwapSpace(swap_dir, reserve_bytes=reserve_bytes)
         try:
