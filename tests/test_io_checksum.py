@@ -272,3 +272,21 @@ def test_checksums_change_no_result(tmp_path, dtype):
 def test_swap_checksums_must_be_a_bool(value):
     with pytest.raises(ValueError, match="swap_checksums"):
         offload.OffloadConfig(swap_checksums=value)
+
+
+def test_load_checkpoint_after_a_checksum_error_trains_on(tmp_path):
+    """The documented recovery (docs: reliability): loading a checkpoint rewrites every
+    swap home and its checksums, and training goes on from the checkpoint's state."""
+    _, engine = nvme_engine(tmp_path)
+    with engine:
+        train_offload(engine, batches(2))
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = engine.state_dict()
+        u = engine.units[2]
+        flip_byte(u.compute_home, 10)
+        with pytest.raises(OSError):
+            gpt_loss(engine, batches(1, seed=5)[0])
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        after = engine.state_dict()
+        assert all(torch.equal(saved[k], after[k]) for k in saved)
+        train_offload(engine, batches(1, seed=9))
