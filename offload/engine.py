@@ -155,8 +155,8 @@ class Engine:
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
-                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
-                                      config.io_block_bytes, config.io_queue_depth)
+                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend, config.io_block_bytes,
+                                      config.io_queue_depth, checksums=config.swap_checksums)
             # 5. The device residency of the compute copies ([Note: residency]: the copy
             # worker, fetch buffers, prefetch; the placeholder that released parameters
             # hold, [Note: released parameters]), the homes and the codec that reads and
