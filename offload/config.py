@@ -186,6 +186,15 @@ class OffloadConfig:
     io_queue_depth: int = 32
     """Blocks in flight per I/O engine: 1 to 4096 (the native engine's limit)."""
 
+    swap_checksums: bool = True
+    """Keep a CRC32C of every 4 KiB page written to swap (in host RAM: 1.25 MiB per GiB of
+    swap) and check every page read against it: swap data changed behind the run's back
+    (a disk or filesystem fault, another process) is then an OSError (errno EIO) naming the
+    unit, the swap file and the offset, never trained on. Changes no result. The pages are
+    summed on the CPU (the SSE4.2 crc32 instruction, a table kernel elsewhere, ~16 GB/s
+    from DRAM): 2% of a step on the README's benchmark, 3.4% of its CPU time (README:
+    "Swap integrity"). False skips it."""
+
     prefetch: bool = True
     """Replay the recorded unit order to fetch ahead of use. False: prefetch_units and
     prefetch_bytes are ignored (with a warning when set)."""
@@ -286,7 +295,8 @@ class OffloadConfig:
                 "falls below min_loss_scale, so min_loss_scale must be <= initial_loss_scale")
         _check_number("collective_timeout_seconds", self.collective_timeout_seconds,
                       MAX_COLLECTIVE_TIMEOUT_SECONDS)
-        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master"):
+        for name in ("prefetch", "skip_nonfinite_steps", "overlap_step_with_forward", "split_master",
+                     "swap_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         self._warn_ignored()

@@ -59,6 +59,12 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
             checks.warn("cpu adam", detail + "; OFFLOAD_ADAM_ISA may be forcing the scalar kernel")
         else:
             checks.ok("cpu adam", detail)
+        crc = info["crc32c_isa"]
+        detail = f"CRC32C kernel {crc} (CPU supports: {', '.join(info['crc32c_isas_available'])})"
+        if crc == "scalar" and len(info["crc32c_isas_available"]) > 1:
+            checks.warn("swap checksums", detail + "; OFFLOAD_CRC32C_ISA may be forcing the scalar kernel")
+        else:
+            checks.ok("swap checksums", detail)
 
     # 2. Swap directory, backends, O_DIRECT, free space.
     usable_dir = False

@@ -156,8 +156,8 @@ class Engine:
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
-                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend,
-                                      config.io_block_bytes, config.io_queue_depth)
+                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend, config.io_block_bytes,
+                                      config.io_queue_depth, checksums=config.swap_checksums)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)

@@ -29,7 +29,7 @@ LAYERS: List[List[str]] = [
     ["offload.config"],
     # The package face of io re-exports engine, probe and swap, so it sits with them.
     ["offload.units", "offload.io.__init__", "offload.io.engine", "offload.io.swap",
-     "offload.io.safetensors", "offload.stats"],
+     "offload.io.safetensors", "offload.io.checksum", "offload.stats"],
     ["offload.tiers"],
     # ZeRO's shard records and collectives sit below memory: memory.layout keeps each unit's
     # ParamShard and ShardRange, and they import only units. The sharded optimizer step

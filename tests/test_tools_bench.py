@@ -3,7 +3,8 @@ own subprocess and produces a table and JSON rows with the measurements the lead
 reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
 tools/bench_adam.py prints every row, and its native bandwidth yardsticks compute what they
 claim to (their timing is never asserted); tools/bench_io.py runs every writer and its
-aiofiles baseline reads cold."""
+aiofiles baseline reads cold; tools/bench_checksum.py times every CRC32C kernel beside its
+read yardstick; bench_train.py's --model and --swap-checksums reach the engine's config."""
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOL = REPO_ROOT / "tools" / "bench_train.py"
 ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
 SUMMARY_TOOL = REPO_ROOT / "tools" / "trace_summary.py"
+CHECKSUM_TOOL = REPO_ROOT / "tools" / "bench_checksum.py"
 
 
 def load_tool(path: Path):
@@ -278,3 +280,25 @@ def test_overlap_is_paired_step_by_step_when_the_row_has_its_own_replays():
     row.update(paired_step_seconds=[2.0, 4.0, 2.0], paired_io_seconds=[1.5, 3.6, 0.5])
     assert bench.overlap_efficiency(row, by_key) == pytest.approx(0.75)  # 0.75, 0.9, 0.5
     assert bench.overlap_efficiency(compute, by_key) is None
+
+
+def test_bench_checksum_times_every_kernel_and_restores_the_choice(tmp_path):
+    out = tmp_path / "crc.json"
+    proc = subprocess.run([sys.executable, str(CHECKSUM_TOOL), "--quick", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == set(_native.crc32c_available_isas())
+    assert all(r["gb_per_s"] > 0 and r["read_gb_per_s"] > 0 for r in rows)
+    chosen = _native.crc32c_selected_isa()
+    load_tool(CHECKSUM_TOOL).measure([1 << 20], 1)
+    assert _native.crc32c_selected_isa() == chosen
+
+
+def test_bench_train_model_and_swap_checksums_reach_the_config():
+    bench = load_tool(TOOL)
+    args = bench.parse_args(["--model", "small", "--swap-checksums", "off"])
+    assert args.model == "small" and args.swap_checksums == "off"
+    spec = {"row": "nvme-prefetch", "dtype": "fp32", "swap_dir": "/tmp/x", "swap_checksums": False}
+    assert bench.offload_config(spec, 1 << 20)["swap_checksums"] is False
+    assert bench.offload_config(dict(spec, swap_checksums=True), 1 << 20)["swap_checksums"] is True

@@ -114,6 +114,9 @@ FULL_MODEL = dict(vocab_size=32000, seq_len=256, d_model=1024, num_heads=16, num
                   qkv_bias=True, tie_embeddings=False)
 QUICK_MODEL = dict(vocab_size=512, seq_len=64, d_model=128, num_heads=4, num_layers=4,
                    qkv_bias=True, tie_embeddings=False)
+# --model small: ~21M params, a step of a few seconds on 2 cores (A/B runs of an engine option).
+SMALL_MODEL = dict(vocab_size=8192, seq_len=128, d_model=512, num_heads=8, num_layers=4,
+                   qkv_bias=True, tie_embeddings=False)
 FULL_BATCH, QUICK_BATCH = 4, 2
 
 
@@ -250,7 +253,8 @@ def offload_config(spec: dict, device_budget):
         return dict(common, param_tier="host", optimizer_tier="host", device_budget=device_budget)
     assert row in NVME_ROWS, row
     return dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
-                swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch")
+                swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch",
+                swap_checksums=spec.get("swap_checksums", True))
 
 
 def wrap_with_budget(spec: dict):
@@ -852,6 +856,10 @@ def parse_args(argv=None):
                    help="tiny GPT, batch 2, 2 warm-up + 2 timed steps (smoke test; < 1 minute)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=None, help="rows to run (default: all)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--model", choices=("full", "small", "quick"), default=None,
+                   help="the GPT's size (default full; quick with --quick): small is ~21M params")
+    p.add_argument("--swap-checksums", choices=("on", "off"), default="on",
+                   help="OffloadConfig.swap_checksums of the NVMe rows (default on, the engine's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; 2 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 4; 2 with --quick)")
@@ -990,9 +998,11 @@ def main(argv=None) -> int:
             rows = [r for r in rows if r not in DS_ROWS]
         else:
             deepspeed_note = f"deepspeed {what}"
-    model = QUICK_MODEL if args.quick else FULL_MODEL
+    model = {"full": FULL_MODEL, "small": SMALL_MODEL, "quick": QUICK_MODEL}[args.model or
+                                                                             ("quick" if args.quick else "full")]
     base = {
         "model": model,
+        "swap_checksums": args.swap_checksums == "on",
         "batch": args.batch or (QUICK_BATCH if args.quick else FULL_BATCH),
         "steps": args.steps or (2 if args.quick else 5),
         "warmup": args.warmup if args.warmup is not None else 2,

@@ -1,8 +1,9 @@
 #include "bindings/registry.h"
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "offload native core: CPU Adam kernels, asynchronous I/O engine";
+  m.doc() = "offload native core: CPU Adam kernels, asynchronous I/O engine, CRC32C";
   offload::bindings::register_common(m);
   offload::bindings::register_adam(m);
   offload::bindings::register_io(m);
+  offload::bindings::register_checksum(m);
 }

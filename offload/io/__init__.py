@@ -5,6 +5,7 @@ backends, and the swap space of a run.
   probe.py   O_DIRECT and backend checks in a directory, backend="auto"'s choice; a leaf
              module (stdlib and offload._native only), so config can ask it
   swap.py    SwapSpace (the run's directory, lock and swap files) and its extent allocator
+  checksum.py  SwapChecksums: the CRC32C of every swap page written, checked on every read
 """
 from offload.io.engine import (
     DEFAULT_MAX_OPEN_FILES, HUGE_PAGE_BYTES, IOEngine, IOHandle, aligned_empty)

@@ -9,6 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from offload import faults
+from offload.io.checksum import SwapChecksums
 from offload.io.engine import IOEngine
 from offload.io.probe import check_backend
 from offload.io.swap import SwapSpace
@@ -58,10 +59,12 @@ def drain(handles: List[Any], stats: Stats) -> None:
 class NvmeTier:
     """Owns the run's SwapSpace and IOEngine; counts the bytes it moves and keeps the most
     recent requests (``recent``: (is_write, bytes, handle)) for the trace. A handle holds its
-    buffer only until it is waited for, which the engine always does."""
+    buffer only until it is waited for, which the engine always does. ``checksums``: keep a
+    CRC32C of every page written and check every read ([Note: swap checksums],
+    offload/io/checksum.py); ``self.checksums`` is then their tables, else None."""
 
     def __init__(self, swap_dir: str, reserve_bytes: int, backend: str, block_bytes: int,
-                 queue_depth: int) -> None:
+                 queue_depth: int, checksums: bool = True) -> None:
         # SwapSpace runs its preflight (space, permissions, O_DIRECT) before creating files.
         self.space = SwapSpace(swap_dir, reserve_bytes=reserve_bytes)
         try:
@@ -76,9 +79,13 @@ class NvmeTier:
         self.bytes_written = 0
         self._count_lock = threading.Lock()  # the fetch path and the optimizer worker both move bytes
         self.recent: Deque[Tuple[bool, int, Any]] = collections.deque(maxlen=TRACE_REQUESTS)
+        self.checksums: Optional[SwapChecksums] = SwapChecksums() if checksums else None
 
     def allocate(self, num_bytes: int):
-        return self.space.allocate(num_bytes)
+        extent = self.space.allocate(num_bytes)
+        if self.checksums is not None:  # [Note: swap checksums]
+            self.checksums.track(extent)
+        return extent
 
     def read(self, dst: torch.Tensor, extent, unit: str = ""):
         """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``. ``unit``
@@ -91,6 +98,8 @@ class NvmeTier:
         with self._count_lock:
             self.bytes_read += extent.nbytes
             self.recent.append((False, extent.nbytes, handle))
+        if self.checksums is not None:  # [Note: swap checksums] wait() checks the bytes read
+            return self.checksums.checked_read(handle, dst, extent, unit)
         return handle
 
     def write(self, src: torch.Tensor, extent, unit: str = ""):
@@ -101,6 +110,8 @@ class NvmeTier:
         with self._count_lock:
             self.bytes_written += extent.nbytes
             self.recent.append((True, extent.nbytes, handle))
+        if self.checksums is not None:  # [Note: swap checksums] taken while the bytes move
+            return self.checksums.recorded_write(handle, src, extent)
         return handle
 
     @property
