@@ -28,8 +28,12 @@ args = json.loads(sys.argv[1])
 from transformers import LlamaConfig, LlamaForCausalLM
 config = LlamaConfig.from_pretrained(args["dir"])
 start = time.perf_counter()
-if args["row"] == "from_pretrained":
+if args["row"].startswith("from_pretrained"):
     model = LlamaForCausalLM.from_pretrained(args["dir"])
+    if args["row"].endswith("touched"):  # every value read once: the weights really in RAM
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sum()
     seconds = time.perf_counter() - start
 else:
     import offload
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--dir", help="where the model is saved (default: a temp dir, removed after)")
     parser.add_argument("--swap-dir", help="swap directory of the offload rows (default: a temp dir)")
     parser.add_argument("--rounds", type=int, default=1, help="times each row runs, alternated")
+    parser.add_argument("--rows", nargs="*", help="names of the rows to run (default: all)")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="bench_weights-")
     model_dir = args.dir or os.path.join(base, "model")
@@ -89,7 +94,7 @@ def main() -> None:
         file_bytes = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
         print(f"model: {params / 1e9:.2f} B parameters, {file_bytes / 1e9:.2f} GB of fp32 safetensors "
               f"(written in {time.perf_counter() - start:.1f} s)")
-        rows = [("from_pretrained", {}),
+        rows = [("from_pretrained", {}), ("from_pretrained touched", {}),
                 ("offload host fp32", {"tier": "host", "dtype": "fp32"}),
                 ("offload nvme fp32", {"tier": "nvme", "dtype": "fp32"}),
                 ("offload nvme bf16", {"tier": "nvme", "dtype": "bf16"})]
@@ -98,7 +103,10 @@ def main() -> None:
             for name, extra in rows:
                 if extra.get("tier") == "host" and 4 * params * 4 > 0.8 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"):
                     continue  # the host optimizer state would not fit in RAM
-                results[name].append(json.loads(run(ROW, dict(extra, row=name.split()[0], dir=model_dir, swap=swap))))
+                if args.rows and name not in args.rows:
+                    continue
+                row = name.replace(" touched", "-touched").split()[0]
+                results[name].append(json.loads(run(ROW, dict(extra, row=row, dir=model_dir, swap=swap))))
         print(f"{'row':<20} {'seconds':>8} {'GB/s':>6} {'peak RSS GiB':>13}")
         for name, got in results.items():
             for r in got:
