@@ -314,6 +314,8 @@ def _read_safetensors(path):
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
     out = {}
     for k, v in header.items():
+        if k == "__metadata__":  # the format's optional string map
+            continue
         start, end = v["data_offsets"]
         out[k] = torch.frombuffer(bytearray(data[start:end]), dtype=dtypes[v["dtype"]]).view(v["shape"])
     return out

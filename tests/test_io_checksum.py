@@ -207,8 +207,13 @@ def test_a_flipped_byte_of_a_compute_copy_fails_its_fetch(tmp_path):
     _, engine = nvme_engine(tmp_path)
     with engine:
         train_offload(engine, batches(2))
-        engine.state_dict()  # the last step's deferred updates are written: none rewrites the page
+        # Every unit back home only, so the next forward must read unit 2: a checkpoint load
+        # settles the last step's updates and releases every device copy (a deferred update
+        # could otherwise rewrite the page, or fill the unit's device slot, first).
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
         u = engine.units[2]
+        assert u.compute_state == offload.units.Residency.HOME
         flip_byte(u.compute_home, PAGE_BYTES + 123)
         for _ in range(2):
             with pytest.raises(OSError) as caught:
