@@ -153,20 +153,27 @@ class SwapChecksums:
         return RecordedWrite(handle, self, extent)
 
 
-class CheckedRead:
-    """A read's handle whose ``wait()`` also checks the bytes read ([Note: swap checksums])."""
+class _Wrapped:
+    """A request's handle with the engine's ``done()`` and ``times()`` passed through; the
+    subclasses add to ``wait()``."""
 
-    __slots__ = ("_handle", "_sums", "_dst", "_extent", "_unit", "_error")
-
-    def __init__(self, handle: Any, sums: SwapChecksums, dst: torch.Tensor, extent: Any, unit: str) -> None:
-        self._handle, self._sums, self._dst, self._extent, self._unit = handle, sums, dst, extent, unit
-        self._error: Optional[OSError] = None
+    __slots__ = ("_handle",)
 
     def done(self) -> bool:
         return self._handle.done()
 
     def times(self):
         return self._handle.times()
+
+
+class CheckedRead(_Wrapped):
+    """A read's handle whose ``wait()`` also checks the bytes read ([Note: swap checksums])."""
+
+    __slots__ = ("_sums", "_dst", "_extent", "_unit", "_error")
+
+    def __init__(self, handle: Any, sums: SwapChecksums, dst: torch.Tensor, extent: Any, unit: str) -> None:
+        self._handle, self._sums, self._dst, self._extent, self._unit = handle, sums, dst, extent, unit
+        self._error: Optional[OSError] = None
 
     def wait(self) -> int:
         try:
@@ -194,20 +201,14 @@ class CheckedRead:
         return OSError(errno.EIO, message, extent.path)
 
 
-class RecordedWrite:
+class RecordedWrite(_Wrapped):
     """A write's handle whose failure marks the written pages unknown ([Note: swap
     checksums]): what reached the disk is then not known."""
 
-    __slots__ = ("_handle", "_sums", "_extent")
+    __slots__ = ("_sums", "_extent")
 
     def __init__(self, handle: Any, sums: SwapChecksums, extent: Any) -> None:
         self._handle, self._sums, self._extent = handle, sums, extent
-
-    def done(self) -> bool:
-        return self._handle.done()
-
-    def times(self):
-        return self._handle.times()
 
     def wait(self) -> int:
         try:
