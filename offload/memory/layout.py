@@ -191,8 +191,10 @@ class UnitState:
         self.compute_started = 0.0
         self.last_use = 0
         self.grads_since_use = 0     # gradient hooks fired since the unit was last needed
-        self.early_grad_squares = 0.0            # sum of squared gradients, taken before an
-        self.early_nonfinite: Optional[ParamEntry] = None  # early update (see UpdateScheduler._update_early)
+        # squared gradient norms of its parameters that have one, in order, taken before an
+        # early update (see UpdateScheduler._update_early), and the first non-finite one
+        self.early_grad_squares: List[float] = []
+        self.early_nonfinite: Optional[ParamEntry] = None
         self.calls = 0               # forward calls in this pass
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         # [Note: update states] its early or deferred optimizer update of this step

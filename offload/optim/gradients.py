@@ -162,7 +162,8 @@ class Gradients:
             scanned = []  # (a NaN is then reported without the parameter that has it)
         for u in scanned:
             if u.update.updated:
-                squares += u.early_grad_squares
+                for square in u.early_grad_squares:  # the order of the loop below
+                    squares += square
                 if first_nonfinite is None and u.early_nonfinite is not None:
                     first_nonfinite = (u, u.early_nonfinite)
                 continue

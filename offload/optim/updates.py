@@ -334,13 +334,15 @@ class UpdateScheduler:
 
     def _update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
         start = time.perf_counter()
-        u.early_grad_squares, u.early_nonfinite = 0.0, None
+        # One square per parameter, summed into the norm in the step's own order, so that the
+        # norm does not depend on which units were updated early.
+        u.early_grad_squares, u.early_nonfinite = [], None
         for k, e in enumerate(u.trainable):
             if u.has_grad[k]:
                 square = self._grad_squares(u, k).item()
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
-                u.early_grad_squares += square
+                u.early_grad_squares.append(square)
         if self._layout.staged_step:
             self._step_ring.update_early(u, groups)
         else:
