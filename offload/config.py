@@ -218,6 +218,18 @@ class OffloadConfig:
     waiting for its own update. A failed update is raised by the next call that needs it
     (forward of that unit, backward, step, zero_grad, state_dict, checkpoints, close)."""
 
+    speculative_updates: Optional[bool] = None
+    """With max_grad_norm, fp16 or skip_nonfinite_steps (whose decisions need the global
+    gradient norm, known only after backward), still update units during backward: each
+    unit's Adam runs as if the clip coefficient were 1 and writes its new states to a second
+    set of homes, the old ones kept; step() then commits them when the norm allows (no
+    clipping, no skip) and otherwise redoes those updates from the kept states and
+    gradients. Bit-identical to the serialized step either way ([Note: speculative
+    updates]). It costs a second copy of every state an update writes (master, moments, the
+    compute copy at home) on its tier. None: on when the optimizer states are on NVMe (disk
+    is cheap), off when they are on the host (it would double their RAM); True/False force
+    it. Never with param_tier="device" or several ranks (no early updates there)."""
+
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on
     "host" or "nvme" (any ZeRO stage): keep the fp32 master at home as its low 16 bits only,
@@ -299,6 +311,9 @@ class OffloadConfig:
                      "swap_checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.speculative_updates is not None and not isinstance(self.speculative_updates, bool):
+            raise ValueError(f"speculative_updates: expected True, False or None (auto), "
+                             f"got {self.speculative_updates!r}")
         self._warn_ignored()
 
     def _check_units(self) -> None:
@@ -325,6 +340,8 @@ class OffloadConfig:
                         ("initial_loss_scale", "min_loss_scale", "loss_scale_window")]
         if not self.prefetch:
             ignored += [(n, "prefetch=False") for n in ("prefetch_units", "prefetch_bytes")]
+        if self.param_tier == "device":
+            ignored.append(("speculative_updates", "param_tier='device'"))
         ignored = [f"{name} ({why})" for name, why in ignored if getattr(self, name) != defaults[name]]
         if ignored:
             warnings.warn(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}",

@@ -214,7 +214,8 @@ class Engine:
                 last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._status.check,
                 fail_step=self._status.fail_step, grad_squares=self._gradients.squares,
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
-                zero_grad=self.zero_grad,
+                zero_grad=self.zero_grad, loss_scale=lambda: self._gradients.loss_scale,
+                release_grad=self._gradients.release,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),
@@ -250,6 +251,7 @@ class Engine:
         self._checkpoint = CheckpointAccess(
             self.units, layout, self._partition, self._device, model, optimizer, config,
             homes=HomeIO(read_master=self._homes.read_master, load=self._homes.load, store=self._homes.store,
+                         store_compute=self._homes.store_compute,
                          store_master=self._homes.store_master, split_master_into=self._homes.split_master_into,
                          release=self._residency.release),
             state=EngineState(
@@ -364,8 +366,9 @@ class Engine:
         """The reader of a unit's current values, once this step's updates are all done or none started."""
         self._status.check_open(what)
         self._updates.settle_all()
-        early = [u.name for u in self.units if u.update.updated]
-        if early:  # [Note: early updates]
+        # [Note: early updates]; a speculative one wrote spare homes only ([Note: speculative updates])
+        early = [u.name for u in self.units if u.update.updated and not u.update.speculative]
+        if early:
             raise RuntimeError(
                 f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
                 f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
@@ -418,6 +421,8 @@ class Engine:
             "early_updates": s.counts["early_updates"],
             "deferred_updates": s.counts["deferred_updates"],
             "update_fills": s.counts["update_fills"],
+            "speculative_updates": s.counts["speculative_updates"],  # [Note: speculative updates]
+            "redone_updates": s.counts["redone_updates"],
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._gradients.loss_scale,
             "grad_norm": self._gradients.last_grad_norm,  # see Gradients.last_grad_norm

@@ -139,9 +139,16 @@ class UnitUpdate:
       after the update is forgotten.
     - ``home_writes``: the swap writes of the update, set by the worker while RUNNING;
       a fetch must not read the home before them.
+    - ``speculative`` ([Note: speculative updates]): the update writes the unit's spare
+      homes, not its homes (never its device copy: no fill, not in_device), and step()
+      commits or redoes it. Main thread: set when queued, cleared by step() and ``reset``.
+    - ``speculation_failed``: a swap write of the speculative update failed; its homes are
+      intact and step() redoes the update whatever the norm. Set by the thread that
+      finishes the write (the worker, or the main thread once the worker is idle).
     """
 
-    __slots__ = ("what", "state", "ticket", "home_writes", "in_device", "fill", "fetch_chained")
+    __slots__ = ("what", "state", "ticket", "home_writes", "in_device", "fill", "fetch_chained", "speculative",
+                 "speculation_failed")
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -151,6 +158,8 @@ class UnitUpdate:
         self.in_device = False
         self.fill = False
         self.fetch_chained = False
+        self.speculative = False
+        self.speculation_failed = False
 
     def _to(self, new: UpdateState) -> None:
         assert new in LEGAL_UPDATE_TRANSITIONS[self.state], \
@@ -176,6 +185,7 @@ class UnitUpdate:
 
     def attach_fill(self) -> None:
         assert self.state is UpdateState.QUEUED, f"{self.what}: a fill attached in {self.state.name}"
+        assert not self.speculative, f"{self.what}: a fill attached to a speculative update"
         self.in_device = self.fill = True
 
     def finish(self) -> None:
@@ -198,6 +208,7 @@ class UnitUpdate:
         """A new step: the last one's update is over."""
         if self.state is not UpdateState.IDLE:
             self._to(UpdateState.IDLE)
+        self.speculative = self.speculation_failed = False
 
     def __repr__(self) -> str:
         return f"{self.what}:{self.state.name}"

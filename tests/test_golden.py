@@ -88,6 +88,8 @@ class Case:
     early: bool = False           # some units were updated during backward
     deferred: bool = False        # step() left updates to the worker (the next forward waits)
     overflows: bool = False       # fp16: some steps were skipped, some not
+    speculative: bool = False     # early updates under clipping/fp16 ([Note: speculative updates])
+    redone: bool = False          # some of them were redone with the clip coefficient
 
 
 def _case(name, dtype, tiers, **kw):
@@ -114,7 +116,8 @@ CASES = [
           max_grad_norm=SMALL_NORM, clips=True),
     _case("fp32_nvme_nvme_accumulate_deferred", "fp32", NVME_NVME, gradient_accumulation_steps=2,
           early=True, deferred=True),
-    _case("fp32_host_nvme_clip_not_triggered", "fp32", HOST_NVME, max_grad_norm=HUGE_NORM),
+    _case("fp32_host_nvme_clip_not_triggered", "fp32", HOST_NVME, max_grad_norm=HUGE_NORM, early=True, deferred=True,
+          speculative=True),
     _case("fp32_host_nvme_frozen", "fp32", HOST_NVME, frozen=("wpe.", "blocks.0.ln1."),
           early=True, deferred=True),
     # bf16: the split master applies with the states on NVMe and the compute copies off the device
@@ -124,16 +127,19 @@ CASES = [
     _case("bf16_host_nvme_whole_master", "bf16", HOST_NVME, split_master=False, early=True, deferred=True),
     _case("bf16_nvme_nvme_split_no_overlap", "bf16", NVME_NVME, overlap_step_with_forward=False, early=True),
     _case("bf16_nvme_nvme_whole_master_clip", "bf16", NVME_NVME, split_master=False,
-          max_grad_norm=SMALL_NORM, clips=True),
+          max_grad_norm=SMALL_NORM, clips=True, early=True, deferred=True, speculative=True, redone=True),
     _case("bf16_nvme_nvme_split_no_prefetch_frozen", "bf16", NVME_NVME, prefetch=False,
           frozen=("wpe.", "blocks.1.fc.")),
     _case("bf16_device_host_accumulate_clip", "bf16", DEV_HOST, gradient_accumulation_steps=2,
           max_grad_norm=SMALL_NORM, clips=True),
-    # fp16: dynamic loss scaling (never early updates: overflow is checked over every gradient)
+    # fp16: dynamic loss scaling (overflow is checked over every gradient: early updates only
+    # speculative, with the states on NVMe)
     _case("fp16_device_host", "fp16", DEV_HOST),
     _case("fp16_host_host_accumulate", "fp16", HOST_HOST, gradient_accumulation_steps=2),
-    _case("fp16_nvme_nvme_clip", "fp16", NVME_NVME, max_grad_norm=SMALL_NORM, clips=True),
-    _case("fp16_host_nvme_overflow", "fp16", HOST_NVME, initial_loss_scale=2.0**17, overflows=True),
+    _case("fp16_nvme_nvme_clip", "fp16", NVME_NVME, max_grad_norm=SMALL_NORM, clips=True, early=True, deferred=True,
+          speculative=True, redone=True),
+    _case("fp16_host_nvme_overflow", "fp16", HOST_NVME, initial_loss_scale=2.0**17, overflows=True, early=True,
+          deferred=True, speculative=True),
     # ZeRO over gloo, WORLD ranks on half batches each
     _case("zero1_fp32_host_nvme_clip", "fp32", HOST_NVME, stage=1, max_grad_norm=SMALL_NORM, clips=True),
     _case("zero1_bf16_host_host_accumulate", "bf16", HOST_HOST, stage=1, gradient_accumulation_steps=2),
@@ -238,6 +244,8 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
             "max_grad_norm_seen": max((n for n in grad_norms if n is not None), default=0.0),
             "early_updates": stats["early_updates"],
             "deferred_updates": stats["deferred_updates"],
+            "speculative_updates": stats["speculative_updates"],
+            "redone_updates": stats["redone_updates"],
             "bytes_to_device": stats["bytes_host_to_device"] + stats["bytes_nvme_to_device"],
             "bytes_read_nvme": stats["bytes_read_nvme"],
             "skipped_steps": stats["skipped_steps"],
@@ -295,6 +303,9 @@ def check_exercised(case: Case, exercised: List[Dict[str, Any]]) -> None:
         assert (seen["early_updates"] > 0) == case.early, f"{where}: early updates {seen['early_updates']}"
         assert (seen["deferred_updates"] > 0) == case.deferred, \
             f"{where}: deferred updates {seen['deferred_updates']}"
+        assert (seen["speculative_updates"] > 0) == case.speculative, \
+            f"{where}: speculative updates {seen['speculative_updates']}"
+        assert (seen["redone_updates"] > 0) == case.redone, f"{where}: redone updates {seen['redone_updates']}"
         if case.config["param_tier"] != "device" and case.stage != 3:
             # The budget holds half the model, so moving more than the whole model means
             # units were evicted and fetched again. (Stage 3 gathers are counted elsewhere.)

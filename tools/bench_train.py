@@ -14,6 +14,10 @@ Rows (--rows):
   host             offload, param_tier=host, optimizer_tier=host, device budget (see below).
   nvme-noprefetch  offload, param_tier=nvme, optimizer_tier=nvme, prefetch=False, budget.
   nvme-prefetch    the same with prefetch=True.
+  nvme-clip        nvme-prefetch with max_grad_norm set (--max-grad-norm, default 1e9: clipping
+                   on but never triggering): speculative updates ([Note: speculative updates]).
+  nvme-clip-serial nvme-clip with speculative_updates=False: the serialized step (norm after
+                   backward, then every update).
   io-only          no compute: replays the swap traffic of one NVMe step through
                    offload.io.IOEngine (per unit: read the compute copy in forward, again in
                    backward in reverse order, then a read + write of master and moments in
@@ -102,9 +106,10 @@ GB = 1e9
 PAGE_BYTES = 4096
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 
-ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "io-only",
-        "ds-cpu", "ds-nvme")
-NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch")
+ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial",
+        "io-only", "ds-cpu", "ds-nvme")
+NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial")
+CLIP_ROWS = ("nvme-clip", "nvme-clip-serial")
 DS_ROWS = ("ds-cpu", "ds-nvme")
 DTYPES = ("fp32", "bf16")
 STAGES = (0, 1, 2, 3)
@@ -252,9 +257,12 @@ def offload_config(spec: dict, device_budget):
     if row == "host":
         return dict(common, param_tier="host", optimizer_tier="host", device_budget=device_budget)
     assert row in NVME_ROWS, row
-    return dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
-                swap_dir=spec["swap_dir"], prefetch=row == "nvme-prefetch",
-                swap_checksums=spec.get("swap_checksums", True))
+    config = dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
+                  swap_dir=spec["swap_dir"], prefetch=row != "nvme-noprefetch",
+                  swap_checksums=spec.get("swap_checksums", True))
+    if row in CLIP_ROWS:
+        config.update(max_grad_norm=spec.get("max_grad_norm", 1e9), speculative_updates=row == "nvme-clip")
+    return config
 
 
 def wrap_with_budget(spec: dict):
@@ -868,6 +876,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-fraction", type=float, default=0.25,
                    help="device budget as a fraction of the compute-copy bytes (default 0.25)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--max-grad-norm", type=float, default=1e9,
+                   help="max_grad_norm of the nvme-clip rows (default 1e9: on, never triggering)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds per row before it is killed")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
@@ -1011,6 +1021,7 @@ def main(argv=None) -> int:
         # spinning threads per row turn the smoke test's timings into noise.
         "threads": args.threads or (1 if args.quick else None),
         "pipeline_depth": 3,  # OffloadConfig.optimizer_pipeline_depth default
+        "max_grad_norm": args.max_grad_norm,
     }
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)

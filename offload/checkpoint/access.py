@@ -39,6 +39,9 @@ class HomeIO:
     """``load(home, numel, dtype)``: a new host tensor with a home's first ``numel`` elements."""
     store: Callable[[Any, torch.Tensor], None]
     """``store(home, src)``: overwrite a whole home with ``src``."""
+    store_compute: Callable[["UnitState", torch.Tensor], None]
+    """``store_compute(u, compute)``: overwrite u's whole compute copy at home (and the frozen
+    tail of its spare one, [Note: speculative updates])."""
     store_master: Callable[["UnitState", torch.Tensor, int, Optional[torch.Tensor]], None]
     """``store_master(u, master, start, low)``: write the master's home from ``master`` (fp32,
     u's trainable elements from ``start``); ``low``: split_master_into's result, or None."""
@@ -210,7 +213,7 @@ class CheckpointAccess:
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         else:
             self._homes.release(u)  # a device copy of this unit is stale from now on
-            self._homes.store(u.compute_home, compute)  # merged: fp32, the master itself
+            self._homes.store_compute(u, compute)  # merged: fp32, the master itself
         if u.trainable:
             self._homes.store_master(u, master, lo, low)
             self._homes.store(u.moments_home, moments)

@@ -138,14 +138,16 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
     for u in units:
+        # [Note: speculative updates] a unit that is updated has a second set of homes
+        copies = 2 if layout.speculative and u.trainable else 1
         if layout.param_tier == "nvme":
-            total += u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
+            total += copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
         if layout.optimizer_tier == "nvme" and u.trainable:
             if layout.split_master:
-                total += u.low_numel * 2
+                total += copies * u.low_numel * 2
             elif not layout.merged:
-                total += u.state_numel * FP32_BYTES
-            total += 2 * u.state_numel * FP32_BYTES
+                total += copies * u.state_numel * FP32_BYTES
+            total += copies * 2 * u.state_numel * FP32_BYTES
     return total
 
 
@@ -228,12 +230,13 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for u in units:
+        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
         if layout.param_tier == "host":
-            compute += u.home_numel * home_element_bytes
+            compute += copies * u.home_numel * home_element_bytes
         if layout.optimizer_tier == "host" and u.trainable:
             if not layout.merged:
-                master += u.state_numel * FP32_BYTES
-            moments += 2 * u.state_numel * FP32_BYTES
+                master += copies * u.state_numel * FP32_BYTES
+            moments += copies * 2 * u.state_numel * FP32_BYTES
     if layout.staged_step:
         staging = layout.optimizer_pipeline_depth * slot_shape(units, layout).num_bytes(layout.compute_element_bytes)
     staging += 2 * sum(update_buffer_bytes(units, layout).values())  # two buffer sets

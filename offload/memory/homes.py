@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from offload.memory.budget import SlotShape, compute_home_numel, low_numel
-from offload.memory.layout import Layout, StagingSlot, UnitState, sub_extent
+from offload.memory.layout import Layout, SpareHomes, StagingSlot, UnitState, sub_extent
 from offload.optim import join_master, split_master
 from offload.tiers.nvme import wait_all
 from offload.stats import Stats
@@ -79,11 +79,23 @@ class Homes:
                 elif not layout.merged:
                     u.master_home = self._allocate_home(layout.optimizer_tier, state_numel, torch.float32)
                 u.moments_home = self._allocate_home(layout.optimizer_tier, 2 * state_numel, torch.float32)
+                if layout.speculative:  # [Note: speculative updates] a second set, same sizes and tiers
+                    u.spare = SpareHomes(self._like(layout.param_tier, u.compute_home),
+                                         self._like(layout.optimizer_tier, u.master_home),
+                                         self._like(layout.optimizer_tier, u.moments_home), list(u.steps))
         if layout.param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.
             root = self._units[0]
             root.device_offset = self._device.allocate(root.compute_numel)
+
+    def _like(self, tier: str, home: Any) -> Any:
+        """A new home on ``tier`` the size (and dtype) of ``home``; None for None."""
+        if home is None:
+            return None
+        if isinstance(home, torch.Tensor):
+            return self._allocate_home(tier, home.numel(), home.dtype)
+        return self._nvme.allocate(home.nbytes)
 
     def _allocate_home(self, tier: str, numel: int, dtype: torch.dtype) -> Any:
         if tier == "host":
@@ -128,7 +140,7 @@ class Homes:
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
             self.store(u.compute_home, self._home_chunks(u, compute))
         else:
-            self.store(u.compute_home, compute)  # merged: compute dtype is fp32, the master
+            self.store_compute(u, compute)  # merged: compute dtype is fp32, the master
         if u.trainable:
             self.store_master(u, master, 0, low)
             self._store_initial_moments(u)
@@ -220,6 +232,24 @@ class Homes:
             return
         staging = src if src.data_ptr() % PAGE_BYTES == 0 else self._host_bounce(src)
         self._nvme.write(staging, home).wait()
+
+    def store_compute(self, u: UnitState, compute: torch.Tensor) -> None:
+        """Overwrite u's whole compute copy at home (setup and checkpoint load), and the
+        frozen tail of its spare one: [Note: speculative updates] an update writes only the
+        trainable prefix, so the spare's tail must already hold the frozen values when the
+        spare becomes the home."""
+        self.store(u.compute_home, compute)
+        if u.spare is None:
+            return
+        start = u.spec.frozen_start
+        rest = compute.numel() - start
+        if rest <= 0:
+            return
+        if isinstance(u.spare.compute_home, torch.Tensor):
+            u.spare.compute_home[start:].copy_(compute[start:])
+            return
+        size = compute.element_size()
+        self.store(sub_extent(u.spare.compute_home, start * size, rest * size), compute[start:])
 
     def store_zeros(self, home: Any) -> None:
         """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written

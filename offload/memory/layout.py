@@ -70,9 +70,13 @@ class Layout:
     # reused buffers of its own instead.
     staged_step: bool
     # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward).
-    # Not with global clipping or fp16 overflow checks: those need every gradient first;
-    # [zero] not with several ranks: collectives must run in the same order on every rank.
+    # With global clipping or fp16 overflow checks (which need every gradient first) only
+    # as speculative updates; [zero] not with several ranks: collectives must run in the
+    # same order on every rank.
     early_allowed: bool
+    # [Note: speculative updates] early updates write a second set of homes, committed or
+    # redone when step() knows the global norm
+    speculative: bool
     accumulation_steps: int
     max_grad_norm: Optional[float]
     fp16: bool
@@ -104,6 +108,9 @@ class Layout:
         compute_dtype = DTYPES[config.dtype]
         merged = config.dtype == "fp32" and config.param_tier != "device"
         needs_nvme = "nvme" in (config.param_tier, config.optimizer_tier)
+        needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
+        speculative = needs_norm_first and partition is None and config.param_tier != "device" and (
+            config.optimizer_tier == "nvme" if config.speculative_updates is None else config.speculative_updates)
         return cls(
             device=device,
             compute_dtype=compute_dtype,
@@ -117,8 +124,8 @@ class Layout:
             device_copy_updates=device.type == "cpu" and config.param_tier == "nvme" and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
-            early_allowed=(config.max_grad_norm is None and config.dtype != "fp16"
-                           and not config.skip_nonfinite_steps and partition is None),
+            early_allowed=partition is None and (speculative or not needs_norm_first),
+            speculative=speculative,
             accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.max_grad_norm,
             fp16=config.dtype == "fp16",
@@ -199,6 +206,19 @@ class UnitState:
         self.backward_done = 0       # calls whose backward finished (see _PostBackward)
         # [Note: update states] its early or deferred optimizer update of this step
         self.update = UnitUpdate(f"{spec.name}.update")
+        # [Note: speculative updates] the second set of homes a speculative update writes,
+        # and the step counts it leads to (None without speculative updates)
+        self.spare: Optional[SpareHomes] = None
+
+    def commit_spare(self) -> None:
+        """[Note: speculative updates] The spare homes hold this step's update: they become
+        the homes, and the old homes the spare ones (main thread, nothing in flight)."""
+        spare = self.spare
+        assert spare is not None
+        self.compute_home, spare.compute_home = spare.compute_home, self.compute_home
+        self.master_home, spare.master_home = spare.master_home, self.master_home
+        self.moments_home, spare.moments_home = spare.moments_home, self.moments_home
+        self.steps, spare.steps = spare.steps, self.steps
 
     def take_shards(self, shards: Any) -> None:
         """[zero] What this rank keeps of the unit (zero.shards.UnitShards from
@@ -209,6 +229,19 @@ class UnitState:
         self.shard, self.grad_numel, self.grad_base = shards.shard, shards.grad_numel, shards.grad_base
         if shards.param_shard is not None:  # stage 3
             self.param_shard, self.compute_numel = shards.param_shard, shards.compute_numel
+
+
+class SpareHomes:
+    """[Note: speculative updates] A unit's second homes, in the same tiers and sizes as
+    its own (compute_home only where an update writes the compute copy at home), and the
+    step counts of the speculative update written there. Same attribute names as
+    UnitState's homes, so that an update takes either as where it writes."""
+
+    def __init__(self, compute_home: Any, master_home: Any, moments_home: Any, steps: List[int]) -> None:
+        self.compute_home = compute_home
+        self.master_home = master_home
+        self.moments_home = moments_home
+        self.steps = steps
 
 
 class StagingSlot:

@@ -364,7 +364,9 @@ class DeviceResidency:
         with self._update_lock():
             if u.update.ticket is None:
                 return False
-            fill = self._layout.device_copy_updates and not u.update.started
+            # [Note: speculative updates] never fill from an update that may not be kept:
+            # chained behind it, the fetch reads the home, which it does not write
+            fill = self._layout.device_copy_updates and not u.update.started and not u.update.speculative
             if fill:
                 offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
                 if offset is None:

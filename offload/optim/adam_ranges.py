@@ -99,15 +99,28 @@ class UnitAdam:
             return self._device.view(u.device_offset, u.compute_numel)
         return None
 
-    def update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
-        """Adam on a unit whose master and moments live on the host."""
+    def update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
+                        speculative: bool = False) -> None:
+        """Adam on a unit whose master and moments live on the host. ``speculative``
+        ([Note: speculative updates]): u's states are copied into its spare homes and
+        updated there, u's own and its gradients are kept."""
         steps = self.next_steps(u)
-        moments = u.moments_home
-        master = u.compute_home if self._layout.merged else u.master_home
+        homes: Any = u
+        target = self.compute_target(u)
+        if speculative:
+            homes = u.spare
+            for name in ("compute_home", "master_home", "moments_home"):
+                if getattr(homes, name) is not None:
+                    getattr(homes, name).copy_(getattr(u, name))
+            assert target is None or target is u.compute_home, "a speculative update never writes the device copy"
+            target = None if target is None else homes.compute_home
+        moments = homes.moments_home
+        master = homes.compute_home if self._layout.merged else homes.master_home
         start = time.perf_counter()
         self.adam_range(u, 0, u.master_numel, steps, master, moments[:u.master_numel],
-                        moments[u.master_numel:2 * u.master_numel], self.compute_target(u), False, grad_factor,
+                        moments[u.master_numel:2 * u.master_numel], target, False, grad_factor,
                         groups=groups)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
-        u.steps = steps
-        self._gradients.release(u)
+        homes.steps = steps
+        if not speculative:
+            self._gradients.release(u)

@@ -16,7 +16,7 @@ import torch
 
 from offload import faults
 from offload.config import format_size
-from offload.memory.layout import FP32_BYTES, Layout, StagingSlot, UnitState, on_nvme, sub_extent
+from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.optim.cpu_adam import join_master, split_master
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
@@ -89,13 +89,24 @@ class PipelinedStep:
         self._next_slot = 0
         # [Note: swap I/O failures] which piece each staging slot is writing back, and the
         # write failures of this step (kept in host RAM, reported when the step ends)
-        self._slot_writer: List[Optional[Tuple[UnitState, int, int]]] = [None] * len(slots)
+        # (unit, lo, hi, speculative: to the spare homes, [Note: speculative updates])
+        self._slot_writer: List[Optional[Tuple[UnitState, int, int, bool]]] = [None] * len(slots)
         self.write_errors: List[Tuple[UnitState, OSError]] = []
         # [Note: swap I/O failures] unit index -> states whose swap write failed, in host RAM
         self.dirty: Dict[int, Dict[str, torch.Tensor]] = {}
 
-    def master_home(self, u: UnitState) -> Any:
-        return u.compute_home if self._layout.merged else u.master_home
+    def master_home(self, homes: Any) -> Any:
+        """Where the master lives in ``homes`` (a UnitState, or its SpareHomes)."""
+        return homes.compute_home if self._layout.merged else homes.master_home
+
+    @staticmethod
+    def _writable(home: torch.Tensor, spare: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of a host home, where an update writes them: in place, or
+        ([Note: speculative updates]) copied into the spare home first."""
+        if spare is None:
+            return home[lo:hi]
+        spare[lo:hi].copy_(home[lo:hi])
+        return spare[lo:hi]
 
     def _issue_reads(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
                      in_device: bool = False) -> List[Any]:
@@ -120,7 +131,8 @@ class PipelinedStep:
         elif on_nvme(home):
             handles.append(self._nvme.read(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES), unit=u.name))
         if on_nvme(u.moments_home):
-            handles.extend(self._nvme.read(buf, ext, unit=u.name) for buf, ext in self._moment_parts(u, lo, hi, slot))
+            handles.extend(self._nvme.read(buf, ext, unit=u.name)
+                           for buf, ext in self._moment_parts(u, lo, hi, slot, u.moments_home))
         return handles
 
     @staticmethod
@@ -131,36 +143,50 @@ class PipelinedStep:
         end = padded_numel(u.spec.trainable_numel, 2) if hi == u.master_numel else hi
         return end, sub_extent(home, lo * 2, (end - lo) * 2)
 
-    def _moment_parts(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> List[Tuple[torch.Tensor, Any]]:
-        """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]:
-        one request when the piece is the whole unit (the two are adjacent on disk)."""
+    @staticmethod
+    def _moment_parts(u: UnitState, lo: int, hi: int, slot: StagingSlot,
+                      home: Any) -> List[Tuple[torch.Tensor, Any]]:
+        """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]
+        of u's moments ``home`` (its own or its spare): one request when the piece is the
+        whole unit (the two are adjacent on disk)."""
         n = hi - lo
         if n == u.master_numel:
-            return [(slot.moments[:2 * n], u.moments_home)]
-        return [(slot.moments[:n], sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES)),
-                (slot.moments[n:2 * n], sub_extent(u.moments_home, (u.master_numel + lo) * FP32_BYTES, n * FP32_BYTES))]
+            return [(slot.moments[:2 * n], home)]
+        return [(slot.moments[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)),
+                (slot.moments[n:2 * n], sub_extent(home, (u.master_numel + lo) * FP32_BYTES, n * FP32_BYTES))]
 
     def _update_staged(self, u: UnitState, lo: int, hi: int, steps: List[int], slot: StagingSlot,
-                       grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None) -> None:
+                       grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
+                       spare: Optional[SpareHomes] = None) -> None:
+        """Adam over piece [lo, hi) of u, read into ``slot``; host-homed states are updated
+        in place, or ([Note: speculative updates]) in ``spare``'s homes."""
         n = hi - lo
         home = self.master_home(u)
-        master = slot.master[:n] if on_nvme(home) else home[lo:hi]
+        master = slot.master[:n] if on_nvme(home) else \
+            self._writable(home, None if spare is None else self.master_home(spare), lo, hi)
         high = None
         if self._layout.split_master:  # [Note: split master] the master from its halves
-            high = slot.compute[:n] if slot.compute is not None else u.compute_home[lo:hi]  # nvme / host
+            high = slot.compute[:n] if slot.compute is not None else \
+                self._writable(u.compute_home, None if spare is None else spare.compute_home, lo, hi)  # nvme / host
             join_master(high, slot.low[:n], master)
         if on_nvme(u.moments_home):
             exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
         else:
-            exp_avg = u.moments_home[lo:hi]
-            exp_avg_sq = u.moments_home[u.master_numel + lo:u.master_numel + hi]
+            moments = None if spare is None else spare.moments_home
+            exp_avg = self._writable(u.moments_home, moments, lo, hi)
+            exp_avg_sq = self._writable(u.moments_home, moments, u.master_numel + lo, u.master_numel + hi)
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
         elif slot.compute is not None:
             compute_out, staging = slot.compute[:n], True
         else:
             target = self._compute_target(u)
-            compute_out, staging = (None if target is None else target[lo:hi]), False
+            if target is not None and spare is not None:
+                assert target is u.compute_home  # a host home ([Note: speculative updates]: no device copy)
+                compute_out = self._writable(target, spare.compute_home, lo, hi)
+            else:
+                compute_out = None if target is None else target[lo:hi]
+            staging = False
         start = time.perf_counter()
         self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
                          copy_to_device=high is None, groups=groups)
@@ -192,24 +218,28 @@ class PipelinedStep:
             self._device.view(u.device_offset + lo, end - lo).copy_(src[:end - lo])
             self._stats.add_bytes("host_to_device", (end - lo) * src.element_size())
 
-    def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
-        """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe."""
+    def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
+                      spare: Optional[SpareHomes] = None) -> None:
+        """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe: to
+        u's homes, or ([Note: speculative updates]) to its ``spare`` ones."""
         faults.hit("optim.write_back", unit=u.name, lo=lo, hi=hi)
         writes, n = [], hi - lo
-        home = self.master_home(u)
+        homes = u if spare is None else spare
+        home = self.master_home(homes)
         if self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
             writes.append(self._nvme.write(slot.low[:end - lo], extent, unit=u.name))
         elif on_nvme(home):
             writes.append(self._nvme.write(slot.master[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES), unit=u.name))
-        if on_nvme(u.moments_home):
-            writes.extend(self._nvme.write(buf, ext, unit=u.name) for buf, ext in self._moment_parts(u, lo, hi, slot))
+        if on_nvme(homes.moments_home):
+            writes.extend(self._nvme.write(buf, ext, unit=u.name)
+                          for buf, ext in self._moment_parts(u, lo, hi, slot, homes.moments_home))
         if slot.compute is not None and self._layout.param_tier == "nvme":
             size = slot.compute.element_size()
             end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
             end = min(end, lo + slot.compute.numel())
-            writes.append(self._nvme.write(slot.compute[:end - lo], sub_extent(u.compute_home, lo * size, (end - lo) * size),
-                                          unit=u.name))
+            writes.append(self._nvme.write(slot.compute[:end - lo],
+                                           sub_extent(homes.compute_home, lo * size, (end - lo) * size), unit=u.name))
         slot.pending_writes = writes
 
     def staged_update(self, units: List[UnitState], grad_factor: float, micro_step: int) -> None:
@@ -247,7 +277,7 @@ class PipelinedStep:
             self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
             if u.index in in_device:
                 self._write_through(u, lo, hi, slot)
-            self._slot_writer[index] = (u, lo, hi)
+            self._slot_writer[index] = (u, lo, hi, False)
             self._issue_writes(u, lo, hi, slot)
             if hi == u.master_numel:
                 u.steps = steps.pop(u.index)
@@ -268,10 +298,12 @@ class PipelinedStep:
             self._fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
         self.raise_write_errors(micro_step)
 
-    def update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
+    def update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
         unit's first piece, see prestage_root), in a ring that goes on where the last unit's
-        update left it ([Note: the piece ring])."""
+        update left it ([Note: the piece ring]). A speculative update ([Note: speculative
+        updates]) writes u's spare homes and step counts and keeps u's gradients."""
+        spare = u.spare if u.update.speculative else None
         steps = self._next_steps(u)
         pieces = self._pieces(u)
         num_slots = len(self.slots) - 1
@@ -287,14 +319,18 @@ class PipelinedStep:
 
         def update(i: int, index: int) -> None:
             lo, hi = pieces[i]
-            self._update_staged(u, lo, hi, steps, self.slots[index], 1.0, groups)
+            self._update_staged(u, lo, hi, steps, self.slots[index], grad_factor, groups, spare)
             if in_device:
                 self._write_through(u, lo, hi, self.slots[index])
-            self._slot_writer[index] = (u, lo, hi)
-            self._issue_writes(u, lo, hi, self.slots[index])
+            self._slot_writer[index] = (u, lo, hi, spare is not None)
+            self._issue_writes(u, lo, hi, self.slots[index], spare)
             writes.extend(self.slots[index].pending_writes)
 
+        assert spare is None or not in_device, "a speculative update never writes the device copy"
         self._piece_ring(len(pieces), ring, start_reads, update)
+        if spare is not None:
+            spare.steps = steps
+            return
         u.steps = steps
         self._release_grad(u)
 
@@ -368,8 +404,15 @@ class PipelinedStep:
             if piece is None:
                 raise
             failed = error
+        if piece is not None and piece[3]:
+            # [Note: speculative updates] a spare home half-written: u's homes are intact,
+            # step() redoes the update from them
+            if failed is not None:
+                piece[0].update.speculation_failed = True
+                self._stats.count("failed_speculative_writes")
+            return
         if piece is not None and (failed is not None or piece[0].index in self.dirty):
-            self._keep_dirty(*piece, slot, failed)
+            self._keep_dirty(*piece[:3], slot, failed)
         if failed is not None:
             self.write_errors.append((piece[0], failed))
 

@@ -8,6 +8,37 @@ its ``UnitUpdate`` record (``u.update``, [Note: update states]). The engine buil
 once at wrap and hands it the mechanisms it drives: the staged step (PipelinedStep), the
 [zero] sharded step, the prefetcher, and as plain callables the parts that stay with the
 engine (gradients, residency, Adam over a unit, the failure state).
+
+[Note: speculative updates] With max_grad_norm, fp16 or skip_nonfinite_steps the step needs
+the global gradient norm before any update, and the norm is known only when backward ends.
+Instead of holding every update until then (the serialized path: norm, then Adam over every
+unit in step()), a unit done in backward is updated at once on the optimizer worker as if
+the step's gradient factor were the loss scale's inverse alone (clip coefficient 1, no
+skip), into its *spare homes* (``UnitState.spare``: a second master, moments and compute
+copy at home, same tiers and sizes, allocated at wrap; host-homed states are copied there
+first and updated in place). Its homes, its step counts and its gradients are left as they
+were, and the update never writes the unit's device copy (no fill, not in_device). step()
+waits for the speculative updates, takes the norm, and then (``_resolve_speculation``):
+- no clipping (torch's coefficient ``max_norm / (norm + 1e-6)`` is >= 1, so the serialized
+  factor equals the speculated one to the bit) and no skip: each unit's spare homes and
+  step counts become its homes (a swap of references, ``UnitState.commit_spare``); the old
+  homes are the next step's spares;
+- clipping: the speculative results are dropped and those units are updated by the step
+  from their untouched homes and kept gradients with the true factor, like units never
+  updated (``redone_updates``);
+- a skipped step (fp16 overflow, skip_nonfinite_steps): dropped, nothing else.
+Either way every unit's new state is what the serialized path computes, bit for bit: the
+kernel runs on the same inputs with the same factor, and the norm sums the same per-
+parameter squares in the same order (``UnitState.early_grad_squares``). A speculative swap
+write that fails leaves the homes intact: that unit is redone whatever the norm
+(``speculation_failed``). Until step() the homes hold the last step's state, so state_dict()
+or a checkpoint between backward and step() is consistent, and a backward that fails after
+speculative updates only is still consistent ([Note: failures inside a step]). The spare
+homes include the compute copy's frozen tail, which no update writes: ``Homes.store_compute``
+writes it to both copies (wrap, checkpoint load). Cost: every state an update writes twice
+on its tier (on by default only with the states on NVMe: ``speculative_updates``). Not with
+param_tier "device" (the update writes the device copy itself) or [zero] several ranks (no
+early updates).
 """
 from __future__ import annotations
 
@@ -54,6 +85,8 @@ class UpdateScheduler:
                  grad_squares: Callable[[UnitState, int], torch.Tensor],
                  grad_scale_and_skip: Callable[[], Tuple[float, bool]],
                  zero_grad: Callable[[], None],
+                 loss_scale: Callable[[], float],
+                 release_grad: Callable[[UnitState], None],
                  update_in_place: Callable[..., None],
                  release: Callable[[UnitState], None],
                  drain_fetches: Callable[[], None],
@@ -68,7 +101,7 @@ class UpdateScheduler:
         dropped any more (the step released them). The other callables are the engine's: its micro-step counter and
         last training pass's trace key; its failure state (refuse when failed, stop after
         a step failed part-way); gradients (one parameter's squared norm, the step's factor
-        and skip decision, zero_grad); Adam over a whole host-homed unit
+        and skip decision, zero_grad, the loss scale now, giving one unit's back); Adam over a whole host-homed unit
         (Engine._update_in_place); residency (release a device copy, land the fetches in
         flight, land those waiting for updates, bring a unit whose update is pending,
         start a fetch)."""
@@ -92,6 +125,8 @@ class UpdateScheduler:
         self._grad_squares = grad_squares
         self._grad_scale_and_skip = grad_scale_and_skip
         self._zero_grad = zero_grad
+        self._loss_scale = loss_scale
+        self._release_grad = release_grad
         self._update_in_place = update_in_place
         self._release = release
         self._drain_fetches = drain_fetches
@@ -102,9 +137,14 @@ class UpdateScheduler:
         # Layout.early_allowed): units may then be updated as soon as they are done.
         self.early_updates = False
         self._early_futures: List[Future] = []  # tickets of the updates queued on the worker
-        # [Note: deferred updates] units waiting for the worker, best first:
-        # (priority, sequence, unit index, unit, hyperparameters, ticket, fault point)
-        self._heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], Future, str]] = []
+        # [Note: deferred updates] units waiting for the worker, best first: (priority,
+        # sequence, unit index, unit, hyperparameters, gradient factor, ticket, fault point)
+        self._heap: List[Tuple[float, int, int, UnitState, List[Dict[str, Any]], float, Future, str]] = []
+        # [Note: speculative updates] the gradient factor this backward's speculative
+        # updates used (the loss scale's inverse), and whether settle_all still has to take
+        # the deferred step's norm (not when step() took it before deferring)
+        self._speculated_factor = 1.0
+        self._norm_pending = False
         self.lock = threading.Lock()
         self._sequence = itertools.count()
         self.step_pending = False  # a deferred step's updates or bookkeeping are not done
@@ -126,17 +166,21 @@ class UpdateScheduler:
         to the worker when it can be, else the updates not run early, here and now."""
         self._check_not_failed("step")
         self.settle_all()
-        if self.defers_updates():
-            self._defer_updates()
+        if self.defers_updates() and not self._layout.speculative:  # the norm can wait for the updates
+            self._defer_updates(1.0, norm_pending=True)
             return
         self.wait_optimizer()
         if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
             self._partition.finish_gradients(self._units)
         grad_factor, skip = self._grad_scale_and_skip()
+        self._resolve_speculation(keep=not skip and grad_factor == self._speculated_factor, skip=skip)
         if skip:
             self._stats.count("skipped_steps")
             self._step_ring.wait_root_reads()
             self._zero_grad()
+            return
+        if self.defers_updates():
+            self._defer_updates(grad_factor, norm_pending=False)
             return
         units = [u for u in self._units if any(u.has_grad) and not u.update.updated]
         try:
@@ -160,6 +204,24 @@ class UpdateScheduler:
                     u.update.in_device = False
         self._step_ring.raise_write_errors(self._micro_step())
 
+    def _resolve_speculation(self, keep: bool, skip: bool) -> None:
+        """[Note: speculative updates] The norm is known and every speculative update is
+        done (wait_optimizer): ``keep`` (no clipping, no skip) commits them, each unit's
+        spare homes becoming its homes; otherwise they are dropped, and, unless the step is
+        ``skip``-ped, redone by the step like units never updated (their homes were not
+        written). A unit whose spare write failed is redone either way."""
+        for u in self._units:
+            if not u.update.speculative:
+                continue
+            if keep and not u.update.speculation_failed:
+                u.commit_spare()
+                u.update.speculative = False
+                self._release_grad(u)
+            else:
+                u.update.reset()  # DONE -> IDLE: the step updates it from its homes (or skips it)
+                if not skip:
+                    self._stats.count("redone_updates")
+
     def _update_all_in_place(self, units: List[UnitState], grad_factor: float) -> None:
         """The step's updates of host-homed units, one after the other: stopping part-way
         mixes two steps, which is fatal ([Note: failures inside a step])."""
@@ -179,7 +241,8 @@ class UpdateScheduler:
         zero_grad, the weights and states are those before this backward)."""
         self.early_updates = False
         self._step_ring.drain_root_reads()  # nothing is left reading into a slot
-        queued = [u.name for u in self._units if u.update.updated]
+        # [Note: speculative updates] a speculative update wrote spare homes only
+        queued = [u.name for u in self._units if u.update.updated and not u.update.speculative]
         try:
             self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
         except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
@@ -210,10 +273,16 @@ class UpdateScheduler:
             calls_done = 0 < u.calls <= u.backward_done
             if trace_done or calls_done:
                 self._stats.count("early_updates")
+                factor = 1.0
+                if self._layout.speculative:  # [Note: speculative updates] into the spare homes
+                    u.update.speculative = True
+                    factor = self._speculated_factor = 1.0 / self._loss_scale()
+                    self._stats.count("speculative_updates")
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones
-                u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
-                self.queue_update(u, self._hyperparameters(), math.inf, "optim.early_update")  # arrival order
+                u.update.in_device = self._prefetcher.pass_complete and not u.update.speculative and \
+                    self._step_ring.device_copy_updatable(u)
+                self.queue_update(u, self._hyperparameters(), factor, math.inf, "optim.early_update")  # arrival order
                 if self._layout.param_tier != "device" and not u.update.in_device:
                     self._mark_stale(u)
 
@@ -222,25 +291,27 @@ class UpdateScheduler:
         scheduler may change the groups meanwhile)."""
         return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self._optimizer.param_groups]
 
-    def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], priority: float, point: str) -> None:
-        """Queue u's update on the optimizer worker; u.update.ticket completes with it. The
-        worker takes the lowest ``priority`` first, then the order of queueing; ``point``:
-        the fault point the update hits when it starts (early or deferred)."""
+    def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float, priority: float,
+                     point: str) -> None:
+        """Queue u's update (gradients times ``grad_factor``) on the optimizer worker;
+        u.update.ticket completes with it. The worker takes the lowest ``priority`` first,
+        then the order of queueing; ``point``: the fault point the update hits when it
+        starts (early or deferred)."""
         ticket: Future = Future()
         with self.lock:
             u.update.queue(ticket)  # [Note: update states]
-            heapq.heappush(self._heap, (priority, next(self._sequence), u.index, u, groups, ticket, point))
+            heapq.heappush(self._heap, (priority, next(self._sequence), u.index, u, groups, grad_factor, ticket, point))
         self._early_futures.append(ticket)
         self._worker.submit(self._run_next_update)
 
     def _run_next_update(self) -> None:
         """On the optimizer worker: the best queued update (one per queue_update call)."""
         with self.lock:
-            _, _, _, u, groups, ticket, point = heapq.heappop(self._heap)
+            _, _, _, u, groups, grad_factor, ticket, point = heapq.heappop(self._heap)
             u.update.start()  # from here on no fill is attached (_prefetch_updating)
         try:
             faults.hit(point, unit=u.name)
-            self._update_early(u, groups)
+            self._update_early(u, groups, grad_factor)
         except BaseException as error:  # noqa: B902 - reported through the ticket
             ticket.set_exception(error)
         else:
@@ -248,7 +319,7 @@ class UpdateScheduler:
 
     def _reprioritize(self, priority: Callable[[UnitState], float]) -> None:
         with self.lock:
-            self._heap = [(priority(u), n, i, u, g, t, p) for _, n, i, u, g, t, p in self._heap]
+            self._heap = [(priority(u), n, i, u, g, f, t, p) for _, n, i, u, g, f, t, p in self._heap]
             heapq.heapify(self._heap)
 
     def defers_updates(self) -> bool:
@@ -257,7 +328,7 @@ class UpdateScheduler:
         return self._layout.overlap_step_with_forward and self._layout.early_allowed and self._layout.staged_step \
             and self._prefetcher.enabled
 
-    def _defer_updates(self) -> None:
+    def _defer_updates(self, grad_factor: float, norm_pending: bool) -> None:
         """[Note: deferred updates] step() without waiting for Adam: the units not updated
         during backward are queued on the optimizer worker, and everything still queued
         there is reordered to the order in which the next training forward needs the
@@ -265,7 +336,9 @@ class UpdateScheduler:
         done and overlaps the rest of the updates. Each unit's fetch waits for its own
         update (settle_unit); the step's bookkeeping (gradient norm, zero_grad, write
         errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
-        or close (settle_all), which is also where a failed update is raised."""
+        or close (settle_all), which is also where a failed update is raised.
+        ``norm_pending``: the step's norm is taken there too, from the updates' squares
+        (without clipping or skips); else step() took it and ``grad_factor`` is its factor."""
         first_use: Dict[int, int] = {}
         key = self._last_train_key()
         for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
@@ -279,13 +352,14 @@ class UpdateScheduler:
         for u in self._units:
             if any(u.has_grad) and not u.update.updated:
                 u.update.in_device = self._step_ring.device_copy_updatable(u)
-                self.queue_update(u, groups, priority(u), "optim.deferred_update")
+                self.queue_update(u, groups, grad_factor, priority(u), "optim.deferred_update")
                 self._stats.count("deferred_updates")
         self._reprioritize(priority)
         self._forget_stale()
         for u in self._units:  # device copies that the updates do not write are stale now
             if u.compute_state == Residency.LOADED and not u.update.in_device:
                 self._release(u)
+        self._norm_pending = norm_pending
         self.step_pending = True
 
     def pending(self, u: UnitState) -> bool:
@@ -325,17 +399,20 @@ class UpdateScheduler:
                 self._land_fills()
                 for u in self._units:
                     u.update.forget()
-            self._grad_scale_and_skip()  # the norm (and a warning for NaN/Inf) from the early squares
+            if self._norm_pending:  # the norm (and a warning for NaN/Inf) from the early squares
+                self._norm_pending = False
+                self._grad_scale_and_skip()
             self._zero_grad()
             self._step_ring.raise_write_errors(self._micro_step())
         except BaseException:
             if raise_errors:
                 raise
 
-    def _update_early(self, u: UnitState, groups: List[Dict[str, Any]]) -> None:
+    def _update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         start = time.perf_counter()
         # One square per parameter, summed into the norm in the step's own order, so that the
-        # norm does not depend on which units were updated early.
+        # norm does not depend on which units were updated early ([Note: speculative updates]:
+        # the clip coefficient is the serialized path's).
         u.early_grad_squares, u.early_nonfinite = [], None
         for k, e in enumerate(u.trainable):
             if u.has_grad[k]:
@@ -344,9 +421,9 @@ class UpdateScheduler:
                     u.early_nonfinite = e
                 u.early_grad_squares.append(square)
         if self._layout.staged_step:
-            self._step_ring.update_early(u, groups)
+            self._step_ring.update_early(u, groups, grad_factor)
         else:
-            self._update_in_place(u, 1.0, groups)
+            self._update_in_place(u, grad_factor, groups, speculative=u.update.speculative)
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 

@@ -1,0 +1,312 @@
+"""[Note: speculative updates] Under clipping, fp16 and skip_nonfinite_steps, units are still
+updated during backward, into spare homes, and step() commits or redoes them: the result is
+the serialized step's (speculative_updates=False) bit for bit, and within the parity bound of
+plain clip_grad_norm_ + AdamW. Failures leave the engine consistent or failed, never half
+committed."""
+import errno
+import warnings
+
+import pytest
+import torch
+
+import offload
+import offload.faults
+from offload.errors import EngineFailedError
+from offload.gpt import GPT
+from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
+from offload.memory.layout import Layout
+
+from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
+                     train_offload, train_reference, unwrap_swap_io, wrap_swap_io)
+
+# With this bound the small GPT's norm (9.6, 9.6, 7.7, 5.9, 5.0, 3.9 over six steps) is
+# clipped on the first three steps and not on the last three.
+MIXED_NORM = 6.0
+# With 2 micro-steps per update: norms 7.99, 8.24, 7.00, so only the second update clips.
+ACCUMULATED_MIXED_NORM = 8.1
+NEVER_CLIPS = 1e9
+NUM_STEPS = 6
+NUM_BLOCKS = CFG.num_layers  # the units updated during backward (the root is updated in step())
+
+
+def config(tmp_path, name, tiers=("nvme", "nvme"), **kw):
+    return dict(param_tier=tiers[0], optimizer_tier=tiers[1], swap_dir=str(tmp_path / name),
+                device_budget=140 * 1024 * 2, **kw)
+
+
+def train(tmp_path, name, data, frozen=(), **kw):
+    """Losses, the state_dict after training, the stats and every step's grad_norm."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for n, p in model.named_parameters():
+        if n.startswith(frozen) and frozen:
+            p.requires_grad_(False)
+    optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
+    norms = []
+    with offload.wrap(model, optimizer, config=config(tmp_path, name, **kw)) as engine:
+        losses = []
+        accumulation = kw.get("gradient_accumulation_steps", 1)
+        for i, b in enumerate(data):
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if (i + 1) % accumulation == 0:
+                engine.state_dict()  # settles a deferred step, so that its norm is taken
+                norms.append(engine.stats()["grad_norm"])
+        return losses, engine.state_dict(), engine.stats(), norms
+
+
+def assert_same_run(a, b):
+    assert a[0] == b[0], "losses differ"
+    assert_same_state(a[1], b[1])
+    assert a[3] == b[3], "grad norms differ"
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "host"), ("host", "nvme")], ids="-".join)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("clip", ["never", "mixed"])
+def test_speculative_updates_equal_the_serialized_step_bit_for_bit(tiers, dtype, clip, tmp_path):
+    """Clipping configured but never triggering commits every speculative update; clipping
+    on some steps and not others redoes exactly the units of the clipped steps. Either way
+    the losses, weights, optimizer states and norms are the serialized run's."""
+    data = batches(NUM_STEPS)
+    max_norm = NEVER_CLIPS if clip == "never" else MIXED_NORM
+    on = train(tmp_path, "on", data, tiers=tiers, dtype=dtype, max_grad_norm=max_norm, speculative_updates=True)
+    off = train(tmp_path, "off", data, tiers=tiers, dtype=dtype, max_grad_norm=max_norm, speculative_updates=False)
+    assert_same_run(on, off)
+    clipped_steps = sum(n > max_norm for n in off[3])
+    assert on[2]["speculative_updates"] == NUM_STEPS * NUM_BLOCKS
+    assert on[2]["redone_updates"] == clipped_steps * NUM_BLOCKS
+    assert off[2]["speculative_updates"] == off[2]["early_updates"] == 0
+    if clip == "mixed":
+        assert 0 < clipped_steps < NUM_STEPS, off[3]  # the case is what its name says
+    else:
+        assert clipped_steps == 0
+
+
+def test_speculative_updates_are_on_by_default_only_with_the_states_on_nvme(tmp_path):
+    """None (auto): on with the optimizer states on NVMe, off with them on the host (the
+    spare homes would double their RAM)."""
+    data = batches(2)
+    nvme = train(tmp_path, "nvme", data, tiers=("host", "nvme"), max_grad_norm=1.0)
+    host = train(tmp_path, "host", data, tiers=("host", "host"), max_grad_norm=1.0)
+    assert nvme[2]["speculative_updates"] > 0
+    assert host[2]["speculative_updates"] == 0 and host[2]["early_updates"] == 0
+
+
+def test_speculative_updates_match_plain_pytorch_clipping(tmp_path):
+    """Within the parity bound of clip_grad_norm_ + AdamW, clipping on some steps."""
+    data = batches(NUM_STEPS)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ref_losses = train_reference(ref, data, max_grad_norm=MIXED_NORM)
+    losses, state, stats, _ = train(tmp_path, "on", data, dtype="fp32", max_grad_norm=MIXED_NORM)
+    assert stats["redone_updates"] > 0 and stats["speculative_updates"] > stats["redone_updates"]
+    assert max_rel_error(state, ref.state_dict()) < REL_TOL
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= REL_TOL * abs(b)
+
+
+def test_gradient_accumulation_with_clipping(tmp_path):
+    """Speculation only in the backward before an update; accumulated gradients are kept
+    for the redo."""
+    data = batches(NUM_STEPS)
+    on = train(tmp_path, "on", data, max_grad_norm=ACCUMULATED_MIXED_NORM, gradient_accumulation_steps=2)
+    off = train(tmp_path, "off", data, max_grad_norm=ACCUMULATED_MIXED_NORM, gradient_accumulation_steps=2,
+                speculative_updates=False)
+    assert_same_run(on, off)
+    assert on[2]["speculative_updates"] == NUM_STEPS // 2 * NUM_BLOCKS
+    assert 0 < on[2]["redone_updates"] < on[2]["speculative_updates"]
+
+
+def test_fp16_overflow_drops_the_speculative_updates(tmp_path):
+    """An fp16 step that overflows is skipped: its speculative updates are dropped, the
+    homes keep the last step's state; the other steps commit theirs."""
+    data = batches(NUM_STEPS)
+    kw = dict(dtype="fp16", initial_loss_scale=2.0**17, tiers=("host", "nvme"))
+    on = train(tmp_path, "on", data, **kw)
+    off = train(tmp_path, "off", data, speculative_updates=False, **kw)
+    assert_same_run(on, off)
+    assert 0 < on[2]["skipped_steps"] < NUM_STEPS
+    assert on[2]["speculative_updates"] == NUM_STEPS * NUM_BLOCKS
+    assert on[2]["redone_updates"] == 0  # no clipping: dropped (skipped) or committed
+    assert on[2]["loss_scale"] == off[2]["loss_scale"]
+
+
+def test_skip_nonfinite_steps_drops_speculation_on_a_nan_step(tmp_path):
+    """skip_nonfinite_steps: a NaN gradient skips the step; its speculative updates are
+    dropped and the weights are those of the serialized run."""
+    data = batches(4)
+    nan_batch = 2
+
+    def run(name, speculative):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        with offload.wrap(model, make_opt(model.parameters()),
+                          config=config(tmp_path, name, skip_nonfinite_steps=True,
+                                        speculative_updates=speculative)) as engine:
+            for i, b in enumerate(data):
+                loss = gpt_loss(engine, b)
+                engine.backward(loss * float("nan") if i == nan_batch else loss)
+                engine.step()
+            return engine.state_dict(), engine.stats()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the NaN step's warning
+        on, off = run("on", True), run("off", False)
+    assert_same_state(on[0], off[0])
+    assert on[1]["skipped_steps"] == off[1]["skipped_steps"] == 1
+    assert on[1]["speculative_updates"] == len(data) * NUM_BLOCKS
+
+
+def test_frozen_parameters_and_a_checkpoint_load_survive_commits(tmp_path):
+    """A unit's frozen tail is not written by updates: the spare compute copy holds it too,
+    after wrap and after a checkpoint load, so a committed spare keeps the frozen values."""
+    data = batches(NUM_STEPS)
+    frozen = ("blocks.0.ln1.", "blocks.1.fc.")
+    on = train(tmp_path, "on", data, frozen=frozen, max_grad_norm=NEVER_CLIPS)
+    off = train(tmp_path, "off", data, frozen=frozen, max_grad_norm=NEVER_CLIPS, speculative_updates=False)
+    assert_same_run(on, off)
+    assert on[2]["speculative_updates"] > 0
+
+    # Save after 3 steps, load into an engine whose frozen values differ, train on.
+    def engine_for(name, seed):
+        torch.manual_seed(seed)
+        model = GPT(CFG)
+        for n, p in model.named_parameters():
+            p.requires_grad_(not n.startswith(frozen))
+        return offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]),
+                            config=config(tmp_path, name, max_grad_norm=NEVER_CLIPS))
+
+    with engine_for("first", 0) as first:
+        train_offload(first, data[:3])
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        train_offload(first, data[3:])
+        expected = first.state_dict()
+    with engine_for("second", 1) as second:  # other initial (frozen) values
+        second.load_checkpoint(str(tmp_path / "ckpt"))
+        train_offload(second, data[3:])
+        assert second.stats()["speculative_updates"] > 0
+        assert_same_state(second.state_dict(), expected)
+
+
+def test_state_dict_between_backward_and_step_is_the_last_step(tmp_path):
+    """Speculative updates write spare homes only: between backward and step() the weights
+    are still those of the last step (without speculation, early updates refuse this)."""
+    data = batches(3)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "s", max_grad_norm=NEVER_CLIPS)) as engine:
+        train_offload(engine, data[:2])
+        before = engine.state_dict()
+        engine.backward(gpt_loss(engine, data[2]))
+        assert engine.stats()["speculative_updates"] == 3 * NUM_BLOCKS
+        assert_same_state(engine.state_dict(), before)
+        engine.step()
+        after = engine.state_dict()
+        assert not torch.equal(after["blocks.0.fc.weight"], before["blocks.0.fc.weight"])
+
+
+def test_a_failed_spare_write_redoes_that_unit(tmp_path):
+    """A swap write of a speculative update fails: the unit's homes were not touched, so
+    step() redoes it from them and the run equals the serialized one."""
+    data = batches(3)
+    off = train(tmp_path, "off", data, max_grad_norm=NEVER_CLIPS, speculative_updates=False)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "on", max_grad_norm=NEVER_CLIPS)) as engine:
+        train_offload(engine, data[:1])
+        engine.state_dict()  # the deferred updates of that step are written
+        faulty = wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=1)  # the first write of backward
+        loss = gpt_loss(engine, data[1])
+        engine.backward(loss)
+        assert faulty.writes >= 1
+        unwrap_swap_io(engine)
+        engine.step()
+        train_offload(engine, data[2:])
+        stats = engine.stats()
+        assert stats["redone_updates"] == 1
+        assert_same_state(engine.state_dict(), off[1])
+
+
+def test_a_failure_in_a_redo_fails_the_engine_until_a_checkpoint_is_loaded(tmp_path):
+    """The redo is the optimizer step: a failure there is fatal ([Note: failures inside a
+    step]), and loading a checkpoint brings the engine back to a state it saved."""
+    data = batches(3)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "s", max_grad_norm=1e-3)) as engine:  # always clips
+        train_offload(engine, data[:1])
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = engine.state_dict()
+        engine.backward(gpt_loss(engine, data[1]))
+        with offload.faults.inject("optim.adam_range", offload.faults.raising(RuntimeError("boom")), at=1):
+            with pytest.raises(RuntimeError, match="boom"):
+                engine.step()  # the first Adam range after backward is a redo
+        with pytest.raises(EngineFailedError):
+            engine(data[2][:, :-1])
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert_same_state(engine.state_dict(), saved)
+        train_offload(engine, data[2:])
+        assert engine.stats()["redone_updates"] > 0
+
+
+def test_a_backward_failing_after_speculative_updates_only_is_consistent(tmp_path):
+    """Speculative updates leave the homes alone, so a backward that fails after some of
+    them drops its gradients and the engine carries on (early updates would fail it)."""
+    data = batches(3)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "s", max_grad_norm=NEVER_CLIPS)) as engine:
+        train_offload(engine, data[:1])
+        before = engine.state_dict()
+        speculated = engine.stats()["speculative_updates"]
+        loss = gpt_loss(engine, data[1])
+        # the root's gradient hand-off comes after every block's: the blocks were speculated
+        with offload.faults.inject("optim.grad_ready", offload.faults.raising(RuntimeError("late")),
+                                   at=len(list(model.parameters()))):
+            with pytest.raises(RuntimeError, match="late"):
+                engine.backward(loss)
+        assert engine.stats()["speculative_updates"] > speculated
+        assert_same_state(engine.state_dict(), before)
+        train_offload(engine, data[1:])  # carries on
+
+
+def test_the_spare_homes_double_what_updates_write_on_their_tier(tmp_path):
+    """The disk cost, as planned and as allocated: every state an update writes twice."""
+    sizes = {}
+    for speculative in (True, False):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        cfg = config(tmp_path, str(speculative), dtype="bf16", max_grad_norm=1.0, speculative_updates=speculative)
+        with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+            sizes[speculative] = engine.stats()["nvme_bytes"]
+            units = [UnitSizes.of(u) for u in engine.units]
+            assert swap_bytes(units, engine.layout) == sizes[speculative]
+    assert sizes[True] == 2 * sizes[False]
+
+
+def test_host_spares_count_against_host_budget(tmp_path):
+    """speculative_updates=True with host-homed states plans (and checks) twice their bytes."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    cfg = offload.OffloadConfig(param_tier="host", optimizer_tier="host", max_grad_norm=1.0, speculative_updates=True)
+    on = Layout.resolve(cfg, torch.device("cpu"), None)
+    off = Layout.resolve(offload.OffloadConfig(param_tier="host", optimizer_tier="host", max_grad_norm=1.0),
+                         torch.device("cpu"), None)
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+        units = [UnitSizes.of(u) for u in engine.units]
+    assert on.speculative and not off.speculative
+    a, b = host_bytes(units, on), host_bytes(units, off)
+    assert a.moments == 2 * b.moments and a.compute_copies == 2 * b.compute_copies
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_speculative_updates_must_be_a_bool_or_none(value):
+    with pytest.raises(ValueError, match="speculative_updates"):
+        offload.OffloadConfig(speculative_updates=value)
