@@ -59,7 +59,10 @@ def batch(i):
 def config(dtype, tiers, swap_dir):
     param_tier, optimizer_tier = TIERS[tiers]
     return dict(dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=str(swap_dir),
-                device_budget=60_000, max_grad_norm=1.0 if tiers == "nvme-clipped" else None)
+                device_budget=60_000, max_grad_norm=1.0 if tiers == "nvme-clipped" else None,
+                # the serialized step of clipping (tests/test_optim_speculative.py has the failures
+                # of speculative updates)
+                speculative_updates=False if tiers == "nvme-clipped" else None)
 
 
 def make_engine(cfg):
