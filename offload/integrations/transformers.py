@@ -133,7 +133,8 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),
         ("parallelism_config", args.parallelism_config, "one process trains one engine"),
         ("torch_compile", args.torch_compile, "compiled graphs bypass the engine's per-unit hooks"),
-        ("fp16", args.fp16, "accelerate's GradScaler never sees the engine's gradients; use bf16=True"),
+        ("fp16", args.fp16, "the engine would scale the loss and skip overflowed steps itself, but the "
+                            "Trainer holds the LR schedule only for accelerate's own GradScaler skips; use bf16=True"),
         ("fp16_full_eval", args.fp16_full_eval, "the engine evaluates in its own dtype"),
         ("bf16_full_eval", args.bf16_full_eval, "the engine evaluates in its own dtype"),
         ("use_liger_kernel", args.use_liger_kernel, "it replaces modules after the engine cut the model into units"),
