@@ -62,9 +62,12 @@ def ids(seed=0):
 
 
 # ---------------------------------------------------------------------- shapes
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("meta", [False, True], ids=["eager", "meta"])
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
-def test_parameters_keep_shape_dtype_numel_and_device_after_wrap(meta, tiers, tmp_path):
+def test_parameters_keep_shape_dtype_numel_and_device_after_wrap(dtype, meta, tiers, tmp_path):
+    """[Note: released parameters] p.shape, p.dtype, p.numel() as before wrap, whatever the
+    compute dtype; while its unit is on the device a parameter shows its compute copy."""
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2)
     if meta:
         with torch.device("meta"):
@@ -73,14 +76,71 @@ def test_parameters_keep_shape_dtype_numel_and_device_after_wrap(meta, tiers, tm
         model = GPT(cfg)
     model.blocks[1].requires_grad_(False)
     before = {n: (p.shape, p.dtype, p.numel(), p.requires_grad) for n, p in model.named_parameters()}
+    assert {d for _, d, _, _ in before.values()} == {torch.float32}
     with offload.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
-                      config=config_for(tiers, tmp_path, device_budget=100_000)) as engine:
+                      config=config_for(tiers, tmp_path, device_budget=100_000, dtype=dtype)) as engine:
         after = {n: (p.shape, p.dtype, p.numel(), p.requires_grad) for n, p in model.named_parameters()}
         assert after == before
         assert all(p.device == engine.device for p in model.parameters())
+        seen = {}
+
+        def record(module, args):
+            seen.update((n, p.dtype) for n, p in module.named_parameters())
+        hook = engine.module.blocks[0].register_forward_pre_hook(record)  # after the engine's fetch
+        engine.backward(gpt_loss(engine, torch.randint(0, 64, (2, 17))))
+        hook.remove()
+        assert seen and set(seen.values()) == {engine.compute_dtype}  # the compute copy, in forward
+        engine.step()  # (fp16: the first step overflows and is skipped, its device copies kept)
+        engine.state_dict()  # the step's updates done
+        assert {n: (p.shape, p.numel(), p.requires_grad) for n, p in model.named_parameters()} == \
+            {n: (shape, numel, grad) for n, (shape, _, numel, grad) in before.items()}
+        for u in engine.units:
+            on_device = u.compute_state == offload.units.Residency.LOADED
+            for e in u.spec.entries:
+                assert e.param.dtype == (engine.compute_dtype if on_device else before[e.fqn][1]), e.fqn
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["eager", "meta"])
+def test_parameters_of_mixed_dtypes_keep_each_their_own(meta):
+    """One placeholder scratch per dtype: fp32, bf16 and fp16 parameters in one model each
+    report theirs after wrap and after a step, whatever the engine's compute dtype."""
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(cfg)
+    model.blocks[1].to(torch.bfloat16)
+    model.blocks[0].ln1.to(torch.float16)
+    before = {n: p.dtype for n, p in model.named_parameters()}
+    assert set(before.values()) == {torch.float32, torch.bfloat16, torch.float16}
+    with offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"]) as engine:
+        assert {n: p.dtype for n, p in model.named_parameters()} == before
         engine.backward(gpt_loss(engine, torch.randint(0, 64, (2, 17))))
         engine.step()
-        assert {n: (p.shape, p.dtype, p.numel(), p.requires_grad) for n, p in model.named_parameters()} == before
+        engine.state_dict()
+        assert {n: p.dtype for n, p in model.named_parameters()} == before
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_model_dtype_is_the_compute_dtype_inside_forward_so_masks_fit_the_scores(dtype, tmp_path):
+    """transformers reads model.dtype (the first parameter's) to build attention masks
+    (torch.finfo(dtype).min): the embeddings' unit is on the device for all of forward, so
+    there it is the compute dtype and an fp16 mask stays finite in fp16 scores; outside a
+    pass, the dtype from before wrap."""
+    cls, config = MODELS["llama"][0], MODELS["llama"][1]()
+    torch.manual_seed(0)
+    model = cls(config)
+    ids_ = ids()
+    mask = torch.ones_like(ids_)
+    mask[0, :3] = 0  # left padding: a mask with finfo.min in it
+    seen = []
+    with offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(TIERS["host"], dtype=dtype)) as engine:
+        assert model.dtype == torch.float32
+        model.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(model.dtype))
+        for _ in range(2):
+            out = engine(input_ids=ids_, attention_mask=mask, labels=ids_)
+            engine.backward(out.loss)
+            engine.step()
+            assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    assert set(seen) == {engine.compute_dtype}
 
 
 def test_a_transformers_model_reports_its_parameter_count_after_wrap(tmp_path):

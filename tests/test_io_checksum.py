@@ -297,3 +297,86 @@ def test_load_checkpoint_after_a_checksum_error_trains_on(tmp_path):
         after = engine.state_dict()
         assert all(torch.equal(saved[k], after[k]) for k in saved)
         train_offload(engine, batches(1, seed=9))
+
+
+# ------------------------------------------------------------------ zeroed extents
+def home_bytes(engine, *, moments):
+    """Bytes of the units' swap homes: the moments' or all but the moments'."""
+    return sum(h.nbytes for u in engine.units
+               for h in ([u.moments_home] if moments else [u.compute_home, u.master_home])
+               if h is not None and not isinstance(h, torch.Tensor))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_wrap_writes_no_zero_moments_and_the_first_step_checks_them(tmp_path, dtype):
+    """[Note: zeroed extents] The initial Adam moments are not written (the swap file holds
+    zeros there already): wrap writes the compute copies and masters only. The first step
+    reads those pages, checked against the CRC32C of a zero page, and passes; the results
+    are those of a run whose moments were written (test_golden pins them bit for bit)."""
+    _, engine = nvme_engine(tmp_path, dtype=dtype, max_grad_norm=1.0)
+    with engine:
+        moments = home_bytes(engine, moments=True)
+        assert moments > 0
+        assert engine.stats()["bytes_written_nvme"] == home_bytes(engine, moments=False)
+        read_before = engine.stats()["bytes_read_nvme"]
+        train_offload(engine, batches(1))
+        assert engine.stats()["bytes_read_nvme"] - read_before >= moments  # the moments were read
+        assert all(u.steps and min(u.steps) == 1 for u in engine.units if u.trainable)
+
+
+def test_a_changed_page_of_moments_never_written_fails_the_first_step(tmp_path):
+    """A page of the zero moments that wrap did not write is still checked: one changed in
+    the file before the first step stops that step, naming the place."""
+    _, engine = nvme_engine(tmp_path, max_grad_norm=1.0)  # every update in step()
+    with engine:
+        u = engine.units[1]
+        page = u.moments_home.nbytes // PAGE_BYTES - 1  # the last page of exp_avg_sq
+        flip_byte(u.moments_home, page * PAGE_BYTES + 17)
+        engine.backward(gpt_loss(engine, batches(1)[0]))
+        with pytest.raises(OSError) as caught:
+            engine.step()
+        assert caught.value.errno == errno.EIO
+        assert_names_the_place(caught.value.__cause__, u.name, u.moments_home,
+                               u.moments_home.offset + page * PAGE_BYTES)
+
+
+def test_moments_carried_from_an_optimizer_that_took_steps_are_written(tmp_path):
+    """Only zeros are skipped: an AdamW with state writes its moments home at wrap."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    gpt_loss(model, batches(1)[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                  device_budget=140 * 1024)
+    with offload.wrap(model, opt, config=config) as engine:
+        assert engine.stats()["bytes_written_nvme"] == \
+            home_bytes(engine, moments=False) + home_bytes(engine, moments=True)
+
+
+def test_nvme_tier_claims_a_zeroed_extent_once_and_never_after_a_write(tmp_path):
+    """[Note: zeroed extents] The bookkeeping itself: a new extent is claimable once; a
+    write into any part of one makes it unclaimable; so are extents that reuse freed bytes,
+    whose checksum pages start unknown instead of zero."""
+    from offload.tiers.nvme import NvmeTier
+
+    tier = NvmeTier(str(tmp_path / "swap"), 1 << 20, "auto", 1 << 20, 8)
+    try:
+        a, b, c = (tier.allocate(4 * PAGE_BYTES) for _ in range(3))
+        assert a.zeroed and b.zeroed and c.zeroed
+        assert tier.claim_zeroed(a) and not tier.claim_zeroed(a)
+        ones = aligned_empty(PAGE_BYTES).fill_(1)
+        tier.write(ones, Extent(b.path, b.offset + 2 * PAGE_BYTES, PAGE_BYTES)).wait()  # a piece of b
+        assert not tier.claim_zeroed(b)
+        assert tier.claim_zeroed(c)
+        buf = aligned_empty(4 * PAGE_BYTES)
+        tier.read(buf, c).wait()  # never written: zeros, checked against the zero page's CRC
+        assert int(buf.count_nonzero()) == 0
+        tier.space.free(b)
+        again = tier.allocate(4 * PAGE_BYTES)  # b's bytes, written before
+        assert (again.path, again.offset) == (b.path, b.offset) and not again.zeroed
+        assert not tier.claim_zeroed(again)
+        tier.read(buf, again).wait()  # unknown pages: not refused
+    finally:
+        tier.close()

@@ -28,6 +28,7 @@ args = json.loads(sys.argv[1])
 from transformers import LlamaConfig, LlamaForCausalLM
 config = LlamaConfig.from_pretrained(args["dir"])
 start = time.perf_counter()
+written = 0  # bytes the row writes to swap (the offload rows on NVMe)
 if args["row"].startswith("from_pretrained"):
     model = LlamaForCausalLM.from_pretrained(args["dir"])
     if args["row"].endswith("touched"):  # every value read once: the weights really in RAM
@@ -43,8 +44,10 @@ else:
         param_tier=args["tier"], optimizer_tier=args["tier"], swap_dir=args["swap"], dtype=args["dtype"],
         device_budget="1GiB"), weights=args["dir"])
     seconds = time.perf_counter() - start
+    written = engine.stats()["bytes_written_nvme"]
     engine.close()
-print(json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "written": written}))
 """
 
 SAVE = """
@@ -107,13 +110,14 @@ def main() -> None:
                     continue
                 row = name.replace(" touched", "-touched").split()[0]
                 results[name].append(json.loads(run(ROW, dict(extra, row=row, dir=model_dir, swap=swap))))
-        print(f"{'row':<20} {'seconds':>8} {'GB/s':>6} {'peak RSS GiB':>13}")
+        print(f"{'row':<24} {'seconds':>8} {'GB/s':>6} {'peak RSS GiB':>13} {'swap written GB':>16}")
         for name, got in results.items():
             for r in got:
-                print(f"{name:<20} {r['seconds']:8.2f} {file_bytes / 1e9 / r['seconds']:6.2f} "
-                      f"{r['peak_rss'] / 2**30:13.2f}")
+                print(f"{name:<24} {r['seconds']:8.2f} {file_bytes / 1e9 / r['seconds']:6.2f} "
+                      f"{r['peak_rss'] / 2**30:13.2f} {r['written'] / 1e9:16.2f}")
         print("GB/s: bytes of the safetensors file over the row's time (the offload rows also write "
-              "the optimizer state's homes)")
+              "the optimizer state's homes); swap written: the NVMe rows' bytes written at wrap "
+              "(a count, unlike the times not shared-machine noise)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

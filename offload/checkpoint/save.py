@@ -195,11 +195,15 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
         for fqn, mine in written["pieces"].items():
             pieces.setdefault(fqn, []).extend(mine)
     units = []
+    # An entry's values are those of the compute copy (frozen) or the fp32 master: its dtype
+    # is the compute dtype, as the parameter shows it while its unit is on the device; not
+    # p.dtype, which is the dtype from before wrap while released ([Note: released parameters]).
+    compute_dtype = access.compute_dtype
     for u in access.units:
         entries = []
         for k, e in enumerate(u.spec.entries):
             record = {"fqn": e.fqn, "names": aliases.get(e.param, [e.fqn]), "shape": list(e.shape),
-                      "numel": e.numel, "dtype": dtype_name(e.param.dtype), "trainable": e.trainable,
+                      "numel": e.numel, "dtype": dtype_name(compute_dtype), "trainable": e.trainable,
                       "pieces": sorted(pieces.get(e.fqn, []), key=lambda p: p["start"])}
             if e.trainable:
                 record.update(group_index=e.group_index, step=u.steps[k])

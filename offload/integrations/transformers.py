@@ -133,7 +133,8 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),
         ("parallelism_config", args.parallelism_config, "one process trains one engine"),
         ("torch_compile", args.torch_compile, "compiled graphs bypass the engine's per-unit hooks"),
-        ("fp16", args.fp16, "accelerate's GradScaler never sees the engine's gradients; use bf16=True"),
+        ("fp16", args.fp16, "the engine would scale the loss and skip overflowed steps itself, but the "
+                            "Trainer holds the LR schedule only for accelerate's own GradScaler skips; use bf16=True"),
         ("fp16_full_eval", args.fp16_full_eval, "the engine evaluates in its own dtype"),
         ("bf16_full_eval", args.bf16_full_eval, "the engine evaluates in its own dtype"),
         ("use_liger_kernel", args.use_liger_kernel, "it replaces modules after the engine cut the model into units"),
@@ -279,7 +280,7 @@ class OffloadTrainer(Trainer):
         """The global gradient norm before clipping of the update just made; None when the
         engine deferred that update's bookkeeping to the next pass (overlap_step_with_forward
         without clipping): it is not known yet."""
-        if not self.engine.debug.updates.step_pending:
+        if not self.engine.stats()["step_pending"]:
             return self.engine.stats()["grad_norm"]
         if not self._warned_grad_norm:
             self._warned_grad_norm = True

@@ -20,8 +20,11 @@ the pages it brought in with the table before anyone uses them: a mismatch is an
   failures] keeps those states in host RAM). A read is checked in its handle's ``wait()``
   once the transfer is done, on the thread that waits; whoever waits for a read (the staged
   step, a fetch, a whole-home load) gets checked bytes or the error, never the bytes alone.
-- Pages never written hold zeros (swap files are created zero-filled): the table starts at
-  the CRC of a zero page.
+- Pages never written hold zeros (swap files are created zero-filled): the table of an
+  extent allocated from such bytes (``Extent.zeroed``) starts at the CRC of a zero page,
+  known, so reads of pages never written are checked too, and the initial zero moments need
+  no write ([Note: zeroed extents] in offload/tiers/nvme.py); an extent reusing freed bytes
+  starts unknown, until written.
 - Threads ([Note: threads] in memory/layout.py): the tables are made when extents are
   allocated (wrap, main thread) and never resized; a request reads or writes only its own
   pages' entries, and requests that overlap in a file are never in flight together (the
@@ -57,13 +60,13 @@ class _ExtentSums:
 
     __slots__ = ("path", "offset", "nbytes", "crcs", "known")
 
-    def __init__(self, path: str, offset: int, nbytes: int, zero_crc: int) -> None:
+    def __init__(self, path: str, offset: int, nbytes: int, zero_crc: int, zeroed: bool) -> None:
         assert offset % PAGE_BYTES == 0
         self.path, self.offset, self.nbytes = path, offset, nbytes
         num_pages = -(-nbytes // PAGE_BYTES)
         self.crcs = torch.full((num_pages,), zero_crc - (1 << 32) if zero_crc >= 1 << 31 else zero_crc,
                                dtype=torch.int32)
-        self.known = torch.ones(num_pages, dtype=torch.uint8)
+        self.known = torch.full((num_pages,), int(zeroed), dtype=torch.uint8)
 
 
 def _whole_pages(offset: int, nbytes: int) -> Tuple[int, int]:
@@ -83,9 +86,10 @@ class SwapChecksums:
         self._starts: Dict[str, List[int]] = {}
         self._extents: Dict[str, List[_ExtentSums]] = {}
 
-    def track(self, extent: Any) -> None:
-        """Keep a page table for a newly allocated ``extent`` (path, offset, nbytes)."""
-        sums = _ExtentSums(extent.path, extent.offset, extent.nbytes, self._zero_crc)
+    def track(self, extent: Any, zeroed: bool = True) -> None:
+        """Keep a page table for a newly allocated ``extent`` (path, offset, nbytes); its pages
+        hold zeros when ``zeroed`` (never held by an extent before), else are unknown."""
+        sums = _ExtentSums(extent.path, extent.offset, extent.nbytes, self._zero_crc, zeroed)
         with self._lock:
             starts = self._starts.setdefault(extent.path, [])
             extents = self._extents.setdefault(extent.path, [])

@@ -9,7 +9,9 @@ Layout under ``swap_dir``:
 
 Extents are 4 KiB aligned so they can be moved with O_DIRECT. The allocator is first-fit over
 the files in creation order, with neighbours coalesced on free, so freeing everything makes
-the whole capacity one free range per file again.
+the whole capacity one free range per file again. An extent carved from bytes that no extent
+held before reads as zeros (the files are created zero-filled) and says so (``zeroed``); one
+that reuses freed bytes holds whatever was written there.
 
 [Note: swap directory trust]
 The swap directory may be shared (/tmp, a scratch mount), so nothing in it is trusted by
@@ -43,7 +45,7 @@ import stat
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from offload.io.probe import ALIGN_BYTES, probe_o_direct
@@ -60,6 +62,11 @@ class Extent:
     path: str
     offset: int
     nbytes: int
+    # Read as zeros when allocated: carved from bytes of its swap file that no extent held
+    # before (files are created zero-filled, fallocate or ftruncate). A fact about the
+    # allocation only: what was written to the extent since is the NVMe tier's to know
+    # ([Note: zeroed extents] in offload/tiers/nvme.py).
+    zeroed: bool = field(default=False, compare=False, repr=False)
 
 
 # A unit with no elements (a model's root when every parameter is in its blocks) has a home
@@ -89,6 +96,8 @@ class ExtentAllocator:
         self._paths: List[str] = []
         self._index_of: Dict[str, int] = {}
         self._free: List[List[Tuple[int, int]]] = []  # per file: sorted (offset, nbytes)
+        # per file: the end of the bytes any extent has held; beyond it the file is as created
+        self._high_water: List[int] = []
         self._allocated: Dict[Tuple[int, int], int] = {}  # (file, offset) -> nbytes
         self.capacity_bytes = 0
         self.used_bytes = 0
@@ -111,13 +120,16 @@ class ExtentAllocator:
         self._paths.append(path)
         self._index_of[path] = index
         self._free.append([(nbytes, size - nbytes)] if size > nbytes else [])
+        self._high_water.append(0)
         self.capacity_bytes += size
         return self._take(index, 0, nbytes)
 
     def _take(self, index: int, offset: int, nbytes: int) -> Extent:
         self._allocated[(index, offset)] = nbytes
         self.used_bytes += nbytes
-        return Extent(self._paths[index], offset, nbytes)
+        zeroed = offset >= self._high_water[index]  # no extent held these bytes before
+        self._high_water[index] = max(self._high_water[index], offset + nbytes)
+        return Extent(self._paths[index], offset, nbytes, zeroed=zeroed)
 
     def free(self, extent: Extent) -> None:
         index = self._index_of.get(extent.path)

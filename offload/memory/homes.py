@@ -56,6 +56,8 @@ class Homes:
         self._release_param = release_param
         self._stats = stats
         self._bind = bind
+        self._initial_buffers: Dict[str, torch.Tensor] = {}  # see _initial_buffer
+        self._num_written = 0
 
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> None:
@@ -119,11 +121,9 @@ class Homes:
         each parameter lets go of its storage once copied (the model's own storage is still
         held until wrap succeeds: [Note: a failed wrap changes nothing]), the moments are
         zeros."""
-        from offload.io import aligned_empty
-
         layout = self._layout
-        compute = aligned_empty(u.compute_numel * layout.compute_element_bytes, layout.compute_dtype).zero_()
-        master = torch.zeros(u.master_numel, dtype=torch.float32) \
+        compute = self._initial_buffer("compute", u.compute_numel, layout.compute_dtype)
+        master = self._initial_buffer("master", u.master_numel, torch.float32) \
             if not layout.merged or self._partition is not None else None
         for e in u.spec.entries:
             value = e.param.detach().reshape(-1).to("cpu")
@@ -146,6 +146,26 @@ class Homes:
             self._store_initial_moments(u)
         if layout.param_tier == "device":
             self._bind(u)
+        self._num_written += 1
+        if self._num_written == len(self._units):  # the last unit: wrap holds no buffer past here
+            self._initial_buffers.clear()
+
+    def _initial_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed, page-aligned buffer of ``numel`` ``dtype`` for write_initial_state,
+        reused from unit to unit (grown when a unit is larger): memory touched for the first
+        time is several times slower than memory reused (see offload/tiers/device.py), and
+        writing each unit from a new buffer made first touches a large part of wrap's time.
+        Every use is synchronous (written home before the next unit), so the reuse holds no
+        more than the largest unit needs, as one buffer per unit did; dropped after the last
+        unit. Zeroed on each use: the alignment gaps between parameters stay zeros."""
+        from offload.io import aligned_empty
+
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        buffer = self._initial_buffers.get(name)
+        if buffer is None or buffer.numel() < nbytes:
+            self._initial_buffers.pop(name, None)  # let go of the smaller one first
+            buffer = self._initial_buffers[name] = aligned_empty(nbytes)
+        return buffer[:nbytes].view(dtype).zero_()
 
     def _store_initial_moments(self, u: UnitState) -> None:
         """u's moments and step counts: zeros, or those the optimizer had (``adam_state``:
@@ -252,10 +272,13 @@ class Homes:
         self.store(sub_extent(u.spare.compute_home, start * size, rest * size), compute[start:])
 
     def store_zeros(self, home: Any) -> None:
-        """Zero a whole buffer at home (setup): on NVMe from one small zero buffer, written
+        """Zero a whole buffer at home (setup): on NVMe nothing to write when the extent reads
+        as zeros already ([Note: zeroed extents]), else from one small zero buffer, written
         piece by piece, all pieces in flight at once."""
         if isinstance(home, torch.Tensor):
             home.zero_()
+            return
+        if self._nvme.claim_zeroed(home):
             return
         from offload.io import aligned_empty
 

@@ -1,9 +1,25 @@
-"""The NVMe tier: extents of swap files, moved by the native I/O engine."""
+"""The NVMe tier: extents of swap files, moved by the native I/O engine.
+
+[Note: zeroed extents]
+Swap files are created zero-filled, and the initial Adam moments are zeros: writing them
+(twice the fp32 master, most of what wrap writes with the optimizer state on NVMe) would
+only write what the file already holds. So the tier remembers the extents it allocated from
+bytes no extent held before (``Extent.zeroed``) until anything is written into them, and
+``claim_zeroed`` lets the one caller that wants zeros there (Homes, zeroing the moments at
+wrap) skip the write. The swap checksums agree without a write: their page tables start at
+the CRC32C of a zero page for such extents ([Note: swap checksums]), so the first read of
+those pages is checked against zeros and a page changed behind the run's back is still
+caught. What this does not cover is written as before: moments carried over from the
+user's optimizer, a checkpoint load (which writes the moments it loads), extents that reuse
+freed bytes. A wrap that fails part-way closes the tier and removes the files, so no claim
+outlives it; ZeRO ranks each own their swap space, so each claims its own shard's extents.
+"""
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -80,12 +96,41 @@ class NvmeTier:
         self._count_lock = threading.Lock()  # the fetch path and the optimizer worker both move bytes
         self.recent: Deque[Tuple[bool, int, Any]] = collections.deque(maxlen=TRACE_REQUESTS)
         self.checksums: Optional[SwapChecksums] = SwapChecksums() if checksums else None
+        # [Note: zeroed extents] per swap file, the sorted (offset, end) of the extents that
+        # read as zeros: allocated zeroed, nothing written into them since, not yet claimed.
+        # Empty once wrap is done, so later writes only test it.
+        self._zeroed: Dict[str, List[Tuple[int, int]]] = {}
+        self._zeroed_lock = threading.Lock()  # writes come from the fetch path and the optimizer worker
 
     def allocate(self, num_bytes: int):
         extent = self.space.allocate(num_bytes)
         if self.checksums is not None:  # [Note: swap checksums]
-            self.checksums.track(extent)
+            self.checksums.track(extent, zeroed=extent.zeroed)
+        if extent.zeroed:
+            bisect.insort(self._zeroed.setdefault(extent.path, []), (extent.offset, extent.offset + extent.nbytes))
         return extent
+
+    def claim_zeroed(self, extent) -> bool:
+        """[Note: zeroed extents] True when ``extent`` (a whole extent from ``allocate``) reads
+        as zeros with nothing written: the caller may skip writing zeros there. Once only: it
+        is then the caller's, like any extent written."""
+        return self._forget_zeroed(extent.path, extent.offset, extent.nbytes, whole=True)
+
+    def _forget_zeroed(self, path: str, offset: int, nbytes: int, whole: bool = False) -> bool:
+        """Drop the zeroed extent that [offset, offset + nbytes) of ``path`` lies in (a write
+        into it, or a claim: ``whole``, which must match it exactly); True if there was one."""
+        with self._zeroed_lock:
+            ranges = self._zeroed.get(path)
+            if not ranges:
+                return False
+            position = bisect.bisect_right(ranges, (offset, float("inf"))) - 1
+            if position < 0 or offset >= ranges[position][1] or \
+                    (whole and ranges[position] != (offset, offset + nbytes)):
+                return False
+            del ranges[position]
+            if not ranges:
+                del self._zeroed[path]
+            return True
 
     def read(self, dst: torch.Tensor, extent, unit: str = ""):
         """Start reading ``extent`` into ``dst``; returns a handle with ``wait()``. ``unit``
@@ -105,6 +150,8 @@ class NvmeTier:
     def write(self, src: torch.Tensor, extent, unit: str = ""):
         """Start writing ``src`` to ``extent`` (see ``read`` for ``unit``)."""
         assert src.numel() * src.element_size() == extent.nbytes
+        if self._zeroed:  # [Note: zeroed extents] written: no longer known to be zeros
+            self._forget_zeroed(extent.path, extent.offset, extent.nbytes)
         with record_function(f"offload::swap_write::{unit}" if unit else "offload::swap_write"):
             handle = self.io.write_from(src, extent.path, extent.offset)
         with self._count_lock:
