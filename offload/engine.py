@@ -426,9 +426,9 @@ class Engine:
             "nonfinite_steps": s.counts["nonfinite_steps"],
             "loss_scale": self._gradients.loss_scale,
             "grad_norm": self._gradients.last_grad_norm,  # see Gradients.last_grad_norm
-            # [Note: deferred updates] True while the last step's updates and bookkeeping
-            # (grad_norm among it) finish during the next pass: grad_norm is the step before's
-            "step_pending": self._updates.step_pending,
+            # [Note: deferred updates] True while the last step's norm is taken during the
+            # next pass (no clipping): grad_norm is the step before's meanwhile
+            "grad_norm_pending": self._updates.norm_pending,
             "micro_steps": self._micro_step,  # micro-steps since wrap; a checkpoint restores it
             "num_units": len(self.units),
             # [zero] per rank: what this rank holds (gradient buffers as planned: the pool

@@ -295,22 +295,23 @@ def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path):
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
-def test_stats_step_pending_says_whether_grad_norm_is_the_last_steps(max_grad_norm, tmp_path):
-    """stats()["step_pending"] is True from a deferred step() until the pass that finishes
-    its bookkeeping (grad_norm still the step before's meanwhile); clipping needs the norm
-    inside step(), so with max_grad_norm no step is left pending."""
+def test_stats_grad_norm_pending_says_whether_grad_norm_is_the_last_steps(max_grad_norm, tmp_path):
+    """stats()["grad_norm_pending"] is True from a deferred step() until the pass that
+    finishes its bookkeeping (grad_norm still the step before's meanwhile); clipping needs
+    the norm inside step() (which may still defer the updates), so with max_grad_norm the
+    norm is never pending."""
     torch.manual_seed(0)
     model = Sleepy(4, 0.0)
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
                   device_budget=4096 * 8, prefetch_units=2, max_grad_norm=max_grad_norm)
     x = torch.randn(4, 32)
     with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-        assert engine.stats()["step_pending"] is False
+        assert engine.stats()["grad_norm_pending"] is False
         engine.backward(engine(x))
         engine.step()
         deferred = max_grad_norm is None
-        assert engine.stats()["step_pending"] is deferred
+        assert engine.stats()["grad_norm_pending"] is deferred
         assert (engine.stats()["grad_norm"] is None) is deferred
         engine.backward(engine(x))
-        assert engine.stats()["step_pending"] is False
+        assert engine.stats()["grad_norm_pending"] is False
         assert engine.stats()["grad_norm"] is not None

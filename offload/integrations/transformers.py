@@ -280,7 +280,7 @@ class OffloadTrainer(Trainer):
         """The global gradient norm before clipping of the update just made; None when the
         engine deferred that update's bookkeeping to the next pass (overlap_step_with_forward
         without clipping): it is not known yet."""
-        if not self.engine.stats()["step_pending"]:
+        if not self.engine.stats()["grad_norm_pending"]:
             return self.engine.stats()["grad_norm"]
         if not self._warned_grad_norm:
             self._warned_grad_norm = True

@@ -262,9 +262,9 @@ class Homes:
         if u.spare is None:
             return
         start = u.spec.frozen_start
-        rest = compute.numel() - start
-        if rest <= 0:
+        if start >= u.spec.total_numel:  # nothing frozen: the padding past the end is never read
             return
+        rest = compute.numel() - start
         if isinstance(u.spare.compute_home, torch.Tensor):
             u.spare.compute_home[start:].copy_(compute[start:])
             return

@@ -362,6 +362,11 @@ class UpdateScheduler:
         self._norm_pending = norm_pending
         self.step_pending = True
 
+    @property
+    def norm_pending(self) -> bool:
+        """A deferred step's gradient norm is still to be taken (settle_all takes it)."""
+        return self.step_pending and self._norm_pending
+
     def pending(self, u: UnitState) -> bool:
         """u's queued update, or its swap writes, are not done yet."""
         return u.update.ticket is not None and (
