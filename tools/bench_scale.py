@@ -35,7 +35,13 @@ run's swap bytes (offload plan's number; ~50 GB at 28 layers): the tool refuses 
 starting when it does not, naming the free bytes. What it creates there is removed at the
 end, also when a row fails, is killed, or the tool gets SIGTERM or Ctrl-C.
 
-    python3 tools/bench_scale.py --layers 4          # ~0.8 B params, a few minutes
+On a CPU without native bf16 matrix multiplies (no AVX512-BF16/AMX: the 2-core AVX2 VM
+this was written on) torch runs bf16 matmuls, and above all their backward, in a scalar
+fallback (cpublas_gemm_impl) about 5x slower than fp32 forward and far slower backward: the
+4-layer bf16 run's warm-up step alone took ~30 minutes there. Use --dtype fp32 (with about
+twice the --device-budget for the same room) for numbers on such a machine.
+
+    python3 tools/bench_scale.py --layers 4          # ~0.8 B params
     python3 tools/bench_scale.py                     # 28 layers: ~16 GiB RSS today, ~50 GB swap
 """
 from __future__ import annotations
@@ -143,7 +149,7 @@ def run_offload(spec: dict) -> dict:
                 probe[f"{phase}_read"] = b["bytes_read_nvme"] - a["bytes_read_nvme"]
                 probe[f"{phase}_written"] = b["bytes_written_nvme"] - a["bytes_written_nvme"]
             probe.update(forward_seconds=t1 - t0, backward_seconds=t2 - t1, step_call_seconds=t3 - t2,
-                         optimizer_seconds=s3["optimizer_seconds"], loss=float(loss))
+                         optimizer_seconds=s3["optimizer_seconds"], loss=loss.item())
             probes.append(probe)
         stats = engine.stats()
         if spec.get("trace"):
@@ -303,7 +309,8 @@ def parse_size(text: str):
 
 
 def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """``value`` formatted, or '-' as wide, when not measured."""
+    return format(value, spec) if value is not None else "-".rjust(len(format(0.0, spec)))
 
 
 def print_table(results: list, args, out=sys.stdout) -> None:
