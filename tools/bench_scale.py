@@ -22,10 +22,11 @@ Rows, each in a fresh subprocess of its own (peak RSS is ru_maxrss of that proce
                 and scaled to the parameter count. The note says which.
   io-only       no compute: the offload row's swap traffic of one step (the median bytes per
                 phase, spread over units as the engine's are) replayed through
-                offload.io.IOEngine, at the engine's default request sizes, against a file in
-                the swap dir (tools/bench_train.py's replayer: per unit, the compute copy read
-                in forward and again in backward, then the optimizer's reads and writes in
-                its pipelined order).
+                offload.io.IOEngine against a file in the swap dir, at the engine's request
+                sizes: fetches a whole unit each, waited for one by one, forward then
+                backward; the optimizer's reads and writes in pieces of
+                OPTIMIZER_PIECE_NUMEL fp32 elements per state, optimizer_pipeline_depth
+                deep (piece_replayer).
 
 "x bound" = step / max(compute-only, io-only): 1.0 means the step takes as long as its
 slower resource alone (issue #17's target: <= 1.3).
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import resource
@@ -227,20 +229,117 @@ def run_compute_only(spec: dict) -> dict:
                      f"scaled to {num_params / 1e9:.2f} B)")
 
 
-def run_io_only(spec: dict) -> dict:
-    sys.path.insert(0, str(TOOLS_DIR))
-    from bench_train import replayer  # the same replay as bench_train's io-only row
+@contextlib.contextmanager
+def piece_replayer(spec: dict):
+    """Yields (step, backend, bytes read, bytes written per step): step() replays the offload
+    row's median step (spec["pattern"]: its units and bytes per phase) with no compute,
+    through offload.io.IOEngine at the engine's request sizes, on a file of its own in
+    spec["swap_dir"] (removed when the context ends):
 
+      forward, then backward in reverse unit order: each unit's share of that phase's reads
+        in one request, waited for before the next (a fetch on use);
+      the optimizer: each unit's share of step()'s reads and of every write, in pieces of offload.units.OPTIMIZER_PIECE_NUMEL fp32
+        elements per state, as the staged step moves them, reads running
+        pipeline_depth - 1 pieces ahead and a slot's write-back finishing before the slot
+        is read into again (tools/bench_train.py's replay, with whole units instead).
+
+    The byte counts are the engine's; how they split between units follows the units'
+    sizes (compute copies for fetches, masters for the optimizer)."""
+    from offload.io import IOEngine, aligned_empty
+    from offload.units import OPTIMIZER_PIECE_NUMEL
+
+    units, phases = spec["pattern"]["units"], spec["pattern"]["phases"]
+    page = 4096
+
+    def split(total, weights):  # whole pages, in proportion
+        weight_sum = sum(weights) or 1
+        return [-(-int(total * w / weight_sum) // page) * page for w in weights]
+
+    compute_w = [u["compute_bytes"] for u in units]
+    master_w = [u["master_bytes"] for u in units]
+    # Forward and backward reads are fetches; step()'s are the optimizer's (with clipping
+    # every update runs inside step()).
+    forward = split(phases["forward_read"], compute_w)
+    backward = split(phases["backward_read"], compute_w)
+    opt_read = split(phases["optimizer_read"], master_w)
+    written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
+    opt_write = split(written, master_w)
+    piece_bytes = OPTIMIZER_PIECE_NUMEL * 4  # one fp32 state's piece: one request each
+
+    def pieces(total):
+        return [(o, min(piece_bytes, total - o)) for o in range(0, total, piece_bytes)]
+
+    compute_size = [max(a, b) for a, b in zip(forward, backward)]
+    opt_size = [max(a, b) for a, b in zip(opt_read, opt_write)]
+    offsets, cursor = [], 0
+    for c, o in zip(compute_size, opt_size):
+        offsets.append((cursor, cursor + c))
+        cursor += c + o
+    # The optimizer's requests, in order: (file offset, read bytes, write bytes) per piece.
+    requests = []
+    for i in range(len(units)):
+        reads, writes = dict(pieces(opt_read[i])), dict(pieces(opt_write[i]))
+        for o in sorted(set(reads) | set(writes)):
+            requests.append((offsets[i][1] + o, reads.get(o, 0), writes.get(o, 0)))
+    depth = spec["pipeline_depth"]
+    io_buf = aligned_empty(max(compute_size + [page]))
+    slots = [aligned_empty(piece_bytes) for _ in range(depth)]
+    workdir = tempfile.mkdtemp(prefix="io-only-", dir=spec["swap_dir"])
+    path = os.path.join(workdir, "swap.bin")
+    try:
+        with IOEngine(backend="auto", probe_dir=workdir) as io:
+            fill = aligned_empty(64 << 20).fill_(1)
+            for offset in range(0, cursor, fill.numel()):
+                io.write_from(fill[:min(fill.numel(), cursor - offset)], path, offset)
+            io.wait_all()
+            del fill
+
+            def step():
+                for i in range(len(units)):
+                    if forward[i]:
+                        io.read_into(io_buf[:forward[i]], path, offsets[i][0]).wait()
+                for i in reversed(range(len(units))):
+                    if backward[i]:
+                        io.read_into(io_buf[:backward[i]], path, offsets[i][0]).wait()
+                pending_reads, pending_writes = {}, {}
+
+                def issue_read(k):
+                    if k - depth in pending_writes:
+                        pending_writes.pop(k - depth).wait()
+                    offset, nread, _ = requests[k]
+                    pending_reads[k] = io.read_into(slots[k % depth][:nread], path, offset) if nread else None
+
+                for k in range(min(depth - 1, len(requests))):
+                    issue_read(k)
+                for k, (offset, _, nwrite) in enumerate(requests):
+                    handle = pending_reads.pop(k)
+                    if handle is not None:
+                        handle.wait()
+                    if nwrite:
+                        pending_writes[k] = io.write_from(slots[k % depth][:nwrite], path, offset)
+                    if k + depth - 1 < len(requests):
+                        issue_read(k + depth - 1)
+                io.wait_all()
+
+            yield step, io.backend, sum(forward) + sum(backward) + sum(opt_read), sum(opt_write)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_io_only(spec: dict) -> dict:
     seconds = []
-    with replayer(spec["pattern"], spec) as (step, backend, read, written):
+    with piece_replayer(spec) as (step, backend, read, written):
         for i in range(spec["warmup"] + spec["steps"]):
             start = time.perf_counter()
             step()
             if i >= spec["warmup"]:
                 seconds.append(time.perf_counter() - start)
+    from offload.units import OPTIMIZER_PIECE_NUMEL
     return dict(row="io-only", step_seconds_all=seconds, peak_rss_bytes=peak_rss_bytes(),
                 read_per_step=read, written_per_step=written,
-                note=f"replay of the offload row's median step through IOEngine ({backend})")
+                note=f"replay of the offload row's median step through IOEngine ({backend}): fetches "
+                     f"whole units, the optimizer in {OPTIMIZER_PIECE_NUMEL * 4 >> 20} MiB requests, "
+                     f"depth {spec['pipeline_depth']}")
 
 
 def worker_main(spec: dict) -> int:
