@@ -348,3 +348,16 @@ def test_bench_scale_table_gives_the_step_over_the_slower_of_compute_and_io(caps
     assert " 13.00    1.30 " in offload_line  # mean step 13 s over compute-only's 10 s
     assert "91% 100/110" in offload_line and "6/14/4" in offload_line  # hits / all uses
     assert "step / 10.00 s" in out
+
+
+def test_bench_scale_io_only_replays_the_rows_bytes_and_leaves_no_file(tmp_path):
+    bench = load_tool(SCALE_TOOL)
+    mib = 1 << 20
+    phases = dict(forward_read=24 * mib, backward_read=15 * mib, optimizer_read=72 * mib,  # whole pages a unit
+                  forward_written=0, backward_written=0, optimizer_written=72 * mib)
+    spec = dict(swap_dir=str(tmp_path), dtype="fp32", pipeline_depth=3, warmup=0, steps=2,
+                pattern={"units": [{"compute_bytes": 8 * mib, "master_bytes": 8 * mib}] * 3, "phases": phases})
+    row = bench.run_io_only(spec)
+    assert row["read_per_step"] == (24 + 15 + 72) * mib and row["written_per_step"] == 72 * mib
+    assert len(row["step_seconds_all"]) == 2 and "4 MiB requests" in row["note"]
+    assert list(tmp_path.iterdir()) == []
