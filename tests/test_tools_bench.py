@@ -361,3 +361,16 @@ def test_bench_scale_io_only_replays_the_rows_bytes_and_leaves_no_file(tmp_path)
     assert row["read_per_step"] == (24 + 15 + 72) * mib and row["written_per_step"] == 72 * mib
     assert len(row["step_seconds_all"]) == 2 and "4 MiB requests" in row["note"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_scale_compute_only_extrapolates_from_one_model_cut_short(monkeypatch, capsys):
+    bench = load_tool(SCALE_TOOL)
+    monkeypatch.setattr(bench, "LLAMA_3B", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+                                                max_position_embeddings=64))
+    spec = dict(layers=6, compute_layers=3, compute_steps=1, seq=8, dtype="fp32", adam_numel=4096)
+    row = bench.run_compute_only(spec)
+    assert "through 1 layer" in row["note"] and "extrapolated to 6" in row["note"]
+    assert row["step_seconds_all"][0] == row["forward_backward_seconds"] + row["adam_seconds"]
+    passes = [line for line in capsys.readouterr().err.splitlines() if "compute-only" in line]
+    assert len(passes) == 4 and "1 of 3 layers" in passes[0] and "3 of 3 layers" in passes[1]  # in turns

@@ -16,9 +16,10 @@ Rows, each in a fresh subprocess of its own (peak RSS is ru_maxrss of that proce
   compute-only  forward + backward of the same model in RAM (weights in --dtype, no
                 offload), plus the Adam kernel (offload's adam_step_flat, bf16 copy-out) over
                 every parameter. With --layers <= --compute-layers the whole model is run;
-                otherwise it is run with 1 and with --compute-layers layers, and the time is
-                extrapolated linearly in the number of layers (the embedding and the tied
-                head are the intercept). The Adam kernel is timed on --adam-numel elements
+                otherwise one model of --compute-layers layers is run through its first
+                layer and through all of them, in turns (time_forward_backward), and the
+                time is extrapolated linearly in the number of layers (the embedding and the
+                tied head are the intercept). The Adam kernel is timed on --adam-numel elements
                 and scaled to the parameter count. The note says which.
   io-only       no compute: the offload row's swap traffic of one step (the median bytes per
                 phase, spread over units as the engine's are) replayed through
@@ -170,25 +171,31 @@ def run_offload(spec: dict) -> dict:
                 nvme_bytes=stats["nvme_bytes"], num_units=stats["num_units"])
 
 
-def time_forward_backward(layers: int, spec: dict) -> float:
-    """Median seconds of --compute-steps forwards + backwards of the model with ``layers``
-    layers in RAM, after one warm-up (a full-size pass takes minutes on a small CPU)."""
+def time_forward_backward(sizes, spec: dict) -> dict:
+    """{layers: seconds} of a forward + backward of the model in RAM run through its first
+    ``layers`` decoder layers, for each of ``sizes``: one model of max(sizes) layers, cut
+    short through config.num_hidden_layers (LlamaModel runs self.layers[:that]). The sizes
+    take turns, one warm-up round and then --compute-steps rounds, and each keeps its
+    fastest pass: on a shared machine other jobs only ever add time, and turns spread what
+    they add over every size instead of skewing the one measured while it lasts."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
-    model = llama(layers, meta=False).to(dtype)
+    model = llama(max(sizes), meta=False).to(dtype)
     ids = batch(spec)
-    seconds = []
-    warmup = 1
-    for i in range(warmup + spec.get("compute_steps", 2)):
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        progress(f"compute-only, {layers} layers: forward + backward {time.perf_counter() - start:.1f} s")
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
+    best = {n: float("inf") for n in sizes}
+    for round_index in range(1 + spec.get("compute_steps", 2)):
+        for n in sizes:
+            model.config.num_hidden_layers = n
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            progress(f"compute-only, {n} of {max(sizes)} layers: forward + backward {seconds:.1f} s")
+            if round_index > 0:
+                best[n] = min(best[n], seconds)
     del model
-    return statistics.median(seconds)
+    return best
 
 
 def time_adam_per_param(spec: dict) -> float:
@@ -213,15 +220,17 @@ def run_compute_only(spec: dict) -> dict:
     layers, few = spec["layers"], spec["compute_layers"]
     num_params = sum(p.numel() for p in llama(layers, meta=True).parameters())
     if layers <= few:
-        forward_backward = time_forward_backward(layers, spec)
+        forward_backward = time_forward_backward([layers], spec)[layers]
         how = f"whole model in RAM ({layers} layers)"
     else:
-        one = time_forward_backward(1, spec)
-        many = time_forward_backward(few, spec)
+        times = time_forward_backward([1, few], spec)
+        one, many = times[1], times[few]
         per_layer = (many - one) / (few - 1)
         forward_backward = one + (layers - 1) * per_layer
-        how = (f"fwd+bwd {one:.2f} s at 1 layer, {many:.2f} s at {few}: {per_layer:.2f} s/layer, "
-               f"extrapolated to {layers}")
+        how = (f"fwd+bwd {one:.2f} s through 1 layer, {many:.2f} s through {few} (fastest of "
+               f"{spec.get('compute_steps', 2)} turns each): {per_layer:.2f} s/layer, extrapolated to {layers}")
+        if per_layer <= 0:
+            how += " (UNRELIABLE: the machine was busier during the shorter runs)"
     adam = time_adam_per_param(spec) * num_params
     return dict(row="compute-only", step_seconds_all=[forward_backward + adam], peak_rss_bytes=peak_rss_bytes(),
                 forward_backward_seconds=forward_backward, adam_seconds=adam,
@@ -483,7 +492,7 @@ def parse_args(argv=None):
                    help="compute-only runs the whole model up to this many layers, else 1 and this many "
                         "and extrapolates (default 4)")
     p.add_argument("--compute-steps", type=int, default=2,
-                   help="timed forward+backward passes of compute-only, after one warm-up (default 2)")
+                   help="compute-only: timed rounds after a warm-up one, the fastest kept (default 2)")
     p.add_argument("--adam-numel", type=int, default=50_000_000,
                    help="elements the compute-only row times the Adam kernel on (default 50M)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
