@@ -349,3 +349,35 @@ def test_prefetch_bytes_bounds_how_much_is_brought_ahead(tmp_path):
     assert misses0 > misses and hits0 < hits
     for k in state:
         assert torch.equal(state[k], state0[k]), k
+
+
+def test_the_recording_pass_counts_as_unplanned_and_the_replayed_ones_hit_with_a_big_tied_root(tmp_path):
+    """[Note: prefetch counters] The shape of issue 17's 3B run, scaled down: a tied
+    embedding in the root unit about 2.7 blocks large (its gradient reserve as large again),
+    room for 8 of 16 blocks, both tiers on NVMe, clipping on. The first step records the
+    trace: every fetch of it is unplanned, none a miss (they were 48 of the 3B run's 110
+    "misses" after two steps). Every later step replays it with no miss: forward needs 16
+    blocks, backward 15 (the last block of forward is still the unit in use)."""
+    torch.manual_seed(0)
+    layers, element_bytes = 16, 2
+    cfg = GPTConfig(vocab_size=4096, seq_len=32, d_model=128, num_heads=4, num_layers=layers)
+    model = GPT(cfg)
+    root_bytes = (cfg.vocab_size + cfg.seq_len + 2) * cfg.d_model * element_bytes
+    block_bytes = ((4 + 2 * cfg.mlp_ratio) * cfg.d_model ** 2 + (cfg.mlp_ratio + 6) * cfg.d_model) * element_bytes
+    budget = root_bytes + cfg.vocab_size * cfg.d_model * element_bytes + 8 * (block_bytes + 4096) + 8192
+    config = dict(param_tier="nvme", optimizer_tier="nvme", dtype="bf16", swap_dir=str(tmp_path),
+                  device_budget=budget, max_grad_norm=1.0)
+    batch = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+    counted = []
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        prefetcher = engine.debug.prefetcher
+        for _ in range(3):
+            before = (prefetcher.unplanned, prefetcher.hits, prefetcher.misses)
+            engine.backward(gpt_loss(engine, batch))
+            engine.step()
+            after = (prefetcher.unplanned, prefetcher.hits, prefetcher.misses)
+            counted.append(tuple(a - b for a, b in zip(after, before)))
+        stats = engine.stats()
+    uses = layers + layers - 1
+    assert counted == [(uses, 0, 0), (0, uses, 0), (0, uses, 0)]
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2 * uses, 0)

@@ -302,3 +302,75 @@ def test_bench_train_model_and_swap_checksums_reach_the_config():
     spec = {"row": "nvme-prefetch", "dtype": "fp32", "swap_dir": "/tmp/x", "swap_checksums": False}
     assert bench.offload_config(spec, 1 << 20)["swap_checksums"] is False
     assert bench.offload_config(dict(spec, swap_checksums=True), 1 << 20)["swap_checksums"] is True
+
+
+SCALE_TOOL = REPO_ROOT / "tools" / "bench_scale.py"
+
+
+def test_bench_scale_refuses_a_swap_dir_without_room_naming_the_free_bytes(tmp_path, monkeypatch, capsys):
+    bench = load_tool(SCALE_TOOL)
+    monkeypatch.setattr(bench.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 9 << 30, 1 << 30))
+    assert bench.main(["--layers", "1", "--swap-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{1 << 30:,} bytes free" in err and "--swap-dir" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_scale_removes_its_swap_dir_when_a_row_raises(tmp_path, monkeypatch):
+    bench = load_tool(SCALE_TOOL)
+
+    def failing_row(spec, timeout):
+        Path(spec["swap_dir"], "swap.bin").write_bytes(b"x" * 4096)  # as a killed engine leaves it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_row", failing_row)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--layers", "1", "--swap-dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_scale_table_gives_the_step_over_the_slower_of_compute_and_io(capsys):
+    bench = load_tool(SCALE_TOOL)
+    probe = dict(prefetch_hits=50, prefetch_misses=3, prefetch_late=7, prefetch_unplanned=2,
+                 forward_seconds=1.0, backward_seconds=2.0, step_call_seconds=3.0)
+    offload_row = dict(row="offload", step_seconds_all=[12.0, 14.0], wrap_seconds=5.0, peak_rss_bytes=2 << 30,
+                       wrap_peak_rss_bytes=1 << 30, probes=[probe, probe], num_params=10**9, num_units=5,
+                       device_peak_bytes=1 << 30, device_budget_bytes=3 << 30, nvme_bytes=8 << 30,
+                       phases=dict(bytes_read_nvme=4e9, bytes_written_nvme=2e9, fetch_wait_seconds=0.5,
+                                   optimizer_wait_seconds=0.25, optimizer_seconds=3.0))
+    rows = [offload_row,
+            dict(row="compute-only", step_seconds_all=[10.0], peak_rss_bytes=1 << 30, note="n"),
+            dict(row="io-only", step_seconds_all=[6.5], peak_rss_bytes=1 << 30, read_per_step=4e9,
+                 written_per_step=2e9, note="r")]
+    bench.print_table(rows, None)
+    out = capsys.readouterr().out
+    offload_line = next(line for line in out.splitlines() if line.startswith("offload "))
+    assert " 13.00    1.30 " in offload_line  # mean step 13 s over compute-only's 10 s
+    assert "91% 100/110" in offload_line and "6/14/4" in offload_line  # hits / all uses
+    assert "step / 10.00 s" in out
+
+
+def test_bench_scale_io_only_replays_the_rows_bytes_and_leaves_no_file(tmp_path):
+    bench = load_tool(SCALE_TOOL)
+    mib = 1 << 20
+    phases = dict(forward_read=24 * mib, backward_read=15 * mib, optimizer_read=72 * mib,  # whole pages a unit
+                  forward_written=0, backward_written=0, optimizer_written=72 * mib)
+    spec = dict(swap_dir=str(tmp_path), dtype="fp32", pipeline_depth=3, warmup=0, steps=2,
+                pattern={"units": [{"compute_bytes": 8 * mib, "master_bytes": 8 * mib}] * 3, "phases": phases})
+    row = bench.run_io_only(spec)
+    assert row["read_per_step"] == (24 + 15 + 72) * mib and row["written_per_step"] == 72 * mib
+    assert len(row["step_seconds_all"]) == 2 and "4 MiB requests" in row["note"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_scale_compute_only_extrapolates_from_one_model_cut_short(monkeypatch, capsys):
+    bench = load_tool(SCALE_TOOL)
+    monkeypatch.setattr(bench, "LLAMA_3B", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+                                                max_position_embeddings=64))
+    spec = dict(layers=6, compute_layers=3, compute_steps=1, seq=8, dtype="fp32", adam_numel=4096)
+    row = bench.run_compute_only(spec)
+    assert "through 1 layer" in row["note"] and "extrapolated to 6" in row["note"]
+    assert row["step_seconds_all"][0] == row["forward_backward_seconds"] + row["adam_seconds"]
+    passes = [line for line in capsys.readouterr().err.splitlines() if "compute-only" in line]
+    assert len(passes) == 4 and "1 of 3 layers" in passes[0] and "3 of 3 layers" in passes[1]  # in turns

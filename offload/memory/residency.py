@@ -150,7 +150,9 @@ class DeviceResidency:
             if new_use:
                 self._prefetcher.need(u.index)
                 u.grads_since_use = 0
-                self._prefetcher.count(hit=u.compute_state.value != Residency.HOME)
+                state = u.compute_state.value
+                self._prefetcher.count(on_device=state in (Residency.LOADED, Residency.IN_USE),
+                                       in_flight=state == Residency.LOADING)  # [Note: prefetch counters]
                 self.release_stale()
         self.fetch(u)
         self.prefetch()

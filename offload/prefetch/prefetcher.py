@@ -55,8 +55,11 @@ class Prefetcher:
         self._recording: List[int] = []
         self._position = 0
         self._diverged = False
+        # [Note: prefetch counters]
         self.hits = 0
+        self.late = 0
         self.misses = 0
+        self.unplanned = 0
 
     # -- pass lifecycle ---------------------------------------------------------------
     def begin_pass(self, key: Hashable) -> None:
@@ -120,9 +123,29 @@ class Prefetcher:
         """Traces kept now (at most ``MAX_TRACES``)."""
         return len(self._traces)
 
-    def count(self, hit: bool) -> None:
-        if hit:
+    def count(self, *, on_device: bool, in_flight: bool) -> None:
+        """[Note: prefetch counters] One new use of a unit (after ``need``), by where its
+        compute copy was:
+
+          unplanned  no trace was being replayed: the first pass of a kind (which records
+                     its trace), a pass with prefetch off, or the rest of a pass that left its
+                     trace ([Note: divergence]). Fetched on demand by design, whatever
+                     happened to be resident, so it says nothing about the plan.
+          hit        replaying, and the copy on the device or on its way;
+          late       of the hits, those still on their way (the pass waits for the rest of
+                     the transfer: the horizon or the disk was short, not the plan);
+          miss       replaying, and the copy still at home: the plan did not start it (the
+                     budget, the horizon, an update it had to wait for).
+
+        Counting the recording pass as misses made the first steps of a long model look like
+        a failing prefetcher: a 28-layer model's first step is 48 on-demand fetches, which
+        were 48 of the 110 "misses" after two steps, while every fetch of the second step
+        was a hit."""
+        if not self.replaying:
+            self.unplanned += 1
+        elif on_device or in_flight:
             self.hits += 1
+            self.late += in_flight
         else:
             self.misses += 1
 
