@@ -437,6 +437,7 @@ class Engine:
             "parameter_bytes": self._homes.parameter_bytes(),
             "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES,
             "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
+            "failed_gradient_spills": s.counts["failed_gradient_spills"],
             "gradient_bucket_peak_bytes":
                 self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }

@@ -17,7 +17,7 @@ from offload.errors import EngineFailedError
 from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget
 
-from support import CFG, assert_same_state, batches, gpt_loss, make_opt, wrap_swap_io
+from support import CFG, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, wrap_swap_io
 
 # The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
 MIXED_NORM = 6.0
@@ -192,6 +192,31 @@ def test_a_failed_spilled_gradient_read_fails_the_engine_until_a_checkpoint_is_l
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        assert losses == plain[0]
+        assert_same_state(engine.state_dict(), plain[1])
+
+
+def test_a_failed_spill_write_keeps_the_gradients_in_ram(tmp_path):
+    """Without early updates the only writes in backward are spills: the first fails
+    (scribbling over the extent), that unit's gradients stay in RAM, and the run is still
+    the unspilled run bit for bit."""
+    kw = dict(max_grad_norm=MIXED_NORM, speculative_updates=False)
+    budget, _ = smallest_budget(tmp_path, **kw)
+    data = batches(2)
+    plain = train(tmp_path, "plain", data, **kw)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "spilled", host_budget=budget, **kw)) as engine:
+        faulty = wrap_swap_io(engine, FaultyIO, errno.ENOSPC, fail_write=1)
+        losses = []
+        for b in data:
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        stats = engine.stats()
+        assert faulty.writes > 1 and stats["failed_gradient_spills"] == 1 and stats["spilled_gradient_bytes"] > 0
         assert losses == plain[0]
         assert_same_state(engine.state_dict(), plain[1])
 
