@@ -64,7 +64,11 @@ def train(tmp_path, name, data, **kw):
 def test_spilled_run_equals_the_unspilled_run_bit_for_bit(dtype, clip, speculative, accumulation, tmp_path):
     """Gradients spilled (the smallest budget: one unit's gradients stay in RAM) and read
     back for the speculative redo, the staged step or the next micro-step's accumulation:
-    losses, weights, optimizer states and norms are the unspilled run's."""
+    losses, weights, optimizer states and norms are the unspilled run's. Without speculative
+    updates the host tier's peak is at most the budget plus one unit's gradients (a unit
+    read back for accumulation, or the gradient a hook just took, before others go); with
+    them, units whose updates are in flight on the worker are not spilled, so how far the
+    peak goes past the budget depends on the worker's backlog (not asserted)."""
     kw = dict(dtype=dtype, max_grad_norm=NEVER_CLIPS if clip == "never" else MIXED_NORM,
               speculative_updates=speculative, gradient_accumulation_steps=accumulation)
     budget, planned = smallest_budget(tmp_path, **kw)
@@ -76,7 +80,9 @@ def test_spilled_run_equals_the_unspilled_run_bit_for_bit(dtype, clip, speculati
     assert_same_state(spilled[1], plain[1])
     assert spilled[3] == plain[3], "grad norms differ"
     assert spilled[2]["spilled_gradient_bytes"] > 0 and plain[2]["spilled_gradient_bytes"] == 0
-    assert spilled[2]["host_peak_bytes"] <= budget + planned.gradients // 2
+    if not speculative:  # no update runs in backward
+        unit_bytes = (budget - (planned.total - planned.gradients)) // 2  # the smallest budget has two
+        assert spilled[2]["host_peak_bytes"] <= budget + unit_bytes
 
 
 RSS_SCRIPT = textwrap.dedent('''

@@ -178,10 +178,14 @@ class Gradients:
     def _spill_over_allowance(self, current: UnitState) -> None:
         """Spill units until the gradients in RAM are within the allowance: units backward
         is done with first (all their gradients came in since they were last needed), the
-        one whose gradient just arrived last."""
+        one whose gradient just arrived last, and only once it has them all (spilled part-
+        way, its next gradient would read it back at once)."""
+        def done(u: UnitState) -> bool:
+            return u.grads_since_use >= len(u.trainable)
+
         candidates = [u for u in self._units if u is not current and self._spillable(u)]
-        candidates.sort(key=lambda u: u.grads_since_use < len(u.trainable))  # stable
-        if self._spillable(current):
+        candidates.sort(key=lambda u: not done(u))  # stable
+        if done(current) and self._spillable(current):
             candidates.append(current)
         for u in candidates:
             if self._ram_bytes <= self._allowance_bytes:
