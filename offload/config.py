@@ -125,7 +125,10 @@ class OffloadConfig:
 
     host_budget: Size = None
     """Bytes of host RAM the runtime may hold: fp32 gradients, staging buffers and whatever
-    state has its home on the host. None: no limit."""
+    state has its home on the host. None: no limit. With a CPU device, one rank and a tier
+    on NVMe, a budget below the step's fp32 gradients is met by spilling units' gradients
+    to NVMe and reading them back for their update ([Note: gradient spill]); wrap refuses
+    a budget below the fixed host needs plus two units' gradients, naming the sizes."""
 
     param_tier: str = "host"
     """Home of the compute copy of the parameters: "device", "host" or "nvme"."""

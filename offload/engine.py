@@ -158,6 +158,7 @@ class Engine:
             if needs_nvme:
                 self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
+            self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
@@ -438,6 +439,8 @@ class Engine:
             "optimizer_state_bytes": self._homes.optimizer_state_bytes(),
             "parameter_bytes": self._homes.parameter_bytes(),
             "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES,
+            "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
+            "failed_gradient_spills": s.counts["failed_gradient_spills"],
             "gradient_bucket_peak_bytes":
                 self._partition.bucket_peak_bytes if self._partition is not None else 0,
         }

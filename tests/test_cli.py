@@ -210,8 +210,12 @@ def test_plan_bytes_agree_with_what_the_engine_allocates(tiers, dtype, tmp_path)
         assert engine.stats()["nvme_bytes"] == placement.nvme_bytes
     with pytest.raises(ValueError, match="device_budget"):
         wrap(device_budget=placement.device_bytes - 1)
-    with pytest.raises(ValueError, match="host_budget"):
-        wrap(host_budget=placement.host_bytes - 1)
+    if "nvme" in tiers:  # [Note: gradient spill] a smaller host budget spills gradients
+        with wrap(host_budget=placement.host_bytes - 1) as engine:
+            assert engine.stats()["nvme_bytes"] > placement.nvme_bytes  # the gradient extents
+    else:
+        with pytest.raises(ValueError, match="host_budget"):
+            wrap(host_budget=placement.host_bytes - 1)
 
 
 def test_doctor_passes_on_a_writable_directory(tmp_path):

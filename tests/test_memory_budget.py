@@ -8,8 +8,8 @@ import offload
 from offload.config import OffloadConfig
 from offload.gpt import GPT, GPTConfig
 from offload.memory.budget import (
-    check_device_budget, check_host_budget, host_bytes, minimum_device_budget, model_unit_sizes,
-    swap_bytes)
+    check_device_budget, check_host_budget, host_bytes, minimum_device_budget, minimum_host_budget,
+    model_unit_sizes, swap_bytes)
 from offload.memory.layout import Layout
 from offload.plan import place, shape_from_module
 
@@ -51,8 +51,10 @@ def test_budget_of_an_unwrapped_model_is_what_wrap_reports_and_plan_prints(tiers
         stats = engine.stats()
         assert stats["device_budget_bytes"] == arena.budget_bytes
         assert stats["nvme_bytes"] == swap_bytes(sizes, layout)
+    # [Note: gradient spill] below that, gradients go to NVMe where a tier is there; below
+    # minimum_host_budget wrap refuses
     with pytest.raises(ValueError, match="host_budget"):
-        wrap(build(), **config, host_budget=host.total - 1)
+        wrap(build(), **config, host_budget=minimum_host_budget(sizes, layout) - 1)
     with torch.device("meta"):
         placement = place(shape_from_module(build(), "gpt"), dtype, *tiers)
     assert placement.device_bytes == arena.minimum_bytes
@@ -80,7 +82,7 @@ def test_minimum_device_budget_is_the_smallest_wrap_accepts(param_tier, tmp_path
 def test_host_budget_error_is_the_budget_modules(tmp_path):
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path), dtype="bf16")
     sizes = sizes_of("bf16")
-    budget = host_bytes(sizes, layout_of(**config)).total - 1
+    budget = minimum_host_budget(sizes, layout_of(**config)) - 1
     with pytest.raises(ValueError, match="host_budget") as refused:
         wrap(build(), **config, host_budget=budget)
     with pytest.raises(ValueError) as computed:

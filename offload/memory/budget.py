@@ -4,7 +4,9 @@ allocated; ``offload plan`` and tools/bench_train.py call it on models they neve
 
 Everything here is a pure function of per-unit sizes (``UnitSizes``, in elements, padded to
 whole pages as the buffers are) and the run's ``Layout``. A budget that is too small is a
-ValueError naming ``device_budget`` or ``host_budget`` and the bytes needed.
+ValueError naming ``device_budget`` or ``host_budget`` and the bytes needed. A host budget
+below the step's fp32 gradients is met by spilling them to NVMe when the run can
+(``gradient_spill``, [Note: gradient spill] in optim/gradients.py).
 """
 from __future__ import annotations
 
@@ -148,6 +150,9 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
             elif not layout.merged:
                 total += copies * u.state_numel * FP32_BYTES
             total += copies * 2 * u.state_numel * FP32_BYTES
+    spill = gradient_spill(units, layout)
+    if spill is not None:  # [Note: gradient spill] one gradient extent per trainable unit
+        total += sum(unit_gradient_bytes(u) for u in units if u.trainable)
     return total
 
 
@@ -252,12 +257,73 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     return HostBytes(grads, compute, master, moments, staging, fetch)
 
 
+def unit_gradient_bytes(u: UnitSizes) -> int:
+    """A unit's fp32 gradients as one flat buffer, padded to whole pages (its gradient
+    extent on NVMe, the spill's bounce buffer, a read-back buffer)."""
+    return padded_numel(u.grad_numel, FP32_BYTES) * FP32_BYTES
+
+
+@dataclass(frozen=True)
+class GradientSpill:
+    """[Note: gradient spill] How much of the step's gradients may stay in host RAM."""
+
+    allowance_bytes: int   # gradients held in RAM before units are spilled
+    bounce_bytes: int      # the one buffer a unit's gradients are written from
+
+
+def _can_spill(layout: Layout) -> bool:
+    # adopted gradients only: [zero] several ranks and CUDA keep flat pooled buffers
+    return layout.adopts_grads and layout.device.type == "cpu"
+
+
+def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[GradientSpill]:
+    """[Note: gradient spill] None when the host budget holds every gradient of a step (or
+    there is none); else the gradient bytes that may stay in RAM, or a ValueError naming
+    host_budget and the sizes when even spilling cannot fit the run: the fixed host needs
+    plus a bounce buffer and one unit's gradients (the unit backward is producing)."""
+    budget = layout.host_budget
+    if budget is None or not _can_spill(layout):
+        return None
+    planned = host_bytes(units, layout)
+    if planned.total <= budget:
+        return None
+    fixed = planned.total - planned.gradients
+    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v and k != "fp32 gradients")
+    if not layout.needs_nvme:
+        raise ValueError(
+            f"host_budget: {format_size(budget)} ({budget} bytes) is below the step's fp32 gradients "
+            f"({format_size(planned.gradients)}) plus the rest of the host needs ({detail or 'none'}); "
+            "gradients beyond the budget are spilled to NVMe, which needs a tier on NVMe "
+            "(param_tier or optimizer_tier 'nvme' and swap_dir)")
+    needed = fixed + 2 * largest
+    if budget < needed:
+        raise ValueError(
+            f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this configuration "
+            f"holds {detail or 'nothing else'} on the host, plus {format_size(largest)} for one unit's "
+            f"gradients and {format_size(largest)} to spill them to NVMe (of "
+            f"{format_size(planned.gradients)} fp32 gradients in all); at least {needed} bytes are needed")
+    return GradientSpill(budget - fixed - largest, largest)
+
+
+def minimum_host_budget(units: Sequence[UnitSizes], layout: Layout) -> int:
+    """The smallest ``host_budget`` wrap accepts: every byte of ``host_bytes``, or, where
+    gradients can be spilled (a CPU device, one rank, a tier on NVMe), the fixed needs, a
+    bounce buffer and the largest unit's gradients ([Note: gradient spill])."""
+    planned = host_bytes(units, layout)
+    if not (_can_spill(layout) and layout.needs_nvme):
+        return planned.total
+    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    return min(planned.total, planned.total - planned.gradients + 2 * largest)
+
+
 def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
-    """What a run holds on the host, or a ValueError naming host_budget when that is more."""
+    """What a run holds on the host, or a ValueError naming host_budget when that is more
+    (gradients beyond the budget spilled to NVMe are not: see ``gradient_spill``)."""
     planned = host_bytes(units, layout)
     budget = layout.host_budget
     needed = planned.total
-    if budget is not None and needed > budget:
+    if budget is not None and needed > budget and gradient_spill(units, layout) is None:
         detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v)
         raise ValueError(
             f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this "

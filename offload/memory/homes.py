@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.memory.budget import SlotShape, compute_home_numel, low_numel
+from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
+                                   unit_gradient_bytes)
 from offload.memory.layout import Layout, SpareHomes, StagingSlot, UnitState, sub_extent
 from offload.optim import join_master, split_master
 from offload.tiers.nvme import wait_all
@@ -85,6 +86,10 @@ class Homes:
                     u.spare = SpareHomes(self._like(layout.param_tier, u.compute_home),
                                          self._like(layout.optimizer_tier, u.master_home),
                                          self._like(layout.optimizer_tier, u.moments_home), list(u.steps))
+        if gradient_spill([UnitSizes.of(u) for u in self._units], layout) is not None:
+            for u in self._units:  # [Note: gradient spill] where a unit's gradients may go
+                if u.trainable:
+                    u.grad_home = self._nvme.allocate(unit_gradient_bytes(UnitSizes.of(u)))
         if layout.param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.

@@ -11,10 +11,11 @@ write, so the rule for every field of it and of the mechanism objects lives here
 - The main thread (the caller's) runs every public verb and every hook (autograd runs them
   on the thread that runs backward, while the caller blocks), so it writes the hook and
   gradient fields (calls, backward_done, grads_since_use, has_grad, grad, param_grads,
-  early_grad_squares), and it alone moves ``compute_state`` and ``device_offset``,
-  publishes ``pending``/``ready_event`` (memory/residency.py), runs the step with clipping,
-  fp16 or ZeRO and every collective except stage 3's gathers, and owns the engine's own
-  fields (micro-step, failure state).
+  early_grad_squares), spills gradients (``grad_spilled``, ``spilled_grad_squares``:
+  [Note: gradient spill], only of units with no update queued or running), and it alone
+  moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
+  (memory/residency.py), runs the step with clipping, fp16 or ZeRO and every collective
+  except stage 3's gathers, and owns the engine's own fields (micro-step, failure state).
 - The copy worker (``offload-copy``, DeviceResidency) runs the transfers of a fetch into
   the device slot it was handed and stage-3 all-gathers ([Note: parameter all-gathers]):
   it writes tensor data in the slot, no field.
@@ -24,7 +25,8 @@ write, so the rule for every field of it and of the mechanism objects lives here
   home, ``steps`` and ``update.home_writes``, PipelinedStep's ring fields (its docstring
   says when the main thread may read them), and gives the unit's gradients back (under the
   gradient pool's lock and HostTier's). The main thread reads what the worker wrote only
-  after waiting for the unit's ticket.
+  after waiting for the unit's ticket. An update of a spilled unit reads its gradients
+  back (``Gradients.grad_range``) on the thread that runs it, which then owns them.
 - The native I/O threads hold no Python state; a request completes through its handle.
 Shared counters have locks of their own: Stats, NvmeTier (bytes, recent requests),
 HostTier (used bytes); the Timeline appends to deques (atomic).
@@ -32,7 +34,7 @@ HostTier (used bytes); the Timeline appends to deques (atomic).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -180,6 +182,12 @@ class UnitState:
         # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
         self.grad: Optional[torch.Tensor] = None
         self.param_grads: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
+        # [Note: gradient spill] the unit's gradient extent on NVMe (None: never spilled),
+        # whether this step's gradients are there and not in RAM, and their per-parameter
+        # squared norms, taken before they were written (the step's norm sums them)
+        self.grad_home: Any = None
+        self.grad_spilled = False
+        self.spilled_grad_squares: List[Tuple[int, torch.Tensor]] = []
         # [zero] The part of the trainable prefix whose master/moments this rank keeps and
         # updates (all of it on one process), the grad buffer's length and the element of
         # the trainable prefix at grad[0]. The engine sets them from Partition.assign.

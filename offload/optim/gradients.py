@@ -14,6 +14,38 @@ gradients between steps, no copy is made, and the memory of the gradients of one
 is that of plain PyTorch, given back as units are updated. The tier accounts these tensors
 like its own buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts
 them as moved.
+
+[Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's fp32
+gradients do not fit beside the fixed host needs (``memory.budget.gradient_spill``: the
+budget minus everything else and one bounce buffer is the *allowance*), each trainable unit
+gets a gradient extent on NVMe at wrap, and the main thread, after every gradient hook,
+writes whole units' gradients there until those held in RAM are within the allowance.
+Invariants:
+- Only a unit with no update queued or running is spilled (its ticket is None or done):
+  the thread that updates a unit owns its gradients, so spill and update never race. A
+  speculative update has run by then ([Note: speculative updates]); a unit that will still
+  be updated early is spilled only if the allowance needs it, and read back by its update.
+- A unit is spilled whole: every gradient it holds, copied into the one bounce buffer (or
+  written from its flat read-back buffer), one synchronous write; its RAM is released
+  only once the write succeeded. A failed write keeps the gradients in RAM and the step
+  goes on (``failed_gradient_spills``).
+- The per-parameter squared norms are taken before the write (``spilled_grad_squares``)
+  and ``scale_and_skip`` sums them in the step's own order: the norm, and so the clip
+  coefficient, is the unspilled run's to the bit.
+- Reading back: whoever needs the values calls ``grad_range``, which reads the whole unit
+  into a flat buffer (``UnitState.grad``, released after the update like the adopted
+  tensors) on the thread that runs the update: the staged step, an early, speculative-redo
+  or deferred update. A failed read raises there, inside the update, which the step's
+  failure rules make fatal ([Note: swap I/O failures]): the engine refuses until a
+  checkpoint is loaded. Nothing is half-committed: the unit's homes are not written
+  before its gradients are in RAM.
+- Accumulation (gradient_accumulation_steps > 1): a gradient arriving for a spilled unit
+  first reads the unit back, then adds to the flat buffer (the same fp32 additions in the
+  same order as into autograd's tensors), and the unit may be spilled again.
+- zero_grad forgets the mark (nothing on disk is freed; the next spill overwrites it).
+The bound is soft: units whose updates are queued or running, a gradient hook's own
+tensor and the read-back buffer of the unit being updated may hold RAM beyond the
+allowance for a while. Not with CUDA or [zero] several ranks (flat pooled buffers).
 """
 from __future__ import annotations
 
@@ -25,9 +57,10 @@ import torch
 from torch import nn
 
 from offload import faults
-from offload.memory.layout import Layout, UnitState
+from offload.memory.budget import UnitSizes, gradient_spill
+from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.stats import Stats
-from offload.tiers import DeviceTier, HostTier
+from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import ParamEntry
 from offload.zero import Partition
 
@@ -61,6 +94,14 @@ class Gradients:
         # [Note: gradient pool] free flat buffers by element count
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
+        # [Note: gradient spill] the allowance (None: no spill), the bounce buffer, the
+        # NVMe tier (spill_through), the gradient bytes held in RAM (under the pool's lock)
+        spill = gradient_spill([UnitSizes.of(u) for u in units], layout)
+        self._allowance_bytes = None if spill is None else spill.allowance_bytes
+        self._bounce_numel = 0 if spill is None else spill.bounce_bytes // FP32_BYTES
+        self._bounce: Optional[torch.Tensor] = None
+        self._nvme: Optional[NvmeTier] = None
+        self._ram_bytes = 0
         # fp16 loss scaling: the scale and the finite steps since it last changed
         self.loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
         self.good_steps = 0
@@ -82,14 +123,17 @@ class Gradients:
         e = u.trainable[k]
         sharded_grads = self._partition is not None and self._partition.shards_gradients
         src = grad.reshape(-1)
-        if self._layout.adopts_grads:  # [Note: gradient ownership]
+        if u.grad_spilled:  # [Note: gradient spill] accumulating onto spilled gradients
+            self._read_back(u)
+        if self._layout.adopts_grads and u.grad is None:  # [Note: gradient ownership]
             if u.has_grad[k]:
                 u.param_grads[k].add_(src)
             else:
                 # fp32: autograd's own tensor (exclusively the parameter's, which is why
                 # PyTorch accumulates into it in place); 16-bit: a new fp32 copy
                 u.param_grads[k] = src if src.dtype == torch.float32 else src.to(torch.float32)
-                self._host.adopt(u.param_grads[k])
+                self._host.adopt(u.param_grads[k], planned=self._allowance_bytes is None)
+                self._count_ram(e.numel * FP32_BYTES)
         else:
             if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
                 dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
@@ -110,6 +154,78 @@ class Gradients:
         u.grads_since_use += 1
         if self._early_updates() and u.grads_since_use >= len(u.trainable):
             self._maybe_update_early()
+        if self._allowance_bytes is not None and self._ram_bytes > self._allowance_bytes:
+            self._spill_over_allowance(u)
+
+    # ------------------------------------------------------------------ spill
+    def spill_through(self, nvme: Optional[NvmeTier]) -> None:
+        """[Note: gradient spill] The NVMe tier the gradient extents are on, and the bounce
+        buffer, planned with the fixed host needs (wrap)."""
+        self._nvme = nvme
+        if self._allowance_bytes is not None:
+            self._bounce = self._host.allocate(self._bounce_numel, torch.float32)
+
+    def _count_ram(self, num_bytes: int) -> None:
+        with self._grad_pool_lock:
+            self._ram_bytes += num_bytes
+
+    def _spillable(self, u: UnitState) -> bool:
+        """u's gradients are in RAM and no update of u is queued or running."""
+        ticket = u.update.ticket
+        return u.grad_home is not None and not u.grad_spilled and (ticket is None or ticket.done()) and \
+            (u.grad is not None or any(g is not None for g in u.param_grads))
+
+    def _spill_over_allowance(self, current: UnitState) -> None:
+        """Spill units until the gradients in RAM are within the allowance: units backward
+        is done with first (all their gradients came in since they were last needed), the
+        one whose gradient just arrived last, and only once it has them all (spilled part-
+        way, its next gradient would read it back at once)."""
+        def done(u: UnitState) -> bool:
+            return u.grads_since_use >= len(u.trainable)
+
+        candidates = [u for u in self._units if u is not current and self._spillable(u)]
+        candidates.sort(key=lambda u: not done(u))  # stable
+        if done(current) and self._spillable(current):
+            candidates.append(current)
+        for u in candidates:
+            if self._ram_bytes <= self._allowance_bytes:
+                break
+            self._spill(u)
+
+    @torch.no_grad()
+    def _spill(self, u: UnitState) -> None:
+        """Write u's gradients to its extent and release their RAM; a failed write keeps
+        them in RAM."""
+        squares = [(k, self.squares(u, k)) for k in range(len(u.trainable)) if u.has_grad[k]]
+        numel = u.grad_home.nbytes // FP32_BYTES
+        if u.grad is not None:  # read back earlier (accumulation): written as it is
+            src = u.grad
+        else:
+            src = self._bounce[:numel]
+            for k, e in enumerate(u.trainable):
+                if u.param_grads[k] is not None:
+                    src[e.offset:e.offset + e.numel].copy_(u.param_grads[k])
+        try:
+            self._nvme.write(src, u.grad_home, unit=u.name).wait()
+        except OSError:
+            self._stats.count("failed_gradient_spills")
+            return
+        self.release(u)
+        u.grad_spilled, u.spilled_grad_squares = True, squares
+        self._stats.add_bytes("gradient_spill", numel * FP32_BYTES)
+
+    def _read_back(self, u: UnitState) -> None:
+        """u's spilled gradients back into a flat buffer (``u.grad``), on the thread that
+        needs them; a failed read raises, and u stays spilled."""
+        numel = u.grad_home.nbytes // FP32_BYTES
+        buffer = self._host.allocate(numel, torch.float32, planned=False)
+        try:
+            self._nvme.read(buffer, u.grad_home, unit=u.name).wait()
+        except BaseException:
+            self._host.release(buffer)
+            raise
+        self._count_ram(numel * FP32_BYTES)
+        u.grad, u.grad_spilled, u.spilled_grad_squares = buffer, False, []
 
     def grad_buffer(self, u: UnitState) -> torch.Tensor:
         """u's flat fp32 gradient buffer, taken from the pool when its first gradient
@@ -129,19 +245,28 @@ class Gradients:
         """u is updated (or its gradients dropped): its buffer back to the pool ([Note:
         gradient pool]), autograd's tensors back to the host tier ([Note: gradient
         ownership])."""
-        if u.grad is not None:
+        if u.grad is not None and self._layout.adopts_grads:  # [Note: gradient spill] read back
+            self._host.release(u.grad)
+            self._count_ram(-u.grad.numel() * FP32_BYTES)
+            u.grad = None
+        elif u.grad is not None:
             with self._grad_pool_lock:
                 self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
             u.grad = None
         for k, g in enumerate(u.param_grads):
             if g is not None:
                 self._host.release(g)
+                self._count_ram(-g.numel() * FP32_BYTES)
                 u.param_grads[k] = None
+        u.grad_spilled, u.spilled_grad_squares = False, []  # [Note: gradient spill]
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
         parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
-        in the parameter's own tensor."""
+        in the parameter's own tensor. A spilled unit is read back first ([Note: gradient
+        spill]: by the thread that updates it)."""
+        if u.grad_spilled:
+            self._read_back(u)
         if u.grad is not None:
             return u.grad[a - u.grad_base:b - u.grad_base]
         e = u.trainable[k]
@@ -166,6 +291,13 @@ class Gradients:
                     squares += square
                 if first_nonfinite is None and u.early_nonfinite is not None:
                     first_nonfinite = (u, u.early_nonfinite)
+                continue
+            if u.grad_spilled:  # [Note: gradient spill] taken before the write, in this order
+                for k, square in u.spilled_grad_squares:
+                    if u.has_grad[k]:
+                        if first_nonfinite is None and not torch.isfinite(square):
+                            first_nonfinite = (u, u.trainable[k])
+                        squares += square
                 continue
             for k, e in enumerate(u.trainable):
                 if u.has_grad[k]:

@@ -42,20 +42,22 @@ class HostTier:
         self.peak_bytes = 0
         self._lock = threading.Lock()
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, numel: int, dtype: torch.dtype, planned: bool = True) -> torch.Tensor:
         element_bytes = torch.empty(0, dtype=dtype).element_size()
         if torch.cuda.is_available():
             tensor = aligned_empty(numel * element_bytes, dtype=dtype)
         else:  # [Note: host buffers outside the heap]
             tensor = mapped_empty(numel * element_bytes, dtype)
-        self.adopt(tensor)
+        self.adopt(tensor, planned)
         return tensor
 
-    def adopt(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` (allocated elsewhere) as held until ``release(tensor)``."""
+    def adopt(self, tensor: torch.Tensor, planned: bool = True) -> None:
+        """Count ``tensor`` (allocated elsewhere) as held until ``release(tensor)``.
+        ``planned=False``: gradients kept under the budget by spilling them ([Note: gradient
+        spill]), which may overshoot it while units wait for their updates."""
         num_bytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            assert self.budget_bytes is None or self.used_bytes + num_bytes <= self.budget_bytes, \
+            assert not planned or self.budget_bytes is None or self.used_bytes + num_bytes <= self.budget_bytes, \
                 "host budget exceeded: the wrap-time plan should have refused this configuration"
             self.used_bytes += num_bytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)

@@ -1,0 +1,241 @@
+"""[Note: gradient spill] With a host budget below the step's fp32 gradients, units'
+gradients go to NVMe once backward is done with them and come back for their update: the
+run is the unspilled run bit for bit, the process stays near its budget, a failed read of
+spilled gradients fails the engine as the checkpoint rules say, and a budget below the
+fixed host needs is refused with the sizes."""
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.errors import EngineFailedError
+from offload.gpt import GPT
+from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget
+
+from support import CFG, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, wrap_swap_io
+
+# The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
+MIXED_NORM = 6.0
+NEVER_CLIPS = 1e9
+NUM_STEPS = 6
+
+
+def config(tmp_path, name, **kw):
+    return dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name),
+                device_budget=140 * 1024 * 2, **kw)
+
+
+def smallest_budget(tmp_path, **kw):
+    """The smallest host_budget wrap accepts for the small GPT: one unit's gradients in RAM."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, "probe", **kw)) as engine:
+        sizes = [UnitSizes.of(u) for u in engine.units]
+        return minimum_host_budget(sizes, engine.layout), host_bytes(sizes, engine.layout)
+
+
+def train(tmp_path, name, data, **kw):
+    """Losses, the state_dict after training, the stats and every update's grad_norm."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    norms, losses = [], []
+    with offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, name, **kw)) as engine:
+        accumulation = kw.get("gradient_accumulation_steps", 1)
+        for i, b in enumerate(data):
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if (i + 1) % accumulation == 0:
+                engine.state_dict()
+                norms.append(engine.stats()["grad_norm"])
+        return losses, engine.state_dict(), engine.stats(), norms
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("clip", ["never", "mixed"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_spilled_run_equals_the_unspilled_run_bit_for_bit(dtype, clip, speculative, accumulation, tmp_path):
+    """Gradients spilled (the smallest budget: one unit's gradients stay in RAM) and read
+    back for the speculative redo, the staged step or the next micro-step's accumulation:
+    losses, weights, optimizer states and norms are the unspilled run's. Without speculative
+    updates the host tier's peak is at most the budget plus one unit's gradients (a unit
+    read back for accumulation, or the gradient a hook just took, before others go); with
+    them, units whose updates are in flight on the worker are not spilled, so how far the
+    peak goes past the budget depends on the worker's backlog (not asserted)."""
+    kw = dict(dtype=dtype, max_grad_norm=NEVER_CLIPS if clip == "never" else MIXED_NORM,
+              speculative_updates=speculative, gradient_accumulation_steps=accumulation)
+    budget, planned = smallest_budget(tmp_path, **kw)
+    assert budget < planned.total
+    data = batches(NUM_STEPS)
+    spilled = train(tmp_path, "spilled", data, host_budget=budget, **kw)
+    plain = train(tmp_path, "plain", data, **kw)
+    assert spilled[0] == plain[0], "losses differ"
+    assert_same_state(spilled[1], plain[1])
+    assert spilled[3] == plain[3], "grad norms differ"
+    assert spilled[2]["spilled_gradient_bytes"] > 0 and plain[2]["spilled_gradient_bytes"] == 0
+    if not speculative:  # no update runs in backward
+        unit_bytes = (budget - (planned.total - planned.gradients)) // 2  # the smallest budget has two
+        assert spilled[2]["host_peak_bytes"] <= budget + unit_bytes
+
+
+RSS_SCRIPT = textwrap.dedent('''
+    import resource, sys
+    import torch
+    import offload
+    from offload.config import OffloadConfig
+    from offload.gpt import GPT, GPTConfig
+    from offload.memory.budget import minimum_device_budget, minimum_host_budget, model_unit_sizes
+    from offload.memory.layout import Layout
+    torch.set_num_threads(1)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=512, num_heads=8, num_layers=16)
+    conf = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=sys.argv[1], max_grad_norm=1.0,
+                speculative_updates=False)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sizes = model_unit_sizes(model, 4)
+    layout = Layout.resolve(OffloadConfig(device="cpu", **conf), torch.device("cpu"), None)
+    conf.update(host_budget=minimum_host_budget(sizes, layout), device_budget=minimum_device_budget(sizes, "nvme", 4))
+    g = torch.Generator().manual_seed(1)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=conf) as engine:
+        for _ in range(2):
+            x = torch.randint(0, 256, (2, 64), generator=g)
+            loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 256), x.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        stats = engine.stats()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(baseline, peak, conf["host_budget"], conf["device_budget"], stats["gradient_bytes"],
+          stats["spilled_gradient_bytes"])
+''')
+SLACK_BYTES = 256 << 20
+
+
+def test_rss_stays_under_a_bound_computed_from_the_budget(tmp_path):
+    """A GPT (d_model 512, 16 layers: 202 MB of fp32 gradients) trained 2 steps with the
+    smallest host_budget wrap accepts (63 MB: 38 MB of staging slots, a 12.6 MB bounce
+    buffer, one block's 12.6 MB of gradients) in a fresh process. Bound on its peak RSS
+    (ru_maxrss): the RSS after ``import torch, offload`` + host_budget + device_budget (the
+    CPU "device" is RAM) + 256 MiB for everything no budget covers (activations, autograd's
+    gradient tensors before the hook takes them, the I/O engine, allocator slack). Measured:
+    about 290 MB over the baseline, against 439 MB without a host_budget (the unspilled
+    run, which this bound refuses)."""
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "swap")], capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    baseline, peak, host_budget, device_budget, gradient_bytes, spilled = map(int, out.stdout.split())
+    assert gradient_bytes > 3 * host_budget and spilled >= 2 * gradient_bytes * 3 // 4
+    assert peak <= baseline + host_budget + device_budget + SLACK_BYTES, \
+        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {SLACK_BYTES}"
+
+
+class FailGradientReads:
+    """Wraps the engine's IOEngine (``inner``): every read of one of ``extents`` (a unit's
+    gradient extent) fails with EIO."""
+
+    def __init__(self, io, extents):
+        self.inner, self._extents = io, {(e.path, e.offset) for e in extents}
+        self.failed = 0
+
+    def read_into(self, tensor, path, offset=0):
+        if (path, offset) in self._extents:
+            self.failed += 1
+            return _Failed(OSError(errno.EIO, os.strerror(errno.EIO), path))
+        return self.inner.read_into(tensor, path, offset)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Failed:
+    def __init__(self, error):
+        self._error = error
+
+    def wait(self):
+        raise self._error
+
+    def done(self):
+        return True
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_a_failed_spilled_gradient_read_fails_the_engine_until_a_checkpoint_is_loaded(speculative, tmp_path):
+    """The first step clips (norm 9.6 > 6): the speculative updates are redone (or, not
+    speculative, the staged step runs) from spilled gradients, whose reads fail. The engine
+    is failed (the step, or the call that settles a deferred one, raises; EngineFailedError
+    on the next forward), and load_checkpoint of the state
+    before the step recovers it: the next steps are the unspilled run's, bit for bit."""
+    kw = dict(max_grad_norm=MIXED_NORM, speculative_updates=speculative)
+    budget, _ = smallest_budget(tmp_path, **kw)
+    data = batches(3)
+    plain = train(tmp_path, "plain", data[1:], **kw)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "spilled", host_budget=budget, **kw)) as engine:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.backward(gpt_loss(engine, data[0]))
+        assert engine.stats()["spilled_gradient_bytes"] > 0
+        faulty = wrap_swap_io(engine, FailGradientReads, [u.grad_home for u in engine.units if u.trainable])
+        with pytest.raises(OSError, match="resume from the last checkpoint"):
+            engine.step()
+            engine.state_dict()  # settles a deferred step ([Note: deferred updates])
+        assert faulty.failed > 0
+        with pytest.raises(EngineFailedError):
+            gpt_loss(engine, data[1])
+        engine.debug.nvme.io = faulty.inner
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        losses = []
+        for b in data[1:]:
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses == plain[0]
+        assert_same_state(engine.state_dict(), plain[1])
+
+
+def test_a_failed_spill_write_keeps_the_gradients_in_ram(tmp_path):
+    """Without early updates the only writes in backward are spills: the first fails
+    (scribbling over the extent), that unit's gradients stay in RAM, and the run is still
+    the unspilled run bit for bit."""
+    kw = dict(max_grad_norm=MIXED_NORM, speculative_updates=False)
+    budget, _ = smallest_budget(tmp_path, **kw)
+    data = batches(2)
+    plain = train(tmp_path, "plain", data, **kw)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "spilled", host_budget=budget, **kw)) as engine:
+        faulty = wrap_swap_io(engine, FaultyIO, errno.ENOSPC, fail_write=1)
+        losses = []
+        for b in data:
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        stats = engine.stats()
+        assert faulty.writes > 1 and stats["failed_gradient_spills"] == 1 and stats["spilled_gradient_bytes"] > 0
+        assert losses == plain[0]
+        assert_same_state(engine.state_dict(), plain[1])
+
+
+def test_budget_below_the_fixed_host_needs_is_refused_naming_the_sizes(tmp_path):
+    """One byte below the smallest spilling budget names host_budget, the staging buffers
+    and the gradients; without an NVMe tier a budget below the gradients says spilling needs
+    one."""
+    budget, _ = smallest_budget(tmp_path)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match=r"host_budget: .*optimizer staging buffers .*gradients"):
+        offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, "low", host_budget=budget - 1))
+    with pytest.raises(ValueError, match=r"host_budget: .*fp32 gradients.*NVMe"):
+        offload.wrap(model, make_opt(model.parameters()),
+                     config=dict(param_tier="host", optimizer_tier="host", host_budget=budget))
