@@ -414,17 +414,13 @@ class Engine:
             "io_wait_seconds": s.seconds["io_wait"] + s.seconds["fetch_wait"],
             "fetch_wait_seconds": s.seconds["fetch_wait"],
             "optimizer_wait_seconds": s.seconds["optimizer_wait"],
-            "prefetch_hits": self._prefetcher.hits,
-            "prefetch_misses": self._prefetcher.misses,
+            # [Note: prefetch counters]
+            **{f"prefetch_{k}": getattr(self._prefetcher, k) for k in ("hits", "misses", "late", "unplanned")},
             "backward_seconds": s.seconds["backward"],
             "total_optimizer_seconds": s.seconds["optimizer"],
-            "skipped_steps": s.counts["skipped_steps"],
-            "early_updates": s.counts["early_updates"],
-            "deferred_updates": s.counts["deferred_updates"],
-            "update_fills": s.counts["update_fills"],
-            "speculative_updates": s.counts["speculative_updates"],  # [Note: speculative updates]
-            "redone_updates": s.counts["redone_updates"],
-            "nonfinite_steps": s.counts["nonfinite_steps"],
+            # counts of steps and updates ([Note: speculative updates] for the last two)
+            **{k: s.counts[k] for k in ("skipped_steps", "nonfinite_steps", "early_updates", "deferred_updates",
+                                        "update_fills", "speculative_updates", "redone_updates")},
             "loss_scale": self._gradients.loss_scale,
             "grad_norm": self._gradients.last_grad_norm,  # see Gradients.last_grad_norm
             # [Note: deferred updates] True while the last step's norm is taken during the

@@ -126,14 +126,13 @@ def run_offload(spec: dict) -> dict:
     wrap_seconds = time.perf_counter() - start
     wrap_rss = peak_rss_bytes()
     progress(f"wrap {wrap_seconds:.1f} s")
-    prefetcher = engine.debug.prefetcher  # [Note: prefetch counters]: late and unplanned too
     ids = batch(spec)
-    keys = ("bytes_read_nvme", "bytes_written_nvme", "prefetch_hits", "prefetch_misses",
+    keys = ("bytes_read_nvme", "bytes_written_nvme", "prefetch_hits", "prefetch_misses", "prefetch_late",
+            "prefetch_unplanned",
             "fetch_wait_seconds", "optimizer_wait_seconds", "total_optimizer_seconds", "io_wait_seconds")
     try:
         seconds, probes = [], []
         for i in range(spec["warmup"] + spec["steps"]):
-            c0 = (prefetcher.late, prefetcher.unplanned)
             s0, t0 = engine.stats(), time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             s1, t1 = engine.stats(), time.perf_counter()
@@ -147,7 +146,6 @@ def run_offload(spec: dict) -> dict:
                 continue
             seconds.append(t3 - t0)
             probe = {k: s3[k] - s0[k] for k in keys}
-            probe.update(prefetch_late=prefetcher.late - c0[0], prefetch_unplanned=prefetcher.unplanned - c0[1])
             for phase, (a, b) in (("forward", (s0, s1)), ("backward", (s1, s2)), ("optimizer", (s2, s3))):
                 probe[f"{phase}_read"] = b["bytes_read_nvme"] - a["bytes_read_nvme"]
                 probe[f"{phase}_written"] = b["bytes_written_nvme"] - a["bytes_written_nvme"]
