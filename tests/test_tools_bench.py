@@ -74,6 +74,23 @@ def test_trace_summary_cli_names_a_file_that_is_not_a_trace(tmp_path):
     assert proc.returncode == 2 and "bad.json" in proc.stderr
 
 
+def test_bench_train_clip_rows_run_speculative_and_serialized_steps(tmp_path):
+    """The clipping rows (on request only): clipping on but never triggering, with and
+    without speculative updates; both train and write their states every step."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--quick", "--no-deepspeed", "--dtypes", "fp32", "--rows", "nvme-clip",
+         "nvme-clip-serial", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"nvme-clip", "nvme-clip-serial"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["step_seconds"] > 0 and row["nvme_written_per_step"] > 0
+
+
 def test_bench_train_quick_writes_every_row_and_the_table(tmp_path):
     out = tmp_path / "rows.json"
     swap = tmp_path / "swap"

@@ -110,6 +110,7 @@ ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "nv
         "io-only", "ds-cpu", "ds-nvme")
 NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial")
 CLIP_ROWS = ("nvme-clip", "nvme-clip-serial")
+DEFAULT_ROWS = tuple(r for r in ROWS if r not in CLIP_ROWS)  # the clipping rows on request
 DS_ROWS = ("ds-cpu", "ds-nvme")
 DTYPES = ("fp32", "bf16")
 STAGES = (0, 1, 2, 3)
@@ -862,7 +863,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny GPT, batch 2, 2 warm-up + 2 timed steps (smoke test; < 1 minute)")
-    p.add_argument("--rows", nargs="+", choices=ROWS, default=None, help="rows to run (default: all)")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=None,
+                   help="rows to run (default: all but nvme-clip and nvme-clip-serial)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     p.add_argument("--model", choices=("full", "small", "quick"), default=None,
                    help="the GPT's size (default full; quick with --quick): small is ~21M params")
@@ -999,7 +1001,7 @@ def main(argv=None) -> int:
     if args.nproc is not None:
         return main_nproc(args)
 
-    rows = list(args.rows or ROWS)
+    rows = list(args.rows or DEFAULT_ROWS)
     deepspeed_note = None
     if any(r in DS_ROWS for r in rows):
         ok, what = (False, "--no-deepspeed") if args.no_deepspeed else deepspeed_importable()
@@ -1044,8 +1046,10 @@ def main(argv=None) -> int:
                 if row in NVME_ROWS and "io-only" in rows:
                     spec["paired_replay"] = True
                 if row == "io-only":
-                    source = next((r for r in reversed(results) if r["dtype"] == dtype
-                                   and r["row"] in NVME_ROWS and "error" not in r), None)
+                    replayable = [r for r in results if r["dtype"] == dtype and r["row"] in NVME_ROWS
+                                  and "error" not in r]  # nvme-prefetch's when it ran, else the last
+                    source = next((r for r in replayable if r["row"] == "nvme-prefetch"),
+                                  replayable[-1] if replayable else None)
                     if source is None:  # no NVMe row run: measure the traffic of one step
                         source = run_row(dict(base, row="nvme-prefetch", dtype=dtype, warmup=1, steps=1),
                                          args.row_timeout)
