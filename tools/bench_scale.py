@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import resource
@@ -236,101 +235,30 @@ def run_compute_only(spec: dict) -> dict:
                      f"scaled to {num_params / 1e9:.2f} B)")
 
 
-@contextlib.contextmanager
 def piece_replayer(spec: dict):
-    """Yields (step, backend, bytes read, bytes written per step): step() replays the offload
-    row's median step (spec["pattern"]: its units and bytes per phase) with no compute,
-    through offload.io.IOEngine at the engine's request sizes, on a file of its own in
-    spec["swap_dir"] (removed when the context ends):
+    """(step, backend, bytes read, bytes written per step) in a context: tools/bench_train.py's
+    replay of the offload row's median step (spec["pattern"]: its units and bytes per phase),
+    with no compute, through offload.io.IOEngine on a file of its own in spec["swap_dir"]
+    (removed when the context ends), at the engine's request sizes:
 
       forward, then backward in reverse unit order: each unit's share of that phase's reads
         in one request, waited for before the next (a fetch on use);
-      the optimizer: each unit's share of step()'s reads and of every write, in pieces of offload.units.OPTIMIZER_PIECE_NUMEL fp32
-        elements per state, as the staged step moves them, reads running
-        pipeline_depth - 1 pieces ahead and a slot's write-back finishing before the slot
-        is read into again (tools/bench_train.py's replay, with whole units instead).
+      the optimizer: each unit's share of step()'s reads and of every write, in pieces of
+        offload.units.OPTIMIZER_PIECE_NUMEL fp32 elements per state, as the staged step
+        moves them, reads running pipeline_depth - 1 pieces ahead and a slot's write-back
+        finishing before the slot is read into again.
 
     The byte counts are the engine's; how they split between units follows the units'
     sizes (compute copies for fetches, masters for the optimizer)."""
-    from offload.io import IOEngine, aligned_empty
+    import importlib.util
+
     from offload.units import OPTIMIZER_PIECE_NUMEL
 
-    units, phases = spec["pattern"]["units"], spec["pattern"]["phases"]
-    page = 4096
-
-    def split(total, weights):  # whole pages, in proportion
-        weight_sum = sum(weights) or 1
-        return [-(-int(total * w / weight_sum) // page) * page for w in weights]
-
-    compute_w = [u["compute_bytes"] for u in units]
-    master_w = [u["master_bytes"] for u in units]
-    # Forward and backward reads are fetches; step()'s are the optimizer's (with clipping
-    # every update runs inside step()).
-    forward = split(phases["forward_read"], compute_w)
-    backward = split(phases["backward_read"], compute_w)
-    opt_read = split(phases["optimizer_read"], master_w)
-    written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
-    opt_write = split(written, master_w)
-    piece_bytes = OPTIMIZER_PIECE_NUMEL * 4  # one fp32 state's piece: one request each
-
-    def pieces(total):
-        return [(o, min(piece_bytes, total - o)) for o in range(0, total, piece_bytes)]
-
-    compute_size = [max(a, b) for a, b in zip(forward, backward)]
-    opt_size = [max(a, b) for a, b in zip(opt_read, opt_write)]
-    offsets, cursor = [], 0
-    for c, o in zip(compute_size, opt_size):
-        offsets.append((cursor, cursor + c))
-        cursor += c + o
-    # The optimizer's requests, in order: (file offset, read bytes, write bytes) per piece.
-    requests = []
-    for i in range(len(units)):
-        reads, writes = dict(pieces(opt_read[i])), dict(pieces(opt_write[i]))
-        for o in sorted(set(reads) | set(writes)):
-            requests.append((offsets[i][1] + o, reads.get(o, 0), writes.get(o, 0)))
-    depth = spec["pipeline_depth"]
-    io_buf = aligned_empty(max(compute_size + [page]))
-    slots = [aligned_empty(piece_bytes) for _ in range(depth)]
-    workdir = tempfile.mkdtemp(prefix="io-only-", dir=spec["swap_dir"])
-    path = os.path.join(workdir, "swap.bin")
-    try:
-        with IOEngine(backend="auto", probe_dir=workdir) as io:
-            fill = aligned_empty(64 << 20).fill_(1)
-            for offset in range(0, cursor, fill.numel()):
-                io.write_from(fill[:min(fill.numel(), cursor - offset)], path, offset)
-            io.wait_all()
-            del fill
-
-            def step():
-                for i in range(len(units)):
-                    if forward[i]:
-                        io.read_into(io_buf[:forward[i]], path, offsets[i][0]).wait()
-                for i in reversed(range(len(units))):
-                    if backward[i]:
-                        io.read_into(io_buf[:backward[i]], path, offsets[i][0]).wait()
-                pending_reads, pending_writes = {}, {}
-
-                def issue_read(k):
-                    if k - depth in pending_writes:
-                        pending_writes.pop(k - depth).wait()
-                    offset, nread, _ = requests[k]
-                    pending_reads[k] = io.read_into(slots[k % depth][:nread], path, offset) if nread else None
-
-                for k in range(min(depth - 1, len(requests))):
-                    issue_read(k)
-                for k, (offset, _, nwrite) in enumerate(requests):
-                    handle = pending_reads.pop(k)
-                    if handle is not None:
-                        handle.wait()
-                    if nwrite:
-                        pending_writes[k] = io.write_from(slots[k % depth][:nwrite], path, offset)
-                    if k + depth - 1 < len(requests):
-                        issue_read(k + depth - 1)
-                io.wait_all()
-
-            yield step, io.backend, sum(forward) + sum(backward) + sum(opt_read), sum(opt_write)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    where = Path(__file__).with_name("bench_train.py")
+    module_spec = importlib.util.spec_from_file_location("bench_train", where)
+    bench_train = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench_train)
+    return bench_train.replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * 4)
 
 
 def run_io_only(spec: dict) -> dict:

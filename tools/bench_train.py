@@ -437,11 +437,13 @@ def _split(total: int, weights, page: int = PAGE_BYTES):
 
 
 @contextlib.contextmanager
-def replayer(pattern: dict, spec: dict):
+def replayer(pattern: dict, spec: dict, piece_bytes=None):
     """Yields (step, backend, bytes read, bytes written per step): step() replays one NVMe
     step's swap traffic (``pattern``: the units and the median bytes per phase of an NVMe row)
     with no compute, on a file of its own in spec["swap_dir"]; the file goes when the context
-    ends."""
+    ends. The optimizer moves each unit's states in one request per unit, or, with
+    ``piece_bytes``, in requests of at most that many bytes (the staged step's pieces: one
+    request per fp32 state piece, as tools/bench_scale.py replays them)."""
     from offload.io import IOEngine, aligned_empty
 
     units = pattern["units"]
@@ -462,12 +464,18 @@ def replayer(pattern: dict, spec: dict):
     for c, o in zip(compute_size, opt_size):
         offsets.append((cursor, cursor + c))
         cursor += c + o
+    # The optimizer's requests in order: (file offset, bytes read, bytes written).
+    requests = []
+    for i in range(len(units)):
+        size = piece_bytes or max(opt_size[i], 1)
+        for o in range(0, opt_size[i], size):
+            nread, nwrite = max(0, min(size, opt_read[i] - o)), max(0, min(size, opt_write[i] - o))
+            requests.append((offsets[i][1] + o, nread, nwrite))
     depth = spec["pipeline_depth"]
     io_buf = aligned_empty(max(compute_size + [PAGE_BYTES]))
-    slots = [aligned_empty(max(opt_size + [PAGE_BYTES])) for _ in range(depth)]
+    slots = [aligned_empty(max([max(r[1], r[2]) for r in requests] + [PAGE_BYTES])) for _ in range(depth)]
     workdir = tempfile.mkdtemp(prefix="io-only-", dir=spec["swap_dir"])
     path = os.path.join(workdir, "swap.bin")
-    order = [i for i in range(len(units)) if opt_read[i] or opt_write[i]]
     try:
         with IOEngine(backend="auto", probe_dir=workdir) as io:
             fill = aligned_empty(64 << 20).fill_(1)
@@ -483,26 +491,25 @@ def replayer(pattern: dict, spec: dict):
                 for i in reversed(range(len(units))):
                     if backward[i]:
                         io.read_into(io_buf[:backward[i]], path, offsets[i][0]).wait()
-                # optimizer: reads run depth - 1 units ahead; a slot's write-back must finish
-                # before the slot is read into again.
+                # optimizer: reads run depth - 1 requests ahead; a slot's write-back must
+                # finish before the slot is read into again.
                 reads, writes = {}, {}
 
                 def issue_read(k):
-                    i = order[k]
                     if k - depth in writes:
                         writes.pop(k - depth).wait()
-                    reads[k] = io.read_into(slots[k % depth][:opt_read[i]], path, offsets[i][1]) \
-                        if opt_read[i] else None
+                    offset, nread, _ = requests[k]
+                    reads[k] = io.read_into(slots[k % depth][:nread], path, offset) if nread else None
 
-                for k in range(min(depth - 1, len(order))):
+                for k in range(min(depth - 1, len(requests))):
                     issue_read(k)
-                for k, i in enumerate(order):
+                for k, (offset, _, nwrite) in enumerate(requests):
                     handle = reads.pop(k)
                     if handle is not None:
                         handle.wait()
-                    if opt_write[i]:
-                        writes[k] = io.write_from(slots[k % depth][:opt_write[i]], path, offsets[i][1])
-                    if k + depth - 1 < len(order):
+                    if nwrite:
+                        writes[k] = io.write_from(slots[k % depth][:nwrite], path, offset)
+                    if k + depth - 1 < len(requests):
                         issue_read(k + depth - 1)
                 io.wait_all()
 
