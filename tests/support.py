@@ -109,6 +109,28 @@ def train_offload(engine, data, loss_fn=gpt_loss):
     return losses
 
 
+def train_gpt(config, data, frozen=()):
+    """The small GPT (seed 0) wrapped with ``config`` and trained on ``data``, parameters
+    whose names start with one of ``frozen`` frozen: (losses, the state_dict after training,
+    the stats, every update's grad_norm, each taken once the update is settled)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (frozen and name.startswith(frozen)))
+    norms, losses = [], []
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    with offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]), config=config) as engine:
+        for i, b in enumerate(data):
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if (i + 1) % accumulation == 0:
+                engine.state_dict()  # settles a deferred step, so that its norm is taken
+                norms.append(engine.stats()["grad_norm"])
+        return losses, engine.state_dict(), engine.stats(), norms
+
+
 def max_rel_error(state, ref_state):
     worst = 0.0
     for k, ref in ref_state.items():
@@ -229,7 +251,9 @@ def unwrap_swap_io(engine):
     nvme.io = nvme.io.inner
 
 
-class _FailedHandle:
+class FailedHandle:
+    """An I/O handle whose wait() raises ``error``: a request that failed."""
+
     def __init__(self, error):
         self._error = error
 
@@ -255,13 +279,13 @@ class FaultyIO:
         if self.writes == self._fail_write:
             garbage = aligned_empty(tensor.numel() * tensor.element_size()).fill_(0x7F)
             self.inner.write_from(garbage, path, offset).wait()
-            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
+            return FailedHandle(OSError(self._err, os.strerror(self._err), path))
         return self.inner.write_from(tensor, path, offset)
 
     def read_into(self, tensor, path, offset=0):
         self.reads += 1
         if self.reads == self._fail_read:
-            return _FailedHandle(OSError(self._err, os.strerror(self._err), path))
+            return FailedHandle(OSError(self._err, os.strerror(self._err), path))
         return self.inner.read_into(tensor, path, offset)
 
     def __getattr__(self, name):

@@ -17,7 +17,8 @@ from offload.errors import EngineFailedError
 from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget
 
-from support import CFG, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, wrap_swap_io
+from support import (CFG, FailedHandle, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, train_gpt,
+                     wrap_swap_io)
 
 # The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
 MIXED_NORM = 6.0
@@ -41,20 +42,7 @@ def smallest_budget(tmp_path, **kw):
 
 def train(tmp_path, name, data, **kw):
     """Losses, the state_dict after training, the stats and every update's grad_norm."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    norms, losses = [], []
-    with offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, name, **kw)) as engine:
-        accumulation = kw.get("gradient_accumulation_steps", 1)
-        for i, b in enumerate(data):
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if (i + 1) % accumulation == 0:
-                engine.state_dict()
-                norms.append(engine.stats()["grad_norm"])
-        return losses, engine.state_dict(), engine.stats(), norms
+    return train_gpt(config(tmp_path, name, **kw), data)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -147,22 +135,11 @@ class FailGradientReads:
     def read_into(self, tensor, path, offset=0):
         if (path, offset) in self._extents:
             self.failed += 1
-            return _Failed(OSError(errno.EIO, os.strerror(errno.EIO), path))
+            return FailedHandle(OSError(errno.EIO, os.strerror(errno.EIO), path))
         return self.inner.read_into(tensor, path, offset)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-class _Failed:
-    def __init__(self, error):
-        self._error = error
-
-    def wait(self):
-        raise self._error
-
-    def done(self):
-        return True
 
 
 @pytest.mark.parametrize("speculative", [True, False])

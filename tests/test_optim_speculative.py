@@ -17,7 +17,7 @@ from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
 from offload.memory.layout import Layout
 
 from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
-                     train_offload, train_reference, unwrap_swap_io, wrap_swap_io)
+                     train_gpt, train_offload, train_reference, unwrap_swap_io, wrap_swap_io)
 
 # With this bound the small GPT's norm (9.6, 9.6, 7.7, 5.9, 5.0, 3.9 over six steps) is
 # clipped on the first three steps and not on the last three.
@@ -36,25 +36,7 @@ def config(tmp_path, name, tiers=("nvme", "nvme"), **kw):
 
 def train(tmp_path, name, data, frozen=(), **kw):
     """Losses, the state_dict after training, the stats and every step's grad_norm."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    for n, p in model.named_parameters():
-        if n.startswith(frozen) and frozen:
-            p.requires_grad_(False)
-    optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
-    norms = []
-    with offload.wrap(model, optimizer, config=config(tmp_path, name, **kw)) as engine:
-        losses = []
-        accumulation = kw.get("gradient_accumulation_steps", 1)
-        for i, b in enumerate(data):
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if (i + 1) % accumulation == 0:
-                engine.state_dict()  # settles a deferred step, so that its norm is taken
-                norms.append(engine.stats()["grad_norm"])
-        return losses, engine.state_dict(), engine.stats(), norms
+    return train_gpt(config(tmp_path, name, **kw), data, frozen)
 
 
 def assert_same_run(a, b):
@@ -232,21 +214,28 @@ def test_a_failed_spare_write_redoes_that_unit(tmp_path):
         assert_same_state(engine.state_dict(), off[1])
 
 
-def test_a_failure_in_a_redo_fails_the_engine_until_a_checkpoint_is_loaded(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "deferred"])
+def test_a_failure_in_a_redo_fails_the_engine_until_a_checkpoint_is_loaded(overlap, tmp_path):
     """The redo is the optimizer step: a failure there is fatal ([Note: failures inside a
-    step]), and loading a checkpoint brings the engine back to a state it saved."""
+    step]), raised by step() itself, or with overlap_step_with_forward (the redo deferred to
+    the worker) by the next forward that needs the unit; loading a checkpoint brings the
+    engine back to a state it saved."""
     data = batches(3)
     torch.manual_seed(0)
     model = GPT(CFG)
-    with offload.wrap(model, make_opt(model.parameters()),
-                      config=config(tmp_path, "s", max_grad_norm=1e-3)) as engine:  # always clips
+    cfg = config(tmp_path, "s", max_grad_norm=1e-3, overlap_step_with_forward=overlap)  # always clips
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
         train_offload(engine, data[:1])
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         saved = engine.state_dict()
         engine.backward(gpt_loss(engine, data[1]))
-        with offload.faults.inject("optim.adam_range", offload.faults.raising(RuntimeError("boom")), at=1):
+        engine.debug.updates.wait_optimizer()  # the speculative updates are over: the next Adam range is a redo
+        with offload.faults.inject("optim.adam_range", offload.faults.raising(RuntimeError("boom")), at=1) as armed:
             with pytest.raises(RuntimeError, match="boom"):
-                engine.step()  # the first Adam range after backward is a redo
+                engine.step()
+                assert overlap, "step() redoes the units itself without overlap_step_with_forward"
+                engine(data[2][:, :-1])  # waits for the deferred redo of the units it needs
+            assert armed.fired == 1
         with pytest.raises(EngineFailedError):
             engine(data[2][:, :-1])
         engine.load_checkpoint(str(tmp_path / "ckpt"))
