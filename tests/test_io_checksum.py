@@ -288,6 +288,9 @@ def test_load_checkpoint_after_a_checksum_error_trains_on(tmp_path):
     with engine:
         train_offload(engine, batches(2))
         engine.save_checkpoint(str(tmp_path / "ckpt"))
+        # every unit home, so that the next forward reads unit 2 (a deferred update may have
+        # filled its device copy, and then nothing would read the flipped page)
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
         saved = engine.state_dict()
         u = engine.units[2]
         flip_byte(u.compute_home, 10)
