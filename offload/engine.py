@@ -49,7 +49,7 @@ from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
 from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
-from offload.stats import Stats, Timeline
+from offload.stats import Stats, Timeline, engine_stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all
 from offload.units import split_into_units
@@ -393,53 +393,12 @@ class Engine:
         self.zero_grad()
 
     def stats(self) -> Dict[str, Any]:
-        """Counters of this engine (bytes, seconds, peaks). ``*_seconds`` are cumulative
-        except ``step_seconds`` and ``optimizer_seconds``: those of the last optimizer step
-        (step_seconds: wall time between the last two optimizer steps)."""
-        s = self.stats_counters
-        nvme = self._nvme
-        return {
-            "device_peak_bytes": self._device.peak_bytes,
-            "device_budget_bytes": self._device.budget_bytes,
-            "host_peak_bytes": self._host.peak_bytes,
-            "host_bytes": self._host.used_bytes,
-            "nvme_bytes": nvme.used_bytes if nvme else 0, "bytes_read_nvme": nvme.bytes_read if nvme else 0,
-            "stale_swap_bytes_removed": nvme.space.stale_bytes_removed if nvme else 0,  # [Note: stale runs]
-            "bytes_written_nvme": nvme.bytes_written if nvme else 0,
-            "bytes_host_to_device": s.bytes["host_to_device"],
-            "bytes_nvme_to_device": s.bytes["nvme_to_device"],
-            "bytes_device_to_host": s.bytes["device_to_host"],
-            "step_seconds": self._last_step_seconds,
-            "optimizer_seconds": self._last_optimizer_seconds,
-            "io_wait_seconds": s.seconds["io_wait"] + s.seconds["fetch_wait"],
-            "fetch_wait_seconds": s.seconds["fetch_wait"],
-            "optimizer_wait_seconds": s.seconds["optimizer_wait"],
-            # [Note: prefetch counters]
-            **{f"prefetch_{k}": getattr(self._prefetcher, k) for k in ("hits", "misses", "late", "unplanned")},
-            "backward_seconds": s.seconds["backward"],
-            "total_optimizer_seconds": s.seconds["optimizer"],
-            # counts of steps and updates ([Note: speculative updates] for the last two)
-            **{k: s.counts[k] for k in ("skipped_steps", "nonfinite_steps", "early_updates", "deferred_updates",
-                                        "update_fills", "speculative_updates", "redone_updates")},
-            "loss_scale": self._gradients.loss_scale,
-            "grad_norm": self._gradients.last_grad_norm,  # see Gradients.last_grad_norm
-            # [Note: deferred updates] True while the last step's norm is taken during the
-            # next pass (no clipping): grad_norm is the step before's meanwhile
-            "grad_norm_pending": self._updates.norm_pending,
-            "micro_steps": self._micro_step,  # micro-steps since wrap; a checkpoint restores it
-            "num_units": len(self.units),
-            # [zero] per rank: what this rank holds (gradient buffers as planned: the pool
-            # fills them lazily)
-            "world_size": self._partition.world_size if self._partition is not None else 1,
-            "rank": self._partition.rank if self._partition is not None else 0,
-            "optimizer_state_bytes": self._homes.optimizer_state_bytes(),
-            "parameter_bytes": self._homes.parameter_bytes(),
-            "gradient_bytes": sum(u.grad_numel for u in self.units if u.trainable) * FP32_BYTES,
-            "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
-            "failed_gradient_spills": s.counts["failed_gradient_spills"],
-            "gradient_bucket_peak_bytes":
-                self._partition.bucket_peak_bytes if self._partition is not None else 0,
-        }
+        """Counters of this engine (bytes, seconds, peaks): ``offload.stats.engine_stats``."""
+        return engine_stats(device=self._device, host=self._host, nvme=self._nvme, counters=self.stats_counters,
+                            prefetcher=self._prefetcher, gradients=self._gradients, updates=self._updates,
+                            partition=self._partition, homes=self._homes, units=self.units,
+                            micro_step=self._micro_step, step_seconds=self._last_step_seconds,
+                            optimizer_seconds=self._last_optimizer_seconds)
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:

@@ -137,3 +137,55 @@ def request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str,
             heapq.heappush(busy, (end, lane))
             spans.append((f"nvme {direction} {lane}", f"{direction} {format_size(nbytes)}", start, end))
     return spans
+
+
+def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetcher: Any, gradients: Any,
+                 updates: Any, partition: Any, homes: Any, units: List[Any], micro_step: int,
+                 step_seconds: float, optimizer_seconds: float) -> Dict[str, Any]:
+    """What ``Engine.stats()`` returns: counters of one engine (bytes, seconds, peaks).
+    ``*_seconds`` are cumulative except ``step_seconds`` and ``optimizer_seconds``: those of
+    the last optimizer step (step_seconds: wall time between the last two optimizer steps).
+    The arguments are the engine's tiers and mechanisms, read here and never written."""
+    s = counters
+    return {
+        "device_peak_bytes": device.peak_bytes,
+        "device_budget_bytes": device.budget_bytes,
+        "host_peak_bytes": host.peak_bytes,
+        "host_bytes": host.used_bytes,
+        "nvme_bytes": nvme.used_bytes if nvme else 0, "bytes_read_nvme": nvme.bytes_read if nvme else 0,
+        "stale_swap_bytes_removed": nvme.space.stale_bytes_removed if nvme else 0,  # [Note: stale runs]
+        "bytes_written_nvme": nvme.bytes_written if nvme else 0,
+        "bytes_host_to_device": s.bytes["host_to_device"],
+        "bytes_nvme_to_device": s.bytes["nvme_to_device"],
+        "bytes_device_to_host": s.bytes["device_to_host"],
+        "step_seconds": step_seconds,
+        "optimizer_seconds": optimizer_seconds,
+        "io_wait_seconds": s.seconds["io_wait"] + s.seconds["fetch_wait"],
+        "fetch_wait_seconds": s.seconds["fetch_wait"],
+        "optimizer_wait_seconds": s.seconds["optimizer_wait"],
+        # [Note: prefetch counters]
+        **{f"prefetch_{k}": getattr(prefetcher, k) for k in ("hits", "misses", "late", "unplanned")},
+        "backward_seconds": s.seconds["backward"],
+        "total_optimizer_seconds": s.seconds["optimizer"],
+        # counts of steps and updates ([Note: speculative updates] for the last two)
+        **{k: s.counts[k] for k in ("skipped_steps", "nonfinite_steps", "early_updates", "deferred_updates",
+                                    "update_fills", "speculative_updates", "redone_updates")},
+        "loss_scale": gradients.loss_scale,
+        "grad_norm": gradients.last_grad_norm,  # see Gradients.last_grad_norm
+        # [Note: deferred updates] True while the last step's norm is taken during the
+        # next pass (no clipping): grad_norm is the step before's meanwhile
+        "grad_norm_pending": updates.norm_pending,
+        "micro_steps": micro_step,  # micro-steps since wrap; a checkpoint restores it
+        "num_units": len(units),
+        # [zero] per rank: what this rank holds (gradient buffers as planned: the pool
+        # fills them lazily)
+        "world_size": partition.world_size if partition is not None else 1,
+        "rank": partition.rank if partition is not None else 0,
+        "optimizer_state_bytes": homes.optimizer_state_bytes(),
+        "parameter_bytes": homes.parameter_bytes(),
+        "gradient_bytes": sum(u.grad_numel for u in units if u.trainable) * 4,  # fp32
+        "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
+        "failed_gradient_spills": s.counts["failed_gradient_spills"],
+        "gradient_bucket_peak_bytes":
+            partition.bucket_peak_bytes if partition is not None else 0,
+    }
