@@ -125,20 +125,30 @@ class OffloadConfig:
 
     host_budget: Size = None
     """Bytes of host RAM the runtime may hold: fp32 gradients, staging buffers and whatever
-    state has its home on the host. None: no limit. With a CPU device, one rank and a tier
-    on NVMe, a budget below the step's fp32 gradients is met by spilling units' gradients
-    to NVMe and reading them back for their update ([Note: gradient spill]); wrap refuses
-    a budget below the fixed host needs plus two units' gradients, naming the sizes."""
+    state has its home on the host. None: three quarters of the memory available when the
+    engine is wrapped (MemAvailable). With a CPU device, one rank and a tier on NVMe, a
+    budget below the step's fp32 gradients is met by spilling units' gradients to NVMe and
+    reading them back for their update ([Note: gradient spill]); wrap refuses a budget
+    below the fixed host needs plus two units' gradients, naming the sizes."""
 
     param_tier: str = "host"
-    """Home of the compute copy of the parameters: "device", "host" or "nvme"."""
+    """Home of the compute copy of the parameters: "device", "host", "nvme", or "auto":
+    per unit, host or NVMe, the host first within host_budget ([Note: placement by budget];
+    ``Engine.placement()`` says what was chosen). "auto" never picks the device."""
 
     optimizer_tier: str = "host"
-    """Home of the fp32 master weights and Adam's moments: "host" or "nvme"."""
+    """Home of the fp32 master weights and Adam's moments: "host", "nvme" or "auto" (per
+    unit, as param_tier "auto")."""
 
     swap_dir: Optional[str] = None
-    """Directory for swap files; required when a tier is "nvme". A private run directory is
-    created inside it and removed on close."""
+    """Directory for swap files; required when a tier is "nvme". With an "auto" tier and no
+    swap_dir everything stays on the host. A private run directory is created inside it and
+    removed on close."""
+
+    machine_profile: Optional[str] = None
+    """Path of an ``offload profile --json`` file: the bandwidths "auto" placement weighs
+    tiers by. None: documented round numbers (offload/memory/placement.py, DEFAULT_PROFILE).
+    Read and checked at wrap, before anything is touched."""
 
     dtype: str = "fp32"
     """Compute dtype: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling). The master
@@ -260,8 +270,14 @@ class OffloadConfig:
             raise ValueError(f"device: got {device!r}; accepted values are 'auto', 'cpu', 'cuda', 'cuda:N'")
         for name in ("device_budget", "host_budget", "io_block_bytes", "prefetch_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
-        _one_of("param_tier", self.param_tier, ("device", "host", "nvme"))
-        _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme"))
+        _one_of("param_tier", self.param_tier, ("device", "host", "nvme", "auto"))
+        _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme", "auto"))
+        if self.machine_profile is not None:
+            if not isinstance(self.machine_profile, (str, os.PathLike)) or \
+                    not isinstance(os.fspath(self.machine_profile), str):
+                raise ValueError(f"machine_profile: expected the path of an `offload profile --json` file, "
+                                 f"got {self.machine_profile!r}")
+            object.__setattr__(self, "machine_profile", os.fspath(self.machine_profile))
         _one_of("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _one_of("stage", self.stage, (0, 1, 2, 3))
         if self.stage == 3 and self.param_tier == "device":
@@ -345,6 +361,8 @@ class OffloadConfig:
             ignored += [(n, "prefetch=False") for n in ("prefetch_units", "prefetch_bytes")]
         if self.param_tier == "device":
             ignored.append(("speculative_updates", "param_tier='device'"))
+        if "auto" not in (self.param_tier, self.optimizer_tier):
+            ignored.append(("machine_profile", "no tier is 'auto'"))
         ignored = [f"{name} ({why})" for name, why in ignored if getattr(self, name) != defaults[name]]
         if ignored:
             warnings.warn(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}",

@@ -39,7 +39,8 @@ from offload.memory.budget import (
     UnitSizes, check_device_budget, check_host_budget, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
-from offload.memory.placement import install_stand_ins, meta_stand_ins, move_to_homes
+from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
+from offload.memory.placement import Placement, describe_units, resolve_placement
 from offload.memory.residency import DeviceResidency
 from offload.memory.weights import close_weights, iter_weights, open_weights, save_pretrained
 from offload.optim.adam_ranges import UnitAdam
@@ -118,8 +119,10 @@ class Engine:
                 u.take_shards(self._partition.assign(u, home_element_bytes))
             self._partition.check_consistent(config, self.units, optimizer)
 
-        # 3. Budgets, checked before anything is allocated.
+        # 3. Where each unit's state lives ([Note: placement by budget]), and the budgets,
+        # checked before anything is allocated.
         unit_sizes = [UnitSizes.of(u) for u in self.units]
+        self.layout = layout = resolve_placement(config, self.device, self._partition, unit_sizes)
         arena = check_device_budget(unit_sizes, layout)
         device_capacity_numel, device_budget = arena.capacity_numel, arena.budget_bytes
         needs_nvme = layout.needs_nvme
@@ -392,13 +395,19 @@ class Engine:
         checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()
 
+    def placement(self) -> Placement:
+        """Where each unit's compute copy and optimizer states live, with their bytes, root
+        first; ``.bytes_per_tier()`` sums them ([Note: placement by budget])."""
+        return describe_units([UnitSizes.of(u) for u in self.units], self.layout)
+
     def stats(self) -> Dict[str, Any]:
         """Counters of this engine (bytes, seconds, peaks): ``offload.stats.engine_stats``."""
         return engine_stats(device=self._device, host=self._host, nvme=self._nvme, counters=self.stats_counters,
                             prefetcher=self._prefetcher, gradients=self._gradients, updates=self._updates,
                             partition=self._partition, homes=self._homes, units=self.units,
                             micro_step=self._micro_step, step_seconds=self._last_step_seconds,
-                            optimizer_seconds=self._last_optimizer_seconds)
+                            optimizer_seconds=self._last_optimizer_seconds,
+                            home_bytes=self.placement().bytes_per_tier())
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -45,67 +44,18 @@ import torch
 from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, swap_bytes
 from offload.memory.layout import Layout
+from offload.memory import placement as unit_placement
+
+# The machine profile's schema lives with the placement that weighs tiers by it; offload
+# profile and the tests reach it here too.
+PROFILE_SCHEMA, PROFILE_VERSION = unit_placement.PROFILE_SCHEMA, unit_placement.PROFILE_VERSION
+LINKS, DEFAULT_PROFILE = unit_placement.LINKS, unit_placement.DEFAULT_PROFILE
+validate_profile, load_profile = unit_placement.validate_profile, unit_placement.load_profile
 from offload.units import padded_numel
 
-PROFILE_SCHEMA = "offload-profile"
-PROFILE_VERSION = 1
 PAGE_BYTES = 4096
 _FP32_BYTES = 4
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-LINKS = ("nvme_read", "nvme_write", "host_to_device", "device_to_host", "host_memcpy")
-
-# [Note: default profile] Used when no --profile is given: round numbers for a current
-# server (one PCIe 4.0 NVMe SSD, a PCIe 4.0 x16 GPU link with pinned buffers, one socket of
-# AVX-512 cores). Run `offload profile --swap-dir DIR --json PATH` to measure your own.
-DEFAULT_PROFILE: dict = {
-    "schema": PROFILE_SCHEMA,
-    "version": PROFILE_VERSION,
-    "source": "default (documented round numbers, not a measurement)",
-    "bandwidth_bytes_per_second": {
-        "nvme_read": 3.0e9,
-        "nvme_write": 2.0e9,
-        "host_to_device": 12.0e9,
-        "device_to_host": 12.0e9,
-        "host_memcpy": 10.0e9,
-    },
-    "adam_params_per_second": 1.0e9,
-    "recommended_io": {"io_backend": "auto", "io_block_bytes": 1 << 20, "io_queue_depth": 32},
-}
-
-
-# ---------------------------------------------------------------------------- profiles
-def validate_profile(profile: dict, where: str) -> dict:
-    """Check a loaded profile against the schema (see offload/profile.py); ValueError names
-    what is wrong."""
-    if not isinstance(profile, dict) or profile.get("schema") != PROFILE_SCHEMA:
-        raise ValueError(f"{where}: not an offload profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
-    if profile.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{where}: profile version {profile.get('version')!r} is not supported "
-                         f"(this offload reads version {PROFILE_VERSION}); run `offload profile` again")
-    bandwidth = profile.get("bandwidth_bytes_per_second")
-    if not isinstance(bandwidth, dict):
-        raise ValueError(f"{where}: missing \"bandwidth_bytes_per_second\"")
-    for link in LINKS:
-        value = bandwidth.get(link)
-        if not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{where}: bandwidth_bytes_per_second.{link} must be a number > 0, got {value!r}")
-    adam = profile.get("adam_params_per_second")
-    if not isinstance(adam, (int, float)) or not adam > 0:
-        raise ValueError(f"{where}: adam_params_per_second must be a number > 0, got {adam!r}")
-    return profile
-
-
-def load_profile(path: Optional[str]) -> dict:
-    if path is None:
-        return DEFAULT_PROFILE
-    try:
-        with open(path) as f:
-            profile = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--profile: cannot read {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--profile: {path!r} is not valid JSON: {e}") from None
-    return validate_profile(profile, path)
 
 
 # ---------------------------------------------------------------------------- model shape
@@ -220,9 +170,11 @@ def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: in
     config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier,
                            optimizer_tier=optimizer_tier, split_master=split_master,
                            swap_dir=_NO_SWAP_DIR)
-    # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it
+    # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it.
+    # No host budget: the table sets each configuration's whole need against --host-budget.
     return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
-                               optimizer_pipeline_depth=pipeline_depth)
+                               optimizer_pipeline_depth=pipeline_depth, host_budget=None,
+                               host_budget_default=False)
 
 
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,

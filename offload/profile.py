@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 

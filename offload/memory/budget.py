@@ -139,12 +139,12 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
 def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
-    for u in units:
+    for i, u in enumerate(units):
         # [Note: speculative updates] a unit that is updated has a second set of homes
         copies = 2 if layout.speculative and u.trainable else 1
-        if layout.param_tier == "nvme":
+        if layout.compute_tier(i) == "nvme":  # [Note: placement by budget] per unit
             total += copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
-        if layout.optimizer_tier == "nvme" and u.trainable:
+        if layout.state_tier(i) == "nvme" and u.trainable:
             if layout.split_master:
                 total += copies * u.low_numel * 2
             elif not layout.merged:
@@ -172,7 +172,8 @@ class SlotShape:
 
 def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
-    needs_compute = layout.param_tier == "nvme" and not layout.merged or \
+    any_compute_on_nvme = any(layout.compute_tier(i) == "nvme" for i in range(len(units)))
+    needs_compute = any_compute_on_nvme and not layout.merged or \
         (layout.param_tier == "device" and layout.device.type == "cuda")
     # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
     compute = master + 2048 if needs_compute else 0
@@ -234,11 +235,11 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     grads = sum(u.grad_numel for u in units if u.trainable) * FP32_BYTES
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
-    for u in units:
+    for i, u in enumerate(units):
         copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
-        if layout.param_tier == "host":
+        if layout.compute_tier(i) == "host":  # [Note: placement by budget] per unit
             compute += copies * u.home_numel * home_element_bytes
-        if layout.optimizer_tier == "host" and u.trainable:
+        if layout.state_tier(i) == "host" and u.trainable:
             if not layout.merged:
                 master += copies * u.state_numel * FP32_BYTES
             moments += copies * 2 * u.state_numel * FP32_BYTES
@@ -252,7 +253,7 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
             fetch += max(u.home_numel for u in units) * home_element_bytes
         if layout.device.type == "cuda":
             fetch += largest * home_element_bytes
-    elif layout.param_tier == "nvme" and layout.device.type == "cuda":
+    elif layout.device.type == "cuda" and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
         fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
     return HostBytes(grads, compute, master, moments, staging, fetch)
 

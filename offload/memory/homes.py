@@ -1,11 +1,11 @@
 """Homes: where each unit's state lives between uses, and the synchronous codec that reads
 and writes a home whole.
 
-A unit's compute copy is homed on ``layout.param_tier`` (on the device itself, or on the
-host or NVMe, fetched to a device slot when needed); its fp32 master and Adam moments on
-``layout.optimizer_tier``. ``Homes`` allocates them once at wrap, writes every unit's
-initial state there (``write_initial_state``, one unit at a time as offload/memory/
-placement.py materializes the model) and offers the whole-buffer readers and writers that
+A unit's compute copy is homed on ``layout.compute_tier(index)`` (on the device itself, or
+on the host or NVMe, fetched to a device slot when needed); its fp32 master and Adam moments
+on ``layout.state_tier(index)`` ([Note: placement by budget]). ``Homes`` allocates them once
+at wrap, writes every unit's initial state there (``write_initial_state``, one unit at a
+time as offload/memory/materialize.py materializes the model) and offers the whole-buffer readers and writers that
 checkpoints, ``state_dict`` and the optimizer steps' failure paths go through: ``load``,
 ``store``, ``read_master``, ``store_master``, ``split_master_into``. The per-step traffic
 (fetches, the staged and sharded optimizer steps) moves pieces of the same homes through
@@ -71,21 +71,22 @@ class Homes:
                 assert u.device_offset is not None
                 u.compute_state.to(Residency.LOADING)
                 u.compute_state.to(Residency.LOADED)
-            else:
+            else:  # [Note: placement by budget] each unit on its own tiers
                 dtype = torch.float32 if layout.merged else layout.compute_dtype
-                u.compute_home = self._allocate_home(layout.param_tier,
+                u.compute_home = self._allocate_home(layout.compute_tier(u.index),
                                                      compute_home_numel(u.compute_numel, u.param_shard), dtype)
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
+                state_tier = layout.state_tier(u.index)
                 if layout.split_master:
-                    u.master_home = self._allocate_home(layout.optimizer_tier, low_numel(u.shard.numel), torch.int16)
+                    u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)
                 elif not layout.merged:
-                    u.master_home = self._allocate_home(layout.optimizer_tier, state_numel, torch.float32)
-                u.moments_home = self._allocate_home(layout.optimizer_tier, 2 * state_numel, torch.float32)
+                    u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
+                u.moments_home = self._allocate_home(state_tier, 2 * state_numel, torch.float32)
                 if layout.speculative:  # [Note: speculative updates] a second set, same sizes and tiers
-                    u.spare = SpareHomes(self._like(layout.param_tier, u.compute_home),
-                                         self._like(layout.optimizer_tier, u.master_home),
-                                         self._like(layout.optimizer_tier, u.moments_home), list(u.steps))
+                    u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home),
+                                         self._like(state_tier, u.master_home),
+                                         self._like(state_tier, u.moments_home), list(u.steps))
         if gradient_spill([UnitSizes.of(u) for u in self._units], layout) is not None:
             for u in self._units:  # [Note: gradient spill] where a unit's gradients may go
                 if u.trainable:

@@ -33,6 +33,7 @@ HostTier (used bytes); the Timeline appends to deques (atomic).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -54,8 +55,14 @@ class Layout:
     device: torch.device
     compute_dtype: torch.dtype
     compute_element_bytes: int
-    param_tier: str              # home of the compute copies: "device", "host" or "nvme"
-    optimizer_tier: str          # home of the fp32 masters and Adam moments
+    # Home of the compute copies: "device", "host" or "nvme" when every unit's is there,
+    # "mixed" when placed per unit ([Note: placement by budget], memory/placement.py), or
+    # "auto" before placement; ``compute_tier(i)`` is unit i's.
+    param_tier: str
+    optimizer_tier: str          # the same for the fp32 masters and Adam moments
+    compute_tiers: Tuple[str, ...]   # per unit, root first (empty before placement)
+    state_tiers: Tuple[str, ...]     # per unit; "" for a unit with nothing to train
+    needs_nvme: bool             # some state lives on NVMe
     # [fp32 merge] With fp32 compute the compute copy is the master: one buffer, homed on
     # param_tier, serves both (unless the compute copy lives on the device).
     merged: bool
@@ -87,7 +94,10 @@ class Layout:
     min_loss_scale: float
     loss_scale_window: int
     device_budget: Optional[int]
+    # host_budget as given, or where a tier is "auto" or none was given, the default:
+    # DEFAULT_HOST_FRACTION of the memory available at wrap (host_budget_default says which)
     host_budget: Optional[int]
+    host_budget_default: bool
     optimizer_pipeline_depth: int
     prefetch: bool
     prefetch_units: int
@@ -99,31 +109,51 @@ class Layout:
         """dtype of a compute copy at home: fp32 when it is the master too."""
         return torch.float32 if self.merged else self.compute_dtype
 
-    @property
-    def needs_nvme(self) -> bool:
-        return "nvme" in (self.param_tier, self.optimizer_tier)
+    def compute_tier(self, index: int) -> str:
+        """Where unit ``index``'s compute copy lives ([Note: placement by budget])."""
+        return self.compute_tiers[index] if self.compute_tiers else self.param_tier
+
+    def state_tier(self, index: int) -> str:
+        """Where unit ``index``'s fp32 master and Adam moments live ("" if it has none)."""
+        return self.state_tiers[index] if self.state_tiers else self.optimizer_tier
 
     @classmethod
-    def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any) -> "Layout":
+    def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any,
+                tiers: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None) -> "Layout":
         """The modes of a run of ``config`` on ``device``; ``partition``: the [zero]
-        Partition of several ranks, or None."""
+        Partition of several ranks, or None; ``tiers``: every unit's compute and state tiers
+        ([Note: placement by budget]; None: not placed yet, the config's tiers as given)."""
         compute_dtype = DTYPES[config.dtype]
-        merged = config.dtype == "fp32" and config.param_tier != "device"
-        needs_nvme = "nvme" in (config.param_tier, config.optimizer_tier)
+        compute_tiers, state_tiers = tiers if tiers is not None else ((), ())
+        param_tier, optimizer_tier = config.param_tier, config.optimizer_tier
+        if tiers is not None:
+            param_tier = _summary(compute_tiers, param_tier)
+            optimizer_tier = _summary([t for t in state_tiers if t], "host" if optimizer_tier == "auto" else optimizer_tier)
+        on_compute = set(compute_tiers) or {param_tier}
+        on_states = {t for t in state_tiers if t} or {optimizer_tier}
+        merged = config.dtype == "fp32" and param_tier != "device"
+        needs_nvme = "nvme" in on_compute | on_states
         needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
-        speculative = needs_norm_first and partition is None and config.param_tier != "device" and (
-            config.optimizer_tier == "nvme" if config.speculative_updates is None else config.speculative_updates)
+        speculative = needs_norm_first and partition is None and param_tier != "device" and (
+            "nvme" in on_states if config.speculative_updates is None else config.speculative_updates)
+        host_budget = config.host_budget
+        if host_budget is None:
+            host_budget = default_host_budget()
         return cls(
             device=device,
             compute_dtype=compute_dtype,
             compute_element_bytes=torch.empty(0, dtype=compute_dtype).element_size(),
-            param_tier=config.param_tier,
-            optimizer_tier=config.optimizer_tier,
+            param_tier=param_tier,
+            optimizer_tier=optimizer_tier,
+            compute_tiers=tuple(compute_tiers),
+            state_tiers=tuple(state_tiers),
+            needs_nvme=needs_nvme,
             merged=merged,
-            split_master=(config.split_master and config.dtype == "bf16"
-                          and config.optimizer_tier == "nvme" and config.param_tier != "device"),
+            # [Note: split master] with every state on NVMe and one tier for every compute copy
+            split_master=(config.split_master and config.dtype == "bf16" and on_states == {"nvme"}
+                          and len(on_compute) == 1 and param_tier != "device"),
             adopts_grads=device.type == "cpu" and partition is None,
-            device_copy_updates=device.type == "cpu" and config.param_tier == "nvme" and partition is None,
+            device_copy_updates=device.type == "cpu" and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
             early_allowed=partition is None and (speculative or not needs_norm_first),
@@ -136,13 +166,46 @@ class Layout:
             min_loss_scale=config.min_loss_scale,
             loss_scale_window=config.loss_scale_window,
             device_budget=config.device_budget,
-            host_budget=config.host_budget,
+            host_budget=host_budget,
+            host_budget_default=config.host_budget is None and host_budget is not None,
             optimizer_pipeline_depth=config.optimizer_pipeline_depth,
             prefetch=config.prefetch,
             prefetch_units=config.prefetch_units,
             prefetch_bytes=config.prefetch_bytes,
             overlap_step_with_forward=config.overlap_step_with_forward,
         )
+
+
+def _summary(tiers: Any, default: str) -> str:
+    """The one tier of ``tiers``, "mixed" when they differ, ``default`` when empty."""
+    found = set(tiers)
+    return found.pop() if len(found) == 1 else "mixed" if found else default
+
+
+# [Note: placement by budget] Without host_budget, the default is this fraction of the
+# memory the kernel reports available when the engine is wrapped (MemAvailable).
+DEFAULT_HOST_FRACTION = 0.75
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo, else free physical pages; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def default_host_budget() -> Optional[int]:
+    """host_budget when none is given: DEFAULT_HOST_FRACTION of the available memory."""
+    available = available_memory_bytes()
+    return None if available is None else int(available * DEFAULT_HOST_FRACTION)
 
 
 @dataclass(frozen=True)

@@ -1,193 +1,241 @@
-"""Initial placement: the meta stand-ins a meta-device model gets at wrap, and moving every
-unit's initial state home, materializing a meta model module by module on the way.
+"""Placement: on which tier each unit's compute copy and optimizer states live, and the
+machine profile (link bandwidths, Adam throughput) the choice and the step-time prediction
+use. One function decides (``place_units``); wrap and ``offload plan`` both call it.
 
-Every change made here to what the caller holds (module parameter and buffer slots, param
-groups, the parameters' storage, the CPU RNG) is logged on the wrap's ExitStack ``undo``,
-which the engine's constructor owns and passes in ([Note: a failed wrap changes nothing],
-offload/engine.py).
+[Note: placement by budget] With ``param_tier="auto"`` or ``optimizer_tier="auto"`` the
+engine chooses, for every unit, where its compute copy and where its fp32 master and Adam
+moments live: host RAM or NVMe. (``"device"`` stays an explicit, whole-model choice: auto
+never puts compute copies in the device arena.) It starts from every auto role on NVMe
+(or, without a swap_dir, on the host) and moves roles to the host one at a time, best first,
+as long as the host budget still holds everything else the run keeps there, counted by the
+one budget arithmetic (memory/budget.py ``host_bytes``: staging slots, spare homes of
+speculative updates, gradients):
+
+- A role's worth is the NVMe time it saves per step per byte of RAM it takes, from the
+  profile's bandwidths: a compute copy is read in forward and again in backward (the root
+  unit once, it stays on the device in between), and written by its update (with fp32 it is
+  the master: read and written by the update too); optimizer states are read and written
+  once a step. Speculative updates ([Note: speculative updates]) double a host-homed role's
+  RAM (its spare), halving its worth.
+- The step's fp32 gradients compete for the same RAM: beyond the budget they are spilled
+  ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
+  worth more per byte than a spilled gradient go first, with only the spill's floor (two
+  units' gradients) kept back; the rest go only where every gradient still fits in RAM.
+- Among roles of equal worth, units in forward order first: the units forward needs first
+  are the ones backward finishes last, whose updates the next step waits for.
+
+Placement never changes numerics: the same kernel runs on the same values whichever tier a
+state comes from (tests/test_memory_placement.py checks mixed placements bit for bit against
+the all-NVMe run). With explicit tiers the placement is uniform and nothing is chosen.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, List, Optional, Set
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
-from offload.memory.layout import UnitState
-from offload.memory.weights import PretrainedWeights
-from offload.units import UnitSpec
+from offload.config import OffloadConfig, format_size
+from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, unit_gradient_bytes
+from offload.memory.layout import FP32_BYTES, Layout
 
+PROFILE_SCHEMA = "offload-profile"
+PROFILE_VERSION = 1
+LINKS = ("nvme_read", "nvme_write", "host_to_device", "device_to_host", "host_memcpy")
 
-def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _swap_in(undo: contextlib.ExitStack, table: Dict[Any, Any], key: Any, value: Any) -> None:
-    """``table[key] = value``, the old entry put back when ``undo`` unwinds ([Note: a failed
-    wrap changes nothing])."""
-    undo.callback(table.__setitem__, key, table[key])
-    table[key] = value
-
-
-def meta_stand_ins(specs: List[UnitSpec]) -> Dict[nn.Parameter, nn.Parameter]:
-    """A meta tensor's storage cannot be swapped for a real one, so each meta parameter
-    gets a CPU parameter with no storage yet; the unit specs refer to the stand-ins from
-    here on. Returns {meta parameter: stand-in}. Nothing the caller holds changes here:
-    install_stand_ins does that, once every check of wrap has passed."""
-    new_of: Dict[nn.Parameter, nn.Parameter] = {}
-    for spec in specs:
-        for e in spec.entries:
-            if e.param.is_meta:
-                if e.param not in new_of:
-                    new_of[e.param] = nn.Parameter(torch.empty(0, dtype=e.param.dtype),
-                                                   requires_grad=e.param.requires_grad)
-                e.param = new_of[e.param]
-    return new_of
+# [Note: default profile] Used when no profile is given: round numbers for a current
+# server (one PCIe 4.0 NVMe SSD, a PCIe 4.0 x16 GPU link with pinned buffers, one socket of
+# AVX-512 cores). Run `offload profile --swap-dir DIR --json PATH` to measure your own.
+DEFAULT_PROFILE: dict = {
+    "schema": PROFILE_SCHEMA,
+    "version": PROFILE_VERSION,
+    "source": "default (documented round numbers, not a measurement)",
+    "bandwidth_bytes_per_second": {
+        "nvme_read": 3.0e9,
+        "nvme_write": 2.0e9,
+        "host_to_device": 12.0e9,
+        "device_to_host": 12.0e9,
+        "host_memcpy": 10.0e9,
+    },
+    "adam_params_per_second": 1.0e9,
+    "recommended_io": {"io_backend": "auto", "io_block_bytes": 1 << 20, "io_queue_depth": 32},
+}
 
 
-def install_stand_ins(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      new_of: Dict[nn.Parameter, nn.Parameter], undo: contextlib.ExitStack) -> Set[nn.Parameter]:
-    """Puts the stand-ins in every module of ``model`` that holds their meta parameter (ties
-    stay ties) and in ``optimizer``'s param groups, the meta parameters put back when
-    ``undo`` unwinds. Returns the stand-ins (not materialized yet)."""
-    if not new_of:
-        return set()
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and p in new_of:
-                _swap_in(undo, module._parameters, name, new_of[p])
-    for group in optimizer.param_groups:
-        _swap_in(undo, group, "params", [new_of.get(p, p) for p in group["params"]])
-    return set(new_of.values())
+# ---------------------------------------------------------------------------- profiles
+def validate_profile(profile: dict, where: str) -> dict:
+    """Check a loaded profile against the schema (see offload/profile.py); ValueError names
+    what is wrong."""
+    if not isinstance(profile, dict) or profile.get("schema") != PROFILE_SCHEMA:
+        raise ValueError(f"{where}: not an offload profile (expected \"schema\": \"{PROFILE_SCHEMA}\")")
+    if profile.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{where}: profile version {profile.get('version')!r} is not supported "
+                         f"(this offload reads version {PROFILE_VERSION}); run `offload profile` again")
+    bandwidth = profile.get("bandwidth_bytes_per_second")
+    if not isinstance(bandwidth, dict):
+        raise ValueError(f"{where}: missing \"bandwidth_bytes_per_second\"")
+    for link in LINKS:
+        value = bandwidth.get(link)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{where}: bandwidth_bytes_per_second.{link} must be a number > 0, got {value!r}")
+    adam = profile.get("adam_params_per_second")
+    if isinstance(adam, bool) or not isinstance(adam, (int, float)) or not adam > 0:
+        raise ValueError(f"{where}: adam_params_per_second must be a number > 0, got {adam!r}")
+    return profile
 
 
-class _MaterializeScratch:
-    """[Note: materializing through reused memory] A meta model's parameters are
-    materialized into one CPU buffer per unit, taken from a pool and given back once the
-    unit is home (its parameters then hold placeholders: [Note: released parameters]), so a
-    model of many equal blocks touches fresh pages for the root and one block, not for every
-    block. Fresh pages are what wrap paid for: a first touch costs 1.5-7 s per GiB on the
-    shared 2-core VM (a write to touched pages 0.2-0.4 s), so materializing a 3B model's
-    12.8 GB of fp32 parameters in fresh allocations cost tens of seconds. A parameter gets
-    no other values than with ``torch.empty``: initialization overwrites all of it.
-    A buffer goes back to the pool only when no parameter of the unit still points into it
-    (an ``init_fn`` that replaced ``.data`` is fine; one that kept a view keeps it out of
-    the pool)."""
-
-    ALIGN_BYTES = 64
-
-    def __init__(self, units: List[UnitState], unmaterialized: Set[nn.Parameter]) -> None:
-        self._offset: Dict[nn.Parameter, int] = {}
-        self._need: Dict[int, int] = {}
-        for u in units:
-            cursor = 0
-            for e in u.spec.entries:
-                if e.param in unmaterialized and e.param not in self._offset:
-                    self._offset[e.param] = cursor
-                    nbytes = e.numel * e.param.element_size()
-                    cursor += -(-nbytes // self.ALIGN_BYTES) * self.ALIGN_BYTES
-            self._need[u.index] = cursor
-        self._taken: Dict[int, torch.Tensor] = {}
-        self._free: List[torch.Tensor] = []
-
-    def materialize(self, p: nn.Parameter, u: UnitState, shape: torch.Size) -> torch.Tensor:
-        """Storage for ``p`` (of unit ``u``) in u's buffer."""
-        buffer = self._taken.get(u.index)
-        if buffer is None:
-            need = self._need[u.index]
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
-            smallest = min(fits, key=lambda i: self._free[i].numel(), default=None)
-            if smallest is None:
-                self._free.clear()  # none fits: idle ones would only add to wrap's peak
-                buffer = torch.empty(need, dtype=torch.uint8)
-            else:
-                buffer = self._free.pop(smallest)
-            self._taken[u.index] = buffer
-        start = self._offset[p]
-        nbytes = shape.numel() * p.element_size()
-        return buffer[start:start + nbytes].view(p.dtype).view(shape)
-
-    def unit_home(self, u: UnitState) -> None:
-        """u is written home: its buffer may serve the next unit."""
-        buffer = self._taken.pop(u.index, None)
-        if buffer is None:
-            return
-        lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
-        if all(not lo <= e.param.data_ptr() < hi for e in u.spec.entries):
-            self._free.append(buffer)
+def load_profile(path: Optional[str], field: str = "--profile") -> dict:
+    """The profile at ``path`` (DEFAULT_PROFILE for None), checked; a ValueError names
+    ``field`` (the option or config field it came from) and the file."""
+    if path is None:
+        return DEFAULT_PROFILE
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path!r}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{field}: {path!r} is not valid JSON: {e}") from None
+    return validate_profile(profile, f"{field}: {path}")
 
 
-def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[nn.Parameter],
-                  device: torch.device, init_fn: Optional[Callable[[nn.Module], None]],
-                  write_home: Callable[[UnitState], None], undo: contextlib.ExitStack,
-                  weights: Optional[PretrainedWeights] = None) -> None:
-    """Copy each unit's parameters into its home buffers (``write_home(u)``:
-    Homes.write_initial_state) and free the originals; buffers go to ``device``. A
-    meta-device model (its stand-ins in ``unmaterialized``, emptied here) is materialized
-    module by module in model order (so initial values follow the same RNG sequence as an
-    eager build), each unit written home as soon as all its parameters exist: the whole
-    model never has to be in RAM. With ``weights``, each parameter (and each buffer the
-    files hold) takes its values from them instead ([Note: weights into the tiers] in
-    memory/weights.py). What this changes in the model is put back when ``undo`` unwinds
-    ([Note: a failed wrap changes nothing])."""
-    unit_of: Dict[nn.Parameter, UnitState] = {}
-    for u in units:
-        for e in u.spec.entries:
-            unit_of[e.param] = u
-    for p in unit_of:
-        if p not in unmaterialized:
-            undo.callback(setattr, p, "data", p.data)
-    if unmaterialized:  # reset_parameters and init_fn draw from it
-        undo.callback(torch.set_rng_state, torch.get_rng_state())
-    missing = {u.index: len(u.spec.entries) for u in units}
-    done: set = set()
-    scratch = _MaterializeScratch(units, unmaterialized)
+# ---------------------------------------------------------------------------- placement
+@dataclass(frozen=True)
+class UnitPlacement:
+    """Where one unit's state lives, and its bytes there (spare homes included)."""
 
-    def finish(param: nn.Parameter) -> None:
-        if param in done:
-            return
-        done.add(param)
-        u = unit_of[param]
-        missing[u.index] -= 1
-        if missing[u.index] == 0:
-            write_home(u)
-            scratch.unit_home(u)
+    name: str
+    compute_tier: str              # "device", "host" or "nvme"
+    state_tier: Optional[str]      # "host" or "nvme"; None for a unit with nothing to train
+    compute_bytes: int             # the compute copy at home (the master too when merged)
+    state_bytes: int               # the fp32 master (unless merged) and the Adam moments
 
-    shape_of = {e.param: e.shape for u in units for e in u.spec.entries}
-    fqn_of = {e.param: e.fqn for u in units for e in u.spec.entries}
-    # [Note: weights into the tiers] without an init_fn, a transformers model's own
-    # initializer computes the meta buffers the files do not hold
-    buffer_init = init_fn if init_fn is not None or weights is None else getattr(model, "_init_weights", None)
-    for prefix, module in model.named_modules():
-        materialized = needs_init = False
-        for name, p in list(module._parameters.items()):
-            if p is not None and p in unmaterialized:
-                p.data = scratch.materialize(p, unit_of[p], shape_of[p])  # [Note: materializing through reused memory]
-                unmaterialized.discard(p)
-                materialized = needs_init = weights is None
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:
-                _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=device))
-                materialized = True
-                needs_init = needs_init or weights is None or not weights.has_buffer(_qualified(prefix, name))
-        if materialized and needs_init:
-            with torch.no_grad():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-                if buffer_init is not None:
-                    buffer_init(module)
-        if weights is not None:
-            for name, p in module._parameters.items():
-                if p is not None and p not in done:
-                    p.data = weights.parameter(fqn_of[p], p.dtype)
-            for name, b in list(module._buffers.items()):
-                if b is not None and weights.has_buffer(_qualified(prefix, name)):
-                    _swap_in(undo, module._buffers, name, weights.buffer(_qualified(prefix, name), b.dtype))
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.device != device:
-                _swap_in(undo, module._buffers, name, b.to(device))
-        for p in module._parameters.values():
-            if p is not None:
-                finish(p)
-    assert all(v == 0 for v in missing.values()), "every unit must have been written home"
+
+@dataclass(frozen=True)
+class Placement:
+    """The placement of every unit, root first (``Engine.placement()``, ``offload plan``)."""
+
+    units: Tuple[UnitPlacement, ...]
+
+    @property
+    def compute_tiers(self) -> Tuple[str, ...]:
+        return tuple(u.compute_tier for u in self.units)
+
+    @property
+    def state_tiers(self) -> Tuple[str, ...]:
+        """Per unit; "" for a unit with nothing to train."""
+        return tuple(u.state_tier or "" for u in self.units)
+
+    def bytes_per_tier(self) -> Dict[str, int]:
+        """Bytes of compute copies, masters and moments at home on each tier."""
+        out = {"device": 0, "host": 0, "nvme": 0}
+        for u in self.units:
+            out[u.compute_tier] += u.compute_bytes
+            if u.state_tier is not None:
+                out[u.state_tier] += u.state_bytes
+        return out
+
+    def describe(self) -> List[str]:
+        """One line per unit: its name, tiers and bytes (``offload plan`` prints them)."""
+        width = max(len(u.name) for u in self.units)
+        return [f"{u.name:<{width}}  compute copy {u.compute_tier:<6} {format_size(u.compute_bytes):>10}   "
+                + (f"master+moments {u.state_tier:<4} {format_size(u.state_bytes):>10}"
+                   if u.state_tier is not None else "nothing to train")
+                for u in self.units]
+
+
+def describe_units(units: Sequence[UnitSizes], layout: Layout) -> Placement:
+    """The placement ``layout`` (whose tiers are decided) gives ``units``."""
+    out = []
+    home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
+    for i, u in enumerate(units):
+        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        compute_tier = layout.compute_tier(i)
+        if compute_tier == "device":
+            compute = u.compute_numel * layout.compute_element_bytes
+        else:
+            compute = copies * u.home_numel * home_element_bytes
+        state = 0
+        if u.trainable:
+            if layout.split_master:
+                state += u.low_numel * 2
+            elif not layout.merged:
+                state += u.state_numel * FP32_BYTES
+            state = copies * (state + 2 * u.state_numel * FP32_BYTES)
+        out.append(UnitPlacement(u.name, compute_tier, layout.state_tier(i) if u.trainable else None,
+                                 compute, state))
+    return Placement(tuple(out))
+
+
+def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...], Tuple[str, ...]], Layout],
+                *, param_tier: str, optimizer_tier: str, host_budget: Optional[int], has_swap: bool,
+                profile: dict) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """[Note: placement by budget] The tier of every unit's compute copy and of its states
+    ("" for a unit with nothing to train), root first: uniform for explicit tiers, chosen
+    for "auto" ones. ``layout_for(compute_tiers, state_tiers)``: the run's Layout with
+    those tiers (the arithmetic depends on them: speculative spares, staging slots).
+    ``host_budget``: set whenever a tier is "auto" (Layout gives it a default). A budget
+    below what even the all-NVMe placement keeps in RAM is a ValueError naming host_budget."""
+    n = len(units)
+    auto_compute, auto_states = param_tier == "auto", optimizer_tier == "auto"
+    start = "nvme" if has_swap else "host"
+    compute = [start if auto_compute else param_tier] * n
+    states = [(start if auto_states else optimizer_tier) if u.trainable else "" for u in units]
+    if not (auto_compute or auto_states) or not has_swap:
+        return tuple(compute), tuple(states)
+    assert host_budget is not None, "Layout gives host_budget a default when a tier is auto"
+    layout = layout_for(tuple(compute), tuple(states))
+    floor = minimum_host_budget(units, layout)
+    if host_budget < floor:
+        raise ValueError(
+            f"host_budget: {format_size(host_budget)} ({host_budget} bytes) is too small even with every "
+            f"'auto' state on NVMe: the run keeps {format_size(floor)} ({floor} bytes) in RAM "
+            "(staging buffers, the gradients of the units in flight and whatever an explicit tier puts there)")
+    bandwidth = profile["bandwidth_bytes_per_second"]
+    read, write = 1.0 / bandwidth["nvme_read"], 1.0 / bandwidth["nvme_write"]
+    gradient_worth = read + write  # a spilled gradient byte is written and read back once a step
+    largest_gradients = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
+    for i, u in enumerate(units):
+        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        if auto_compute:
+            reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
+            candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))
+        if auto_states and u.trainable:
+            candidates.append(((read + write) / copies, i, "states"))
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    for worth, i, role in candidates:
+        trial_compute, trial_states = list(compute), list(states)
+        (trial_compute if role == "compute" else trial_states)[i] = "host"
+        trial = layout_for(tuple(trial_compute), tuple(trial_states))
+        planned = host_bytes(units, trial)
+        # worth more than a spilled gradient: only the spill's floor of gradients stays in RAM
+        need = planned.total - planned.gradients + 2 * largest_gradients if worth > gradient_worth \
+            else planned.total
+        if need <= host_budget:
+            compute, states, layout = trial_compute, trial_states, trial
+    return tuple(compute), tuple(states)
+
+
+def resolve_placement(config: OffloadConfig, device: torch.device, partition: Any,
+                      units: Sequence[UnitSizes]) -> Layout:
+    """The run's Layout with every unit's tiers decided ([Note: placement by budget]):
+    wrap calls it once its units are cut, before any budget is checked or anything
+    allocated. ValueErrors name the config field (machine_profile, host_budget, the tiers)."""
+    auto = "auto" in (config.param_tier, config.optimizer_tier)
+    if auto and partition is not None:
+        raise ValueError("param_tier/optimizer_tier: 'auto' places units for one process; with several "
+                         "ranks give explicit tiers")
+    profile = load_profile(config.machine_profile, "machine_profile") if auto else DEFAULT_PROFILE
+
+    def layout_for(compute_tiers: Tuple[str, ...], state_tiers: Tuple[str, ...]) -> Layout:
+        return Layout.resolve(config, device, partition, (compute_tiers, state_tiers))
+
+    base = Layout.resolve(config, device, partition)
+    if auto and base.host_budget is None:
+        raise ValueError("host_budget: 'auto' tiers need a host budget, and the memory available "
+                         "could not be read on this system; give host_budget")
+    tiers = place_units(units, layout_for, param_tier=config.param_tier, optimizer_tier=config.optimizer_tier,
+                        host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)
+    return layout_for(*tiers)

@@ -103,7 +103,7 @@ class DeviceResidency:
         self._fetch_staging: List[torch.Tensor] = [
             host.allocate(max(u.compute_numel for u in units), home_dtype)
             for _ in range(layout.prefetch_units + 1)
-        ] if layout.param_tier == "nvme" and layout.device.type == "cuda" and not layout.gathers else []
+        ] if layout.device.type == "cuda" and not layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else []
         # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
         # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
         self._gather_home: Optional[torch.Tensor] = host.allocate(
@@ -191,7 +191,7 @@ class DeviceResidency:
             move = self._move_home_to_device(u, dst)
             future = self._copy_worker.submit(lambda: (after(), move()))
             u.pending = lambda: (future.result(), None)[1]
-            on_cpu_from_nvme = layout.param_tier == "nvme" and layout.device.type == "cpu"
+            on_cpu_from_nvme = on_nvme(u.compute_home) and layout.device.type == "cpu"
             self._stats.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
         elif layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
@@ -199,12 +199,12 @@ class DeviceResidency:
             home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
             self._stats.add_bytes("nvme_to_host" if layout.param_tier == "nvme" else "host_to_host", home_bytes)
             self._stats.add_bytes("all_gather", num_bytes)
-        elif layout.param_tier == "nvme" and layout.device.type == "cpu":
+        elif on_nvme(u.compute_home) and layout.device.type == "cpu":
             # The CPU "device" is RAM: read from the swap file straight into the slot.
             handle = self._nvme.read(dst, u.compute_home, unit=u.name)
             u.pending = lambda: (handle.wait(), None)[1]
             self._stats.add_bytes("nvme_to_device", num_bytes)
-        elif layout.param_tier == "nvme":
+        elif on_nvme(u.compute_home):
             future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home, u.name)
             u.pending = future.result
             self._stats.add_bytes("host_to_device", num_bytes)
@@ -221,9 +221,9 @@ class DeviceResidency:
     def _move_home_to_device(self, u: UnitState, dst: torch.Tensor) -> Callable[[], None]:
         """The transfers of start_fetch done whole in the calling thread (the copy worker)."""
         home = u.compute_home
-        if self._layout.param_tier == "nvme" and self._layout.device.type == "cpu":
+        if on_nvme(home) and self._layout.device.type == "cpu":
             return lambda: self._nvme.read(dst, home, unit=u.name).wait()
-        if self._layout.param_tier == "nvme":
+        if on_nvme(home):
             return lambda: self._nvme_to_device(dst, home, u.name)
         if self._layout.device.type == "cpu":
             return lambda: dst.copy_(home)
@@ -368,7 +368,8 @@ class DeviceResidency:
                 return False
             # [Note: speculative updates] never fill from an update that may not be kept:
             # chained behind it, the fetch reads the home, which it does not write
-            fill = self._layout.device_copy_updates and not u.update.started and not u.update.speculative
+            fill = self._layout.device_copy_updates and on_nvme(u.compute_home) and not u.update.started \
+                and not u.update.speculative
             if fill:
                 offset = u.device_offset if u.device_offset is not None else self._device.allocate(u.compute_numel)
                 if offset is None:

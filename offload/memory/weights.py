@@ -6,8 +6,8 @@ touched, every parameter of the model is matched to a tensor of the files by nam
 parameter tied to others (one object under several names, as an embedding tied to the
 output layer) needs one of its names present. Missing parameters, tensors that match no
 parameter or buffer (``_keys_to_ignore_on_load_unexpected`` patterns of a transformers model
-excepted) and shape mismatches are one ValueError that lists them all. Then the initial
-placement (memory/placement.py) fills each unit as it goes home: each parameter's tensor is
+excepted) and shape mismatches are one ValueError that lists them all. Then moving the
+model home (memory/materialize.py) fills each unit as it goes home: each parameter's tensor is
 read from its file, converted to the parameter's dtype, and let go once the unit is home, so
 peak RSS holds about one unit of weights whatever the model's size. A meta model's modules
 are not randomly initialized first (their values would be overwritten), except those with a

@@ -93,7 +93,7 @@ class UnitAdam:
         layout = self._layout
         if layout.merged or layout.compute_dtype == torch.float32:
             return None
-        if layout.param_tier == "host":
+        if u.compute_home is not None and isinstance(u.compute_home, torch.Tensor):  # a host home
             return u.compute_home
         if layout.param_tier == "device" and layout.device.type == "cpu":
             return self._device.view(u.device_offset, u.compute_numel)

@@ -177,7 +177,7 @@ class PipelinedStep:
             exp_avg_sq = self._writable(u.moments_home, moments, u.master_numel + lo, u.master_numel + hi)
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
-        elif slot.compute is not None:
+        elif slot.compute is not None and on_nvme(u.compute_home):  # [Note: placement by budget]
             compute_out, staging = slot.compute[:n], True
         else:
             target = self._compute_target(u)
@@ -206,8 +206,8 @@ class PipelinedStep:
         the optimizer worker first, and a failed update drops the copy. The optimizer
         step's own updates (main thread, nothing else running) do it for every resident
         unit. [zero] Not with several ranks."""
-        return self._layout.device_copy_updates and u.compute_state == Residency.LOADED and \
-            u.device_offset is not None
+        return self._layout.device_copy_updates and on_nvme(u.compute_home) and \
+            u.compute_state == Residency.LOADED and u.device_offset is not None
 
     def _write_through(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
         """Copy the new compute copy of piece [lo, hi) (trainable elements) into u's device
@@ -234,7 +234,7 @@ class PipelinedStep:
         if on_nvme(homes.moments_home):
             writes.extend(self._nvme.write(buf, ext, unit=u.name)
                           for buf, ext in self._moment_parts(u, lo, hi, slot, homes.moments_home))
-        if slot.compute is not None and self._layout.param_tier == "nvme":
+        if slot.compute is not None and on_nvme(homes.compute_home):  # [Note: placement by budget]
             size = slot.compute.element_size()
             end = padded_numel(u.spec.trainable_numel, size) if hi == u.master_numel else hi
             end = min(end, lo + slot.compute.numel())
