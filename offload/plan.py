@@ -159,7 +159,7 @@ class Placement:
         return sum(self.host_parts.values())
 
 
-_NO_SWAP_DIR = "<offload plan: writes no swap files>"
+NO_SWAP_DIR = "<offload plan: writes no swap files>"
 
 
 def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
@@ -169,7 +169,7 @@ def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: in
     param_tier="device" every staging slot a compute piece; the plan leaves them out.)"""
     config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier,
                            optimizer_tier=optimizer_tier, split_master=split_master,
-                           swap_dir=_NO_SWAP_DIR)
+                           swap_dir=NO_SWAP_DIR)
     # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it.
     # No host budget: the table sets each configuration's whole need against --host-budget.
     return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
@@ -238,6 +238,53 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
         traffic["host_to_device"] += shape.num_trainable * e
     return Placement(param_tier, optimizer_tier, merged, device_bytes, host_parts, nvme_bytes,
                      state_tier, state_bytes, traffic)
+
+
+def auto_placement(shape: ModelShape, config: "OffloadConfig | dict") -> Tuple[unit_placement.Placement,
+                                                                              Layout, List[UnitSizes]]:
+    """The placement wrap makes under ``config`` (param_tier/optimizer_tier "auto") for a
+    model of ``shape``, every parameter trainable, on one process with a CPU device: the
+    same function as wrap's ([Note: placement by budget]); with it the Layout and the unit
+    sizes (for ``unit_placement.predict_step``). ValueError as wrap raises it."""
+    config = OffloadConfig.from_any(config)
+    e = _ELEMENT_BYTES[config.dtype]
+    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
+             for u in shape.units]
+    layout = unit_placement.resolve_placement(config, torch.device("cpu"), None, sizes)
+    return unit_placement.describe_units(sizes, layout), layout, sizes
+
+
+def auto_report(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
+                compute_seconds: Optional[float]) -> List[str]:
+    """The lines `offload plan` prints for "auto": each unit's tiers, bytes per tier, NVMe
+    bytes per step and the predicted step ([Note: step prediction])."""
+    from offload.config import format_size
+
+    config = OffloadConfig.from_any(config)
+    try:
+        placement, layout, sizes = auto_placement(shape, config)
+    except ValueError as error:
+        return [f"auto placement: not possible: {error}"]
+    prediction = unit_placement.predict_step(sizes, layout, profile, compute_seconds)
+    budget = layout.host_budget
+    lines = [f"auto placement (param_tier='auto', optimizer_tier='auto', host budget "
+             f"{format_size(budget) if budget is not None else 'none'}"
+             f"{' (default: 3/4 of the memory available now)' if layout.host_budget_default else ''}"
+             f"{', max_grad_norm ' + format(config.max_grad_norm, 'g') if config.max_grad_norm else ''}): "
+             "what wrap places, per unit, root first"]
+    lines += ["  " + line for line in placement.describe()]
+    lines.append("  at home: " + ", ".join(f"{tier} {format_size(n)}" for tier, n in placement.bytes_per_tier().items()))
+    lines.append(f"  NVMe per step: read {format_size(prediction.nvme_read_bytes)}, written "
+                 f"{format_size(prediction.nvme_write_bytes)}: {format_seconds(prediction.io_seconds)} at the "
+                 "profile's bandwidths")
+    if prediction.seconds is not None:
+        lines.append(f"  predicted step: {format_seconds(prediction.seconds)} (compute "
+                     f"{format_seconds(compute_seconds)}; max(compute, I/O) + "
+                     f"{unit_placement.EXPOSED_IO_FRACTION:g} x min(compute, I/O))")
+    else:
+        lines.append("  predicted step: give --compute-seconds (a step with everything in RAM) or "
+                     "--flops-per-second for a time including compute")
+    return lines
 
 
 @dataclass(frozen=True)

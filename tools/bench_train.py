@@ -107,10 +107,11 @@ PAGE_BYTES = 4096
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 
 ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial",
-        "io-only", "ds-cpu", "ds-nvme")
+        "io-only", "ds-cpu", "ds-nvme", "auto")
 NVME_ROWS = ("nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial")
 CLIP_ROWS = ("nvme-clip", "nvme-clip-serial")
-DEFAULT_ROWS = tuple(r for r in ROWS if r not in CLIP_ROWS)  # the clipping rows on request
+# the clipping rows on request; auto is --sweep-host-budget's (tools/bench_sweep.py)
+DEFAULT_ROWS = tuple(r for r in ROWS if r not in CLIP_ROWS + ("auto",))
 DS_ROWS = ("ds-cpu", "ds-nvme")
 DTYPES = ("fp32", "bf16")
 STAGES = (0, 1, 2, 3)
@@ -257,6 +258,11 @@ def offload_config(spec: dict, device_budget):
         return dict(common, param_tier="device", optimizer_tier="host", device_budget=None)
     if row == "host":
         return dict(common, param_tier="host", optimizer_tier="host", device_budget=device_budget)
+    if row == "auto":  # --sweep-host-budget: [Note: placement by budget]
+        config = dict(common, param_tier="auto", optimizer_tier="auto", device_budget=device_budget,
+                      swap_dir=spec["swap_dir"], host_budget=spec["host_budget"],
+                      machine_profile=spec.get("machine_profile"))
+        return dict(config, delayed_update=True) if spec.get("delayed_update") else config
     assert row in NVME_ROWS, row
     config = dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
                   swap_dir=spec["swap_dir"], prefetch=row != "nvme-noprefetch",
@@ -343,6 +349,8 @@ def run_offload(spec: dict) -> dict:
                   "master_bytes": u.master_numel * 4} for u in engine.units]
         phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
         rss = peak_rss_bytes()  # the replay's buffers below are not the row's
+        if spec["row"] == "auto":
+            info = dict(info, **placement_report(engine, spec))
         if spec.get("paired_replay"):
             paired = paired_replay(step, engine.zero_grad, {"units": units, "phases": phases}, spec)
     finally:
@@ -653,6 +661,26 @@ def error_line(output: str, returncode: int) -> tuple:
     return tail[:300], "\n".join(lines[-30:])
 
 
+def placement_report(engine, spec: dict) -> dict:
+    """The auto row's placement (bytes per tier) and its predicted step ([Note: step
+    prediction]) with the plain step of the same run as its compute time."""
+    from offload.memory.budget import UnitSizes
+    from offload.memory.placement import load_profile, predict_step
+
+    sizes = [UnitSizes.of(u) for u in engine.units]
+    element_bytes = engine.layout.compute_element_bytes
+    blocks = max(u.compute_numel for u in sizes[1:]) * element_bytes
+    slots = (engine.stats()["device_budget_bytes"] - sizes[0].compute_numel * element_bytes) // blocks
+    prediction = predict_step(sizes, engine.layout, load_profile(spec.get("machine_profile"), "machine_profile"),
+                              spec.get("compute_seconds"), resident_units=max(1, slots - 1))
+    placement = engine.placement()
+    return {"home_bytes": placement.bytes_per_tier(), "host_budget": spec["host_budget"],
+            "units_on_host": sum(u.compute_tier == "host" for u in placement.units),
+            "states_on_host": sum(u.state_tier == "host" for u in placement.units),
+            "predicted_seconds": prediction.seconds, "predicted_read": prediction.nvme_read_bytes,
+            "predicted_written": prediction.nvme_write_bytes, "predicted_io_seconds": prediction.io_seconds}
+
+
 def run_row(spec: dict, timeout_s: float) -> dict:
     """One configuration in a fresh subprocess; failures become a row with an error."""
     cmd, env = worker_command(spec)
@@ -904,6 +932,17 @@ def parse_args(argv=None):
                    help="with --nproc: cpu (gloo) or cuda (NCCL for ddp, one GPU per rank)")
     p.add_argument("--collective-timeout", type=float, default=300.0,
                    help="with --nproc: seconds a collective may wait for the other ranks")
+    p.add_argument("--sweep-host-budget", action="store_true",
+                   help="placement 'auto' at host budgets from 0.3x to 1.2x the plain run's RSS, at "
+                        "the device budget floor: step time measured and predicted (tools/bench_sweep.py)")
+    p.add_argument("--fractions", nargs="+", type=float, default=None,
+                   help="with --sweep-host-budget: host budgets as fractions of the plain RSS")
+    p.add_argument("--delayed-update", action="store_true",
+                   help="with --sweep-host-budget: also every point with delayed_update=True")
+    p.add_argument("--machine-profile", default=None, metavar="PATH",
+                   help="with --sweep-host-budget: an `offload profile --json` file for auto placement")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="with --sweep-host-budget: step time against host budget (needs matplotlib)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -1007,6 +1046,10 @@ def main(argv=None) -> int:
         return worker_main(json.loads(args.worker))
     if args.nproc is not None:
         return main_nproc(args)
+    if args.sweep_host_budget:
+        import bench_sweep  # tools/ is on sys.path: this script's directory
+
+        return bench_sweep.main(args)
 
     rows = list(args.rows or DEFAULT_ROWS)
     deepspeed_note = None

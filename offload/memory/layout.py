@@ -149,9 +149,12 @@ class Layout:
             state_tiers=tuple(state_tiers),
             needs_nvme=needs_nvme,
             merged=merged,
-            # [Note: split master] with every state on NVMe and one tier for every compute copy
+            # [Note: split master] with every state on NVMe and one tier for every compute copy;
+            # never with an "auto" tier, whose placements must all compute the same numbers
+            # (the split compute copy rounds ties away from zero): [Note: placement by budget]
             split_master=(config.split_master and config.dtype == "bf16" and on_states == {"nvme"}
-                          and len(on_compute) == 1 and param_tier != "device"),
+                          and len(on_compute) == 1 and param_tier != "device"
+                          and "auto" not in (config.param_tier, config.optimizer_tier)),
             adopts_grads=device.type == "cpu" and partition is None,
             device_copy_updates=device.type == "cpu" and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,

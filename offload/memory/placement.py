@@ -26,7 +26,11 @@ speculative updates, gradients):
 
 Placement never changes numerics: the same kernel runs on the same values whichever tier a
 state comes from (tests/test_memory_placement.py checks mixed placements bit for bit against
-the all-NVMe run). With explicit tiers the placement is uniform and nothing is chosen.
+the all-NVMe run). That is why an "auto" tier turns the split master off ([Note: split
+master]: its bf16 compute copy rounds ties away from zero, and a unit with its states in RAM
+keeps a whole master): every auto placement computes what (nvme, nvme) with
+split_master=False, and (host, host), compute. With explicit tiers the placement is uniform
+and nothing is chosen.
 """
 from __future__ import annotations
 
@@ -185,6 +189,10 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     if not (auto_compute or auto_states) or not has_swap:
         return tuple(compute), tuple(states)
     assert host_budget is not None, "Layout gives host_budget a default when a tier is auto"
+    everything = (tuple("host" if auto_compute else t for t in compute),
+                  tuple("host" if auto_states and t else t for t in states))
+    if host_bytes(units, layout_for(*everything)).total <= host_budget:
+        return everything  # no NVMe traffic at all (and no staging slots or spare homes)
     layout = layout_for(tuple(compute), tuple(states))
     floor = minimum_host_budget(units, layout)
     if host_budget < floor:
@@ -239,3 +247,80 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     tiers = place_units(units, layout_for, param_tier=config.param_tier, optimizer_tier=config.optimizer_tier,
                         host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)
     return layout_for(*tiers)
+
+
+# ---------------------------------------------------------------------------- prediction
+@dataclass(frozen=True)
+class StepPrediction:
+    """[Note: step prediction] What one optimizer step (one micro-batch) of a CPU-device run
+    moves to and from NVMe, and the time predicted for it."""
+
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    io_seconds: float                 # the bytes at the profile's NVMe bandwidths
+    compute_seconds: Optional[float]  # the step with every state in RAM (measured or given)
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """max(compute, I/O) + the I/O that cannot overlap compute (see predict_step)."""
+        if self.compute_seconds is None:
+            return None
+        return max(self.compute_seconds, self.io_seconds) + EXPOSED_IO_FRACTION * min(self.compute_seconds,
+                                                                                      self.io_seconds)
+
+
+# [Note: step prediction] The share of the smaller of compute and NVMe time that shows in the
+# step anyway: the first fetches of forward, the last units' updates of backward, synchronous
+# gradient spills. A documented constant, measured with tools/bench_train.py
+# --sweep-host-budget (which prints predicted against measured at every point).
+EXPOSED_IO_FRACTION = 0.5
+
+
+def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
+                 compute_seconds: Optional[float] = None, resident_units: int = 1) -> StepPrediction:
+    """[Note: step prediction] NVMe traffic of one step of ``layout``'s placement (one
+    process, CPU device) and its predicted time. Per unit with its compute copy on NVMe:
+    read in forward and again in backward (the root once, and the last ``resident_units``
+    of forward stay for backward); written by the update unless merged (then the update
+    reads and writes it as the master). With its states on NVMe: the master (unless
+    merged; its low half when split) and both moments read and written. Gradients beyond the
+    host budget's allowance ([Note: gradient spill]), where they wait for the norm or for
+    more micro-steps: written and read back. Not modelled: an update that reads a resident
+    device copy instead of the home ([Note: updates through the device copy]) and update
+    fills, which make the real traffic smaller (tests/test_memory_placement.py bounds the
+    difference)."""
+    bandwidth = profile["bandwidth_bytes_per_second"]
+    home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
+    read = write = 0
+    blocks = len(units) - 1
+    for i, u in enumerate(units):
+        if layout.compute_tier(i) == "nvme":
+            home = u.home_numel * home_element_bytes
+            refetched = i > 0 and i <= blocks - resident_units
+            read += home * (2 if refetched else 1)
+            if u.trainable:
+                trainable = u.master_numel * home_element_bytes
+                if layout.merged:
+                    read += trainable
+                write += trainable
+        if u.trainable and layout.state_tier(i) == "nvme":
+            state = 2 * u.state_numel * FP32_BYTES
+            if layout.split_master:
+                state += u.low_numel * 2
+                if layout.compute_tier(i) == "nvme":
+                    read += u.low_numel * 2  # the high halves: the compute copy at home
+            elif not layout.merged:
+                state += u.state_numel * FP32_BYTES
+            read += state
+            write += state
+    planned = host_bytes(units, layout)
+    # Gradients pile up (and spill) only where they wait: for the norm (clipping, fp16,
+    # skip_nonfinite_steps) or over micro-steps; early updates consume them as backward goes.
+    waiting = layout.max_grad_norm is not None or layout.fp16 or layout.skip_nonfinite_steps or \
+        layout.accumulation_steps > 1 or not layout.early_allowed
+    if waiting and layout.needs_nvme and layout.host_budget is not None and planned.total > layout.host_budget:
+        spilled = min(planned.gradients, planned.total - layout.host_budget)
+        read += spilled
+        write += spilled
+    io = read / bandwidth["nvme_read"] + write / bandwidth["nvme_write"]
+    return StepPrediction(read, write, io, compute_seconds)

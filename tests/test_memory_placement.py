@@ -1,0 +1,324 @@
+"""Placement by budget ([Note: placement by budget], offload/memory/placement.py):
+param_tier/optimizer_tier "auto" place each unit's compute copy and states on host or NVMe
+within host_budget, never change what is computed, and ``offload plan`` places as wrap does."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload import plan
+from offload.config import OffloadConfig
+from offload.gpt import GPT, GPTConfig
+from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget
+from offload.memory.layout import Layout
+from offload.memory.placement import DEFAULT_PROFILE, predict_step
+from support import CFG, assert_same_state, batches, gpt_loss, make_opt, train_gpt
+
+CPU = torch.device("cpu")
+
+
+def base(tmp_path, dtype="fp32", **extra):
+    return dict(device="cpu", dtype=dtype, swap_dir=str(tmp_path / "swap"), **extra)
+
+
+def gpt_sizes(dtype, cfg=CFG):
+    """The units of the GPT as wrap cuts them on one process."""
+    with torch.device("meta"):
+        shape = plan.shape_from_module(GPT(cfg), "gpt")
+    e = 4 if dtype == "fp32" else 2
+    return [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
+            for u in shape.units]
+
+
+def all_nvme_floor(tmp_path, dtype, **extra):
+    """The smallest host_budget wrap accepts with every state on NVMe (the auto floor)."""
+    sizes = gpt_sizes(dtype)
+    config = OffloadConfig(**base(tmp_path, dtype, **extra))
+    tiers = (("nvme",) * len(sizes), tuple("nvme" if u.trainable else "" for u in sizes))
+    return minimum_host_budget(sizes, Layout.resolve(config, CPU, None, tiers))
+
+
+def all_host_need(tmp_path, dtype, **extra):
+    """What the run holds in RAM with every state on the host (the auto ceiling)."""
+    sizes = gpt_sizes(dtype)
+    config = OffloadConfig(**base(tmp_path, dtype, **extra))
+    tiers = (("host",) * len(sizes), tuple("host" if u.trainable else "" for u in sizes))
+    return host_bytes(sizes, Layout.resolve(config, CPU, None, tiers)).total
+
+
+def placement_of(config):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        return engine.placement(), engine.stats(), engine.layout
+
+
+def tiers(placement):
+    return "".join(u.compute_tier[0] for u in placement.units) + "/" + \
+        "".join((u.state_tier or "-")[0] for u in placement.units)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_generous_host_budget_places_everything_in_ram_and_computes_what_host_host_computes(tmp_path, dtype):
+    data = batches(3)
+    auto = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", host_budget="1GiB")
+    placement, stats, layout = placement_of(auto)
+    assert {u.compute_tier for u in placement.units} == {"host"}
+    assert {u.state_tier for u in placement.units} == {"host"}
+    assert placement.bytes_per_tier()["nvme"] == 0 and stats["nvme_bytes"] == 0
+    assert stats["home_bytes_host"] == placement.bytes_per_tier()["host"] > 0
+    assert (layout.param_tier, layout.optimizer_tier) == ("host", "host")
+    losses, state, *_ = train_gpt(auto, data)
+    ref_losses, ref_state, *_ = train_gpt(base(tmp_path, dtype, param_tier="host", optimizer_tier="host"), data)
+    assert losses == ref_losses
+    assert_same_state(state, ref_state)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_tiny_host_budget_places_everything_on_nvme_and_computes_what_nvme_nvme_computes(tmp_path, dtype):
+    data = batches(3)
+    floor = all_nvme_floor(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", split_master=False)
+    auto = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", host_budget=floor)
+    placement, stats, layout = placement_of(auto)
+    assert tiers(placement) == "nnnnn/nnnnn"
+    # the swap file also holds the gradient extents (the floor spills gradients)
+    assert stats["home_bytes_host"] == 0 and 0 < stats["home_bytes_nvme"] < stats["nvme_bytes"]
+    assert not layout.split_master  # never with "auto": every placement computes the same
+    losses, state, *_ = train_gpt(auto, data)
+    ref_losses, ref_state, *_ = train_gpt(base(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme",
+                                               split_master=False), data)
+    assert losses == ref_losses
+    assert_same_state(state, ref_state)
+    with pytest.raises(ValueError, match="host_budget"):
+        placement_of(dict(auto, host_budget=floor - 1))
+    assert not os.listdir(tmp_path / "swap")  # refused before any swap file
+
+
+MODES = {
+    "plain": {},
+    "clipped": dict(max_grad_norm=0.05),  # clips on some steps: speculative updates, redone
+    "accumulation": dict(gradient_accumulation_steps=2, max_grad_norm=1.0),
+}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_mixed_placement_computes_the_all_nvme_numbers_bit_for_bit(tmp_path, dtype, mode):
+    """Budgets between the floor and everything: each gives a placement with both tiers,
+    and each computes exactly what the all-NVMe run computes (split_master off: "auto"
+    never splits the master, whose compute copy rounds ties differently)."""
+    extra = dict(MODES[mode], split_master=False)
+    data = batches(4)
+    ref_losses, ref_state, ref_stats, ref_norms = train_gpt(
+        base(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", **extra), data)
+    floor = all_nvme_floor(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", **extra)
+    ceiling = all_host_need(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", **extra)
+    mixed = {}  # placement -> the first budget (in tenths from floor to ceiling) that gives it
+    for k in range(1, 10):
+        budget = floor + (ceiling - floor) * k // 10
+        where = tiers(placement_of(base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto",
+                                        host_budget=budget, **extra))[0])
+        if "h" in where and "n" in where:
+            mixed.setdefault(where, budget)
+    assert len(mixed) >= 3, mixed
+    for where, budget in sorted(mixed.items(), key=lambda item: item[1])[:3]:
+        auto = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", host_budget=budget, **extra)
+        losses, state, stats, norms = train_gpt(auto, data)
+        assert losses == ref_losses, where
+        assert norms == ref_norms, where
+        assert_same_state(state, ref_state)
+        # the homes are within the budget (the gradients are a soft bound, [Note: gradient
+        # spill]: how many wait for queued updates depends on timing; the RSS test below
+        # bounds the process)
+        assert 0 < stats["home_bytes_host"] <= budget and stats["home_bytes_nvme"] > 0
+        if mode != "plain":
+            assert stats["speculative_updates"] > 0
+
+
+def test_units_forward_needs_first_get_ram_first(tmp_path):
+    """Equal blocks: the compute copies in RAM are those of the first blocks in forward
+    order (their updates finish last in backward and the next forward needs them first)."""
+    floor = all_nvme_floor(tmp_path, "fp32", param_tier="nvme", optimizer_tier="nvme")
+    sizes = gpt_sizes("fp32")
+    block = sizes[1].home_numel * 4
+    for n in (1, 2, 3):
+        auto = base(tmp_path, param_tier="auto", optimizer_tier="nvme", host_budget=floor + n * block)
+        placement, _, _ = placement_of(auto)
+        blocks = [u.compute_tier for u in placement.units[1:]]
+        assert blocks == ["host"] * n + ["nvme"] * (len(blocks) - n), (n, blocks)
+        assert {u.state_tier for u in placement.units} == {"nvme"}  # explicit: kept
+
+
+def test_auto_without_a_swap_dir_keeps_everything_in_ram(tmp_path):
+    placement, stats, _ = placement_of(dict(device="cpu", param_tier="auto", optimizer_tier="auto"))
+    assert tiers(placement) == "hhhhh/hhhhh" and stats["nvme_bytes"] == 0
+    with pytest.raises(ValueError, match="host_budget"):
+        placement_of(dict(device="cpu", param_tier="auto", optimizer_tier="auto", host_budget=100_000))
+
+
+def test_a_machine_profile_is_checked_at_wrap_before_anything_is_touched(tmp_path):
+    model = GPT(CFG)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make_opt(model.parameters())
+    for content, match in ((None, "machine_profile: cannot read"), ("{", "machine_profile: .* not valid JSON"),
+                           (json.dumps({"schema": "x"}), "machine_profile: .*not an offload profile")):
+        path = tmp_path / "profile.json"
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(ValueError, match=match):
+            offload.wrap(model, opt, config=base(tmp_path, param_tier="auto", optimizer_tier="auto",
+                                                 machine_profile=str(path)))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "swap").exists() or not os.listdir(tmp_path / "swap")
+    with pytest.raises(ValueError, match="param_tier"):
+        OffloadConfig(param_tier="fastest")
+    with pytest.raises(ValueError, match="machine_profile"):
+        OffloadConfig(machine_profile=3)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compute_copies_go_to_ram_before_states(tmp_path, dtype):
+    """Per byte of RAM a compute copy saves more NVMe time than the states (it is read twice
+    a step, the states once, both written once) whatever the bandwidths: as the budget
+    grows, no unit's states are placed in RAM before every compute copy is, except all at
+    once when everything fits."""
+    floor = all_nvme_floor(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", split_master=False)
+    ceiling = all_host_need(tmp_path, dtype, param_tier="auto", optimizer_tier="auto")
+    found = []
+    for k in range(0, 11):
+        budget = floor + (ceiling - floor) * k // 10
+        placement, _, _ = placement_of(base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto",
+                                            host_budget=budget))
+        computes, states = tiers(placement).split("/")
+        found.append(tiers(placement))
+        if "h" in states:
+            assert computes == "hhhhh", found
+    assert found[0] == "nnnnn/nnnnn" and found[-1] == "hhhhh/hhhhh", found
+    assert any(w.startswith("hhhhh/") and "n" in w for w in found), found  # states partly on NVMe
+
+
+MODELS = {
+    "gpt": lambda: GPT(CFG),
+    "gpt-wide": lambda: GPT(GPTConfig(vocab_size=128, seq_len=16, d_model=64, num_heads=4, num_layers=6)),
+}
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-wide"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_planner_places_every_unit_as_the_engine_does(tmp_path, name, dtype):
+    with torch.device("meta"):
+        shape = plan.shape_from_module(MODELS[name](), name)
+    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel,
+                                 4 if dtype == "fp32" else 2) for u in shape.units]
+    config = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", max_grad_norm=1.0)
+    floor = minimum_host_budget(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (
+        ("nvme",) * len(sizes), tuple("nvme" for _ in sizes))))
+    full = host_bytes(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (
+        ("host",) * len(sizes), ("host",) * len(sizes)))).total
+    seen = set()
+    for budget in (floor + (full - floor) * k // 6 for k in range(7)):
+        planned, _, _ = plan.auto_placement(shape, dict(config, host_budget=budget))
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(config, host_budget=budget)) as engine:
+            assert engine.placement() == planned, budget
+        seen.add(tiers(planned))
+    assert len(seen) >= 4, seen  # all NVMe, mixed ones, all in RAM
+
+
+def test_offload_plan_prints_the_engine_placement_and_a_predicted_step(tmp_path):
+    module = tmp_path / "plan_models.py"
+    module.write_text("from offload.gpt import GPT, GPTConfig\n"
+                      "def build():\n    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, "
+                      "num_heads=2, num_layers=4))\n")
+    budget = all_nvme_floor(tmp_path, "fp32", param_tier="nvme", optimizer_tier="nvme") + 120_000
+    out = subprocess.run([sys.executable, "-m", "offload", "plan", "--model", "plan_models:build", "--dtype", "fp32",
+                          "--host-budget", str(budget), "--compute-seconds", "2", "--swap-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [os.path.dirname(os.path.dirname(offload.__file__)), os.environ.get("PYTHONPATH", "")])))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout[out.stdout.index("auto placement"):]
+    placement, _, _ = placement_of(base(tmp_path, param_tier="auto", optimizer_tier="auto", host_budget=budget))
+    for line in placement.describe():
+        assert line in text
+    assert "predicted step: " in text
+
+
+def test_the_prediction_counts_the_bytes_each_placement_moves(tmp_path):
+    """predict_step's NVMe bytes per step against a measured run, for the all-NVMe and a
+    mixed placement: a compute copy read in forward and in backward (the root once), a
+    merged master read and written by its update, the moments read and written."""
+    data = batches(4)
+    floor = all_nvme_floor(tmp_path, "fp32", param_tier="nvme", optimizer_tier="nvme")
+    sizes = gpt_sizes("fp32")
+    for budget in (floor, floor + 250_000):
+        config = base(tmp_path, param_tier="auto", optimizer_tier="auto", host_budget=budget,
+                      device_budget=minimum_device_budget(sizes, "nvme", 4), overlap_step_with_forward=False)
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for b in data[:2]:
+                engine.backward(gpt_loss(engine, b))
+                engine.step()
+            s0 = engine.stats()
+            for b in data[2:]:
+                engine.backward(gpt_loss(engine, b))
+                engine.step()
+            s1 = engine.stats()
+            predicted = predict_step(sizes, engine.layout, DEFAULT_PROFILE, 1.0)
+        read = (s1["bytes_read_nvme"] - s0["bytes_read_nvme"]) / 2
+        written = (s1["bytes_written_nvme"] - s0["bytes_written_nvme"]) / 2
+        assert abs(read - predicted.nvme_read_bytes) <= 0.15 * read, (budget, read, predicted)
+        assert abs(written - predicted.nvme_write_bytes) <= 0.15 * written, (budget, written, predicted)
+        assert predicted.seconds >= max(1.0, predicted.io_seconds)
+
+
+RSS_SCRIPT = textwrap.dedent('''
+    import resource, sys
+    import torch
+    import offload
+    from offload.gpt import GPT, GPTConfig
+    from offload.memory.budget import minimum_device_budget, model_unit_sizes
+    torch.set_num_threads(1)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=512, num_heads=8, num_layers=16)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sizes = model_unit_sizes(model, 4)
+    conf = dict(device="cpu", param_tier="auto", optimizer_tier="auto", swap_dir=sys.argv[1],
+                host_budget=int(sys.argv[2]), device_budget=minimum_device_budget(sizes, "nvme", 4))
+    g = torch.Generator().manual_seed(1)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=conf) as engine:
+        for _ in range(2):
+            x = torch.randint(0, 256, (2, 64), generator=g)
+            loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 256), x.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        stats = engine.stats()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(baseline, peak, conf["host_budget"], conf["device_budget"], stats["home_bytes_host"],
+          stats["home_bytes_nvme"])
+''')
+SLACK_BYTES = 256 << 20
+
+
+def test_rss_of_a_mixed_placement_stays_under_a_bound_from_the_host_budget(tmp_path):
+    """A GPT (d_model 512, 16 layers: 810 MB of fp32 state) placed by a 250 MB host budget:
+    part of it in RAM, the rest on NVMe. Peak RSS (ru_maxrss, fresh process) at most the
+    RSS after import + host_budget + device_budget (the CPU "device" is RAM) + 256 MiB for
+    what no budget covers (activations, autograd's gradients before the hook takes them,
+    the I/O engine, allocator slack), as in test_optim_grad_spill."""
+    budget = 250 << 20
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "swap"), str(budget)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    baseline, peak, host_budget, device_budget, on_host, on_nvme = map(int, out.stdout.split())
+    assert on_host > 100 << 20 and on_nvme > 300 << 20  # mixed
+    assert peak <= baseline + host_budget + device_budget + SLACK_BYTES, \
+        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {SLACK_BYTES}"

@@ -1,0 +1,168 @@
+"""``tools/bench_train.py --sweep-host-budget``: step time against host budget with
+placement "auto" ([Note: placement by budget], offload/memory/placement.py).
+
+Per dtype, in one run: the plain PyTorch step (the baseline: its step time is also the
+compute time of the prediction, and its peak RSS sets the budgets), then the reference GPT
+wrapped with param_tier="auto", optimizer_tier="auto" at host budgets of --fractions (0.3x
+to 1.2x) of the plain run's peak RSS, at the device budget floor (the smallest the engine
+accepts plus two blocks; --budget-fraction defaults to 0.01 here), each row a fresh
+subprocess (its RSS its own). With --delayed-update the same points again with
+delayed_update=True. Columns: what the placement put on the host (compute copies /
+states of how many units), measured step and RSS (and their ratios to plain), the predicted
+step ([Note: step prediction]) and predicted / measured, NVMe GB read and written per step
+measured and predicted. --plot writes step time against host budget (matplotlib), the plain
+step as a horizontal line.
+
+    python tools/bench_train.py --sweep-host-budget --dtypes fp32 --plot sweep.png
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import bench_train as bt
+
+DEFAULT_FRACTIONS = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
+
+
+def main(args) -> int:
+    model = {"full": bt.FULL_MODEL, "small": bt.SMALL_MODEL, "quick": bt.QUICK_MODEL}[
+        args.model or ("quick" if args.quick else "full")]
+    fractions = tuple(args.fractions or DEFAULT_FRACTIONS)
+    if any(not 0 < f for f in fractions):
+        print("--fractions: every fraction must be > 0", file=sys.stderr)
+        return 2
+    base = {
+        "model": model, "swap_checksums": args.swap_checksums == "on",
+        "batch": args.batch or (bt.QUICK_BATCH if args.quick else bt.FULL_BATCH),
+        "steps": args.steps or (2 if args.quick else 3),
+        "warmup": args.warmup if args.warmup is not None else 1,
+        # the device budget floor: bench_train raises a budget below the minimum to it + 2 blocks
+        "budget_fraction": min(args.budget_fraction, 0.01),
+        "threads": args.threads or (1 if args.quick else None),
+        "pipeline_depth": 3,
+        "machine_profile": os.path.abspath(args.machine_profile) if args.machine_profile else None,
+    }
+    own_swap = args.swap_dir is None
+    swap_root = tempfile.mkdtemp(prefix="bench_sweep-") if own_swap else os.path.abspath(args.swap_dir)
+    os.makedirs(swap_root, exist_ok=True)
+    base["swap_dir"] = swap_root
+    print(f"model {model}, batch {base['batch']}, {base['warmup']} warm-up + {base['steps']} timed steps; "
+          f"host budgets {', '.join(f'{f:g}' for f in fractions)} x plain RSS; device budget at the floor; "
+          f"profile {args.machine_profile or 'default (offload/memory/placement.py DEFAULT_PROFILE)'}",
+          flush=True)
+    results = []
+    try:
+        for dtype in args.dtypes:
+            plain = bt.run_row(dict(base, row="plain", dtype=dtype), args.row_timeout)
+            results.append(plain)
+            if "error" in plain:
+                print(f"  plain {dtype}: FAILED {plain['error']}", file=sys.stderr, flush=True)
+                continue
+            print(f"  plain {dtype:5s} {plain['step_seconds']:.3f} s/step, "
+                  f"{plain['peak_rss_bytes'] / bt.GiB:.2f} GiB", file=sys.stderr, flush=True)
+            for delayed in ((False, True) if args.delayed_update else (False,)):
+                for fraction in fractions:
+                    spec = dict(base, row="auto", dtype=dtype, delayed_update=delayed,
+                                host_budget=int(fraction * plain["peak_rss_bytes"]),
+                                compute_seconds=plain["step_seconds"])
+                    result = bt.run_row(spec, args.row_timeout)
+                    result.update(fraction=fraction, delayed=delayed, dtype=dtype)
+                    results.append(result)
+                    status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
+                    print(f"  auto {dtype:5s} {fraction:4.2f}x{' delayed' if delayed else ''} {status}",
+                          file=sys.stderr, flush=True)
+    finally:
+        if own_swap:
+            shutil.rmtree(swap_root, ignore_errors=True)
+    print()
+    print_sweep(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": base, "rows": results}, f, indent=1)
+    if args.plot:
+        try:
+            plot(results, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib, which is not installed (the table above is complete)", file=sys.stderr)
+            return 1
+        print(f"plot written to {args.plot}")
+    return 1 if any("error" in r for r in results) else 0
+
+
+def _gb(value) -> str:
+    return "-" if value is None else f"{value / bt.GB:.2f}"
+
+
+def print_sweep(results: list, out=sys.stdout) -> None:
+    plain = {r["dtype"]: r for r in results if r["row"] == "plain" and "error" not in r}
+    header = (f"{'dtype':5s} {'delayed':7s} {'x RSS':>5s} {'budget GiB':>10s} {'host c/s':>8s} {'step s':>7s} "
+              f"{'x plain':>7s} {'pred s':>7s} {'pred/meas':>9s} {'RSS GiB':>7s} {'x RSS':>6s} "
+              f"{'rd GB':>6s} {'pred rd':>7s} {'wr GB':>6s} {'pred wr':>7s}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in results:
+        if r["row"] == "plain":
+            if "error" in r:
+                print(f"{r['dtype']:5s} plain FAILED: {r['error']}", file=out)
+            else:
+                print(f"{r['dtype']:5s} {'plain':7s} {'':>5s} {'':>10s} {'':>8s} {r['step_seconds']:7.3f} "
+                      f"{1.0:7.2f} {'':>7s} {'':>9s} {r['peak_rss_bytes'] / bt.GiB:7.2f} {1.0:6.2f}", file=out)
+            continue
+        base = plain.get(r["dtype"])
+        lead = f"{r['dtype']:5s} {'yes' if r['delayed'] else 'no':7s} {r['fraction']:5.2f}"
+        if "error" in r:
+            print(f"{lead} FAILED: {r['error']}", file=out)
+            continue
+        step, predicted = r["step_seconds"], r.get("predicted_seconds")
+        print(f"{lead} {r['host_budget'] / bt.GiB:10.2f} {r['units_on_host']:>3d}/{r['states_on_host']:<4d} "
+              f"{step:7.3f} {step / base['step_seconds']:7.2f} "
+              f"{'-' if predicted is None else f'{predicted:7.3f}':>7s} "
+              f"{'-' if predicted is None else f'{predicted / step:9.2f}':>9s} "
+              f"{r['peak_rss_bytes'] / bt.GiB:7.2f} {r['peak_rss_bytes'] / base['peak_rss_bytes']:6.2f} "
+              f"{_gb(r.get('nvme_read_per_step')):>6s} {_gb(r.get('predicted_read')):>7s} "
+              f"{_gb(r.get('nvme_written_per_step')):>6s} {_gb(r.get('predicted_written')):>7s}", file=out)
+    print("host c/s: units whose compute copy / whose master+moments the placement put in RAM; "
+          "x RSS (first column): the host budget as a fraction of the plain run's peak RSS", file=out)
+
+
+def plot(results: list, path: str) -> None:
+    """Step time against host budget per dtype (and delayed), measured and predicted, the
+    plain step as a horizontal line of the dtype's colour. ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {"fp32": "tab:blue", "bf16": "tab:orange"}
+    for dtype in sorted({r["dtype"] for r in results}):
+        plain = next((r for r in results if r["row"] == "plain" and r["dtype"] == dtype and "error" not in r), None)
+        if plain is None:
+            continue
+        colour = colours.get(dtype, "tab:gray")
+        ax.axhline(plain["step_seconds"], color=colour, linestyle=":", label=f"plain {dtype}")
+        for delayed in (False, True):
+            rows = sorted((r for r in results if r["row"] == "auto" and r["dtype"] == dtype
+                           and r["delayed"] == delayed and "error" not in r), key=lambda r: r["fraction"])
+            if not rows:
+                continue
+            what = f"auto {dtype}{' delayed' if delayed else ''}"
+            xs = [r["fraction"] for r in rows]
+            ax.plot(xs, [r["step_seconds"] for r in rows], marker="o", color=colour,
+                    linestyle="--" if delayed else "-", label=f"{what}, measured")
+            if all(r.get("predicted_seconds") for r in rows):
+                ax.plot(xs, [r["predicted_seconds"] for r in rows], marker="x", color=colour, alpha=0.5,
+                        linestyle="--" if delayed else "-", label=f"{what}, predicted")
+    ax.set_xlabel("host budget / plain run's peak RSS")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("reference GPT, placement auto, device budget at the floor")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
