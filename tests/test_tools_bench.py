@@ -391,3 +391,36 @@ def test_bench_scale_compute_only_extrapolates_from_one_model_cut_short(monkeypa
     assert row["step_seconds_all"][0] == row["forward_backward_seconds"] + row["adam_seconds"]
     passes = [line for line in capsys.readouterr().err.splitlines() if "compute-only" in line]
     assert len(passes) == 4 and "1 of 3 layers" in passes[0] and "3 of 3 layers" in passes[1]  # in turns
+
+
+def test_bench_scale_plans_the_swap_bytes_wrap_preflights(tmp_path):
+    """The disk check counts the spare homes of speculative updates (twice the states)."""
+    bench = load_tool(SCALE_TOOL)
+    spec = dict(layers=1, dtype="fp32", device_budget=None, host_budget=None, max_grad_norm=1.0,
+                swap_dir=str(tmp_path))
+    on = bench.planned_swap_bytes(dict(spec, speculative_updates=True))
+    off = bench.planned_swap_bytes(dict(spec, speculative_updates=False))
+    assert on == 2 * off > 0
+
+
+def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
+    """--sweep-host-budget: the plain row, then placement "auto" at each fraction of the plain
+    RSS: a tiny budget puts states on NVMe, a generous one keeps everything in RAM; every row
+    has its predicted step and NVMe bytes."""
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--quick", "--sweep-host-budget", "--dtypes", "fp32", "--fractions", "0.03",
+         "1.0", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pred/meas" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["plain", "auto", "auto"]
+    tiny, generous = rows[1], rows[2]
+    for row in (tiny, generous):
+        assert "error" not in row, row
+        assert row["predicted_seconds"] > 0 and row["step_seconds"] > 0
+    assert tiny["home_bytes"]["nvme"] > 0 and tiny["nvme_read_per_step"] > 0
+    assert generous["home_bytes"]["nvme"] == 0 and generous["nvme_read_per_step"] == 0
+    assert list((tmp_path / "swap").iterdir()) == []

@@ -109,16 +109,22 @@ def batch(spec: dict):
     return torch.randint(0, LLAMA_3B["vocab_size"], (1, spec["seq"]), generator=gen)
 
 
+def offload_config(spec: dict) -> dict:
+    """The offload row's OffloadConfig fields."""
+    config = dict(param_tier="nvme", optimizer_tier="nvme", dtype=spec["dtype"], swap_dir=spec["swap_dir"],
+                  device_budget=spec["device_budget"], host_budget=spec["host_budget"],
+                  max_grad_norm=spec["max_grad_norm"], speculative_updates=spec.get("speculative_updates"))
+    if spec.get("prefetch_units") is not None:
+        config["prefetch_units"] = spec["prefetch_units"]
+    return config
+
+
 def run_offload(spec: dict) -> dict:
     import torch
     import offload
 
     model = llama(spec["layers"], meta=True)
-    config = dict(param_tier="nvme", optimizer_tier="nvme", dtype=spec["dtype"], swap_dir=spec["swap_dir"],
-                  device_budget=spec["device_budget"], host_budget=spec["host_budget"],
-                  max_grad_norm=spec["max_grad_norm"])
-    if spec.get("prefetch_units") is not None:
-        config["prefetch_units"] = spec["prefetch_units"]
+    config = offload_config(spec)
     start = time.perf_counter()
     engine = offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config,
                           init_fn=model._init_weights)
@@ -328,12 +334,17 @@ def run_row(spec: dict, timeout: float) -> dict:
     return {"row": spec["row"], "error": tail}
 
 
-def planned_swap_bytes(layers: int, dtype: str) -> int:
-    """Swap bytes of the offload row, as wrap's preflight counts them (offload plan)."""
-    from offload.plan import place, shape_from_module
+def planned_swap_bytes(spec: dict) -> int:
+    """Swap bytes of the offload row, as wrap's preflight counts them (spare homes of
+    speculative updates and gradient extents included)."""
+    import torch
+    from offload.config import OffloadConfig
+    from offload.memory.budget import model_unit_sizes, swap_bytes
+    from offload.memory.placement import resolve_placement
 
-    shape = shape_from_module(llama(layers, meta=True), "llama")
-    return place(shape, dtype, "nvme", "nvme").nvme_bytes
+    config = OffloadConfig(**dict(offload_config(dict(spec, swap_dir="<planned>")), device="cpu"))
+    sizes = model_unit_sizes(llama(spec["layers"], meta=True), 4 if spec["dtype"] == "fp32" else 2)
+    return swap_bytes(sizes, resolve_placement(config, torch.device("cpu"), None, sizes))
 
 
 def parse_size(text: str):
@@ -406,7 +417,11 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128, help="tokens in the batch of one (default 128)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--device-budget", default="3GiB", help="OffloadConfig.device_budget (default 3GiB)")
-    p.add_argument("--host-budget", default="none", help="OffloadConfig.host_budget (default none)")
+    p.add_argument("--host-budget", default="none",
+                   help="OffloadConfig.host_budget (default none: the engine's, 3/4 of available memory)")
+    p.add_argument("--speculative-updates", choices=("auto", "on", "off"), default="auto",
+                   help="OffloadConfig.speculative_updates (auto: on, the states being on NVMe; its "
+                        "spare homes double the swap bytes)")
     p.add_argument("--max-grad-norm", default="1.0", help="OffloadConfig.max_grad_norm, or 'none' (default 1.0)")
     p.add_argument("--prefetch-units", type=int, default=None,
                    help="OffloadConfig.prefetch_units (default: the engine's)")
@@ -449,13 +464,14 @@ def main(argv=None) -> int:
     base = dict(layers=args.layers, steps=args.steps, warmup=args.warmup, seq=args.seq, dtype=args.dtype,
                 device_budget=parse_size(args.device_budget), host_budget=parse_size(args.host_budget),
                 max_grad_norm=max_grad_norm, prefetch_units=args.prefetch_units,
+                speculative_updates={"auto": None, "on": True, "off": False}[args.speculative_updates],
                 compute_steps=args.compute_steps, compute_layers=args.compute_layers, adam_numel=args.adam_numel,
                 threads=args.threads, pipeline_depth=3,  # OffloadConfig.optimizer_pipeline_depth default
                 trace=os.path.abspath(args.trace) if args.trace else None)
 
     parent = os.path.abspath(args.swap_dir) if args.swap_dir else tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
-    need = planned_swap_bytes(args.layers, args.dtype) + DISK_MARGIN_BYTES
+    need = planned_swap_bytes(base) + DISK_MARGIN_BYTES
     free = shutil.disk_usage(parent).free
     if "offload" in args.rows and free < need:
         print(f"bench_scale: {parent} has {free:,} bytes free ({free / GB:.1f} GB); the {args.layers}-layer "
