@@ -196,7 +196,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if compute is None and args.flops_per_second:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
     auto_config = dict(device="cpu", dtype=args.dtype, param_tier="auto", optimizer_tier="auto",
-                       host_budget=args.host_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
+                       host_budget=args.host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth))
     text += "\n\n" + "\n".join(plan.auto_report(shape, auto_config, profile, compute))

@@ -132,9 +132,10 @@ class OffloadConfig:
     below the fixed host needs plus two units' gradients, naming the sizes."""
 
     param_tier: str = "host"
-    """Home of the compute copy of the parameters: "device", "host", "nvme", or "auto":
-    per unit, host or NVMe, the host first within host_budget ([Note: placement by budget];
-    ``Engine.placement()`` says what was chosen). "auto" never picks the device."""
+    """Home of the compute copy of the parameters: "device", "host", "nvme", or "auto": the
+    device when device_budget holds every unit (or is None), else per unit, host or NVMe,
+    the host first within host_budget ([Note: placement by budget]; ``Engine.placement()``
+    says what was chosen)."""
 
     optimizer_tier: str = "host"
     """Home of the fp32 master weights and Adam's moments: "host", "nvme" or "auto" (per

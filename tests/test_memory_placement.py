@@ -23,6 +23,9 @@ CPU = torch.device("cpu")
 
 
 def base(tmp_path, dtype="fp32", **extra):
+    """A CPU run with swap under tmp_path and the device budget at its floor (below every
+    unit: "auto" then places compute copies on host or NVMe, not the device)."""
+    extra.setdefault("device_budget", minimum_device_budget(gpt_sizes(dtype), "nvme", 4 if dtype == "fp32" else 2))
     return dict(device="cpu", dtype=dtype, swap_dir=str(tmp_path / "swap"), **extra)
 
 
@@ -155,10 +158,35 @@ def test_units_forward_needs_first_get_ram_first(tmp_path):
 
 
 def test_auto_without_a_swap_dir_keeps_everything_in_ram(tmp_path):
-    placement, stats, _ = placement_of(dict(device="cpu", param_tier="auto", optimizer_tier="auto"))
+    floor = minimum_device_budget(gpt_sizes("fp32"), "nvme", 4)
+    auto = dict(device="cpu", param_tier="auto", optimizer_tier="auto", device_budget=floor)
+    placement, stats, _ = placement_of(auto)
     assert tiers(placement) == "hhhhh/hhhhh" and stats["nvme_bytes"] == 0
     with pytest.raises(ValueError, match="host_budget"):
-        placement_of(dict(device="cpu", param_tier="auto", optimizer_tier="auto", host_budget=100_000))
+        placement_of(dict(auto, host_budget=100_000))
+
+
+@pytest.mark.parametrize("device_budget", [None, "all"])
+def test_compute_copies_go_to_the_device_when_its_budget_holds_them_all(tmp_path, device_budget):
+    """device_budget None (no limit) or one that holds every unit: param_tier "auto" puts
+    every compute copy on the device, as param_tier="device" does, and computes what that
+    computes; the states are still placed by host_budget."""
+    sizes = gpt_sizes("fp32")
+    if device_budget == "all":
+        device_budget = minimum_device_budget(sizes, "device", 4)
+    auto = base(tmp_path, param_tier="auto", optimizer_tier="auto", device_budget=device_budget)
+    placement, stats, layout = placement_of(auto)
+    assert {u.compute_tier for u in placement.units} == {"device"} and layout.param_tier == "device"
+    assert stats["home_bytes_device"] == sum(u.compute_numel for u in sizes) * 4
+    data = batches(3)
+    losses, state, *_ = train_gpt(auto, data)
+    ref_losses, ref_state, *_ = train_gpt(base(tmp_path, param_tier="device", optimizer_tier="host",
+                                               device_budget=device_budget), data)
+    assert losses == ref_losses
+    assert_same_state(state, ref_state)
+    one_byte_short = minimum_device_budget(sizes, "device", 4) - 1
+    placement, _, _ = placement_of(dict(auto, device_budget=one_byte_short))
+    assert "device" not in {u.compute_tier for u in placement.units}
 
 
 def test_a_machine_profile_is_checked_at_wrap_before_anything_is_touched(tmp_path):
@@ -215,7 +243,8 @@ def test_the_planner_places_every_unit_as_the_engine_does(tmp_path, name, dtype)
         shape = plan.shape_from_module(MODELS[name](), name)
     sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel,
                                  4 if dtype == "fp32" else 2) for u in shape.units]
-    config = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", max_grad_norm=1.0)
+    config = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", max_grad_norm=1.0,
+                  device_budget=minimum_device_budget(sizes, "nvme", 4 if dtype == "fp32" else 2))
     floor = minimum_host_budget(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (
         ("nvme",) * len(sizes), tuple("nvme" for _ in sizes))))
     full = host_bytes(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (
@@ -238,7 +267,8 @@ def test_offload_plan_prints_the_engine_placement_and_a_predicted_step(tmp_path)
                       "num_heads=2, num_layers=4))\n")
     budget = all_nvme_floor(tmp_path, "fp32", param_tier="nvme", optimizer_tier="nvme") + 120_000
     out = subprocess.run([sys.executable, "-m", "offload", "plan", "--model", "plan_models:build", "--dtype", "fp32",
-                          "--host-budget", str(budget), "--compute-seconds", "2", "--swap-dir", str(tmp_path)],
+                          "--host-budget", str(budget), "--device-budget", str(base(tmp_path)["device_budget"]),
+                          "--compute-seconds", "2", "--swap-dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                              [os.path.dirname(os.path.dirname(offload.__file__)), os.environ.get("PYTHONPATH", "")])))

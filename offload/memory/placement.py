@@ -4,8 +4,9 @@ use. One function decides (``place_units``); wrap and ``offload plan`` both call
 
 [Note: placement by budget] With ``param_tier="auto"`` or ``optimizer_tier="auto"`` the
 engine chooses, for every unit, where its compute copy and where its fp32 master and Adam
-moments live: host RAM or NVMe. (``"device"`` stays an explicit, whole-model choice: auto
-never puts compute copies in the device arena.) It starts from every auto role on NVMe
+moments live. Compute copies go to the device, all of them, when ``device_budget`` holds
+every unit (or is None: no limit), as ``param_tier="device"`` puts them: then nothing is
+fetched. Otherwise the choice is per unit, host RAM or NVMe: it starts from every auto role on NVMe
 (or, without a swap_dir, on the host) and moves roles to the host one at a time, best first,
 as long as the host budget still holds everything else the run keeps there, counted by the
 one budget arithmetic (memory/budget.py ``host_bytes``: staging slots, spare homes of
@@ -41,7 +42,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.config import OffloadConfig, format_size
-from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, unit_gradient_bytes
+from offload.memory.budget import (
+    UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget, unit_gradient_bytes)
 from offload.memory.layout import FP32_BYTES, Layout
 
 PROFILE_SCHEMA = "offload-profile"
@@ -244,7 +246,11 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     if auto and base.host_budget is None:
         raise ValueError("host_budget: 'auto' tiers need a host budget, and the memory available "
                          "could not be read on this system; give host_budget")
-    tiers = place_units(units, layout_for, param_tier=config.param_tier, optimizer_tier=config.optimizer_tier,
+    param_tier = config.param_tier
+    if param_tier == "auto" and (config.device_budget is None or config.device_budget >= minimum_device_budget(
+            units, "device", base.compute_element_bytes)):
+        param_tier = "device"  # every compute copy fits the device budget: no fetch at all
+    tiers = place_units(units, layout_for, param_tier=param_tier, optimizer_tier=config.optimizer_tier,
                         host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)
     return layout_for(*tiers)
 
