@@ -140,8 +140,8 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
     for u in units:
-        # [Note: speculative updates] a unit that is updated has a second set of homes
-        copies = 2 if layout.speculative and u.trainable else 1
+        # [Note: speculative updates], [Note: delayed updates]: an updated unit has a second set of homes
+        copies = 2 if layout.spare_homes and u.trainable else 1
         if layout.param_tier == "nvme":
             total += copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
         if layout.optimizer_tier == "nvme" and u.trainable:
@@ -235,7 +235,7 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for u in units:
-        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
         if layout.param_tier == "host":
             compute += copies * u.home_numel * home_element_bytes
         if layout.optimizer_tier == "host" and u.trainable:
