@@ -296,7 +296,9 @@ class UpdateScheduler:
         try:
             self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
         except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
-            pass
+            # an update on the worker failed ([Note: delayed updates]: the last step's, which
+            # the gradient hand-off may raise first): the failure is recorded, not consistent
+            raise error from None
         if queued:
             self._fail_step(error, f"in backward, after {len(queued)} unit(s) were updated early "
                                    f"({', '.join(queued[:4])}{', ...' if len(queued) > 4 else ''})")
