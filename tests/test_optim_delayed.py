@@ -3,6 +3,7 @@ optimizer worker while step k+1's forward and backward use the weights from befo
 (w_{k-1}); skipped and clipped steps fall back to exact ones. Checked against the exact run
 (warm-up, bit for bit), against a plain-PyTorch reference of the rule (fp32, REL_TOL), inside
 the forward (the values a parameter holds there), and across a checkpoint."""
+import errno
 import json
 import math
 import threading
@@ -19,8 +20,8 @@ from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
 from offload.memory.layout import Layout
 
-from support import (CFG, REL_TOL, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
-                     reference_optimizer_step)
+from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
+                     reference_optimizer_step, unwrap_swap_io, wrap_swap_io)
 
 WATCHED = "blocks.1.fc.weight"  # a parameter of a block unit, read inside the forward
 
@@ -370,6 +371,40 @@ def test_a_failed_delayed_update_fails_the_step_until_a_checkpoint_is_loaded(tmp
         assert point.fired == 1
         with pytest.raises(EngineFailedError, match="checkpoint"):
             engine(data[2][:, :-1], data[2][:, 1:])
+        with pytest.raises(EngineFailedError):
+            engine.step()
+        engine.load_checkpoint(ckpt)
+        losses = []
+        for b in data[1:]:
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses == whole.losses[1:]
+        assert_same_state(engine.state_dict(), whole.state)
+
+
+def test_a_failed_spare_write_of_a_delayed_update_fails_the_engine(tmp_path):
+    """A swap write of a delayed update that fails leaves its spare homes half-written: the
+    update cannot be committed, so the engine fails (OSError, then EngineFailedError) until a
+    checkpoint is loaded, after which the run is the uninterrupted one's."""
+    data = batches(3)
+    cfg = config(tmp_path, "ours", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0)
+    whole = run(config(tmp_path, "whole", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0), data)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ckpt = str(tmp_path / "ckpt")
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+        engine.backward(gpt_loss(engine, data[0]))
+        engine.step()
+        engine.save_checkpoint(ckpt)
+        engine.backward(gpt_loss(engine, data[1]))
+        faulty = wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=1)  # the delayed updates' first write
+        engine.step()  # returns: the updates run after it
+        with pytest.raises(OSError, match="delayed updates of units"):
+            engine.state_dict()
+        assert faulty.writes >= 1
+        unwrap_swap_io(engine)
         with pytest.raises(EngineFailedError):
             engine.step()
         engine.load_checkpoint(ckpt)

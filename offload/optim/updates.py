@@ -293,15 +293,18 @@ class UpdateScheduler:
         self._step_ring.drain_root_reads()  # nothing is left reading into a slot
         # [Note: speculative updates] a speculative update wrote spare homes only
         queued = [u.name for u in self._units if u.update.updated and not u.update.speculative]
+        update_failed = False
         try:
             self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
         except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
-            # an update on the worker failed ([Note: delayed updates]: the last step's, which
-            # the gradient hand-off may raise first): the failure is recorded, not consistent
-            raise error from None
+            update_failed = True
         if queued:
             self._fail_step(error, f"in backward, after {len(queued)} unit(s) were updated early "
                                    f"({', '.join(queued[:4])}{', ...' if len(queued) > 4 else ''})")
+        if update_failed:
+            # an update on the worker failed (wait_optimizer recorded it: fatal, not consistent),
+            # e.g. [Note: delayed updates] the last step's, which the gradient hand-off raised
+            raise error
         self._zero_grad()
         raise with_note(error, "backward failed before any unit was updated: the gradients accumulated "
                                "since the last optimizer step were dropped (as by zero_grad()); weights and "
