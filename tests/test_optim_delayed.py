@@ -31,19 +31,23 @@ def config(tmp_path, name, tiers=("host", "host"), **kw):
                 device_budget=140 * 1024 * 2, **kw)
 
 
-def run(config, data, scale=None, read_each_step=False):
+def run(config, data, scale=None, read_each_step=False, frozen=()):
     """The small GPT (seed 0) trained on ``data`` with ``config``. ``scale(k)``: a factor on
     the loss of step k (1-based), to make a step overflow. Returns the losses, the value of
     WATCHED inside each step's forward, the state_dict after training, the stats and (with
     ``read_each_step``) the state_dict after every step. Nothing waits for the delayed
-    updates between steps unless ``read_each_step``."""
+    updates between steps unless ``read_each_step``. Parameters whose names start with one
+    of ``frozen`` are frozen."""
     torch.manual_seed(0)
     model = GPT(CFG)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (frozen and name.startswith(frozen)))
     seen = []
     block = model.blocks[1]
     block.register_forward_hook(lambda module, args, output: seen.append(block.fc.weight.detach().float().clone()))
     losses, states = [], []
-    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with offload.wrap(model, make_opt(trainable), config=config) as engine:
         for k, b in enumerate(data, start=1):
             loss = gpt_loss(engine, b)
             engine.backward(loss if scale is None else loss * scale(k))
@@ -55,32 +59,41 @@ def run(config, data, scale=None, read_each_step=False):
                                states=states)
 
 
-def reference(data, warmup, max_grad_norm=None, skipped=()):
+def reference(data, warmup, max_grad_norm=None, skipped=(), accumulation=1, frozen=()):
     """Plain PyTorch and torch.optim.AdamW with the delayed rule applied by hand: ``master``
     holds w_k (the optimizer steps it), ``lagging`` the weights the forward and backward use.
     Step k's update is delayed when k > warmup and it is neither skipped (k in ``skipped``:
     no update, like a non-finite step) nor clipped (torch's clip coefficient < 1); after a
     delayed step the forward keeps the weights from before it, after an exact one it takes
-    the new ones. Returns the losses, WATCHED in each forward and the final master weights."""
+    the new ones. ``accumulation`` micro-batches make one step (k counts steps); parameters
+    whose names start with one of ``frozen`` are frozen. Returns the losses, WATCHED in each
+    forward and the final master weights."""
     torch.manual_seed(0)
     master = GPT(CFG)
     torch.manual_seed(0)
     lagging = GPT(CFG)
-    opt = make_opt(master.parameters())
+    for model in (master, lagging):
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (frozen and name.startswith(frozen)))
+    opt = make_opt([p for p in master.parameters() if p.requires_grad])
     losses, seen = [], []
-    for k, b in enumerate(data, start=1):
+    for i, b in enumerate(data):
         seen.append(lagging.get_parameter(WATCHED).detach().clone())
         loss = gpt_loss(lagging, b)
-        loss.backward()
+        (loss / accumulation).backward()
         losses.append(loss.item())
+        if (i + 1) % accumulation:
+            continue
+        k = (i + 1) // accumulation
+        trainable = [q for q in lagging.parameters() if q.requires_grad]
         clipped = False
         if max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(lagging.parameters(), max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
             clipped = max_grad_norm / (norm.item() + 1e-6) < 1.0
         before = {n: p.detach().clone() for n, p in master.named_parameters()}
         if k not in skipped:
             for p, q in zip(master.parameters(), lagging.parameters()):
-                p.grad = q.grad
+                p.grad = q.grad if q.requires_grad else None
             reference_optimizer_step(opt)
             opt.zero_grad()
         lagging.zero_grad()
@@ -122,7 +135,7 @@ def test_the_warmup_steps_equal_the_exact_run_bit_for_bit(tiers, dtype, tmp_path
     assert exact_longer.stats["delayed_updates"] == 0
 
 
-@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme")], ids="-".join)
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme"), ("host", "nvme")], ids="-".join)
 def test_a_delayed_run_follows_a_plain_pytorch_reference_of_the_rule(tiers, tmp_path):
     """fp32 after one warm-up step: the losses, the weights inside every forward and the final
     weights agree with the reference within REL_TOL, with nothing waiting for the updates
@@ -136,6 +149,22 @@ def test_a_delayed_run_follows_a_plain_pytorch_reference_of_the_rule(tiers, tmp_
         assert max_rel_error({"w": a}, {"w": b}) < REL_TOL, k
     assert max_rel_error(ours.state, ref.state) < REL_TOL
     assert ours.stats["delayed_updates"] == 5 and ours.stats["delayed_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme")], ids="-".join)
+def test_accumulation_and_frozen_parameters_follow_the_reference(tiers, tmp_path):
+    """Two micro-batches a step (steps counted as optimizer steps, the warm-up too), the
+    token embedding and the first block frozen (a unit with no update, the root partly frozen)."""
+    data = batches(10)
+    frozen = ("wte.", "blocks.0.")
+    ours = run(config(tmp_path, "ours", tiers, delayed_update=True, delayed_update_warmup_steps=1,
+                      gradient_accumulation_steps=2), data, frozen=frozen)
+    ref = reference(data, warmup=1, accumulation=2, frozen=frozen)
+    assert_close_losses(ours.losses, ref.losses)
+    for k, (a, b) in enumerate(zip(ours.seen, ref.seen), start=1):
+        assert max_rel_error({"w": a}, {"w": b}) < REL_TOL, k
+    assert max_rel_error(ours.state, ref.state) < REL_TOL
+    assert ours.stats["delayed_updates"] == 4
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

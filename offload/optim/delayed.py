@@ -32,7 +32,8 @@ worker while it runs (``UpdateScheduler.overlapping``). step() k+1 then, in this
    swap of references; the old homes are the next spare ones), and its device copy, now
    stale, is dropped;
 4. takes the norm and decides: delayed, or an exact step (the serialized one, unchanged);
-5. delayed: queues each unit with a gradient on the worker, the last unit first.
+5. delayed: queues each unit with a gradient on the worker, in the order the next backward
+   reaches them (``queue``).
 Keeping a whole second state rather than only a second compute copy keeps the homes one
 consistent state at all times (a failed or abandoned update leaves them intact, as a
 speculative one does), keeps the merged fp32 buffer and the split master as they are, and
@@ -45,8 +46,8 @@ non-speculative update does; the main thread takes the fields back (``Gradients.
 waits for the ticket, counted in ``delayed_grad_waits``, then clears has_grad) at the unit's
 first gradient hand-off of the next backward, in step() for units that got none, and before
 checkpoints. We wait rather than double-buffer: no second set of gradient buffers, and since
-backward reaches the units in the order they were queued, an update has mostly run during the
-forward by then. zero_grad leaves such units alone (their gradients are the update's, the
+the updates are queued in the order backward reaches the units, an update has mostly run
+during the forward by then. zero_grad leaves such units alone (their gradients are the update's, the
 user's step is over), and no such unit is spilled ([Note: gradient spill]).
 
 Reading. state_dict, save_pretrained and checkpoints see the true weights w_k: after waiting,
@@ -134,9 +135,16 @@ class DelayedUpdates:
             self._fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
 
     def take_back_all(self) -> None:
-        """Every unit's gradient fields back from its delayed update (step 2 of the Note)."""
+        """Every unit's gradient fields back from its delayed update (step 2 of the Note),
+        all of them even when one raises (a failed update, raised once, after the rest)."""
+        first_error = None
         for u in self._units:
-            self._take_back(u)
+            try:
+                self._take_back(u)
+            except BaseException as error:  # noqa: B902 - raised below, after the other units
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def commit(self) -> None:
         """Step 3 of the Note: the pending updates become the homes; the device copies read
@@ -158,9 +166,11 @@ class DelayedUpdates:
         return past_warmup and not skip and not clipped
 
     def queue(self, groups: List[Dict[str, Any]], grad_factor: float) -> None:
-        """Step 5 of the Note: every unit with a gradient, the last unit first (backward's
-        order), on the worker; each owns its gradient fields until taken back."""
-        for u in reversed(self._units):
+        """Step 5 of the Note: every unit with a gradient on the worker, in the order the
+        next backward hands their gradients over (where it waits for them): the root first
+        (a language model's head and final norm, whose gradients come first), then the
+        units last to first; each owns its gradient fields until taken back."""
+        for u in [self._units[0]] + self._units[:0:-1]:
             if not any(u.has_grad):
                 continue
             u.delayed_pending = True
