@@ -231,7 +231,8 @@ class OffloadConfig:
     updates]). It costs a second copy of every state an update writes (master, moments, the
     compute copy at home) on its tier. None: on when the optimizer states are on NVMe (disk
     is cheap), off when they are on the host (it would double their RAM); True/False force
-    it. Never with param_tier="device" or several ranks (no early updates there)."""
+    it. Never with param_tier="device", several ranks (no early updates there) or
+    delayed_update (its updates start in step(), with the norm known)."""
 
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (Ren et al., USENIX ATC 2021):

@@ -21,8 +21,9 @@ budget minus everything else and one bounce buffer is the *allowance*), each tra
 gets a gradient extent on NVMe at wrap, and the main thread, after every gradient hook,
 writes whole units' gradients there until those held in RAM are within the allowance.
 Invariants:
-- Only a unit with no update queued or running is spilled (its ticket is None or done):
-  the thread that updates a unit owns its gradients, so spill and update never race. A
+- Only a unit with no update queued or running is spilled (its ticket is None or done, and
+  no delayed update holds its fields: [Note: delayed updates]): the thread that updates a
+  unit owns its gradients, so spill and update never race. A
   speculative update has run by then ([Note: speculative updates]); a unit that will still
   be updated early is spilled only if the allowance needs it, and read back by its update.
 - A unit is spilled whole: every gradient it holds, copied into the one bounce buffer (or

@@ -36,7 +36,7 @@ class PipelinedStep:
     - ``slots[0]``, ``_slot_writer[0]`` and ``root_prestaged``: the main thread only (the
       root's first piece is read into slot 0 under backward; early updates never use it).
     - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker
-      while it runs early or deferred updates (``update_early``); the main thread
+      while it runs early, deferred or delayed updates (``update_early``); the main thread
       (``staged_update``, ``finish_slot_writes`` from UpdateScheduler.wait_optimizer) only
       after waiting for every update ticket, when the worker is idle. The worker runs one
       update at a time.
