@@ -191,7 +191,7 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
             for u in access.units:               # 2. unit by unit into the tiers
                 read = _unit_reader(u, saved, reader)
                 access.write_unit_state(u, read, [saved[e.fqn]["step"] for e in u.trainable])
-                if pending.get(u.name):  # [Note: delayed updates]
+                if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
                     lagging = torch.zeros(u.spec.trainable_numel, dtype=torch.float32)
                     read("lagging", 0, u.spec.trainable_numel, lagging)
                     access.restore_lagging(u, lagging)

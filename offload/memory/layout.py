@@ -11,8 +11,9 @@ write, so the rule for every field of it and of the mechanism objects lives here
 - The main thread (the caller's) runs every public verb and every hook (autograd runs them
   on the thread that runs backward, while the caller blocks), so it writes the hook and
   gradient fields (calls, backward_done, grads_since_use, has_grad, grad, param_grads,
-  early_grad_squares, delayed_update, delayed_pending), spills gradients (``grad_spilled``, ``spilled_grad_squares``:
-  [Note: gradient spill], only of units with no update queued or running), and it alone
+  early_grad_squares, delayed_update, delayed_pending), spills gradients
+  (``grad_spilled``, ``spilled_grad_squares``: [Note: gradient spill], only of units with
+  no update queued or running), and it alone
   moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
   (memory/residency.py), runs the step with clipping, fp16 or ZeRO and every collective
   except stage 3's gathers, and owns the engine's own fields (micro-step, failure state).
@@ -97,8 +98,8 @@ class Layout:
     overlap_step_with_forward: bool
     # [Note: delayed updates] (optim/delayed.py): optimizer steps after the warm-up ones run
     # on the worker while the next forward reads the copy from before them
-    delayed_update: bool = False
-    delayed_update_warmup_steps: int = 0
+    delayed_update: bool
+    delayed_update_warmup_steps: int
 
     @property
     def home_dtype(self) -> torch.dtype:
