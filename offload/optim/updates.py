@@ -512,7 +512,8 @@ class UpdateScheduler:
             for u in self._units:  # a device copy the failed updates were writing into
                 if u.update.in_device:
                     self._release(u)
-            self._fail_step(errors[0], "while updating units during backward")
+            self._fail_step(errors[0], "while updating units during backward" if self.delayed is None else
+                            "in a delayed update of the last optimizer step (delayed_update=True)")
 
     def prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
