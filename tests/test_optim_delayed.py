@@ -17,7 +17,7 @@ import offload
 import offload.faults
 from offload.errors import EngineFailedError
 from offload.gpt import GPT
-from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
+from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, swap_bytes
 from offload.memory.layout import Layout
 
 from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
@@ -445,3 +445,25 @@ def test_a_failed_spare_write_of_a_delayed_update_fails_the_engine(tmp_path):
             losses.append(loss.item())
         assert losses == whole.losses[1:]
         assert_same_state(engine.state_dict(), whole.state)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_spilled_gradients_change_nothing_in_a_delayed_run(accumulation, tmp_path):
+    """With the smallest host_budget (gradients spilled to NVMe and read back by the delayed
+    update on the worker, or by the next micro-step) the delayed run is the unspilled one's to
+    the bit; units whose gradients a delayed update holds are never spilled."""
+    kw = dict(dtype="bf16", delayed_update=True, delayed_update_warmup_steps=1,
+              gradient_accumulation_steps=accumulation)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, "probe", ("nvme", "nvme"),
+                                                                         **kw)) as engine:
+        sizes = [UnitSizes.of(u) for u in engine.units]
+        budget, planned = minimum_host_budget(sizes, engine.layout), host_bytes(sizes, engine.layout)
+    assert budget < planned.total
+    data = batches(8)
+    spilled = run(config(tmp_path, "spilled", ("nvme", "nvme"), host_budget=budget, **kw), data)
+    plain = run(config(tmp_path, "plain", ("nvme", "nvme"), **kw), data)
+    assert spilled.losses == plain.losses
+    assert_same_state(spilled.state, plain.state)
+    assert spilled.stats["spilled_gradient_bytes"] > 0 and spilled.stats["delayed_updates"] > 0
