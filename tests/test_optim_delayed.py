@@ -467,3 +467,33 @@ def test_spilled_gradients_change_nothing_in_a_delayed_run(accumulation, tmp_pat
     assert spilled.losses == plain.losses
     assert_same_state(spilled.state, plain.state)
     assert spilled.stats["spilled_gradient_bytes"] > 0 and spilled.stats["delayed_updates"] > 0
+
+
+def test_a_failed_backward_keeps_the_pending_update(tmp_path):
+    """[Note: failures inside a step] A backward that fails while the last step's delayed
+    update is pending (some units' gradients already taken back from it) is consistent: the
+    pending update is kept and committed by the next step(), and the run equals one that
+    never saw that micro-batch, to the bit."""
+    data = batches(5)
+    cfg = config(tmp_path, "ours", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0)
+    without = run(config(tmp_path, "without", ("nvme", "nvme"), delayed_update=True,
+                         delayed_update_warmup_steps=0), data[:2] + data[3:])
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+        for k, b in enumerate(data, start=1):
+            loss = gpt_loss(engine, b)
+            if k == 3:  # step 2's update pending; the third unit's backward raises
+                with offload.faults.inject("hooks.backward", offload.faults.raising(RuntimeError), at=3):
+                    with pytest.raises(RuntimeError):
+                        engine.backward(loss)
+                continue
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.state_dict()
+        stats = engine.stats()
+    assert losses == without.losses
+    assert_same_state(state, without.state)
+    assert stats["delayed_updates"] == len(data) - 1
