@@ -61,7 +61,8 @@ without the field load with nothing pending.
 
 Not with param_tier "device" (the update would write the copy the forward reads), several
 ranks (the ZeRO steps' collectives run in step()), or early and speculative updates (the
-norm is known in step(), where every update starts).
+norm is known in step(), where every update starts): the warm-up and fallback steps thus
+run the serialized step, without the overlap with backward that early updates give.
 """
 from __future__ import annotations
 
