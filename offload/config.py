@@ -242,7 +242,24 @@ class OffloadConfig:
     updates]). It costs a second copy of every state an update writes (master, moments, the
     compute copy at home) on its tier. None: on when the optimizer states are on NVMe (disk
     is cheap), off when they are on the host (it would double their RAM); True/False force
-    it. Never with param_tier="device" or several ranks (no early updates there)."""
+    it. Never with param_tier="device", several ranks (no early updates there) or
+    delayed_update (its updates start in step(), with the norm known)."""
+
+    delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update (Ren et al., USENIX ATC 2021):
+    after ``delayed_update_warmup_steps`` exact steps, step t's Adam runs on the optimizer
+    worker while step t+1's forward and backward use the weights from before step t's
+    update, so the next step's gradients are taken at weights one update old. Steps whose
+    gradients overflow (fp16, skip_nonfinite_steps) or get clipped (max_grad_norm) fall
+    back to exact steps. It changes the numbers (a stale-gradient method, which can hurt
+    convergence, Adam/AdamW included: check the loss curve against an exact run) and costs a
+    second set of homes for every trainable unit, as speculative updates do. Off by default;
+    not with param_tier="device", speculative_updates=True or several ranks
+    ([Note: delayed updates] in offload/optim/delayed.py)."""
+
+    delayed_update_warmup_steps: int = 40
+    """With delayed_update: how many optimizer steps run exactly before updates are delayed
+    (an int >= 0; the ZeRO-Offload paper's 40 by default)."""
 
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on
@@ -334,6 +351,16 @@ class OffloadConfig:
         if self.speculative_updates is not None and not isinstance(self.speculative_updates, bool):
             raise ValueError(f"speculative_updates: expected True, False or None (auto), "
                              f"got {self.speculative_updates!r}")
+        if not isinstance(self.delayed_update, bool):
+            raise ValueError(f"delayed_update: expected True or False, got {self.delayed_update!r}")
+        _check_int("delayed_update_warmup_steps", self.delayed_update_warmup_steps, 0)
+        if self.delayed_update and self.param_tier == "device":
+            raise ValueError("delayed_update: needs the compute copies at home on 'host' or 'nvme' (the "
+                             "forward reads the copy from before the running update while the update writes "
+                             "a second one), but param_tier='device'")
+        if self.delayed_update and self.speculative_updates:
+            raise ValueError("delayed_update: updates run after step() with the norm known, so there is "
+                             "nothing to speculate on; leave speculative_updates at None or False")
         self._warn_ignored()
 
     def _check_units(self) -> None:
@@ -364,6 +391,8 @@ class OffloadConfig:
             ignored.append(("speculative_updates", "param_tier='device'"))
         if "auto" not in (self.param_tier, self.optimizer_tier):
             ignored.append(("machine_profile", "no tier is 'auto'"))
+        if not self.delayed_update:
+            ignored.append(("delayed_update_warmup_steps", "delayed_update=False"))
         ignored = [f"{name} ({why})" for name, why in ignored if getattr(self, name) != defaults[name]]
         if ignored:
             warnings.warn(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}",

@@ -218,6 +218,7 @@ class Engine:
                 last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._status.check,
                 fail_step=self._status.fail_step, grad_squares=self._gradients.squares,
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
+                clipped=lambda: self._gradients.clipped, take_back=self._gradients.take_back,
                 zero_grad=self.zero_grad, loss_scale=lambda: self._gradients.loss_scale,
                 release_grad=self._gradients.release,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
@@ -234,7 +235,7 @@ class Engine:
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
                 prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
-                step_pending=lambda: self._updates.step_pending, wait_optimizer=self._updates.wait_optimizer,
+                step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_optimizer,
                 early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
                 settled_values=self._settled)
             undo.callback(self._hooks.remove)
@@ -341,6 +342,8 @@ class Engine:
         self._updates.settle_all()
         self._updates.wait_queued()  # [Note: update states]
         for u in self.units:
+            if u.delayed_update is not None:  # [Note: delayed updates] its gradients are the update's
+                continue
             u.has_grad = [False] * len(u.trainable)
             u.update.reset()
             self._gradients.release(u)
@@ -369,7 +372,7 @@ class Engine:
     def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
         """The reader of a unit's current values, once this step's updates are all done or none started."""
         self._status.check_open(what)
-        self._updates.settle_all()
+        self._updates.settle_for_reading()  # [Note: delayed updates] read through read_committed
         # [Note: early updates]; a speculative one wrote spare homes only ([Note: speculative updates])
         early = [u.name for u in self.units if u.update.updated and not u.update.speculative]
         if early:
@@ -377,14 +380,16 @@ class Engine:
                 f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
                 f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
                 "and not the others yet, so the weights would mix two steps; call it after step()")
-        return lambda u: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {}))
+        return lambda u: self._updates.read_committed(
+            u, lambda: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {})))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
         self._updates.quiesce()
-        checkpoint.save_checkpoint(self._checkpoint, ckpt_dir)
+        with self._updates.committed_view():  # [Note: delayed updates] the true state, and the lagging copy
+            checkpoint.save_checkpoint(self._checkpoint, ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Verify the checkpoint in ``ckpt_dir`` against its manifest and this model, then

@@ -42,7 +42,8 @@ POINTS: Dict[str, str] = {
     "optim.early_update": "UpdateScheduler: a unit's early update starts on the optimizer worker, "
                           "during backward ([Note: early updates])",
     "optim.deferred_update": "UpdateScheduler: a unit's deferred update starts on the optimizer "
-                             "worker, after step() returned ([Note: deferred updates])",
+                             "worker, after step() returned ([Note: deferred updates]), or "
+                             "DelayedUpdates: a unit's delayed one ([Note: delayed updates])",
     "optim.write_back": "PipelinedStep: a piece's updated states are about to be written back to "
                         "NVMe (step, early or deferred update)",
     # The durable steps of save_checkpoint, in the order a save reaches them ([Note: atomic

@@ -156,8 +156,9 @@ class Hooks:
           flight) and start the transfers the prefetch plan says come next;
         - ``wait_ready(u)``: make the compute stream wait for u's transfer to land;
         - ``forget_last_needed()``: a new pass begins, no unit is the current one;
-        - ``step_pending()``: the last step's deferred updates are still running ([Note:
-          deferred updates]); ``wait_optimizer()``: wait for every queued update;
+        - ``step_pending()``: the last step's deferred or delayed updates are still running
+          ([Note: deferred updates], [Note: delayed updates]): the forward must not wait for
+          them; ``wait_optimizer()``: wait for every queued update;
         - ``early_updates()``: this backward may update units as they finish ([Note: early
           updates]); ``maybe_update_early()``: start the updates of units now done;
         - ``settled_values(what)``: the reader of a unit's current values (Homes.unit_values),
@@ -221,7 +222,8 @@ class Hooks:
         # root post-forward hook runs all the same (always_call) and undoes the depth.
         self._forget_last_needed()
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
-        #    waits for its own unit), and [zero] the ranks' buffers agree.
+        #    waits for its own unit; [Note: delayed updates]: else nothing waits for them
+        #    before the next step()), and [zero] the ranks' buffers agree.
         if not self._step_pending():
             self._wait_optimizer()
         if self._partition is not None and self._module.training and self._buffers:  # [zero]

@@ -159,6 +159,16 @@ class CheckpointAccess:
         return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
                 moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
 
+    def read_lagging(self, u: "UnitState", lo: int, hi: int) -> Optional[torch.Tensor]:
+        """[Note: delayed updates] fp32 values of elements [lo, hi) of u's trainable prefix in
+        the compute copy the forward reads, one update behind the state a save writes; None
+        when u has no delayed update pending. During a save the engine shows each unit's true
+        state as its homes (DelayedUpdates.committed_view), so that copy sits in the spare homes."""
+        if not u.delayed_pending:
+            return None
+        compute = self._homes.load(u.spare.compute_home, u.compute_numel, self._layout.home_dtype)
+        return compute[lo:hi].to(torch.float32)
+
     def read_frozen_values(self, u: "UnitState", lo: int, hi: int) -> torch.Tensor:
         """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
         p = u.param_shard
@@ -219,6 +229,24 @@ class CheckpointAccess:
             self._homes.store(u.moments_home, moments)
         u.steps = list(steps)
         u.has_grad = [False] * len(u.trainable)
+        u.delayed_pending = False  # [Note: delayed updates] unless restore_lagging says otherwise
+
+    @torch.no_grad()
+    def restore_lagging(self, u: "UnitState", lagging: torch.Tensor) -> bool:
+        """[Note: delayed updates] u's state (just written by write_unit_state) is the result
+        of a delayed update that was pending when the checkpoint was saved: it goes into the
+        spare homes, and ``lagging`` (fp32, the trainable prefix of the compute copy the
+        forward read then) into the homes' compute copy, as the engine held them. False (and
+        nothing changes: the run goes on from the updated weights) without delayed_update."""
+        if not self._layout.delayed_update or u.spare is None:
+            return False
+        u.commit_spare()  # the homes written just now become the spare ones
+        home_dtype = self._layout.home_dtype
+        compute = self._homes.load(u.compute_home, u.compute_numel, home_dtype)  # its frozen tail is current
+        compute[:u.spec.trainable_numel].copy_(lagging)
+        self._homes.store(u.compute_home, compute)
+        u.delayed_pending = True
+        return True
 
     def training_counters(self) -> Dict[str, Any]:
         """The engine's scalar training state, as a checkpoint keeps it (EngineState.counters)."""

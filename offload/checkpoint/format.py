@@ -16,6 +16,10 @@ A checkpoint is a directory of raw little-endian files plus ``manifest.json``:
                       them; bf16 with a split master: rounded half away from zero, see
                       [Note: split master] in native/adam/master_split.cpp), so they are not
                       stored.
+                      A unit saved with a delayed update pending ("delayed_pending" in its
+                      manifest record) has a fourth trainable section, "lagging": the fp32
+                      values of the compute copy the next forward reads, one update behind
+                      the master ([Note: delayed updates] in offload/optim/delayed.py).
   buffers.bin         the model's persistent buffers (byte offsets in the manifest).
   rng-torch-cpu.bin, rng-torch-cuda-N.bin   torch's RNG states (``-rank-RRRRR`` per rank).
 
@@ -237,6 +241,10 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
     units = f.a_list(manifest, "units", "units", lambda v: isinstance(v, dict), "a list of objects")
     for i, u in enumerate(units):
         f.a_string(u, "name", f"units[{i}].name")
+        # [Note: delayed updates] optional: absent in checkpoints without a pending update
+        pending = u.get("delayed_pending", False)
+        if "delayed_pending" in u:
+            f.get(u, "delayed_pending", f"units[{i}].delayed_pending", lambda v: isinstance(v, bool), "true or false")
         if version == 1:
             f.a_string(u, "file", f"units[{i}].file")
         entries = f.a_list(u, "entries", f"units[{i}].entries", lambda v: isinstance(v, dict), "a list of objects")
@@ -260,7 +268,9 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
                     f.a_string(piece, "file", f"{field}.pieces[{k}].file")
                     f.an_int(piece, "start", f"{field}.pieces[{k}].start")
                     f.an_int(piece, "numel", f"{field}.pieces[{k}].numel", lo=1)
-                    for key in ("master", "exp_avg", "exp_avg_sq") if trainable else ("value",):
+                    keys = ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if pending else ()) \
+                        if trainable else ("value",)
+                    for key in keys:
                         f.an_int(piece, key, f"{field}.pieces[{k}].{key}")
                     if not trainable:
                         f.a_dtype(piece, "file_dtype", f"{field}.pieces[{k}].file_dtype")
@@ -320,8 +330,9 @@ def _upgrade_version_1(manifest: Dict[str, Any]) -> None:
 def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
     """Every parameter's pieces cover it once, in listed files, inside those files."""
     files = manifest["files"]
-    keys = {True: ("master", "exp_avg", "exp_avg_sq"), False: ("value",)}
     for u in manifest["units"]:
+        keys = {True: ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if u.get("delayed_pending") else ()),
+                False: ("value",)}
         for r in u["entries"]:
             covered = 0
             for piece in r["pieces"]:
@@ -374,7 +385,8 @@ class PieceReader:
 
     def read_param(self, record: Dict[str, Any], key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of one parameter's ``key`` section ("master", "exp_avg",
-        "exp_avg_sq" or "value") into ``out``, from the pieces that hold them."""
+        "exp_avg_sq", "lagging" ([Note: delayed updates]) or "value") into ``out``, from the
+        pieces that hold them."""
         for piece in record["pieces"]:
             a, b = max(piece["start"], lo), min(piece["start"] + piece["numel"], hi)
             if a >= b:

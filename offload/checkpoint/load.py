@@ -178,14 +178,23 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
                       RuntimeWarning, stacklevel=3)
     unfinished = (f"load_checkpoint({ckpt_dir!r}) did not finish, so the engine holds a mix of states; "
                   "load a checkpoint again before training")
+    pending = {u["name"]: u.get("delayed_pending", False) for u in manifest["units"]}
+    if any(pending.values()) and not access.config.delayed_update:
+        warnings.warn("load_checkpoint: the checkpoint was saved with delayed updates pending "
+                      "(delayed_update=True), this engine runs exact steps: it goes on from the updated "
+                      "weights, not bit-identically", RuntimeWarning, stacklevel=3)
     access.begin_state_load(unfinished)
 
     def load_states() -> None:
         reader = PieceReader(ckpt_dir, manifest["files"])
         try:
             for u in access.units:               # 2. unit by unit into the tiers
-                access.write_unit_state(u, _unit_reader(u, saved, reader),
-                                        [saved[e.fqn]["step"] for e in u.trainable])
+                read = _unit_reader(u, saved, reader)
+                access.write_unit_state(u, read, [saved[e.fqn]["step"] for e in u.trainable])
+                if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
+                    lagging = torch.zeros(u.spec.trainable_numel, dtype=torch.float32)
+                    read("lagging", 0, u.spec.trainable_numel, lagging)
+                    access.restore_lagging(u, lagging)
         finally:
             reader.close()
         _load_rest(access, manifest, ckpt_dir, rng)

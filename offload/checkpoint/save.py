@@ -208,7 +208,10 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
             if e.trainable:
                 record.update(group_index=e.group_index, step=u.steps[k])
             entries.append(record)
-        units.append({"name": u.name, "entries": entries})
+        record = {"name": u.name, "entries": entries}
+        if u.delayed_pending:  # [Note: delayed updates] its pieces have a "lagging" section
+            record["delayed_pending"] = True
+        units.append(record)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -243,13 +246,19 @@ def _write_unit(access: "CheckpointAccess", u: "UnitState", tmp: str, suffix: st
             master, exp_avg, exp_avg_sq = access.read_trainable_state(u, t_lo, t_hi)
             sections = [writer.write(master), writer.write(exp_avg), writer.write(exp_avg_sq)]
             del master, exp_avg, exp_avg_sq
+            lagging = access.read_lagging(u, t_lo, t_hi)  # [Note: delayed updates]
+            if lagging is not None:
+                sections.append(writer.write(lagging))
+                del lagging
             for e in u.trainable:
                 a, b = max(e.offset, t_lo), min(e.offset + e.numel, t_hi)
                 if a < b:
                     at = 4 * (a - t_lo)
-                    pieces.append((e.fqn, {"file": file_name, "start": a - e.offset, "numel": b - a,
-                                           "master": sections[0] + at, "exp_avg": sections[1] + at,
-                                           "exp_avg_sq": sections[2] + at}))
+                    piece = {"file": file_name, "start": a - e.offset, "numel": b - a,
+                             "master": sections[0] + at, "exp_avg": sections[1] + at, "exp_avg_sq": sections[2] + at}
+                    if len(sections) > 3:
+                        piece["lagging"] = sections[3] + at
+                    pieces.append((e.fqn, piece))
         if f_lo < f_hi:
             values = access.read_frozen_values(u, f_lo, f_hi)
             section, size, dtype = writer.write(values), values.element_size(), dtype_name(values.dtype)

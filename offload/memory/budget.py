@@ -140,8 +140,8 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
     for i, u in enumerate(units):
-        # [Note: speculative updates] a unit that is updated has a second set of homes
-        copies = 2 if layout.speculative and u.trainable else 1
+        # [Note: speculative updates], [Note: delayed updates]: an updated unit has a second set of homes
+        copies = 2 if layout.spare_homes and u.trainable else 1
         if layout.compute_tier(i) == "nvme":  # [Note: placement by budget] per unit
             total += copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
         if layout.state_tier(i) == "nvme" and u.trainable:
@@ -236,7 +236,7 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
-        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
         if layout.compute_tier(i) == "host":  # [Note: placement by budget] per unit
             compute += copies * u.home_numel * home_element_bytes
         if layout.state_tier(i) == "host" and u.trainable:

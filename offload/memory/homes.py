@@ -83,7 +83,8 @@ class Homes:
                 elif not layout.merged:
                     u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
                 u.moments_home = self._allocate_home(state_tier, 2 * state_numel, torch.float32)
-                if layout.speculative:  # [Note: speculative updates] a second set, same sizes and tiers
+                # [Note: speculative updates], [Note: delayed updates] a second set, same sizes and tiers
+                if layout.spare_homes:
                     u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home),
                                          self._like(state_tier, u.master_home),
                                          self._like(state_tier, u.moments_home), list(u.steps))

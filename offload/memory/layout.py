@@ -11,8 +11,9 @@ write, so the rule for every field of it and of the mechanism objects lives here
 - The main thread (the caller's) runs every public verb and every hook (autograd runs them
   on the thread that runs backward, while the caller blocks), so it writes the hook and
   gradient fields (calls, backward_done, grads_since_use, has_grad, grad, param_grads,
-  early_grad_squares), spills gradients (``grad_spilled``, ``spilled_grad_squares``:
-  [Note: gradient spill], only of units with no update queued or running), and it alone
+  early_grad_squares, delayed_update, delayed_pending), spills gradients
+  (``grad_spilled``, ``spilled_grad_squares``: [Note: gradient spill], only of units with
+  no update queued or running), and it alone
   moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
   (memory/residency.py), runs the step with clipping, fp16 or ZeRO and every collective
   except stage 3's gathers, and owns the engine's own fields (micro-step, failure state).
@@ -27,6 +28,8 @@ write, so the rule for every field of it and of the mechanism objects lives here
   gradient pool's lock and HostTier's). The main thread reads what the worker wrote only
   after waiting for the unit's ticket. An update of a spilled unit reads its gradients
   back (``Gradients.grad_range``) on the thread that runs it, which then owns them.
+  A delayed update ([Note: delayed updates]) owns its unit's gradient fields from step()
+  until the main thread waits for it and takes them back (``Gradients.take_back``).
 - The native I/O threads hold no Python state; a request completes through its handle.
 Shared counters have locks of their own: Stats, NvmeTier (bytes, recent requests),
 HostTier (used bytes); the Timeline appends to deques (atomic).
@@ -103,6 +106,10 @@ class Layout:
     prefetch_units: int
     prefetch_bytes: Optional[int]
     overlap_step_with_forward: bool
+    # [Note: delayed updates] (optim/delayed.py): optimizer steps after the warm-up ones run
+    # on the worker while the next forward reads the copy from before them
+    delayed_update: bool
+    delayed_update_warmup_steps: int
 
     @property
     def home_dtype(self) -> torch.dtype:
@@ -116,6 +123,13 @@ class Layout:
     def state_tier(self, index: int) -> str:
         """Where unit ``index``'s fp32 master and Adam moments live ("" if it has none)."""
         return self.state_tiers[index] if self.state_tiers else self.optimizer_tier
+
+    @property
+    def spare_homes(self) -> bool:
+        """Each trainable unit has a second set of homes: [Note: speculative updates] write
+        there, and [Note: delayed updates] keep the forward's copy in one while the update
+        writes the other."""
+        return self.speculative or self.delayed_update
 
     @classmethod
     def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any,
@@ -134,8 +148,13 @@ class Layout:
         merged = config.dtype == "fp32" and param_tier != "device"
         needs_nvme = "nvme" in on_compute | on_states
         needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
+        if config.delayed_update and partition is not None:
+            raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}): "
+                             "the ZeRO steps run their collectives on the main thread, in step()")
+        # [Note: delayed updates] the norm is known in step(), where every update starts
         speculative = needs_norm_first and partition is None and param_tier != "device" and (
-            "nvme" in on_states if config.speculative_updates is None else config.speculative_updates)
+            "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
+            and not config.delayed_update
         host_budget = config.host_budget
         if host_budget is None:
             host_budget = default_host_budget()
@@ -159,7 +178,7 @@ class Layout:
             device_copy_updates=device.type == "cpu" and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
-            early_allowed=partition is None and (speculative or not needs_norm_first),
+            early_allowed=partition is None and (speculative or not needs_norm_first) and not config.delayed_update,
             speculative=speculative,
             accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.max_grad_norm,
@@ -176,6 +195,8 @@ class Layout:
             prefetch_units=config.prefetch_units,
             prefetch_bytes=config.prefetch_bytes,
             overlap_step_with_forward=config.overlap_step_with_forward,
+            delayed_update=config.delayed_update,
+            delayed_update_warmup_steps=config.delayed_update_warmup_steps,
         )
 
 
@@ -283,6 +304,12 @@ class UnitState:
         # [Note: speculative updates] the second set of homes a speculative update writes,
         # and the step counts it leads to (None without speculative updates)
         self.spare: Optional[SpareHomes] = None
+        # [Note: delayed updates] the delayed update that holds u's gradient fields (has_grad,
+        # grad, param_grads) until the main thread takes them back (Gradients.take_back), and
+        # whether u's spare homes hold an update not committed yet (the homes then hold the
+        # copy the forward reads, one update old)
+        self.delayed_update: Optional[Any] = None
+        self.delayed_pending = False
 
     def commit_spare(self) -> None:
         """[Note: speculative updates] The spare homes hold this step's update: they become

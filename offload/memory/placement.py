@@ -17,7 +17,7 @@ speculative updates, gradients):
   unit once, it stays on the device in between), and written by its update (with fp32 it is
   the master: read and written by the update too); optimizer states are read and written
   once a step. Speculative updates ([Note: speculative updates]) double a host-homed role's
-  RAM (its spare), halving its worth.
+  RAM (its spare), halving its worth; so do delayed updates ([Note: delayed updates]).
 - The step's fp32 gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
   worth more per byte than a spilled gradient go first, with only the spill's floor (two
@@ -156,7 +156,7 @@ def describe_units(units: Sequence[UnitSizes], layout: Layout) -> Placement:
     out = []
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
-        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
         compute_tier = layout.compute_tier(i)
         if compute_tier == "device":
             compute = u.compute_numel * layout.compute_element_bytes
@@ -208,7 +208,7 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     largest_gradients = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
-        copies = 2 if layout.speculative and u.trainable else 1  # [Note: speculative updates]
+        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
         if auto_compute:
             reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
             candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))
@@ -247,8 +247,10 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
         raise ValueError("host_budget: 'auto' tiers need a host budget, and the memory available "
                          "could not be read on this system; give host_budget")
     param_tier = config.param_tier
-    if param_tier == "auto" and (config.device_budget is None or config.device_budget >= minimum_device_budget(
-            units, "device", base.compute_element_bytes)):
+    # (not with delayed updates, which keep a lagging compute copy at home)
+    if param_tier == "auto" and not config.delayed_update and (
+            config.device_budget is None
+            or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):
         param_tier = "device"  # every compute copy fits the device budget: no fetch at all
     tiers = place_units(units, layout_for, param_tier=param_tier, optimizer_tier=config.optimizer_tier,
                         host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)

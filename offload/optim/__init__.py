@@ -1,6 +1,7 @@
 """The optimizer: CPU Adam (``cpu_adam``), Adam over a range of one unit (``adam_ranges``),
 the gradients from backward to each unit's update (``gradients``), the pipelined step over
-staged pieces (``step``) and when each unit's update runs (``updates``)."""
+staged pieces (``step``), when each unit's update runs (``updates``) and the delayed updates
+(``delayed``)."""
 from offload.optim.cpu_adam import CPUAdam, adam_step_flat, join_master, split_master
 
 __all__ = ["CPUAdam", "adam_step_flat", "join_master", "split_master"]

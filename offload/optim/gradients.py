@@ -21,8 +21,9 @@ budget minus everything else and one bounce buffer is the *allowance*), each tra
 gets a gradient extent on NVMe at wrap, and the main thread, after every gradient hook,
 writes whole units' gradients there until those held in RAM are within the allowance.
 Invariants:
-- Only a unit with no update queued or running is spilled (its ticket is None or done):
-  the thread that updates a unit owns its gradients, so spill and update never race. A
+- Only a unit with no update queued or running is spilled (its ticket is None or done, and
+  no delayed update holds its fields: [Note: delayed updates]): the thread that updates a
+  unit owns its gradients, so spill and update never race. A
   speculative update has run by then ([Note: speculative updates]); a unit that will still
   be updated early is spilled only if the allowance needs it, and read back by its update.
 - A unit is spilled whole: every gradient it holds, copied into the one bounce buffer (or
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from concurrent.futures import wait as wait_futures
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -108,6 +110,8 @@ class Gradients:
         # The global gradient norm of the last step with finite gradients, the loss scale
         # divided out, before clipping (None before such a step); stats()["grad_norm"].
         self.last_grad_norm: Optional[float] = None
+        # Whether the last norm clipped (torch's coefficient < 1): [Note: delayed updates] fall back
+        self.clipped = False
 
     # ------------------------------------------------------------------ ownership
     @torch.no_grad()
@@ -118,6 +122,7 @@ class Gradients:
         if grad is None:
             return
         faults.hit("optim.grad_ready", unit=u.name, param=u.trainable[k].fqn)
+        self.take_back(u)  # [Note: delayed updates] the fields are this backward's from here on
         num_bytes = grad.numel() * grad.element_size()
         self._device.hold_transient(num_bytes)
         e = u.trainable[k]
@@ -157,6 +162,21 @@ class Gradients:
         if self._allowance_bytes is not None and self._ram_bytes > self._allowance_bytes:
             self._spill_over_allowance(u)
 
+    def take_back(self, u: UnitState) -> None:
+        """[Note: delayed updates] u's gradient fields back from its delayed update: wait for
+        it (counted in ``delayed_grad_waits``), then they are empty and this step's to fill.
+        A failed update raises here (once): the step failed, which wait_optimizer reports."""
+        ticket = u.delayed_update
+        if ticket is None:
+            return
+        if not ticket.done():
+            self._stats.count("delayed_grad_waits")
+            with self._stats.timed("optimizer_wait"):
+                wait_futures([ticket])
+        u.delayed_update = None
+        u.has_grad = [False] * len(u.trainable)
+        ticket.result()
+
     # ------------------------------------------------------------------ spill
     def spill_through(self, nvme: Optional[NvmeTier]) -> None:
         """[Note: gradient spill] The NVMe tier the gradient extents are on, and the bounce
@@ -173,6 +193,7 @@ class Gradients:
         """u's gradients are in RAM and no update of u is queued or running."""
         ticket = u.update.ticket
         return u.grad_home is not None and not u.grad_spilled and (ticket is None or ticket.done()) and \
+            u.delayed_update is None and \
             (u.grad is not None or any(g is not None for g in u.param_grads))
 
     def _spill_over_allowance(self, current: UnitState) -> None:
@@ -332,10 +353,12 @@ class Gradients:
                 self.loss_scale *= 2
         self.last_grad_norm = total_norm
         factor = inv_scale
+        self.clipped = False
         if layout.max_grad_norm is not None and finite:
             clip = layout.max_grad_norm / (total_norm + 1e-6)
             if clip < 1.0:
                 factor *= clip
+                self.clipped = True
         return factor, False
 
     def squares(self, u: UnitState, k: int) -> torch.Tensor:

@@ -36,11 +36,11 @@ class PipelinedStep:
     - ``slots[0]``, ``_slot_writer[0]`` and ``root_prestaged``: the main thread only (the
       root's first piece is read into slot 0 under backward; early updates never use it).
     - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker
-      while it runs early or deferred updates (``update_early``); the main thread
+      while it runs early, deferred or delayed updates (``update_early``); the main thread
       (``staged_update``, ``finish_slot_writes`` from UpdateScheduler.wait_optimizer) only
       after waiting for every update ticket, when the worker is idle. The worker runs one
       update at a time.
-    - ``write_errors`` and ``dirty``: whichever thread finishes a slot's writes
+    - ``write_errors``, ``failed_spare_writes`` and ``dirty``: whichever thread finishes a slot's writes
       (``finish_slot_writes``). The main thread reads ``write_errors`` while the worker may
       still append to it (UpdateScheduler.settle_unit: a list append is atomic under the
       GIL, and one it misses is seen when the step settles); it reads, raises and clears
@@ -92,6 +92,8 @@ class PipelinedStep:
         # (unit, lo, hi, speculative: to the spare homes, [Note: speculative updates])
         self._slot_writer: List[Optional[Tuple[UnitState, int, int, bool]]] = [None] * len(slots)
         self.write_errors: List[Tuple[UnitState, OSError]] = []
+        # [Note: delayed updates] spare-home writes of delayed updates that failed
+        self.failed_spare_writes: List[Tuple[UnitState, OSError]] = []
         # [Note: swap I/O failures] unit index -> states whose swap write failed, in host RAM
         self.dirty: Dict[int, Dict[str, torch.Tensor]] = {}
 
@@ -298,19 +300,24 @@ class PipelinedStep:
             self._fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
         self.raise_write_errors(micro_step)
 
-    def update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
+    def update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float,
+                     into_spare: bool = False) -> None:
         """The pieces of u through the staging slots other than slot 0 (kept for the root
         unit's first piece, see prestage_root), in a ring that goes on where the last unit's
         update left it ([Note: the piece ring]). A speculative update ([Note: speculative
-        updates]) writes u's spare homes and step counts and keeps u's gradients."""
-        spare = u.spare if u.update.speculative else None
+        updates]) or a delayed one (``into_spare``, [Note: delayed updates]) writes u's spare
+        homes and step counts and keeps u's gradients."""
+        spare = u.spare if u.update.speculative or into_spare else None
+        assert spare is not None or not into_spare, f"{u.name}: no spare homes to write"
         steps = self._next_steps(u)
         pieces = self._pieces(u)
         num_slots = len(self.slots) - 1
         ring = [1 + (self._next_slot + j) % num_slots for j in range(num_slots)]
         self._next_slot += len(pieces)
         in_device, fill = u.update.in_device, u.update.fill
-        u.update.home_writes = writes = []  # [Note: deferred updates] what a fetch of u waits for
+        writes: List[Any] = []
+        if not into_spare:  # [Note: deferred updates] what a fetch of u waits for
+            u.update.home_writes = writes
 
         def start_reads(i: int, index: int) -> List[Any]:
             self.finish_slot_writes(index)  # the slot's previous piece is on disk first
@@ -406,10 +413,13 @@ class PipelinedStep:
             failed = error
         if piece is not None and piece[3]:
             # [Note: speculative updates] a spare home half-written: u's homes are intact,
-            # step() redoes the update from them
-            if failed is not None:
+            # step() redoes the update from them; [Note: delayed updates] the next step()
+            # cannot commit it: fatal there
+            if failed is not None and piece[0].update.speculative:
                 piece[0].update.speculation_failed = True
                 self._stats.count("failed_speculative_writes")
+            elif failed is not None:
+                self.failed_spare_writes.append((piece[0], failed))
             return
         if piece is not None and (failed is not None or piece[0].index in self.dirty):
             self._keep_dirty(*piece[:3], slot, failed)

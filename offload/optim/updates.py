@@ -42,6 +42,7 @@ early updates).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -54,6 +55,7 @@ import torch
 
 from offload import faults
 from offload.memory.layout import Layout, UnitState
+from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import with_note
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
@@ -84,6 +86,8 @@ class UpdateScheduler:
                  fail_step: Callable[[BaseException, str], NoReturn],
                  grad_squares: Callable[[UnitState, int], torch.Tensor],
                  grad_scale_and_skip: Callable[[], Tuple[float, bool]],
+                 clipped: Callable[[], bool],
+                 take_back: Callable[[UnitState], None],
                  zero_grad: Callable[[], None],
                  loss_scale: Callable[[], float],
                  release_grad: Callable[[UnitState], None],
@@ -101,7 +105,8 @@ class UpdateScheduler:
         dropped any more (the step released them). The other callables are the engine's: its micro-step counter and
         last training pass's trace key; its failure state (refuse when failed, stop after
         a step failed part-way); gradients (one parameter's squared norm, the step's factor
-        and skip decision, zero_grad, the loss scale now, giving one unit's back); Adam over a whole host-homed unit
+        and skip decision, whether that norm clipped, zero_grad, the loss scale now, giving one
+        unit's back, taking one unit's fields back from its delayed update); Adam over a whole host-homed unit
         (Engine._update_in_place); residency (release a device copy, land the fetches in
         flight, land those waiting for updates, bring a unit whose update is pending,
         start a fetch)."""
@@ -124,6 +129,7 @@ class UpdateScheduler:
         self._fail_step = fail_step
         self._grad_squares = grad_squares
         self._grad_scale_and_skip = grad_scale_and_skip
+        self._clipped = clipped
         self._zero_grad = zero_grad
         self._loss_scale = loss_scale
         self._release_grad = release_grad
@@ -148,24 +154,64 @@ class UpdateScheduler:
         self.lock = threading.Lock()
         self._sequence = itertools.count()
         self.step_pending = False  # a deferred step's updates or bookkeeping are not done
+        # [Note: delayed updates] None unless delayed_update
+        self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
+            units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
+            micro_step=micro_step, track=lambda ticket: self._early_futures.append(ticket), wait_optimizer=self.wait_optimizer,
+            fail_step=fail_step, update_in_place=update_in_place, release_grad=release_grad, take_back=take_back,
+            release=release, drain_fetches=drain_fetches) if layout.delayed_update else None
 
     def wait_queued(self) -> None:
         """Wait for the updates still queued when no step() came since backward (zero_grad
-        then drops the gradients they read, [Note: update states])."""
-        if self._early_futures:
+        then drops the gradients they read, [Note: update states]); not for delayed ones,
+        whose gradients zero_grad leaves alone ([Note: delayed updates])."""
+        if self._early_futures and self.delayed is None:
             self.wait_optimizer()
 
     def quiesce(self, raise_errors: bool = True) -> None:
-        """Nothing in flight afterwards: early updates done, fetches landed."""
+        """Nothing in flight afterwards: early and delayed updates done (the gradient fields
+        back from the delayed ones), fetches landed."""
         self.settle_all(raise_errors)
-        self.wait_optimizer()
+        try:
+            if self.delayed is not None:
+                self.delayed.wait()
+                self.delayed.take_back_all()
+            self.wait_optimizer()
+        except BaseException:  # noqa: B902 - recorded as the engine's failure either way
+            if raise_errors:
+                raise
         self._drain_fetches()
+
+    def overlapping(self) -> bool:
+        """The last step's updates run on under the next forward, which must not wait for
+        the worker: deferred ones ([Note: deferred updates]) or delayed ones ([Note: delayed
+        updates])."""
+        return self.step_pending or (self.delayed is not None and self.delayed.in_flight())
+
+    def settle_for_reading(self) -> None:
+        """Before reading the units' current values: the deferred step settled, the delayed
+        updates done ([Note: delayed updates]: then read through ``read_committed``)."""
+        self.settle_all()
+        if self.delayed is not None:
+            self.delayed.wait()
+
+    def read_committed(self, u: UnitState, read: Callable[[], Any]) -> Any:
+        """``read()`` of u's values with a pending delayed update's result in its homes."""
+        return read() if self.delayed is None else self.delayed.read_committed(u, read)
+
+    def committed_view(self) -> Any:
+        """A context in which every unit's homes hold its true state ([Note: delayed updates])."""
+        return contextlib.nullcontext() if self.delayed is None else self.delayed.committed_view()
 
     def step(self) -> None:
         """The optimizer step of Engine.step (every accumulation_steps-th call): deferred
         to the worker when it can be, else the updates not run early, here and now."""
         self._check_not_failed("step")
         self.settle_all()
+        if self.delayed is not None:  # [Note: delayed updates] steps 1-3: the last step's updates committed
+            self.delayed.wait()
+            self.delayed.take_back_all()
+            self.delayed.commit()
         if self.defers_updates() and not self._layout.speculative:  # the norm can wait for the updates
             self._defer_updates(1.0, norm_pending=True)
             return
@@ -174,6 +220,7 @@ class UpdateScheduler:
             self._partition.finish_gradients(self._units)
         grad_factor, skip = self._grad_scale_and_skip()
         self._resolve_speculation(keep=not skip and grad_factor == self._speculated_factor, skip=skip)
+        delayed = self.delayed is not None and self.delayed.delays(skip, self._clipped())
         if skip:
             self._stats.count("skipped_steps")
             self._step_ring.wait_root_reads()
@@ -181,6 +228,9 @@ class UpdateScheduler:
             return
         if self.defers_updates():
             self._defer_updates(grad_factor, norm_pending=False)
+            return
+        if delayed:  # [Note: delayed updates] steps 4-5
+            self.delayed.queue(self._hyperparameters(), grad_factor)
             return
         units = [u for u in self._units if any(u.has_grad) and not u.update.updated]
         try:
@@ -243,13 +293,18 @@ class UpdateScheduler:
         self._step_ring.drain_root_reads()  # nothing is left reading into a slot
         # [Note: speculative updates] a speculative update wrote spare homes only
         queued = [u.name for u in self._units if u.update.updated and not u.update.speculative]
+        update_failed = False
         try:
             self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
         except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
-            pass
+            update_failed = True
         if queued:
             self._fail_step(error, f"in backward, after {len(queued)} unit(s) were updated early "
                                    f"({', '.join(queued[:4])}{', ...' if len(queued) > 4 else ''})")
+        if update_failed:
+            # an update on the worker failed (wait_optimizer recorded it: fatal, not consistent),
+            # e.g. [Note: delayed updates] the last step's, which the gradient hand-off raised
+            raise error
         self._zero_grad()
         raise with_note(error, "backward failed before any unit was updated: the gradients accumulated "
                                "since the last optimizer step were dropped (as by zero_grad()); weights and "
@@ -457,7 +512,8 @@ class UpdateScheduler:
             for u in self._units:  # a device copy the failed updates were writing into
                 if u.update.in_device:
                     self._release(u)
-            self._fail_step(errors[0], "while updating units during backward")
+            self._fail_step(errors[0], "while updating units during backward" if self.delayed is None else
+                            "in a delayed update of the last optimizer step (delayed_update=True)")
 
     def prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the

@@ -1,0 +1,217 @@
+"""Delayed parameter updates: ZeRO-Offload's one-step delayed parameter update (Ren et al.,
+"ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC 2021), opt-in with
+``delayed_update=True``.
+
+[Note: delayed updates] The rule. Optimizer steps are counted k = 1, 2, ... (one per
+accumulation_steps micro-steps: k = micro_step // accumulation_steps, which a checkpoint
+restores). w_k is the state (fp32 master, moments, step counts) after step k's update, w_0
+the one at wrap. Step k's update is always w_k = Adam(w_{k-1}, g_k), g_k the gradient that
+step k's forward and backward took at the weights they used. Exact: step k+1's forward and
+backward use w_k. Delayed: step k's update runs on the optimizer worker after step()
+returned, and step k+1's forward and backward use w_{k-1} (the gradients are those of weights
+one update old, as the paper describes). Step k's update is delayed iff k > W
+(delayed_update_warmup_steps) and step k is neither skipped (fp16 overflow,
+skip_nonfinite_steps) nor clipped (torch's clip_grad_norm_ coefficient max_norm / (norm +
+1e-6) < 1): those *fall back* to exact steps, so the step after one uses its weights. Steps
+1..W+1 thus use exact weights, step W+2's forward is the first one that reads weights one
+update old, and w_k of a run with W >= k equals the exact run's bit for bit.
+
+Where the two states live. Every trainable unit has spare homes (``Layout.spare_homes``,
+counted by memory/budget.py as for [Note: speculative updates]). The homes always hold one
+complete state, the one the forward reads: w_{k-1} while step k's update is pending. The
+update reads the homes and writes w_k (master, moments, compute copy, step counts) into the
+spare homes, through the speculative updates' paths (``PipelinedStep.update_early`` with
+``into_spare``, ``UnitAdam.update_in_place`` with ``speculative``), and never touches the
+device copy. Nothing waits for it before the next step(): no ticket on ``u.update`` (so
+residency's fetches read the homes at once), and Hooks' root forward does not wait for the
+worker while it runs (``UpdateScheduler.overlapping``). step() k+1 then, in this order:
+1. waits for every delayed update and its spare writes; a failure of either is fatal
+   ([Note: failures inside a step]): the spare homes are half-written;
+2. takes back the gradient fields of units that got no gradient in this step (below);
+3. commits: each pending unit's spare homes become its homes (``UnitState.commit_spare``, a
+   swap of references; the old homes are the next spare ones), and its device copy, now
+   stale, is dropped;
+4. takes the norm and decides: delayed, or an exact step (the serialized one, unchanged);
+5. delayed: queues each unit with a gradient on the worker, in the order the next backward
+   reaches them (``queue``).
+Keeping a whole second state rather than only a second compute copy keeps the homes one
+consistent state at all times (a failed or abandoned update leaves them intact, as a
+speculative one does), keeps the merged fp32 buffer and the split master as they are, and
+lets the warm-up and fallback steps run the exact step on the same buffers, bit for bit.
+
+Gradients. A delayed update reads u's gradient fields (has_grad, grad or param_grads, a
+spilled copy) while the next backward produces new ones. It owns them from step() on
+(``u.delayed_update`` is its ticket) and gives the buffers back itself when done, as a
+non-speculative update does; the main thread takes the fields back (``Gradients.take_back``:
+waits for the ticket, counted in ``delayed_grad_waits``, then clears has_grad) at the unit's
+first gradient hand-off of the next backward, in step() for units that got none, and before
+checkpoints. We wait rather than double-buffer: no second set of gradient buffers, and since
+the updates are queued in the order backward reaches the units, an update has mostly run
+during the forward by then. zero_grad leaves such units alone (their gradients are the update's, the
+user's step is over), and no such unit is spilled ([Note: gradient spill]).
+
+Reading. state_dict, save_pretrained and checkpoints see the true weights w_k: after waiting,
+each pending unit's homes and spare homes are swapped for the read and swapped back
+(``committed_view``, ``read_committed``). A checkpoint saved with updates pending records it
+per unit (``units[i].delayed_pending`` in the manifest) with the trainable values of the
+copy the forward reads (each trainable piece's fp32 ``lagging`` section); load writes w_k as
+always, then swaps it into the spare homes and writes the lagging copy into the homes
+(CheckpointAccess.restore_lagging), so the resumed run goes on bit for bit. Checkpoints
+without the field load with nothing pending.
+
+Not with param_tier "device" (the update would write the copy the forward reads), several
+ranks (the ZeRO steps' collectives run in step()), or early and speculative updates (the
+norm is known in step(), where every update starts): the warm-up and fallback steps thus
+run the serialized step, without the overlap with backward that early updates give.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, NoReturn
+
+from offload import faults
+from offload.memory.layout import Layout, UnitState
+from offload.optim.step import PipelinedStep
+from offload.stats import Stats, Timeline
+from offload.units import Residency
+
+__all__ = ["DelayedUpdates"]
+
+
+class DelayedUpdates:
+    """The delayed updates of one engine ([Note: delayed updates]): which step delays, the
+    updates on the optimizer worker, their commit, and the committed view readers take.
+
+    Threads: the main thread calls every method but ``_run``, which the optimizer worker runs
+    (one update at a time, like every update there).
+    """
+
+    def __init__(self, units: List[UnitState], *, layout: Layout, worker: ThreadPoolExecutor,
+                 step_ring: PipelinedStep, stats: Stats, timeline: Timeline,
+                 micro_step: Callable[[], int],
+                 track: Callable[[Future], None],
+                 wait_optimizer: Callable[[], None],
+                 fail_step: Callable[[BaseException, str], NoReturn],
+                 update_in_place: Callable[..., None],
+                 release_grad: Callable[[UnitState], None],
+                 take_back: Callable[[UnitState], None],
+                 release: Callable[[UnitState], None],
+                 drain_fetches: Callable[[], None]) -> None:
+        """``track(ticket)``: the scheduler waits for it with every update on the worker
+        (``wait_optimizer``, which also finishes the staging slots' writes). The other
+        callables are the scheduler's and the engine's: the micro-step counter, stopping the
+        engine, Adam on host-homed states, giving a unit's gradients back, taking its
+        gradient fields back (Gradients.take_back), dropping a device copy, landing fetches."""
+        self._units = units
+        self._layout = layout
+        self._worker = worker
+        self._step_ring = step_ring
+        self._stats = stats
+        self._timeline = timeline
+        self._micro_step = micro_step
+        self._track = track
+        self._wait_optimizer = wait_optimizer
+        self._fail_step = fail_step
+        self._update_in_place = update_in_place
+        self._release_grad = release_grad
+        self._take_back = take_back
+        self._release = release
+        self._drain_fetches = drain_fetches
+        self._running: List[Future] = []  # tickets of the last delayed step's updates
+
+    def in_flight(self) -> bool:
+        """A delayed update still runs on the worker."""
+        return any(not ticket.done() for ticket in self._running)
+
+    def wait(self) -> None:
+        """Wait for every delayed update and its spare writes (step 1 of the Note); a failure
+        of either stops the engine."""
+        self._wait_optimizer()  # raises through fail_step when an update failed
+        self._running.clear()
+        failed, self._step_ring.failed_spare_writes = self._step_ring.failed_spare_writes, []
+        if failed:
+            names = ", ".join(sorted({repr(u.name) for u, _ in failed}))
+            self._fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
+
+    def take_back_all(self) -> None:
+        """Every unit's gradient fields back from its delayed update (step 2 of the Note),
+        all of them even when one raises (a failed update, raised once, after the rest)."""
+        first_error = None
+        for u in self._units:
+            try:
+                self._take_back(u)
+            except BaseException as error:  # noqa: B902 - raised below, after the other units
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def commit(self) -> None:
+        """Step 3 of the Note: the pending updates become the homes; the device copies read
+        from the old ones are dropped. Main thread, after ``wait``."""
+        self._drain_fetches()  # a copy in flight lands before it is judged
+        for u in self._units:
+            if u.delayed_pending:
+                u.commit_spare()
+                u.delayed_pending = False
+                if u.compute_state == Residency.LOADED:
+                    self._release(u)
+
+    def delays(self, skip: bool, clipped: bool) -> bool:
+        """Whether this optimizer step's update is delayed (the rule of the Note); a step
+        past the warm-up that is not counts as a fallback."""
+        past_warmup = self._micro_step() // self._layout.accumulation_steps > self._layout.delayed_update_warmup_steps
+        if past_warmup and (skip or clipped):
+            self._stats.count("delayed_fallbacks")
+        return past_warmup and not skip and not clipped
+
+    def queue(self, groups: List[Dict[str, Any]], grad_factor: float) -> None:
+        """Step 5 of the Note: every unit with a gradient on the worker, in the order the
+        next backward hands their gradients over (where it waits for them): the root first
+        (a language model's head and final norm, whose gradients come first), then the
+        units last to first; each owns its gradient fields until taken back."""
+        for u in [self._units[0]] + self._units[:0:-1]:
+            if not any(u.has_grad):
+                continue
+            u.delayed_pending = True
+            ticket = self._worker.submit(self._run, u, groups, grad_factor)
+            u.delayed_update = ticket
+            self._running.append(ticket)
+            self._track(ticket)
+        self._stats.count("delayed_updates")
+
+    def _run(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
+        """On the optimizer worker: u's update from its homes into its spare homes."""
+        faults.hit("optim.deferred_update", unit=u.name)
+        start = time.perf_counter()
+        if self._layout.staged_step:
+            self._step_ring.update_early(u, groups, grad_factor, into_spare=True)
+        else:
+            self._update_in_place(u, grad_factor, groups, speculative=True)
+        self._release_grad(u)  # the update owns them ([Note: threads] in memory/layout.py)
+        self._timeline.span("optimizer", f"update {u.name} (delayed)", start, time.perf_counter())
+
+    @contextlib.contextmanager
+    def committed_view(self) -> Iterator[None]:
+        """While inside, every pending unit's homes hold its true state (the pending update)
+        and its spare homes the copy the forward reads; swapped back on leaving. Main thread,
+        after ``wait``."""
+        pending = [u for u in self._units if u.delayed_pending]
+        for u in pending:
+            u.commit_spare()
+        try:
+            yield
+        finally:
+            for u in pending:
+                u.commit_spare()
+
+    def read_committed(self, u: UnitState, read: Callable[[], Any]) -> Any:
+        """``read()`` of u with its true state in its homes (see committed_view)."""
+        if not u.delayed_pending:
+            return read()
+        u.commit_spare()
+        try:
+            return read()
+        finally:
+            u.commit_spare()
