@@ -116,7 +116,6 @@ def test_profile_quick_writes_a_profile_that_plan_loads(tmp_path):
 
 
 def test_profile_plot_draws_a_png_or_says_matplotlib_is_missing(tmp_path):
-    profile_path = tmp_path / "profile.json"
     png = tmp_path / "bw.png"
     result = run_cli("profile", "--swap-dir", str(tmp_path), "--quick", "--plot", str(png))
     if importlib.util.find_spec("matplotlib") is None:

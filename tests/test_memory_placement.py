@@ -352,3 +352,28 @@ def test_rss_of_a_mixed_placement_stays_under_a_bound_from_the_host_budget(tmp_p
     assert on_host > 100 << 20 and on_nvme > 300 << 20  # mixed
     assert peak <= baseline + host_budget + device_budget + SLACK_BYTES, \
         f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {SLACK_BYTES}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_mixed_placement_of_a_delayed_run_computes_the_all_nvme_numbers(tmp_path, dtype):
+    """delayed_update with "auto": the spare homes (the lagging copy's) are counted where
+    each unit lives, and a mixed placement computes what the all-NVMe delayed run does."""
+    extra = dict(split_master=False, delayed_update=True, delayed_update_warmup_steps=1)
+    data = batches(5)
+    ref_losses, ref_state, *_ = train_gpt(base(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", **extra),
+                                          data)
+    floor = all_nvme_floor(tmp_path, dtype, param_tier="nvme", optimizer_tier="nvme", **extra)
+    ceiling = all_host_need(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", **extra)
+    for k in range(3, 10):
+        budget = floor + (ceiling - floor) * k // 10
+        auto = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", host_budget=budget, **extra)
+        placement, _, layout = placement_of(auto)
+        if "h" in tiers(placement) and "n" in tiers(placement):
+            break
+    else:
+        pytest.fail("no budget gave a mixed placement")
+    assert layout.spare_homes and {u.compute_tier for u in placement.units} <= {"host", "nvme"}
+    losses, state, stats, _ = train_gpt(auto, data)
+    assert losses == ref_losses
+    assert_same_state(state, ref_state)
+    assert stats["delayed_updates"] > 0

@@ -1,7 +1,6 @@
 """ZeRO stages 0-2 across 2 ranks (gloo, CPU) equal one process on the whole batch, hold
 1/world_size of the sharded state per rank, and fail with errors that name ranks instead of
 hanging (issue 8)."""
-import copy
 import errno
 import json
 import os
