@@ -262,7 +262,9 @@ def offload_config(spec: dict, device_budget):
         config = dict(common, param_tier="auto", optimizer_tier="auto", device_budget=device_budget,
                       swap_dir=spec["swap_dir"], host_budget=spec["host_budget"],
                       machine_profile=spec.get("machine_profile"))
-        return dict(config, delayed_update=True) if spec.get("delayed_update") else config
+        # the steady state of a delayed run: no exact warm-up steps inside the few timed ones
+        return dict(config, delayed_update=True, delayed_update_warmup_steps=0) if spec.get("delayed_update") \
+            else config
     assert row in NVME_ROWS, row
     config = dict(common, param_tier="nvme", optimizer_tier="nvme", device_budget=device_budget,
                   swap_dir=spec["swap_dir"], prefetch=row != "nvme-noprefetch",
