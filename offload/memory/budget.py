@@ -304,7 +304,9 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
             f"holds {detail or 'nothing else'} on the host, plus {format_size(largest)} for one unit's "
             f"gradients and {format_size(largest)} to spill them to NVMe (of "
             f"{format_size(planned.gradients)} fp32 gradients in all); at least {needed} bytes are needed")
-    return GradientSpill(budget - fixed - largest, largest)
+    # The room of one unit's gradients is kept free: a unit's gradient arrives whole from
+    # autograd before it can be spilled, so RAM holds the allowance plus that unit's.
+    return GradientSpill(budget - fixed - 2 * largest, largest)
 
 
 def minimum_host_budget(units: Sequence[UnitSizes], layout: Layout) -> int:

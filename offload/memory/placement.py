@@ -327,7 +327,8 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
     waiting = layout.max_grad_norm is not None or layout.fp16 or layout.skip_nonfinite_steps or \
         layout.accumulation_steps > 1 or not layout.early_allowed
     if waiting and layout.needs_nvme and layout.host_budget is not None and planned.total > layout.host_budget:
-        spilled = min(planned.gradients, planned.total - layout.host_budget)
+        largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+        spilled = min(planned.gradients, planned.total - layout.host_budget + 2 * largest)  # budget.gradient_spill
         read += spilled
         write += spilled
     io = read / bandwidth["nvme_read"] + write / bandwidth["nvme_write"]

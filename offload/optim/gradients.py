@@ -17,7 +17,8 @@ them as moved.
 
 [Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's fp32
 gradients do not fit beside the fixed host needs (``memory.budget.gradient_spill``: the
-budget minus everything else and one bounce buffer is the *allowance*), each trainable unit
+budget minus everything else, one bounce buffer and the room of the largest unit's
+gradients, which arrive whole before they can be spilled, is the *allowance*), each trainable unit
 gets a gradient extent on NVMe at wrap, and the main thread, after every gradient hook,
 writes whole units' gradients there until those held in RAM are within the allowance.
 Invariants:
