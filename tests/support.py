@@ -131,6 +131,60 @@ def train_gpt(config, data, frozen=()):
         return losses, engine.state_dict(), engine.stats(), norms
 
 
+# ------------------------------------------------------------------ peak RSS in a fresh process
+# A GPT large enough that budgets show in RSS (d_model 512, 16 layers: 202 MB of fp32
+# gradients), trained by RSS_SCRIPT in a subprocess, and the RSS no budget covers
+# (activations, autograd's gradient tensors before the hook takes them, the I/O engine,
+# allocator slack): the bound of test_optim_grad_spill and test_memory_placement.
+RSS_GPT = GPTConfig(vocab_size=256, seq_len=64, d_model=512, num_heads=8, num_layers=16)
+RSS_SLACK_BYTES = 256 << 20
+RSS_SCRIPT = """
+import json, resource, sys
+import torch
+import offload
+from offload.gpt import GPT, GPTConfig
+torch.set_num_threads(1)
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+cfg, config = GPTConfig(**json.loads(sys.argv[1])), json.loads(sys.argv[2])
+with torch.device("meta"):
+    model = GPT(cfg)
+g = torch.Generator().manual_seed(1)
+with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config) as engine:
+    for _ in range(2):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, cfg.vocab_size), x.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+    stats = engine.stats()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(baseline=baseline, peak=peak, stats=stats)))
+"""
+
+
+def rss_gpt_sizes(element_bytes=4):
+    """The units of RSS_GPT as wrap cuts them on one process."""
+    from offload.memory.budget import model_unit_sizes
+
+    with torch.device("meta"):
+        return model_unit_sizes(GPT(RSS_GPT), element_bytes)
+
+
+def train_in_fresh_process(config):
+    """RSS_GPT wrapped with ``config`` (a dict) and trained 2 steps in a fresh process:
+    (ru_maxrss after ``import torch, offload``, peak ru_maxrss, the engine's stats)."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, json.dumps(dataclasses.asdict(RSS_GPT)),
+                          json.dumps(config)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["baseline"], result["peak"], result["stats"]
+
+
 def max_rel_error(state, ref_state):
     worst = 0.0
     for k, ref in ref_state.items():

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from offload.gpt import GPT, GPTConfig
 from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget
 from offload.memory.layout import Layout
 from offload.memory.placement import DEFAULT_PROFILE, predict_step
-from support import CFG, assert_same_state, batches, gpt_loss, make_opt, train_gpt
+from support import (CFG, RSS_SLACK_BYTES, assert_same_state, batches, gpt_loss, make_opt, rss_gpt_sizes, train_gpt,
+                     train_in_fresh_process)
 
 CPU = torch.device("cpu")
 
@@ -309,49 +309,19 @@ def test_the_prediction_counts_the_bytes_each_placement_moves(tmp_path):
         assert predicted.seconds >= max(1.0, predicted.io_seconds)
 
 
-RSS_SCRIPT = textwrap.dedent('''
-    import resource, sys
-    import torch
-    import offload
-    from offload.gpt import GPT, GPTConfig
-    from offload.memory.budget import minimum_device_budget, model_unit_sizes
-    torch.set_num_threads(1)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=512, num_heads=8, num_layers=16)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sizes = model_unit_sizes(model, 4)
-    conf = dict(device="cpu", param_tier="auto", optimizer_tier="auto", swap_dir=sys.argv[1],
-                host_budget=int(sys.argv[2]), device_budget=minimum_device_budget(sizes, "nvme", 4))
-    g = torch.Generator().manual_seed(1)
-    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=conf) as engine:
-        for _ in range(2):
-            x = torch.randint(0, 256, (2, 64), generator=g)
-            loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 256), x.reshape(-1))
-            engine.backward(loss)
-            engine.step()
-        stats = engine.stats()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(baseline, peak, conf["host_budget"], conf["device_budget"], stats["home_bytes_host"],
-          stats["home_bytes_nvme"])
-''')
-SLACK_BYTES = 256 << 20
-
-
 def test_rss_of_a_mixed_placement_stays_under_a_bound_from_the_host_budget(tmp_path):
     """A GPT (d_model 512, 16 layers: 810 MB of fp32 state) placed by a 250 MB host budget:
     part of it in RAM, the rest on NVMe. Peak RSS (ru_maxrss, fresh process) at most the
     RSS after import + host_budget + device_budget (the CPU "device" is RAM) + 256 MiB for
     what no budget covers (activations, autograd's gradients before the hook takes them,
     the I/O engine, allocator slack), as in test_optim_grad_spill."""
-    budget = 250 << 20
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "swap"), str(budget)],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr
-    baseline, peak, host_budget, device_budget, on_host, on_nvme = map(int, out.stdout.split())
-    assert on_host > 100 << 20 and on_nvme > 300 << 20  # mixed
-    assert peak <= baseline + host_budget + device_budget + SLACK_BYTES, \
-        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {SLACK_BYTES}"
+    host_budget, device_budget = 250 << 20, minimum_device_budget(rss_gpt_sizes(), "nvme", 4)
+    baseline, peak, stats = train_in_fresh_process(dict(
+        device="cpu", param_tier="auto", optimizer_tier="auto", swap_dir=str(tmp_path / "swap"),
+        host_budget=host_budget, device_budget=device_budget))
+    assert stats["home_bytes_host"] > 100 << 20 and stats["home_bytes_nvme"] > 300 << 20  # mixed
+    assert peak <= baseline + host_budget + device_budget + RSS_SLACK_BYTES, \
+        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {RSS_SLACK_BYTES}"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -21,7 +21,7 @@ from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, sw
 from offload.memory.layout import Layout
 
 from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
-                     reference_optimizer_step, unwrap_swap_io, wrap_swap_io)
+                     reference_optimizer_step, train_offload, unwrap_swap_io, wrap_swap_io)
 
 WATCHED = "blocks.1.fc.weight"  # a parameter of a block unit, read inside the forward
 
@@ -244,26 +244,16 @@ def test_a_checkpoint_in_a_delayed_run_resumes_bit_for_bit(tiers, tmp_path):
     model = GPT(CFG)
     ckpt = tmp_path / "ckpt"
     with offload.wrap(model, make_opt(model.parameters()), config=cfg("saver")) as engine:
-        losses = []
-        for b in data[:cut]:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data[:cut])
         engine.save_checkpoint(str(ckpt))
     assert losses == whole.losses[:cut]
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert any(u.get("delayed_pending") for u in manifest["units"])
     torch.manual_seed(1)  # other initial weights: the load replaces them
     model = GPT(CFG)
-    losses = []
     with offload.wrap(model, make_opt(model.parameters()), config=cfg("resumed")) as engine:
         engine.load_checkpoint(str(ckpt))
-        for b in data[cut:]:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data[cut:])
         state = engine.state_dict()
     assert losses == whole.losses[cut:]
     assert_same_state(state, whole.state)
@@ -403,12 +393,7 @@ def test_a_failed_delayed_update_fails_the_step_until_a_checkpoint_is_loaded(tmp
         with pytest.raises(EngineFailedError):
             engine.step()
         engine.load_checkpoint(ckpt)
-        losses = []
-        for b in data[1:]:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data[1:])
         assert losses == whole.losses[1:]
         assert_same_state(engine.state_dict(), whole.state)
 
@@ -437,12 +422,7 @@ def test_a_failed_spare_write_of_a_delayed_update_fails_the_engine(tmp_path):
         with pytest.raises(EngineFailedError):
             engine.step()
         engine.load_checkpoint(ckpt)
-        losses = []
-        for b in data[1:]:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data[1:])
         assert losses == whole.losses[1:]
         assert_same_state(engine.state_dict(), whole.state)
 

@@ -5,20 +5,19 @@ spilled gradients fails the engine as the checkpoint rules say, and a budget bel
 fixed host needs is refused with the sizes."""
 import errno
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import offload
+from offload.config import OffloadConfig
 from offload.errors import EngineFailedError
 from offload.gpt import GPT
-from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget
+from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget
+from offload.memory.layout import Layout
 
-from support import (CFG, FailedHandle, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, train_gpt,
-                     wrap_swap_io)
+from support import (CFG, RSS_SLACK_BYTES, FailedHandle, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
+                     rss_gpt_sizes, train_gpt, train_in_fresh_process, train_offload, wrap_swap_io)
 
 # The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
 MIXED_NORM = 6.0
@@ -73,39 +72,6 @@ def test_spilled_run_equals_the_unspilled_run_bit_for_bit(dtype, clip, speculati
         assert spilled[2]["host_peak_bytes"] <= budget + unit_bytes
 
 
-RSS_SCRIPT = textwrap.dedent('''
-    import resource, sys
-    import torch
-    import offload
-    from offload.config import OffloadConfig
-    from offload.gpt import GPT, GPTConfig
-    from offload.memory.budget import minimum_device_budget, minimum_host_budget, model_unit_sizes
-    from offload.memory.layout import Layout
-    torch.set_num_threads(1)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=512, num_heads=8, num_layers=16)
-    conf = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=sys.argv[1], max_grad_norm=1.0,
-                speculative_updates=False)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sizes = model_unit_sizes(model, 4)
-    layout = Layout.resolve(OffloadConfig(device="cpu", **conf), torch.device("cpu"), None)
-    conf.update(host_budget=minimum_host_budget(sizes, layout), device_budget=minimum_device_budget(sizes, "nvme", 4))
-    g = torch.Generator().manual_seed(1)
-    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=conf) as engine:
-        for _ in range(2):
-            x = torch.randint(0, 256, (2, 64), generator=g)
-            loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 256), x.reshape(-1))
-            engine.backward(loss)
-            engine.step()
-        stats = engine.stats()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(baseline, peak, conf["host_budget"], conf["device_budget"], stats["gradient_bytes"],
-          stats["spilled_gradient_bytes"])
-''')
-SLACK_BYTES = 256 << 20
-
-
 def test_rss_stays_under_a_bound_computed_from_the_budget(tmp_path):
     """A GPT (d_model 512, 16 layers: 202 MB of fp32 gradients) trained 2 steps with the
     smallest host_budget wrap accepts (63 MB: 38 MB of staging slots, a 12.6 MB bounce
@@ -115,13 +81,16 @@ def test_rss_stays_under_a_bound_computed_from_the_budget(tmp_path):
     gradient tensors before the hook takes them, the I/O engine, allocator slack). Measured:
     about 290 MB over the baseline, against 439 MB without a host_budget (the unspilled
     run, which this bound refuses)."""
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "swap")], capture_output=True,
-                         text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr
-    baseline, peak, host_budget, device_budget, gradient_bytes, spilled = map(int, out.stdout.split())
+    conf = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"),
+                max_grad_norm=1.0, speculative_updates=False)
+    sizes = rss_gpt_sizes()
+    layout = Layout.resolve(OffloadConfig(**conf), torch.device("cpu"), None)
+    host_budget, device_budget = minimum_host_budget(sizes, layout), minimum_device_budget(sizes, "nvme", 4)
+    baseline, peak, stats = train_in_fresh_process(dict(conf, host_budget=host_budget, device_budget=device_budget))
+    gradient_bytes, spilled = stats["gradient_bytes"], stats["spilled_gradient_bytes"]
     assert gradient_bytes > 3 * host_budget and spilled >= 2 * gradient_bytes * 3 // 4
-    assert peak <= baseline + host_budget + device_budget + SLACK_BYTES, \
-        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {SLACK_BYTES}"
+    assert peak <= baseline + host_budget + device_budget + RSS_SLACK_BYTES, \
+        f"peak RSS {peak} over {baseline} + {host_budget} + {device_budget} + {RSS_SLACK_BYTES}"
 
 
 class FailGradientReads:
@@ -169,12 +138,7 @@ def test_a_failed_spilled_gradient_read_fails_the_engine_until_a_checkpoint_is_l
             gpt_loss(engine, data[1])
         engine.debug.nvme.io = faulty.inner
         engine.load_checkpoint(str(tmp_path / "ckpt"))
-        losses = []
-        for b in data[1:]:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data[1:])
         assert losses == plain[0]
         assert_same_state(engine.state_dict(), plain[1])
 
@@ -192,12 +156,7 @@ def test_a_failed_spill_write_keeps_the_gradients_in_ram(tmp_path):
     with offload.wrap(model, make_opt(model.parameters()),
                       config=config(tmp_path, "spilled", host_budget=budget, **kw)) as engine:
         faulty = wrap_swap_io(engine, FaultyIO, errno.ENOSPC, fail_write=1)
-        losses = []
-        for b in data:
-            loss = gpt_loss(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_offload(engine, data)
         stats = engine.stats()
         assert faulty.writes > 1 and stats["failed_gradient_spills"] == 1 and stats["spilled_gradient_bytes"] > 0
         assert losses == plain[0]
