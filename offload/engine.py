@@ -123,6 +123,7 @@ class Engine:
         # checked before anything is allocated.
         unit_sizes = [UnitSizes.of(u) for u in self.units]
         self.layout = layout = resolve_placement(config, self.device, self._partition, unit_sizes)
+        self._placement = describe_units(unit_sizes, layout)  # fixed from here on
         arena = check_device_budget(unit_sizes, layout)
         device_capacity_numel, device_budget = arena.capacity_numel, arena.budget_bytes
         needs_nvme = layout.needs_nvme
@@ -403,7 +404,7 @@ class Engine:
     def placement(self) -> Placement:
         """Where each unit's compute copy and optimizer states live, with their bytes, root
         first; ``.bytes_per_tier()`` sums them ([Note: placement by budget])."""
-        return describe_units([UnitSizes.of(u) for u in self.units], self.layout)
+        return self._placement
 
     def stats(self) -> Dict[str, Any]:
         """Counters of this engine (bytes, seconds, peaks): ``offload.stats.engine_stats``."""
@@ -412,7 +413,7 @@ class Engine:
                             partition=self._partition, homes=self._homes, units=self.units,
                             micro_step=self._micro_step, step_seconds=self._last_step_seconds,
                             optimizer_seconds=self._last_optimizer_seconds,
-                            home_bytes=self.placement().bytes_per_tier())
+                            home_bytes=self._placement.bytes_per_tier())
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:

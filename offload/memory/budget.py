@@ -135,21 +135,37 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
     return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed)
 
 
+# ---------------------------------------------------------------------------- homes
+@dataclass(frozen=True)
+class HomeBytes:
+    """One unit's bytes at home, on whichever tiers ``Layout`` gives its roles."""
+
+    compute: int   # the compute copy (the master too when merged), if it is not on the device
+    master: int    # the fp32 master apart from the compute copy (split: its low halves)
+    moments: int   # exp_avg and exp_avg_sq
+
+
+def unit_home_bytes(u: UnitSizes, layout: Layout) -> HomeBytes:
+    """u's homes, spare homes included ([Note: speculative updates], [Note: delayed
+    updates]: an updated unit has a second set)."""
+    copies = 2 if layout.spare_homes and u.trainable else 1
+    compute = copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
+    if not u.trainable:
+        return HomeBytes(compute, 0, 0)
+    master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
+    return HomeBytes(compute, copies * master, copies * 2 * u.state_numel * FP32_BYTES)
+
+
 # ---------------------------------------------------------------------------- NVMe
 def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
     for i, u in enumerate(units):
-        # [Note: speculative updates], [Note: delayed updates]: an updated unit has a second set of homes
-        copies = 2 if layout.spare_homes and u.trainable else 1
+        home = unit_home_bytes(u, layout)
         if layout.compute_tier(i) == "nvme":  # [Note: placement by budget] per unit
-            total += copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
-        if layout.state_tier(i) == "nvme" and u.trainable:
-            if layout.split_master:
-                total += copies * u.low_numel * 2
-            elif not layout.merged:
-                total += copies * u.state_numel * FP32_BYTES
-            total += copies * 2 * u.state_numel * FP32_BYTES
+            total += home.compute
+        if layout.state_tier(i) == "nvme":
+            total += home.master + home.moments
     spill = gradient_spill(units, layout)
     if spill is not None:  # [Note: gradient spill] one gradient extent per trainable unit
         total += sum(unit_gradient_bytes(u) for u in units if u.trainable)
@@ -236,13 +252,12 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
-        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
+        home = unit_home_bytes(u, layout)
         if layout.compute_tier(i) == "host":  # [Note: placement by budget] per unit
-            compute += copies * u.home_numel * home_element_bytes
-        if layout.state_tier(i) == "host" and u.trainable:
-            if not layout.merged:
-                master += copies * u.state_numel * FP32_BYTES
-            moments += copies * 2 * u.state_numel * FP32_BYTES
+            compute += home.compute
+        if layout.state_tier(i) == "host":
+            master += home.master
+            moments += home.moments
     if layout.staged_step:
         staging = layout.optimizer_pipeline_depth * slot_shape(units, layout).num_bytes(layout.compute_element_bytes)
     staging += 2 * sum(update_buffer_bytes(units, layout).values())  # two buffer sets

@@ -133,10 +133,13 @@ class Layout:
 
     @classmethod
     def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any,
-                tiers: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None) -> "Layout":
+                tiers: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None,
+                default_host_budget_bytes: Optional[int] = None) -> "Layout":
         """The modes of a run of ``config`` on ``device``; ``partition``: the [zero]
         Partition of several ranks, or None; ``tiers``: every unit's compute and state tiers
-        ([Note: placement by budget]; None: not placed yet, the config's tiers as given)."""
+        ([Note: placement by budget]; None: not placed yet, the config's tiers as given);
+        ``default_host_budget_bytes``: host_budget when the config gives none, as a caller
+        resolving many layouts read it once (None: ``default_host_budget()`` now)."""
         compute_dtype = DTYPES[config.dtype]
         compute_tiers, state_tiers = tiers if tiers is not None else ((), ())
         param_tier, optimizer_tier = config.param_tier, config.optimizer_tier
@@ -157,7 +160,7 @@ class Layout:
             and not config.delayed_update
         host_budget = config.host_budget
         if host_budget is None:
-            host_budget = default_host_budget()
+            host_budget = default_host_budget_bytes if default_host_budget_bytes is not None else default_host_budget()
         return cls(
             device=device,
             compute_dtype=compute_dtype,

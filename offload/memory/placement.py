@@ -43,7 +43,7 @@ import torch
 
 from offload.config import OffloadConfig, format_size
 from offload.memory.budget import (
-    UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget, unit_gradient_bytes)
+    UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget, unit_gradient_bytes, unit_home_bytes)
 from offload.memory.layout import FP32_BYTES, Layout
 
 PROFILE_SCHEMA = "offload-profile"
@@ -154,23 +154,12 @@ class Placement:
 def describe_units(units: Sequence[UnitSizes], layout: Layout) -> Placement:
     """The placement ``layout`` (whose tiers are decided) gives ``units``."""
     out = []
-    home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
-        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
+        home = unit_home_bytes(u, layout)
         compute_tier = layout.compute_tier(i)
-        if compute_tier == "device":
-            compute = u.compute_numel * layout.compute_element_bytes
-        else:
-            compute = copies * u.home_numel * home_element_bytes
-        state = 0
-        if u.trainable:
-            if layout.split_master:
-                state += u.low_numel * 2
-            elif not layout.merged:
-                state += u.state_numel * FP32_BYTES
-            state = copies * (state + 2 * u.state_numel * FP32_BYTES)
+        compute = u.compute_numel * layout.compute_element_bytes if compute_tier == "device" else home.compute
         out.append(UnitPlacement(u.name, compute_tier, layout.state_tier(i) if u.trainable else None,
-                                 compute, state))
+                                 compute, home.master + home.moments))
     return Placement(tuple(out))
 
 
@@ -239,10 +228,12 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
                          "ranks give explicit tiers")
     profile = load_profile(config.machine_profile, "machine_profile") if auto else DEFAULT_PROFILE
 
-    def layout_for(compute_tiers: Tuple[str, ...], state_tiers: Tuple[str, ...]) -> Layout:
-        return Layout.resolve(config, device, partition, (compute_tiers, state_tiers))
-
     base = Layout.resolve(config, device, partition)
+
+    def layout_for(compute_tiers: Tuple[str, ...], state_tiers: Tuple[str, ...]) -> Layout:
+        # the default host budget as read once, for every candidate and the result
+        return Layout.resolve(config, device, partition, (compute_tiers, state_tiers), base.host_budget)
+
     if auto and base.host_budget is None:
         raise ValueError("host_budget: 'auto' tiers need a host budget, and the memory available "
                          "could not be read on this system; give host_budget")
