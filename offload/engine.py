@@ -309,7 +309,9 @@ class Engine:
         try:
             with self.stats_counters.timed("backward"):
                 scaled.backward()
+                self._gradients.finish_backward()  # [Note: shared parameter gradients]
         except BaseException as error:
+            self._gradients.drop_partials()
             updates.abort_backward(error)  # [Note: failures inside a step]
         finally:
             self._updates.early_updates = False
@@ -350,6 +352,7 @@ class Engine:
             self._gradients.release(u)
             for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
                 e.param.grad = None
+        self._gradients.drop_partials()  # [Note: shared parameter gradients]
         if self._partition is not None:  # [zero]
             self._partition.zero_grad()
 

@@ -66,6 +66,47 @@ class _SavedParamRef:
     stride: Tuple[int, ...]
 
 
+def _shared_slots(model: nn.Module, units: List[UnitState]) -> Dict[Tuple[int, int], List[Tuple[nn.Module, str]]]:
+    """[Note: shared parameter gradients] Every trainable parameter held by more than one
+    module slot (tied embeddings), keyed (unit index, k): its slots in module order."""
+    entry_of = {id(e.param): (u.index, k) for u in units for k, e in enumerate(u.trainable)}
+    slots: Dict[Tuple[int, int], List[Tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in entry_of:
+                slots.setdefault(entry_of[id(p)], []).append((m, name))
+    return {key: found for key, found in slots.items() if len(found) > 1}
+
+
+class _AliasSlot:
+    """[Note: shared parameter gradients] A module slot that holds a shared parameter, not
+    its first: while the module's forward runs under grad mode the slot holds an alias, the
+    same memory as a leaf of its own, whose gradient goes to ``Gradients.on_shared_grad``."""
+
+    def __init__(self, module: nn.Module, name: str, u: UnitState, k: int, gradients: Gradients) -> None:
+        self._module = module
+        self._name = name
+        self._param = module._parameters[name]
+        self._on_grad = functools.partial(gradients.on_shared_grad, u, k)
+        self._depth = 0  # a module called from within its own forward swaps once
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1 and torch.is_grad_enabled() and self._param.requires_grad:
+            alias = self._param.detach().requires_grad_()
+            alias.register_post_accumulate_grad_hook(self._on_grad)
+            module._parameters[self._name] = alias
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth <= 0:
+            self.restore()
+
+    def restore(self) -> None:
+        self._depth = 0
+        self._module._parameters[self._name] = self._param
+
+
 class _StateDicts:
     """[Note: state_dict of a wrapped model] After wrap a parameter holds a placeholder
     ([Note: released parameters]), so ``model.state_dict()`` (or any submodule's) would give
@@ -184,6 +225,7 @@ class Hooks:
         self._buffers = [b for b in module.buffers()]
         self._handles: List[Any] = []
         self._saved_hooks: List[Any] = []  # the saved-tensor hooks of the forward running now
+        self._aliases: List[_AliasSlot] = []  # [Note: shared parameter gradients]
         self._forward_depth = 0  # the root's forward may be called from within itself
         self._forward_started = 0.0
         self._backward_unit: Optional[UnitState] = None  # the unit whose backward runs now
@@ -200,10 +242,17 @@ class Hooks:
             handles.append(u.spec.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
             handles.append(u.spec.module.register_forward_hook(
                 functools.partial(self._unit_post_forward, u), always_call=True))
+        shared = _shared_slots(self._module, self._units) if self._gradients.sums_shared_uses else {}
         for u in self._units:
             for k, e in enumerate(u.trainable):
-                handles.append(e.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._gradients.on_grad_ready, u, k)))
+                on_grad = self._gradients.on_shared_grad if (u.index, k) in shared else self._gradients.on_grad_ready
+                handles.append(e.param.register_post_accumulate_grad_hook(functools.partial(on_grad, u, k)))
+        for (u_index, k), slots in shared.items():  # [Note: shared parameter gradients]
+            for module, name in slots[1:]:
+                alias = _AliasSlot(module, name, self._units[u_index], k, self._gradients)
+                self._aliases.append(alias)
+                handles.append(module.register_forward_pre_hook(alias.enter))
+                handles.append(module.register_forward_hook(alias.leave, always_call=True))
         handles.extend(self._state_dicts.install())
 
     def remove(self) -> None:
@@ -253,6 +302,8 @@ class Hooks:
         self._forward_depth = 0
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        for alias in self._aliases:
+            alias.restore()
         for u in self._units:
             if u.compute_state == Residency.IN_USE:
                 u.compute_state.to(Residency.LOADED)

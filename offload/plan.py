@@ -65,6 +65,12 @@ class UnitShape:
     total_numel: int
     trainable_numel: int
     largest_param_numel: int
+    shared_numel: int = 0  # trainable elements of tied parameters ([Note: shared parameter gradients])
+
+    def sizes(self, element_bytes: int) -> UnitSizes:
+        """The unit's sizes as wrap has them on one process."""
+        return UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
+                                   element_bytes, self.shared_numel)
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,8 @@ def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> Mod
     group_of = {p: 0 for p in model.parameters() if p.requires_grad}
     specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
     units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
-                            max((e.numel for e in s.entries if e.trainable), default=0))
+                            max((e.numel for e in s.entries if e.trainable), default=0),
+                            sum(e.numel for e in s.entries if e.trainable and e.slots > 1))
                   for s in specs)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
                       units, exact=True)
@@ -185,8 +192,7 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     # [Note: split master] (Config.split_master): the master at home is its low half
     split = layout.split_master
     units = shape.units
-    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
-             for u in units]
+    sizes = [u.sizes(e) for u in units]
     compute_numel = [u.compute_numel for u in sizes]
     master_numel = [u.master_numel for u in sizes]
     home_element = _FP32_BYTES if merged else e
@@ -248,8 +254,7 @@ def auto_placement(shape: ModelShape, config: "OffloadConfig | dict") -> Tuple[u
     sizes (for ``unit_placement.predict_step``). ValueError as wrap raises it."""
     config = OffloadConfig.from_any(config)
     e = _ELEMENT_BYTES[config.dtype]
-    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
-             for u in shape.units]
+    sizes = [u.sizes(e) for u in shape.units]
     layout = unit_placement.resolve_placement(config, torch.device("cpu"), None, sizes)
     return unit_placement.describe_units(sizes, layout), layout, sizes
 

@@ -225,6 +225,8 @@ class ParamEntry:
     numel: int
     trainable: bool
     group_index: Optional[int]     # optimizer param group (None when frozen)
+    slots: int = 1                 # module attributes that hold it: > 1 when tied ([Note: shared
+                                   # parameter gradients] in optim/gradients.py)
 
 
 @dataclass
@@ -328,6 +330,12 @@ def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
                 f"optimizer: trainable parameter {fqn!r} is in no param group of the optimizer "
                 "given to wrap(); add it or set requires_grad=False")
 
+    slots_of: Dict[nn.Parameter, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                slots_of[p] = slots_of.get(p, 0) + 1
+
     specs: List[UnitSpec] = []
 
     def make(name: str, module: Optional[nn.Module], params: List[nn.Parameter]) -> None:
@@ -340,7 +348,8 @@ def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
                 offset = padded_numel(offset, compute_element_bytes)
             entries.append(ParamEntry(
                 fqn=fqn_of[p], param=p, shape=p.shape, offset=offset, numel=p.numel(),
-                trainable=p.requires_grad, group_index=group_of.get(p) if p.requires_grad else None))
+                trainable=p.requires_grad, group_index=group_of.get(p) if p.requires_grad else None,
+                slots=slots_of.get(p, 1)))
             offset += p.numel()
         specs.append(UnitSpec(index=len(specs), name=name, module=module, entries=entries,
                               trainable_numel=sum(p.numel() for p in trainable), total_numel=offset))

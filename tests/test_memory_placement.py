@@ -13,7 +13,7 @@ import offload
 from offload import plan
 from offload.config import OffloadConfig
 from offload.gpt import GPT, GPTConfig
-from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget
+from offload.memory.budget import host_bytes, minimum_device_budget, minimum_host_budget
 from offload.memory.layout import Layout
 from offload.memory.placement import DEFAULT_PROFILE, predict_step
 from support import (CFG, RSS_SLACK_BYTES, assert_same_state, batches, gpt_loss, make_opt, rss_gpt_sizes, train_gpt,
@@ -34,8 +34,7 @@ def gpt_sizes(dtype, cfg=CFG):
     with torch.device("meta"):
         shape = plan.shape_from_module(GPT(cfg), "gpt")
     e = 4 if dtype == "fp32" else 2
-    return [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel, e)
-            for u in shape.units]
+    return [u.sizes(e) for u in shape.units]
 
 
 def all_nvme_floor(tmp_path, dtype, **extra):
@@ -241,8 +240,7 @@ MODELS = {
 def test_the_planner_places_every_unit_as_the_engine_does(tmp_path, name, dtype):
     with torch.device("meta"):
         shape = plan.shape_from_module(MODELS[name](), name)
-    sizes = [UnitSizes.unsharded(u.name, u.total_numel, u.trainable_numel, u.largest_param_numel,
-                                 4 if dtype == "fp32" else 2) for u in shape.units]
+    sizes = [u.sizes(4 if dtype == "fp32" else 2) for u in shape.units]
     config = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", max_grad_norm=1.0,
                   device_budget=minimum_device_budget(sizes, "nvme", 4 if dtype == "fp32" else 2))
     floor = minimum_host_budget(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (

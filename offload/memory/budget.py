@@ -48,6 +48,7 @@ class UnitSizes:
     grad_numel: int             # the fp32 gradient buffer
     largest_param_numel: int    # its largest trainable parameter (0: none)
     trainable: bool             # it has trainable parameters
+    shared_numel: int = 0       # of trainable parameters held by several module attributes (tied)
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -55,17 +56,18 @@ class UnitSizes:
         return cls(u.name, u.compute_numel, u.master_numel,
                    compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
                    low_numel(u.shard.numel), u.grad_numel,
-                   max((e.numel for e in u.trainable), default=0), bool(u.trainable))
+                   max((e.numel for e in u.trainable), default=0), bool(u.trainable),
+                   sum(e.numel for e in u.trainable if e.slots > 1))
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
-                  compute_element_bytes: int) -> "UnitSizes":
+                  compute_element_bytes: int, shared_numel: int = 0) -> "UnitSizes":
         """The sizes of a unit of one process (as ``of`` gives them with no ZeRO partition)."""
         compute_numel = padded_numel(total_numel, compute_element_bytes)
         master_numel = padded_numel(trainable_numel, FP32_BYTES)
         return cls(name, compute_numel, master_numel, compute_numel, master_numel,
                    low_numel(trainable_numel), trainable_numel, largest_param_numel,
-                   trainable_numel > 0)
+                   trainable_numel > 0, shared_numel)
 
 
 def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes: Sequence[str] = (),
@@ -76,7 +78,7 @@ def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes:
     specs = split_into_units(model, group_of, compute_element_bytes, unit_classes, unit_predicate)
     return [UnitSizes.unsharded(s.name, s.total_numel, s.trainable_numel,
                                 max((e.numel for e in s.trainable_entries), default=0),
-                                compute_element_bytes)
+                                compute_element_bytes, sum(e.numel for e in s.trainable_entries if e.slots > 1))
             for s in specs]
 
 
@@ -292,11 +294,39 @@ def _can_spill(layout: Layout) -> bool:
     return layout.adopts_grads and layout.device.type == "cpu"
 
 
+# [Note: gradient spill] A unit's gradients are written from a bounce buffer of two pieces
+# of this many bytes (filled and written in turn), not of the largest unit: a tied
+# embedding's 1.6 GB gradient would otherwise keep 1.6 GB of the budget for itself.
+SPILL_PIECE_BYTES = 16 << 20
+
+
+def held_shared_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
+    """[Note: shared parameter gradients] RAM the first use's gradient of each tied
+    parameter holds through backward (in the compute dtype), where the engine holds it."""
+    if not layout.adopts_grads:
+        return 0
+    return sum(u.shared_numel for u in units) * layout.compute_element_bytes
+
+
+def _spill_floor(units: Sequence[UnitSizes], layout: Layout) -> Tuple[int, int, int]:
+    """(bounce buffer, the largest unit's gradients, the tied gradients held): what a
+    spilling run keeps in RAM beside the fixed host needs and the allowance."""
+    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    return min(largest, 2 * SPILL_PIECE_BYTES), largest, held_shared_bytes(units, layout)
+
+
+def spill_floor_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
+    """[Note: gradient spill] The gradient bytes a spilling run keeps in RAM at least: the
+    bounce buffer, the room of the largest unit's and the tied gradients held."""
+    return sum(_spill_floor(units, layout))
+
+
 def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[GradientSpill]:
     """[Note: gradient spill] None when the host budget holds every gradient of a step (or
     there is none); else the gradient bytes that may stay in RAM, or a ValueError naming
     host_budget and the sizes when even spilling cannot fit the run: the fixed host needs
-    plus a bounce buffer and one unit's gradients (the unit backward is producing)."""
+    plus a bounce buffer, one unit's gradients (the unit backward is producing) and the
+    tied gradients held through backward ([Note: shared parameter gradients])."""
     budget = layout.host_budget
     if budget is None or not _can_spill(layout):
         return None
@@ -304,7 +334,6 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
     if planned.total <= budget:
         return None
     fixed = planned.total - planned.gradients
-    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
     detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v and k != "fp32 gradients")
     if not layout.needs_nvme:
         raise ValueError(
@@ -312,27 +341,31 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
             f"({format_size(planned.gradients)}) plus the rest of the host needs ({detail or 'none'}); "
             "gradients beyond the budget are spilled to NVMe, which needs a tier on NVMe "
             "(param_tier or optimizer_tier 'nvme' and swap_dir)")
-    needed = fixed + 2 * largest
+    bounce, largest, held = _spill_floor(units, layout)
+    needed = fixed + bounce + largest + held
     if budget < needed:
         raise ValueError(
             f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this configuration "
             f"holds {detail or 'nothing else'} on the host, plus {format_size(largest)} for one unit's "
-            f"gradients and {format_size(largest)} to spill them to NVMe (of "
-            f"{format_size(planned.gradients)} fp32 gradients in all); at least {needed} bytes are needed")
+            f"gradients, {format_size(bounce)} to spill them to NVMe"
+            + (f" and {format_size(held)} for tied parameters' gradients, held through backward" if held else "")
+            + f" (of {format_size(planned.gradients)} fp32 gradients in all); at least {needed} bytes are needed")
     # The room of one unit's gradients is kept free: a unit's gradient arrives whole from
-    # autograd before it can be spilled, so RAM holds the allowance plus that unit's.
-    return GradientSpill(budget - fixed - 2 * largest, largest)
+    # autograd before it can be spilled, so RAM holds the allowance plus that unit's. The
+    # held tied gradients count inside the allowance, which the floor makes at least as large.
+    return GradientSpill(budget - fixed - bounce - largest, bounce)
 
 
 def minimum_host_budget(units: Sequence[UnitSizes], layout: Layout) -> int:
     """The smallest ``host_budget`` wrap accepts: every byte of ``host_bytes``, or, where
     gradients can be spilled (a CPU device, one rank, a tier on NVMe), the fixed needs, a
-    bounce buffer and the largest unit's gradients ([Note: gradient spill])."""
+    bounce buffer, the largest unit's gradients and the tied ones held ([Note: gradient
+    spill])."""
     planned = host_bytes(units, layout)
     if not (_can_spill(layout) and layout.needs_nvme):
         return planned.total
-    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
-    return min(planned.total, planned.total - planned.gradients + 2 * largest)
+    bounce, largest, held = _spill_floor(units, layout)
+    return min(planned.total, planned.total - planned.gradients + bounce + largest + held)
 
 
 def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:

@@ -20,8 +20,9 @@ speculative updates, gradients):
   RAM (its spare), halving its worth; so do delayed updates ([Note: delayed updates]).
 - The step's fp32 gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
-  worth more per byte than a spilled gradient go first, with only the spill's floor (two
-  units' gradients) kept back; the rest go only where every gradient still fits in RAM.
+  worth more per byte than a spilled gradient go first, with only the spill's floor
+  (``budget.spill_floor_bytes``: the bounce buffer, the largest unit's gradients, the tied
+  ones held) kept back; the rest go only where every gradient still fits in RAM.
 - Among roles of equal worth, units in forward order first: the units forward needs first
   are the ones backward finishes last, whose updates the next step waits for.
 
@@ -43,7 +44,8 @@ import torch
 
 from offload.config import OffloadConfig, format_size
 from offload.memory.budget import (
-    UnitSizes, host_bytes, minimum_device_budget, minimum_host_budget, unit_gradient_bytes, unit_home_bytes)
+    UnitSizes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
+    unit_home_bytes)
 from offload.memory.layout import FP32_BYTES, Layout
 
 PROFILE_SCHEMA = "offload-profile"
@@ -194,7 +196,7 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     bandwidth = profile["bandwidth_bytes_per_second"]
     read, write = 1.0 / bandwidth["nvme_read"], 1.0 / bandwidth["nvme_write"]
     gradient_worth = read + write  # a spilled gradient byte is written and read back once a step
-    largest_gradients = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    gradient_floor = spill_floor_bytes(units, layout)
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
         copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
@@ -210,7 +212,7 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
         trial = layout_for(tuple(trial_compute), tuple(trial_states))
         planned = host_bytes(units, trial)
         # worth more than a spilled gradient: only the spill's floor of gradients stays in RAM
-        need = planned.total - planned.gradients + 2 * largest_gradients if worth > gradient_worth \
+        need = planned.total - planned.gradients + gradient_floor if worth > gradient_worth \
             else planned.total
         if need <= host_budget:
             compute, states, layout = trial_compute, trial_states, trial
@@ -318,8 +320,9 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
     waiting = layout.max_grad_norm is not None or layout.fp16 or layout.skip_nonfinite_steps or \
         layout.accumulation_steps > 1 or not layout.early_allowed
     if waiting and layout.needs_nvme and layout.host_budget is not None and planned.total > layout.host_budget:
-        largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
-        spilled = min(planned.gradients, planned.total - layout.host_budget + 2 * largest)  # budget.gradient_spill
+        # what budget.gradient_spill leaves beyond its allowance
+        spilled = min(planned.gradients, planned.total - layout.host_budget + spill_floor_bytes(units, layout)
+                      - held_shared_bytes(units, layout))
         read += spilled
         write += spilled
     io = read / bandwidth["nvme_read"] + write / bandwidth["nvme_write"]

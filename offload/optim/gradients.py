@@ -15,22 +15,48 @@ is that of plain PyTorch, given back as units are updated. The tier accounts the
 like its own buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts
 them as moved.
 
+[Note: shared parameter gradients] A parameter the model uses in several places (an output
+head tied to the token embedding) gets one gradient per use. Autograd would add them up
+before the parameter's hook fires, out of place: for a head tied to a 128k-token embedding
+that is three whole gradients at once (the head's, held from the start of backward, the
+embedding's and their sum), 1.6 GB each in fp32 at the Llama-3.2-3B shape, none of them
+counted by any tier. Instead every module slot that holds such a parameter, but its first,
+holds an alias while the module's forward runs under grad mode: a leaf of its own over the
+same memory (``hooks._AliasSlot``). Each use's gradient then arrives by itself
+(``on_shared_grad``): the first is kept, counted by the host tier inside the spill
+allowance (whose floor makes room for it: ``memory.budget.held_shared_bytes``), the next
+are added to it in place, in arrival order; when backward is over (``finish_backward``)
+the sum is handed off as the parameter's gradient. The peak is two whole gradients, not
+three, and the first is within the budgets. Numerics: autograd adds a tensor's gradients
+in the order their backward functions run, which is the order these hooks fire in, so the
+sum is autograd's to the bit (for two uses, exact whatever the order); it can differ in
+rounding only when one slot's module uses the parameter twice in a forward, or the model
+reads it outside any module slot, between other uses. Shared parameters live in the root
+unit ([Note: shared parameters]), which is not updated before step(), so handing off at
+the end of backward delays nothing. zero_grad and a failed backward drop the sums. Only
+with a CPU device and one rank, where gradients are adopted in RAM ([Note: gradient
+ownership]); with CUDA (or [zero] several ranks) the head's gradient would be held on the
+device, for which the device budget keeps no room (one gradient on its way out), so
+autograd sums as before.
+
 [Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's fp32
 gradients do not fit beside the fixed host needs (``memory.budget.gradient_spill``: the
-budget minus everything else, one bounce buffer and the room of the largest unit's
-gradients, which arrive whole before they can be spilled, is the *allowance*), each trainable unit
-gets a gradient extent on NVMe at wrap, and the main thread, after every gradient hook,
-writes whole units' gradients there until those held in RAM are within the allowance.
+budget minus everything else, the bounce buffer and the room of the largest unit's
+gradients, which arrive whole before they can be spilled, is the *allowance*; it holds the
+tied gradients of [Note: shared parameter gradients] too), each trainable unit gets a
+gradient extent on NVMe at wrap, and the main thread, after every gradient hook, writes
+whole units' gradients there until those held in RAM are within the allowance.
 Invariants:
 - Only a unit with no update queued or running is spilled (its ticket is None or done, and
   no delayed update holds its fields: [Note: delayed updates]): the thread that updates a
   unit owns its gradients, so spill and update never race. A
   speculative update has run by then ([Note: speculative updates]); a unit that will still
   be updated early is spilled only if the allowance needs it, and read back by its update.
-- A unit is spilled whole: every gradient it holds, copied into the one bounce buffer (or
-  written from its flat read-back buffer), one synchronous write; its RAM is released
-  only once the write succeeded. A failed write keeps the gradients in RAM and the step
-  goes on (``failed_gradient_spills``).
+- A unit is spilled whole: every gradient it holds, copied piece by piece into the two
+  halves of the bounce buffer (``SPILL_PIECE_BYTES`` each, or one unit's when that is
+  less), each piece written while the next is copied in (or written from its flat
+  read-back buffer at once); its RAM is released only once every write succeeded. A failed
+  write keeps the gradients in RAM and the step goes on (``failed_gradient_spills``).
 - The per-parameter squared norms are taken before the write (``spilled_grad_squares``)
   and ``scale_and_skip`` sums them in the step's own order: the norm, and so the clip
   coefficient, is the unspilled run's to the bit.
@@ -54,14 +80,14 @@ from __future__ import annotations
 import threading
 import warnings
 from concurrent.futures import wait as wait_futures
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from offload import faults
 from offload.memory.budget import UnitSizes, gradient_spill
-from offload.memory.layout import FP32_BYTES, Layout, UnitState
+from offload.memory.layout import FP32_BYTES, Layout, UnitState, sub_extent
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import ParamEntry
@@ -103,6 +129,8 @@ class Gradients:
         self._allowance_bytes = None if spill is None else spill.allowance_bytes
         self._bounce_numel = 0 if spill is None else spill.bounce_bytes // FP32_BYTES
         self._bounce: Optional[torch.Tensor] = None
+        # [Note: shared parameter gradients] (unit index, k) -> this backward's sum so far
+        self._partials: Dict[Tuple[int, int], torch.Tensor] = {}
         self._nvme: Optional[NvmeTier] = None
         self._ram_bytes = 0
         # fp16 loss scaling: the scale and the finite steps since it last changed
@@ -123,14 +151,75 @@ class Gradients:
         if grad is None:
             return
         faults.hit("optim.grad_ready", unit=u.name, param=u.trainable[k].fqn)
+        self._take(u, k, grad, held=False)
+        param.grad = None
+
+    @property
+    def sums_shared_uses(self) -> bool:
+        """[Note: shared parameter gradients] Whether the uses of a shared parameter hand
+        their gradients off one by one (with a CPU device, one rank)."""
+        return self._layout.adopts_grads
+
+    @torch.no_grad()
+    def on_shared_grad(self, u: UnitState, k: int, leaf: torch.Tensor) -> None:
+        """[Note: shared parameter gradients] One use's gradient of u's k-th trainable
+        parameter, which the model uses in several places (``leaf``: the parameter or the
+        alias of one use): added to this backward's sum of its uses, in arrival order."""
+        grad = leaf.grad
+        if grad is None:
+            return
+        leaf.grad = None
+        key = (u.index, k)
+        partial = self._partials.get(key)
+        if partial is not None:
+            partial.add_(grad)  # autograd's own old + new; exact and commutative for two uses
+            return
+        self._partials[key] = grad  # in RAM, like every other gradient: the allowance counts it
+        self._host.adopt(grad, planned=False)
+        self._count_ram(grad.numel() * grad.element_size())
+        if self._allowance_bytes is not None and self._ram_bytes > self._allowance_bytes:
+            self._spill_over_allowance(u)
+
+    def finish_backward(self) -> None:
+        """[Note: shared parameter gradients] The backward is over: each shared parameter's
+        sum of its uses is its gradient, handed off as autograd's would have been."""
+        while self._partials:
+            (index, k), partial = next(iter(self._partials.items()))
+            u = self._units[index]
+            faults.hit("optim.grad_ready", unit=u.name, param=u.trainable[k].fqn)
+            del self._partials[(index, k)]
+            try:
+                with torch.no_grad():
+                    self._take(u, k, partial, held=True)
+            except BaseException:
+                if not any(g is partial for g in u.param_grads):  # not adopted: nobody holds it now
+                    self._unhold(partial)
+                raise
+
+    def drop_partials(self) -> None:
+        """[Note: shared parameter gradients] The sums of a backward that failed or whose
+        gradients are dropped (zero_grad)."""
+        while self._partials:
+            _, partial = self._partials.popitem()
+            self._unhold(partial)
+
+    def _unhold(self, partial: torch.Tensor) -> None:
+        self._host.release(partial)
+        self._count_ram(-partial.numel() * partial.element_size())
+
+    def _take(self, u: UnitState, k: int, grad: torch.Tensor, held: bool) -> None:
+        """u's k-th gradient of this backward into its fp32 home on the host. ``held``: a
+        shared parameter's sum, already counted where it lies (see ``on_shared_grad``)."""
         self.take_back(u)  # [Note: delayed updates] the fields are this backward's from here on
         num_bytes = grad.numel() * grad.element_size()
-        self._device.hold_transient(num_bytes)
+        if not held:
+            self._device.hold_transient(num_bytes)
         e = u.trainable[k]
         sharded_grads = self._partition is not None and self._partition.shards_gradients
         src = grad.reshape(-1)
         if u.grad_spilled:  # [Note: gradient spill] accumulating onto spilled gradients
             self._read_back(u)
+        adopted = False
         if self._layout.adopts_grads and u.grad is None:  # [Note: gradient ownership]
             if u.has_grad[k]:
                 u.param_grads[k].add_(src)
@@ -138,8 +227,10 @@ class Gradients:
                 # fp32: autograd's own tensor (exclusively the parameter's, which is why
                 # PyTorch accumulates into it in place); 16-bit: a new fp32 copy
                 u.param_grads[k] = src if src.dtype == torch.float32 else src.to(torch.float32)
-                self._host.adopt(u.param_grads[k], planned=self._allowance_bytes is None)
-                self._count_ram(e.numel * FP32_BYTES)
+                adopted = held and u.param_grads[k] is src
+                if not adopted:
+                    self._host.adopt(u.param_grads[k], planned=self._allowance_bytes is None)
+                    self._count_ram(e.numel * FP32_BYTES)
         else:
             if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
                 dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
@@ -151,9 +242,11 @@ class Gradients:
                 dst.add_(src)
             else:
                 dst.copy_(src)
+        if held and not adopted:
+            self._unhold(grad)
         u.has_grad[k] = True
-        param.grad = None
-        self._device.drop_transient(num_bytes)
+        if not held:
+            self._device.drop_transient(num_bytes)
         self._stats.add_bytes("device_to_host", num_bytes)
         if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
             self._partition.gradient_arrived(u)
@@ -220,21 +313,45 @@ class Gradients:
         them in RAM."""
         squares = [(k, self.squares(u, k)) for k in range(len(u.trainable)) if u.has_grad[k]]
         numel = u.grad_home.nbytes // FP32_BYTES
-        if u.grad is not None:  # read back earlier (accumulation): written as it is
-            src = u.grad
-        else:
-            src = self._bounce[:numel]
-            for k, e in enumerate(u.trainable):
-                if u.param_grads[k] is not None:
-                    src[e.offset:e.offset + e.numel].copy_(u.param_grads[k])
         try:
-            self._nvme.write(src, u.grad_home, unit=u.name).wait()
+            if u.grad is not None:  # read back earlier (accumulation): written as it is
+                self._nvme.write(u.grad, u.grad_home, unit=u.name).wait()
+            else:
+                self._write_through_bounce(u, numel)
         except OSError:
             self._stats.count("failed_gradient_spills")
             return
         self.release(u)
         u.grad_spilled, u.spilled_grad_squares = True, squares
         self._stats.add_bytes("gradient_spill", numel * FP32_BYTES)
+
+    def _write_through_bounce(self, u: UnitState, numel: int) -> None:
+        """u's gradients (in their own tensors) to its extent, piece by piece through the
+        bounce buffer's two halves: a piece is copied in while the one before is written.
+        Every write is waited for, a failed one raises OSError."""
+        bounce = self._bounce
+        piece = numel if numel <= bounce.numel() else bounce.numel() // 2 // 1024 * 1024  # whole pages
+        in_flight: List[Any] = []
+        try:
+            for i, a in enumerate(range(0, numel, piece)):
+                b = min(a + piece, numel)
+                buf = bounce[(i % 2) * piece:][:b - a]  # its last write (piece i - 2) is done
+                for k, e in enumerate(u.trainable):
+                    lo, hi = max(a, e.offset), min(b, e.offset + e.numel)
+                    if u.param_grads[k] is not None and lo < hi:
+                        buf[lo - a:hi - a].copy_(u.param_grads[k][lo - e.offset:hi - e.offset])
+                extent = sub_extent(u.grad_home, a * FP32_BYTES, (b - a) * FP32_BYTES)
+                in_flight.append(self._nvme.write(buf, extent, unit=u.name))
+                if len(in_flight) == 2:
+                    in_flight.pop(0).wait()
+            while in_flight:
+                in_flight.pop(0).wait()
+        finally:
+            for handle in in_flight:  # a write failed: the others still read the bounce buffer
+                try:
+                    handle.wait()
+                except OSError:
+                    pass
 
     def _read_back(self, u: UnitState) -> None:
         """u's spilled gradients back into a flat buffer (``u.grad``), on the thread that
