@@ -226,11 +226,13 @@ class OffloadConfig:
     int >= 2, one slot updating while another is in flight."""
 
     overlap_step_with_forward: bool = True
-    """When units are updated during backward (no max_grad_norm, not fp16, one rank, prefetch
-    on) and the optimizer states are on NVMe: step() queues the remaining updates and
-    returns; they finish in the order the next forward needs the units, each unit's fetch
-    waiting for its own update. A failed update is raised by the next call that needs it
-    (forward of that unit, backward, step, zero_grad, state_dict, checkpoints, close)."""
+    """With the optimizer states on NVMe, one rank, prefetch on and no delayed_update:
+    step() queues the updates not run during backward and returns; they finish in the
+    order the next forward needs the units, each unit's fetch waiting for its own update.
+    Under max_grad_norm, fp16 or skip_nonfinite_steps, step() takes the global norm first
+    (from the finished backward) and queues the updates with its factor. A failed update
+    is raised by the next call that needs it (forward of that unit, backward, step,
+    zero_grad, state_dict, checkpoints, close). False: every update is done inside step()."""
 
     speculative_updates: Optional[bool] = None
     """With max_grad_norm, fp16 or skip_nonfinite_steps (whose decisions need the global

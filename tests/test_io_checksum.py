@@ -249,7 +249,8 @@ def test_a_zeroed_page_of_the_moments_fails_the_step(tmp_path, dtype):
 def test_a_failed_swap_write_is_not_a_checksum_error(tmp_path):
     """[Note: swap I/O failures] A write that fails half-done leaves its pages unknown: the
     step still completes with that unit's states in host RAM, as without checksums."""
-    _, engine = nvme_engine(tmp_path, max_grad_norm=1.0, speculative_updates=False)  # writes in step()
+    _, engine = nvme_engine(tmp_path, max_grad_norm=1.0, speculative_updates=False,
+                            overlap_step_with_forward=False)  # writes in step()
     with engine:
         train_offload(engine, batches(1))
         wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=2)
@@ -317,7 +318,8 @@ def test_wrap_writes_no_zero_moments_and_the_first_step_checks_them(tmp_path, dt
     reads those pages, checked against the CRC32C of a zero page, and passes; the results
     are those of a run whose moments were written (test_golden pins them bit for bit)."""
     # every update in step(), so that all are done when it returns
-    _, engine = nvme_engine(tmp_path, dtype=dtype, max_grad_norm=1.0, speculative_updates=False)
+    _, engine = nvme_engine(tmp_path, dtype=dtype, max_grad_norm=1.0, speculative_updates=False,
+                            overlap_step_with_forward=False)
     with engine:
         moments = home_bytes(engine, moments=True)
         assert moments > 0
@@ -331,7 +333,8 @@ def test_wrap_writes_no_zero_moments_and_the_first_step_checks_them(tmp_path, dt
 def test_a_changed_page_of_moments_never_written_fails_the_first_step(tmp_path):
     """A page of the zero moments that wrap did not write is still checked: one changed in
     the file before the first step stops that step, naming the place."""
-    _, engine = nvme_engine(tmp_path, max_grad_norm=1.0, speculative_updates=False)  # every update in step()
+    _, engine = nvme_engine(tmp_path, max_grad_norm=1.0, speculative_updates=False,
+                            overlap_step_with_forward=False)  # every update in step()
     with engine:
         u = engine.units[1]
         page = u.moments_home.nbytes // PAGE_BYTES - 1  # the last page of exp_avg_sq

@@ -39,16 +39,18 @@ def test_state_dict_between_backward_and_step_is_refused_after_early_updates(tmp
 
 
 # ---------------------------------------------------------------------------- deferred updates
-def train_with_schedule(engine, data, eval_batch=None):
+def train_with_schedule(engine, data, eval_batch=None, norms=None):
     """Steps with an LR scheduler that changes the rate right after every step (an update
     still queued must use the rate of its own step) and, when given, an eval forward and
-    a state_dict between steps."""
+    a state_dict between steps; ``norms`` collects each step's gradient norm."""
     schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: 1.0 / (1 + i))
     evals = []
     for b in data:
         engine.backward(gpt_loss(engine, b))
         engine.step()
         schedule.step()
+        if norms is not None:
+            norms.append(engine.stats()["grad_norm"])
         if eval_batch is not None:
             engine.eval()
             with torch.no_grad():
@@ -57,11 +59,13 @@ def train_with_schedule(engine, data, eval_batch=None):
     return evals
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_deferred_updates_equal_updates_inside_step_bit_for_bit(dtype, tmp_path):
+@pytest.mark.parametrize("dtype,max_grad_norm", [("fp32", None), ("bf16", None), ("fp32", 8.6), ("bf16", 8.6)])
+def test_deferred_updates_equal_updates_inside_step_bit_for_bit(dtype, max_grad_norm, tmp_path):
     """overlap_step_with_forward: step() returns with updates still queued; the next
     forward waits per unit. Same numbers as the updates done inside step(), with an LR
-    scheduler stepping right after step() and eval forwards between steps."""
+    scheduler stepping right after step() and eval forwards between steps. With clipping
+    and no speculative updates, step() takes the norm and defers every update with the
+    clip coefficient (8.6 clips on some steps of this run and not others)."""
     data, probe = batches(5), batches(1, seed=9)[0]
     results = {}
     for overlap in (True, False):
@@ -69,15 +73,21 @@ def test_deferred_updates_equal_updates_inside_step_bit_for_bit(dtype, tmp_path)
         model = GPT(CFG)
         config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / str(overlap)),
                       device_budget=140 * 1024 * (2 if dtype == "fp32" else 1), dtype=dtype,
-                      overlap_step_with_forward=overlap)
+                      overlap_step_with_forward=overlap, max_grad_norm=max_grad_norm, speculative_updates=False)
+        norms = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the eval passes are a trace kind of their own
             with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-                evals = train_with_schedule(engine, data, probe)
+                evals = train_with_schedule(engine, data, probe, norms if max_grad_norm else None)
                 stats = engine.stats()
-                results[overlap] = (engine.state_dict(), evals, stats)
+                results[overlap] = (engine.state_dict(), evals, stats, norms)
+                trainable_units = sum(1 for u in engine.units if u.trainable)
     on, off = results[True], results[False]
     assert on[2]["deferred_updates"] > 0 and off[2]["deferred_updates"] == 0
+    assert on[3] == off[3]
+    if max_grad_norm is not None:
+        assert on[2]["early_updates"] == 0 and on[2]["deferred_updates"] == len(data) * trainable_units
+        assert min(on[3]) < max_grad_norm < max(on[3]), on[3]  # clipped on some steps, not on others
     for k in off[0]:
         assert torch.equal(on[0][k], off[0][k]), k
     for a, b in zip(on[1], off[1]):

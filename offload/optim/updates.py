@@ -212,7 +212,8 @@ class UpdateScheduler:
             self.delayed.wait()
             self.delayed.take_back_all()
             self.delayed.commit()
-        if self.defers_updates() and not self._layout.speculative:  # the norm can wait for the updates
+        if self.defers_updates() and self._layout.early_allowed and not self._layout.speculative:
+            # the norm can wait for the updates (early_allowed without speculation: no clipping, fp16 or skips)
             self._defer_updates(1.0, norm_pending=True)
             return
         self.wait_optimizer()
@@ -379,9 +380,11 @@ class UpdateScheduler:
 
     def defers_updates(self) -> bool:
         """[Note: deferred updates] Whether step() leaves the updates to the optimizer
-        worker and returns: with early updates, optimizer states on NVMe and prefetch."""
-        return self._layout.overlap_step_with_forward and self._layout.early_allowed and self._layout.staged_step \
-            and self._prefetcher.enabled
+        worker and returns: optimizer states on NVMe, prefetch on, one rank, no delayed
+        updates. Under clipping (fp16, skips) without speculation, step() takes the norm
+        first, from the finished backward, and defers the updates with the true factor."""
+        return self._layout.overlap_step_with_forward and self._layout.staged_step and self._prefetcher.enabled \
+            and self._partition is None and self.delayed is None
 
     def _defer_updates(self, grad_factor: float, norm_pending: bool) -> None:
         """[Note: deferred updates] step() without waiting for Adam: the units not updated
@@ -393,7 +396,9 @@ class UpdateScheduler:
         errors) is finished by the next backward, step, zero_grad, state_dict, checkpoint
         or close (settle_all), which is also where a failed update is raised.
         ``norm_pending``: the step's norm is taken there too, from the updates' squares
-        (without clipping or skips); else step() took it and ``grad_factor`` is its factor."""
+        (without clipping or skips); else step() took it and ``grad_factor`` is its factor
+        (clipping, fp16 or skips: after speculative updates, or without them, when every
+        unit's update is deferred with the clip coefficient, none having run in backward)."""
         first_use: Dict[int, int] = {}
         key = self._last_train_key()
         for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
