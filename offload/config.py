@@ -241,11 +241,13 @@ class OffloadConfig:
     set of homes, the old ones kept; step() then commits them when the norm allows (no
     clipping, no skip) and otherwise redoes those updates from the kept states and
     gradients. Bit-identical to the serialized step either way ([Note: speculative
-    updates]). It costs a second copy of every state an update writes (master, moments, the
-    compute copy at home) on its tier. None: on when the optimizer states are on NVMe (disk
-    is cheap), off when they are on the host (it would double their RAM); True/False force
-    it. Never with param_tier="device", several ranks (no early updates there) or
-    delayed_update (its updates start in step(), with the norm known)."""
+    updates]). It costs a second copy of every state an early update writes (master,
+    moments, the compute copy at home; not the root's) on its tier. None: on when the
+    optimizer states are on NVMe (disk is cheap), for as many units as the free space of
+    swap_dir holds (the last ones first, with a warning when not all), off when they are
+    on the host (it would double their RAM); True/False force it. Never with
+    param_tier="device", several ranks (no early updates there) or delayed_update (its
+    updates start in step(), with the norm known)."""
 
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (Ren et al., USENIX ATC 2021):

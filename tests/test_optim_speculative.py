@@ -14,6 +14,7 @@ import offload.faults
 from offload.errors import EngineFailedError
 from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
+from offload.io.swap import Extent
 from offload.memory.layout import Layout
 
 from support import (CFG, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt, max_rel_error,
@@ -266,8 +267,13 @@ def test_a_backward_failing_after_speculative_updates_only_is_consistent(tmp_pat
         train_offload(engine, data[1:])  # carries on
 
 
+def home_bytes_on_nvme(u):
+    return sum(h.nbytes for h in (u.compute_home, u.master_home, u.moments_home) if isinstance(h, Extent))
+
+
 def test_the_spare_homes_double_what_updates_write_on_their_tier(tmp_path):
-    """The disk cost, as planned and as allocated: every state an update writes twice."""
+    """The disk cost, as planned and as allocated: every state an early update writes,
+    twice; the root, updated in step() only, has no spare homes."""
     sizes = {}
     for speculative in (True, False):
         torch.manual_seed(0)
@@ -277,11 +283,48 @@ def test_the_spare_homes_double_what_updates_write_on_their_tier(tmp_path):
             sizes[speculative] = engine.stats()["nvme_bytes"]
             units = [UnitSizes.of(u) for u in engine.units]
             assert swap_bytes(units, engine.layout) == sizes[speculative]
-    assert sizes[True] == 2 * sizes[False]
+            assert engine.units[0].spare is None
+            assert all(u.spare is not None for u in engine.units[1:] if u.trainable) == speculative
+            blocks = sum(home_bytes_on_nvme(u) for u in engine.units[1:] if u.trainable)
+    assert sizes[True] == sizes[False] + blocks
+
+
+def test_spare_homes_go_to_the_units_backward_finishes_first_when_the_disk_is_short(tmp_path, monkeypatch):
+    """[Note: speculative updates] speculative_updates=None with a swap directory that holds
+    the run but not every spare: the last blocks (done first in backward) speculate, the
+    others are updated after the norm, with a warning; bit for bit the serialized run."""
+    data = batches(NUM_STEPS)
+    off = train(tmp_path, "off", data, max_grad_norm=MIXED_NORM, speculative_updates=False)
+    full = train(tmp_path, "full", data, max_grad_norm=MIXED_NORM)
+    torch.manual_seed(0)
+    probe = GPT(CFG)
+    with offload.wrap(probe, make_opt(probe.parameters()), config=config(tmp_path, "probe", max_grad_norm=1.0,
+                                                                         speculative_updates=False)) as engine:
+        unspeculated = engine.stats()["nvme_bytes"]
+        last_two = sum(home_bytes_on_nvme(u) for u in engine.units[-2:])
+    room = unspeculated + last_two + 4096  # the spares of the last two blocks, not of a third
+    free = int(room / offload.memory.placement.SPARE_FREE_FRACTION) + 1  # of which spares take that share
+    monkeypatch.setattr(offload.memory.placement, "usable_bytes", lambda swap_dir: free)
+    with pytest.warns(RuntimeWarning, match=r"spare homes of 2 of 4 units"):
+        short = train(tmp_path, "short", data, max_grad_norm=MIXED_NORM)
+    assert_same_run(short, off)
+    assert_same_run(full, off)
+    clipped_steps = sum(n > MIXED_NORM for n in off[3])
+    assert full[2]["speculative_updates"] == NUM_STEPS * NUM_BLOCKS
+    assert short[2]["speculative_updates"] == NUM_STEPS * 2
+    assert short[2]["redone_updates"] == clipped_steps * 2
+    assert short[2]["nvme_bytes"] == unspeculated + last_two
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.warns(RuntimeWarning, match="spare homes"):
+        with offload.wrap(model, make_opt(model.parameters()),
+                          config=config(tmp_path, "which", max_grad_norm=1.0)) as engine:
+            assert [u.spare is not None for u in engine.units] == [False] * 3 + [True] * 2
 
 
 def test_host_spares_count_against_host_budget(tmp_path):
-    """speculative_updates=True with host-homed states plans (and checks) twice their bytes."""
+    """speculative_updates=True with host-homed states plans (and checks) twice the bytes of
+    every unit's states but the root's."""
     torch.manual_seed(0)
     model = GPT(CFG)
     cfg = offload.OffloadConfig(param_tier="host", optimizer_tier="host", max_grad_norm=1.0, speculative_updates=True)
@@ -292,7 +335,9 @@ def test_host_spares_count_against_host_budget(tmp_path):
         units = [UnitSizes.of(u) for u in engine.units]
     assert on.speculative and not off.speculative
     a, b = host_bytes(units, on), host_bytes(units, off)
-    assert a.moments == 2 * b.moments and a.compute_copies == 2 * b.compute_copies
+    root = units[0]  # updated in step() only: no spare homes
+    assert a.moments == 2 * b.moments - 2 * root.state_numel * 4
+    assert a.compute_copies == 2 * b.compute_copies - root.home_numel * 4  # fp32: the merged master
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])

@@ -61,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 TOOLS_DIR = Path(__file__).resolve().parent
@@ -334,15 +335,16 @@ def run_row(spec: dict, timeout: float) -> dict:
     return {"row": spec["row"], "error": tail}
 
 
-def planned_swap_bytes(spec: dict) -> int:
+def planned_swap_bytes(spec: dict, swap_parent: str) -> int:
     """Swap bytes of the offload row, as wrap's preflight counts them (spare homes of
-    speculative updates and gradient extents included)."""
+    speculative updates, as many as ``swap_parent``'s free space holds, and gradient
+    extents included)."""
     import torch
     from offload.config import OffloadConfig
     from offload.memory.budget import model_unit_sizes, swap_bytes
     from offload.memory.placement import resolve_placement
 
-    config = OffloadConfig(**dict(offload_config(dict(spec, swap_dir="<planned>")), device="cpu"))
+    config = OffloadConfig(**dict(offload_config(dict(spec, swap_dir=swap_parent)), device="cpu"))
     sizes = model_unit_sizes(llama(spec["layers"], meta=True), 4 if spec["dtype"] == "fp32" else 2)
     return swap_bytes(sizes, resolve_placement(config, torch.device("cpu"), None, sizes))
 
@@ -420,8 +422,8 @@ def parse_args(argv=None):
     p.add_argument("--host-budget", default="none",
                    help="OffloadConfig.host_budget (default none: the engine's, 3/4 of available memory)")
     p.add_argument("--speculative-updates", choices=("auto", "on", "off"), default="auto",
-                   help="OffloadConfig.speculative_updates (auto: on, the states being on NVMe; its "
-                        "spare homes double the swap bytes)")
+                   help="OffloadConfig.speculative_updates (auto: on, the states being on NVMe, for as "
+                        "many units as the swap directory's free space holds their spare homes)")
     p.add_argument("--max-grad-norm", default="1.0", help="OffloadConfig.max_grad_norm, or 'none' (default 1.0)")
     p.add_argument("--prefetch-units", type=int, default=None,
                    help="OffloadConfig.prefetch_units (default: the engine's)")
@@ -471,7 +473,9 @@ def main(argv=None) -> int:
 
     parent = os.path.abspath(args.swap_dir) if args.swap_dir else tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
-    need = planned_swap_bytes(base) + DISK_MARGIN_BYTES
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the offload row's wrap says it again, if spares do not all fit
+        need = planned_swap_bytes(base, parent) + DISK_MARGIN_BYTES
     free = shutil.disk_usage(parent).free
     if "offload" in args.rows and free < need:
         print(f"bench_scale: {parent} has {free:,} bytes free ({free / GB:.1f} GB); the {args.layers}-layer "

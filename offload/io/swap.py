@@ -154,6 +154,19 @@ class ExtentAllocator:
         return [(self._paths[i], o, n) for i, free in enumerate(self._free) for o, n in free]
 
 
+def usable_bytes(swap_dir: "str | os.PathLike") -> Optional[int]:
+    """Bytes a SwapSpace in ``swap_dir`` (or, before it exists, its nearest existing parent)
+    may reserve: the free space less the margin SwapSpace keeps. None where unreadable."""
+    path = os.path.abspath(os.fspath(swap_dir))
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return max(0, stats.f_bavail * stats.f_frsize - _MARGIN_BYTES)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

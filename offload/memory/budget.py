@@ -147,10 +147,10 @@ class HomeBytes:
     moments: int   # exp_avg and exp_avg_sq
 
 
-def unit_home_bytes(u: UnitSizes, layout: Layout) -> HomeBytes:
-    """u's homes, spare homes included ([Note: speculative updates], [Note: delayed
-    updates]: an updated unit has a second set)."""
-    copies = 2 if layout.spare_homes and u.trainable else 1
+def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
+    """The homes of u (unit ``index``), spare homes included ([Note: speculative updates],
+    [Note: delayed updates]: ``Layout.has_spare``)."""
+    copies = 2 if layout.has_spare(index, u.trainable) else 1
     compute = copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
     if not u.trainable:
         return HomeBytes(compute, 0, 0)
@@ -163,7 +163,7 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """Swap bytes a run holds (0 with no tier on NVMe)."""
     total = 0
     for i, u in enumerate(units):
-        home = unit_home_bytes(u, layout)
+        home = unit_home_bytes(u, layout, i)
         if layout.compute_tier(i) == "nvme":  # [Note: placement by budget] per unit
             total += home.compute
         if layout.state_tier(i) == "nvme":
@@ -254,7 +254,7 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
-        home = unit_home_bytes(u, layout)
+        home = unit_home_bytes(u, layout, i)
         if layout.compute_tier(i) == "host":  # [Note: placement by budget] per unit
             compute += home.compute
         if layout.state_tier(i) == "host":

@@ -84,7 +84,7 @@ class Homes:
                     u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
                 u.moments_home = self._allocate_home(state_tier, 2 * state_numel, torch.float32)
                 # [Note: speculative updates], [Note: delayed updates] a second set, same sizes and tiers
-                if layout.spare_homes:
+                if layout.has_spare(u.index, True):
                     u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home),
                                          self._like(state_tier, u.master_home),
                                          self._like(state_tier, u.moments_home), list(u.steps))

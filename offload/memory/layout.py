@@ -89,6 +89,9 @@ class Layout:
     # [Note: speculative updates] early updates write a second set of homes, committed or
     # redone when step() knows the global norm
     speculative: bool
+    # [Note: speculative updates] per unit, whether it has spare homes to speculate into
+    # (the swap directory's free space may hold only some); () : every unit but the root
+    spare_units: Tuple[bool, ...]
     accumulation_steps: int
     max_grad_norm: Optional[float]
     fp16: bool
@@ -126,10 +129,20 @@ class Layout:
 
     @property
     def spare_homes(self) -> bool:
-        """Each trainable unit has a second set of homes: [Note: speculative updates] write
+        """Trainable units have a second set of homes: [Note: speculative updates] write
         there, and [Note: delayed updates] keep the forward's copy in one while the update
-        writes the other."""
+        writes the other (which units: ``has_spare``)."""
         return self.speculative or self.delayed_update
+
+    def has_spare(self, index: int, trainable: bool) -> bool:
+        """Whether unit ``index`` has spare homes: with delayed updates every trainable
+        unit; with speculative updates those ``spare_units`` names, never the root (it is
+        updated in step(), after its embedding gradients, never early)."""
+        if not trainable or not self.spare_homes:
+            return False
+        if self.delayed_update:
+            return True
+        return index != 0 and (not self.spare_units or self.spare_units[index])
 
     @classmethod
     def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any,
@@ -183,6 +196,7 @@ class Layout:
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
             early_allowed=partition is None and (speculative or not needs_norm_first) and not config.delayed_update,
             speculative=speculative,
+            spare_units=(),
             accumulation_steps=config.gradient_accumulation_steps,
             max_grad_norm=config.max_grad_norm,
             fp16=config.dtype == "fp16",

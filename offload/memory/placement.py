@@ -36,7 +36,9 @@ and nothing is chosen.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,7 +47,8 @@ import torch
 from offload.config import OffloadConfig, format_size
 from offload.memory.budget import (
     UnitSizes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
-    unit_home_bytes)
+    swap_bytes, unit_home_bytes)
+from offload.io.swap import usable_bytes
 from offload.memory.layout import FP32_BYTES, Layout
 
 PROFILE_SCHEMA = "offload-profile"
@@ -157,7 +160,7 @@ def describe_units(units: Sequence[UnitSizes], layout: Layout) -> Placement:
     """The placement ``layout`` (whose tiers are decided) gives ``units``."""
     out = []
     for i, u in enumerate(units):
-        home = unit_home_bytes(u, layout)
+        home = unit_home_bytes(u, layout, i)
         compute_tier = layout.compute_tier(i)
         compute = u.compute_numel * layout.compute_element_bytes if compute_tier == "device" else home.compute
         out.append(UnitPlacement(u.name, compute_tier, layout.state_tier(i) if u.trainable else None,
@@ -199,7 +202,7 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     gradient_floor = spill_floor_bytes(units, layout)
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
-        copies = 2 if layout.spare_homes and u.trainable else 1  # [Note: speculative updates], [Note: delayed updates]
+        copies = 2 if layout.has_spare(i, u.trainable) else 1  # [Note: speculative updates], [Note: delayed updates]
         if auto_compute:
             reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
             candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))
@@ -247,7 +250,45 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
         param_tier = "device"  # every compute copy fits the device budget: no fetch at all
     tiers = place_units(units, layout_for, param_tier=param_tier, optimizer_tier=config.optimizer_tier,
                         host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)
-    return layout_for(*tiers)
+    layout = layout_for(*tiers)
+    if config.speculative_updates is None and layout.speculative and config.swap_dir is not None:
+        layout = fit_spares_to_swap(units, layout, usable_bytes(config.swap_dir))
+    return layout
+
+
+# [Note: speculative updates] Spare homes, an optional speed-up, take at most this share of
+# the swap directory's free space: the rest stays for checkpoints, logs and other runs.
+SPARE_FREE_FRACTION = 0.9
+
+
+def fit_spares_to_swap(units: Sequence[UnitSizes], layout: Layout, usable: Optional[int]) -> Layout:
+    """[Note: speculative updates] With speculative_updates left to the engine (None): when
+    SPARE_FREE_FRACTION of the swap directory's free space (``usable``) cannot hold every
+    unit's spare homes beside the rest of the run, the units backward finishes first (the
+    last ones) get spare homes while they fit, and a warning says how many; the others are
+    updated once step() knows the norm. Numerics are the same either way."""
+    if usable is None:
+        return layout
+    free_bytes = int(usable * SPARE_FREE_FRACTION)
+    if swap_bytes(units, layout) <= free_bytes:
+        return layout
+    keep = [False] * len(units)
+    for i in reversed(range(1, len(units))):
+        if not units[i].trainable:
+            continue
+        keep[i] = True
+        if swap_bytes(units, dataclasses.replace(layout, spare_units=tuple(keep))) > free_bytes:
+            keep[i] = False
+            break
+    fitted = dataclasses.replace(layout, spare_units=tuple(keep))
+    wanted = sum(1 for i, u in enumerate(units) if layout.has_spare(i, u.trainable))
+    warnings.warn(
+        f"speculative_updates: the swap directory has room ({format_size(free_bytes)}, "
+        f"{SPARE_FREE_FRACTION:.0%} of its free space) for the spare homes of "
+        f"{sum(keep)} of {wanted} units (each needs its states twice); the others are updated after backward, "
+        f"once the gradient norm is known. With all of them the run needs {format_size(swap_bytes(units, layout))} "
+        "of swap; speculative_updates=False silences this", RuntimeWarning, stacklevel=3)
+    return fitted
 
 
 # ---------------------------------------------------------------------------- prediction

@@ -35,10 +35,15 @@ write that fails leaves the homes intact: that unit is redone whatever the norm
 or a checkpoint between backward and step() is consistent, and a backward that fails after
 speculative updates only is still consistent ([Note: failures inside a step]). The spare
 homes include the compute copy's frozen tail, which no update writes: ``Homes.store_compute``
-writes it to both copies (wrap, checkpoint load). Cost: every state an update writes twice
-on its tier (on by default only with the states on NVMe: ``speculative_updates``). Not with
-param_tier "device" (the update writes the device copy itself) or [zero] several ranks (no
-early updates).
+writes it to both copies (wrap, checkpoint load). Cost: every state an early update writes
+twice on its tier (on by default only with the states on NVMe: ``speculative_updates``);
+the root, updated in step() only, has no spare homes (``Layout.has_spare``). Left to the
+engine (None), speculation takes only the swap space there is: when the swap directory
+cannot hold every spare beside the run, the units backward finishes first get theirs while
+they fit (``memory.placement.fit_spares_to_swap``, with a warning) and the others are
+updated once the norm is known, deferred to the next forward ([Note: deferred updates]).
+Not with param_tier "device" (the update writes the device copy itself) or [zero] several
+ranks (no early updates).
 """
 from __future__ import annotations
 
@@ -324,6 +329,8 @@ class UpdateScheduler:
             return
         for u in self._units[1:]:
             if u.update.updated or not any(u.has_grad) or u.grads_since_use < len(u.trainable):
+                continue
+            if self._layout.speculative and u.spare is None:  # no spare homes: updated after the norm
                 continue
             trace_done = self._prefetcher.used_later(u.index) is False
             calls_done = 0 < u.calls <= u.backward_done
