@@ -295,8 +295,10 @@ class Engine:
         if self._gradients.loss_scale != 1.0:
             scaled = scaled * self._gradients.loss_scale
         # The backward before an update may start Adam on units whose gradients are final.
+        # Speculative ones only while they pay: not after a step that clipped.
         self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
-            (self._micro_step + 1) % self.layout.accumulation_steps == 0
+            (self._micro_step + 1) % self.layout.accumulation_steps == 0 and \
+            (self._updates.speculate or not self.layout.speculative)
         self._hooks.begin_backward()
         updates, root = self._updates, self._root
         if updates.early_updates and self.layout.staged_step and root.trainable and not updates.defers_updates() \

@@ -227,7 +227,8 @@ def test_a_flipped_byte_of_a_compute_copy_fails_its_fetch(tmp_path):
 def test_a_zeroed_page_of_the_moments_fails_the_step(tmp_path, dtype):
     """Adam's states read back in the optimizer step: a zeroed page stops the step, the
     engine refuses to go on (it says to load a checkpoint) and nothing is trained on it."""
-    _, engine = nvme_engine(tmp_path, dtype=dtype, max_grad_norm=1.0)  # every update in step()
+    _, engine = nvme_engine(tmp_path, dtype=dtype, max_grad_norm=1.0, speculative_updates=False,
+                            overlap_step_with_forward=False)  # every update in step()
     with engine:
         train_offload(engine, batches(2))
         engine.state_dict()  # every update of the last step written before the page is changed

@@ -135,7 +135,8 @@ def run_offload(spec: dict) -> dict:
     ids = batch(spec)
     keys = ("bytes_read_nvme", "bytes_written_nvme", "prefetch_hits", "prefetch_misses", "prefetch_late",
             "prefetch_unplanned",
-            "fetch_wait_seconds", "optimizer_wait_seconds", "total_optimizer_seconds", "io_wait_seconds")
+            "fetch_wait_seconds", "optimizer_wait_seconds", "total_optimizer_seconds", "io_wait_seconds",
+            "speculative_updates", "redone_updates", "deferred_updates", "spilled_gradient_bytes")
     try:
         seconds, probes = [], []
         for i in range(spec["warmup"] + spec["steps"]):
@@ -156,7 +157,7 @@ def run_offload(spec: dict) -> dict:
                 probe[f"{phase}_read"] = b["bytes_read_nvme"] - a["bytes_read_nvme"]
                 probe[f"{phase}_written"] = b["bytes_written_nvme"] - a["bytes_written_nvme"]
             probe.update(forward_seconds=t1 - t0, backward_seconds=t2 - t1, step_call_seconds=t3 - t2,
-                         optimizer_seconds=s3["optimizer_seconds"], loss=loss.item())
+                         optimizer_seconds=s3["optimizer_seconds"], loss=loss.item(), grad_norm=s3["grad_norm"])
             probes.append(probe)
         stats = engine.stats()
         if spec.get("trace"):
@@ -387,9 +388,14 @@ def print_table(results: list, args, out=sys.stdout) -> None:
             counts = f"{misses}/{late}/{unplanned}"
             extra = (f"{fmt(p['fetch_wait_seconds'], '10.2f')} {fmt(p['optimizer_wait_seconds'], '8.2f')} "
                      f"{fmt(p['optimizer_seconds'], '6.2f')}")
+            norms = ", ".join(format(q["grad_norm"], ".2f") for q in r["probes"] if q.get("grad_norm") is not None)
             note = (f"{r['num_params'] / 1e9:.2f} B params, {r['num_units']} units, device peak "
                     f"{r['device_peak_bytes'] / GiB:.2f}/{r['device_budget_bytes'] / GiB:.2f} GiB, swap "
-                    f"{r['nvme_bytes'] / GiB:.1f} GiB, wrap RSS {r['wrap_peak_rss_bytes'] / GiB:.2f} GiB")
+                    f"{r['nvme_bytes'] / GiB:.1f} GiB, wrap RSS {r['wrap_peak_rss_bytes'] / GiB:.2f} GiB; per step: "
+                    f"speculative/redone/deferred updates {p.get('speculative_updates', 0):.0f}/"
+                    f"{p.get('redone_updates', 0):.0f}/{p.get('deferred_updates', 0):.0f}, gradients spilled "
+                    f"{p.get('spilled_gradient_bytes', 0) / GB:.1f} GB; "
+                    f"grad norms {norms}")
             wrap = f"{r['wrap_seconds']:7.1f}"
         else:
             read, written = r.get("read_per_step"), r.get("written_per_step")
