@@ -266,7 +266,8 @@ def piece_replayer(spec: dict):
     module_spec = importlib.util.spec_from_file_location("bench_train", where)
     bench_train = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(bench_train)
-    return bench_train.replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * 4)
+    return bench_train.replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * 4,
+                                file_bytes=spec["pattern"].get("nvme_bytes"))
 
 
 def run_io_only(spec: dict) -> dict:
@@ -504,7 +505,8 @@ def main(argv=None) -> int:
                 if "error" in source:
                     results.append({"row": row, "error": f"no traffic to replay: {source['error']}"})
                     continue
-                spec["pattern"] = {"units": source["units"], "phases": source["phases"]}
+                spec["pattern"] = {"units": source["units"], "phases": source["phases"],
+                                   "nvme_bytes": source["nvme_bytes"]}
             start = time.perf_counter()
             result = run_row(spec, args.row_timeout)
             results.append(result)

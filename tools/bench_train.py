@@ -447,13 +447,15 @@ def _split(total: int, weights, page: int = PAGE_BYTES):
 
 
 @contextlib.contextmanager
-def replayer(pattern: dict, spec: dict, piece_bytes=None):
+def replayer(pattern: dict, spec: dict, piece_bytes=None, file_bytes=None):
     """Yields (step, backend, bytes read, bytes written per step): step() replays one NVMe
     step's swap traffic (``pattern``: the units and the median bytes per phase of an NVMe row)
     with no compute, on a file of its own in spec["swap_dir"]; the file goes when the context
     ends. The optimizer moves each unit's states in one request per unit, or, with
     ``piece_bytes``, in requests of at most that many bytes (the staged step's pieces: one
-    request per fp32 state piece, as tools/bench_scale.py replays them)."""
+    request per fp32 state piece, as tools/bench_scale.py replays them). ``file_bytes``: the
+    file's size at most (the row's swap size, which fit on its disk): the per-unit regions
+    fold into it, so the same bytes move in the same requests through a smaller file."""
     from offload.io import IOEngine, aligned_empty
 
     units = pattern["units"]
@@ -481,6 +483,14 @@ def replayer(pattern: dict, spec: dict, piece_bytes=None):
         for o in range(0, opt_size[i], size):
             nread, nwrite = max(0, min(size, opt_read[i] - o)), max(0, min(size, opt_write[i] - o))
             requests.append((offsets[i][1] + o, nread, nwrite))
+    size = cursor if file_bytes is None else min(cursor, file_bytes)
+
+    def fold(offset, nbytes):  # into [0, size), page-aligned
+        return offset if size == cursor else (offset % max(PAGE_BYTES, size - nbytes)) // PAGE_BYTES * PAGE_BYTES
+
+    offsets = [(fold(a, c), b) for (a, b), c in zip(offsets, compute_size)]
+    requests = [(fold(o, max(r, w)), r, w) for o, r, w in requests]
+    cursor = size
     depth = spec["pipeline_depth"]
     io_buf = aligned_empty(max(compute_size + [PAGE_BYTES]))
     slots = [aligned_empty(max([max(r[1], r[2]) for r in requests] + [PAGE_BYTES])) for _ in range(depth)]
