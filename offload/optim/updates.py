@@ -28,24 +28,23 @@ waits for the speculative updates, takes the norm, and then (``_resolve_speculat
   updated (``redone_updates``);
 - a skipped step (fp16 overflow, skip_nonfinite_steps): dropped, nothing else.
 Either way every unit's new state is what the serialized path computes, bit for bit: the
-kernel runs on the same inputs with the same factor, and the norm sums the same per-
-parameter squares in the same order (``UnitState.early_grad_squares``). A speculative swap
-write that fails leaves the homes intact: that unit is redone whatever the norm
+kernel runs on the same inputs with the same factor, and the norm sums the same
+per-parameter squares in the same order (``UnitState.early_grad_squares``). A speculative
+swap write that fails leaves the homes intact: that unit is redone whatever the norm
 (``speculation_failed``). Until step() the homes hold the last step's state, so
 state_dict() or a checkpoint between backward and step() is consistent, and a backward
 that fails after speculative updates only is still consistent ([Note: failures inside a
 step]). The spare homes include the compute copy's frozen tail, which no update writes:
 ``Homes.store_compute`` writes it to both copies (wrap, checkpoint load). A backward after
 a step that clipped does not speculate (``UpdateScheduler.speculate``; a skipped step
-changes nothing):
-clipping tends to go on for a while (a fresh model's norm is far above max_grad_norm), and
-each redo costs the update twice; that step's updates run once the norm is known, deferred
-([Note: deferred updates]), and speculation resumes after a step that did not clip. Cost:
-every state an early update writes twice on its tier (on by default only with the states
-on NVMe: ``speculative_updates``); the root, updated in step() only, has no spare homes
-(``Layout.has_spare``). Left to the engine (None), speculation takes only the swap space
-there is: when the swap directory cannot hold every spare beside the run, the units
-backward finishes first get theirs while they fit
+changes nothing): clipping tends to go on for a while (a fresh model's norm is far above
+max_grad_norm), and each redo costs the update twice; that step's updates run once the
+norm is known, deferred ([Note: deferred updates]), and speculation resumes after a step
+that did not clip. Cost: every state an early update writes twice on its tier (on by
+default only with the states on NVMe: ``speculative_updates``); the root, updated in
+step() only, has no spare homes (``Layout.has_spare``). Left to the engine (None),
+speculation takes only the swap space there is: when the swap directory cannot hold every
+spare beside the run, the units backward finishes first get theirs while they fit
 (``memory.placement.fit_spares_to_swap``, with a warning) and the others are updated once
 the norm is known, deferred to the next forward ([Note: deferred updates]). Not with
 param_tier "device" (the update writes the device copy itself) or [zero] several ranks (no
