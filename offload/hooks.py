@@ -66,18 +66,6 @@ class _SavedParamRef:
     stride: Tuple[int, ...]
 
 
-def _shared_slots(model: nn.Module, units: List[UnitState]) -> Dict[Tuple[int, int], List[Tuple[nn.Module, str]]]:
-    """[Note: shared parameter gradients] Every trainable parameter held by more than one
-    module slot (tied embeddings), keyed (unit index, k): its slots in module order."""
-    entry_of = {id(e.param): (u.index, k) for u in units for k, e in enumerate(u.trainable)}
-    slots: Dict[Tuple[int, int], List[Tuple[nn.Module, str]]] = {}
-    for m in model.modules():
-        for name, p in m._parameters.items():
-            if p is not None and id(p) in entry_of:
-                slots.setdefault(entry_of[id(p)], []).append((m, name))
-    return {key: found for key, found in slots.items() if len(found) > 1}
-
-
 class _AliasSlot:
     """[Note: shared parameter gradients] A module slot that holds a shared parameter, not
     its first: while the module's forward runs under grad mode the slot holds an alias, the
@@ -242,7 +230,9 @@ class Hooks:
             handles.append(u.spec.module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
             handles.append(u.spec.module.register_forward_hook(
                 functools.partial(self._unit_post_forward, u), always_call=True))
-        shared = _shared_slots(self._module, self._units) if self._gradients.sums_shared_uses else {}
+        # [Note: shared parameter gradients] (unit index, k) -> the module attributes of a tied parameter
+        shared = {(u.index, k): e.slots for u in self._units for k, e in enumerate(u.trainable)
+                  if len(e.slots) > 1} if self._gradients.sums_shared_uses else {}
         for u in self._units:
             for k, e in enumerate(u.trainable):
                 on_grad = self._gradients.on_shared_grad if (u.index, k) in shared else self._gradients.on_grad_ready

@@ -139,7 +139,7 @@ def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> Mod
     specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
     units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
                             max((e.numel for e in s.entries if e.trainable), default=0),
-                            sum(e.numel for e in s.entries if e.trainable and e.slots > 1))
+                            s.shared_numel)
                   for s in specs)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
                       units, exact=True)

@@ -225,8 +225,9 @@ class ParamEntry:
     numel: int
     trainable: bool
     group_index: Optional[int]     # optimizer param group (None when frozen)
-    slots: int = 1                 # module attributes that hold it: > 1 when tied ([Note: shared
-                                   # parameter gradients] in optim/gradients.py)
+    # the module attributes that hold it, in model.modules() order: several when tied
+    # ([Note: shared parameter gradients] in optim/gradients.py)
+    slots: Tuple[Tuple[nn.Module, str], ...] = ()
 
 
 @dataclass
@@ -243,6 +244,11 @@ class UnitSpec:
     @property
     def trainable_entries(self) -> List[ParamEntry]:
         return [e for e in self.entries if e.trainable]
+
+    @property
+    def shared_numel(self) -> int:
+        """Trainable elements of parameters held by several module attributes (tied)."""
+        return sum(e.numel for e in self.entries if e.trainable and len(e.slots) > 1)
 
     @property
     def frozen_entries(self) -> List[ParamEntry]:
@@ -330,11 +336,11 @@ def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
                 f"optimizer: trainable parameter {fqn!r} is in no param group of the optimizer "
                 "given to wrap(); add it or set requires_grad=False")
 
-    slots_of: Dict[nn.Parameter, int] = {}
+    slots_of: Dict[nn.Parameter, List[Tuple[nn.Module, str]]] = {}
     for m in model.modules():
-        for p in m._parameters.values():
+        for attribute, p in m._parameters.items():
             if p is not None:
-                slots_of[p] = slots_of.get(p, 0) + 1
+                slots_of.setdefault(p, []).append((m, attribute))
 
     specs: List[UnitSpec] = []
 
@@ -349,7 +355,7 @@ def split_into_units(model: nn.Module, group_of: Dict[nn.Parameter, int],
             entries.append(ParamEntry(
                 fqn=fqn_of[p], param=p, shape=p.shape, offset=offset, numel=p.numel(),
                 trainable=p.requires_grad, group_index=group_of.get(p) if p.requires_grad else None,
-                slots=slots_of.get(p, 1)))
+                slots=tuple(slots_of.get(p, ()))))
             offset += p.numel()
         specs.append(UnitSpec(index=len(specs), name=name, module=module, entries=entries,
                               trainable_numel=sum(p.numel() for p in trainable), total_numel=offset))

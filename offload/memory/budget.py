@@ -57,7 +57,7 @@ class UnitSizes:
                    compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
-                   sum(e.numel for e in u.trainable if e.slots > 1))
+                   u.spec.shared_numel)
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -78,7 +78,7 @@ def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes:
     specs = split_into_units(model, group_of, compute_element_bytes, unit_classes, unit_predicate)
     return [UnitSizes.unsharded(s.name, s.total_numel, s.trainable_numel,
                                 max((e.numel for e in s.trainable_entries), default=0),
-                                compute_element_bytes, sum(e.numel for e in s.trainable_entries if e.slots > 1))
+                                compute_element_bytes, s.shared_numel)
             for s in specs]
 
 
