@@ -256,9 +256,11 @@ class Engine:
 
         self._checkpoint = CheckpointAccess(
             self.units, layout, self._partition, self._device, model, optimizer, config,
-            homes=HomeIO(read_master=self._homes.read_master, load=self._homes.load, store=self._homes.store,
-                         store_compute=self._homes.store_compute,
-                         store_master=self._homes.store_master, split_master_into=self._homes.split_master_into,
+            homes=HomeIO(read_master_range=self._homes.read_master_range, load_range=self._homes.load_range,
+                         store_range=self._homes.store_range, store_master_range=self._homes.store_master_range,
+                         zero_master_padding=self._homes.zero_master_padding,
+                         store_compute_range=self._homes.store_compute_range, buffer=self._homes.buffer,
+                         drop_buffers=self._homes.drop_buffers,
                          release=self._residency.release),
             state=EngineState(
                 closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
@@ -391,7 +393,7 @@ class Engine:
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
-        ``ckpt_dir``, atomically, one unit at a time; with several ranks every rank calls
+        ``ckpt_dir``, atomically, one piece of a unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
         self._updates.quiesce()
         with self._updates.committed_view():  # [Note: delayed updates] the true state, and the lagging copy

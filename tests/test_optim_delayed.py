@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import offload
+import offload.checkpoint.access
 import offload.faults
 from offload.errors import EngineFailedError
 from offload.gpt import GPT
@@ -228,11 +229,15 @@ def test_skipped_and_clipped_steps_fall_back_as_the_reference_does(tiers, tmp_pa
     assert fallbacks + ours.stats["delayed_updates"] == len(data) - 1
 
 
+@pytest.mark.parametrize("chunk", [None, 1000])
 @pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme")], ids="-".join)
-def test_a_checkpoint_in_a_delayed_run_resumes_bit_for_bit(tiers, tmp_path):
+def test_a_checkpoint_in_a_delayed_run_resumes_bit_for_bit(tiers, chunk, tmp_path, monkeypatch):
     """Saved while step 3's update is pending (bf16, so that the lagging compute copy is not
     the rounded master), loaded into a fresh engine: steps 4-6 are the uninterrupted run's to
-    the bit, the losses and the weights."""
+    the bit, the losses and the weights. ``chunk``: saved and loaded in pieces of 1000
+    elements, the lagging copy too ([Note: bounded checkpoint memory])."""
+    if chunk is not None:
+        monkeypatch.setattr(offload.checkpoint.access, "CHUNK_NUMEL", chunk)
     data = batches(6)
     cut = 3
 
@@ -249,6 +254,8 @@ def test_a_checkpoint_in_a_delayed_run_resumes_bit_for_bit(tiers, tmp_path):
     assert losses == whole.losses[:cut]
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert any(u.get("delayed_pending") for u in manifest["units"])
+    if chunk is not None:
+        assert any(len(e["pieces"]) > 1 and "lagging" in e["pieces"][1] for u in manifest["units"] for e in u["entries"])
     torch.manual_seed(1)  # other initial weights: the load replaces them
     model = GPT(CFG)
     with offload.wrap(model, make_opt(model.parameters()), config=cfg("resumed")) as engine:

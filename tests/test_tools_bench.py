@@ -393,6 +393,26 @@ def test_bench_scale_compute_only_extrapolates_from_one_model_cut_short(monkeypa
     assert len(passes) == 4 and "1 of 3 layers" in passes[0] and "3 of 3 layers" in passes[1]  # in turns
 
 
+def test_bench_scale_times_a_checkpoint_and_removes_it(monkeypatch, tmp_path, capsys):
+    """--checkpoint: after the timed steps the offload row saves and loads a checkpoint in
+    its swap directory, timing each with its own peak RSS, and removes it."""
+    bench = load_tool(SCALE_TOOL)
+    monkeypatch.setattr(bench, "LLAMA_3B", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+                                                max_position_embeddings=64))
+    spec = dict(layers=2, dtype="fp32", swap_dir=str(tmp_path), device_budget=None, host_budget=None,
+                max_grad_norm=1.0, speculative_updates=None, seq=8, warmup=0, steps=1, checkpoint=True)
+    row = bench.run_offload(spec)
+    ckpt = row["checkpoint"]
+    params = sum(p.numel() for p in bench.llama(2, meta=True).parameters())
+    assert ckpt["bytes"] >= 12 * params  # fp32 master and moments of every parameter
+    for verb in ("save", "load"):
+        assert ckpt[verb]["seconds"] > 0 and ckpt[verb]["peak_rss_bytes"] > 0
+    assert not (tmp_path / "checkpoint").exists()
+    bench.print_table([dict(row, step_seconds=row["step_seconds_all"][0])], None)
+    assert "checkpoint of " in capsys.readouterr().out
+
+
 def test_bench_scale_plans_the_swap_bytes_wrap_preflights(tmp_path):
     """The disk check counts the spare homes of speculative updates (a second copy of every
     unit's states but the root's, which is never updated early)."""

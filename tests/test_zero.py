@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
+import offload.checkpoint.access
 from offload.checkpoint import export_checkpoint
 from offload.gpt import GPT, GPTConfig
 from offload.units import padded_numel
@@ -483,8 +484,13 @@ def test_bf16_stage_1_on_nvme_equals_stage_0_bit_for_bit(tmp_path):
 
 
 def _checkpoint_worker(rank, port, config, data, out_dir, phase):
-    """phase "save": 3 steps, save, 2 more steps; "resume": load, the same 2 steps."""
+    """phase "save": 3 steps, save, 2 more steps; "resume": load, the same 2 steps.
+    config["chunk"]: the checkpoint's pieces ([Note: bounded checkpoint memory]), or None."""
     _init(rank, port)
+    config = dict(config)
+    chunk = config.pop("chunk", None)
+    if chunk is not None:
+        offload.checkpoint.access.CHUNK_NUMEL = chunk
     try:
         if config.get("swap_dir"):
             config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"{phase}-rank{rank}"))
@@ -515,15 +521,20 @@ def _checkpoint_worker(rank, port, config, data, out_dir, phase):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage,tier,dtype", [(0, "host", "fp32"), (2, "nvme", "bf16"), (3, "nvme", "fp32")])
-def test_sharded_checkpoint_resumes_exactly_and_repartitions(stage, tier, dtype, tmp_path):
+@pytest.mark.parametrize("stage,tier,dtype,chunk", [(0, "host", "fp32", None), (2, "nvme", "bf16", None),
+                                                   (3, "nvme", "fp32", None), (2, "nvme", "bf16", 1000),
+                                                   (3, "nvme", "bf16", 1000)])
+def test_sharded_checkpoint_resumes_exactly_and_repartitions(stage, tier, dtype, chunk, tmp_path, monkeypatch):
     """Each rank writes its part; 2 ranks resume bit-exactly; one process loads the same
     consolidated weights (and export gives them too); that process's checkpoint loads back
-    into 2 ranks at stage 3."""
+    into 2 ranks at stage 3. ``chunk``: saved and loaded in pieces of 1000 elements, which
+    cut the shards off their pages ([Note: bounded checkpoint memory])."""
     swap = tmp_path / "swap"
     swap.mkdir()
+    if chunk is not None:
+        monkeypatch.setattr(offload.checkpoint.access, "CHUNK_NUMEL", chunk)
     config = dict(stage=stage, param_tier=tier, optimizer_tier=tier, dtype=dtype,
-                  swap_dir=str(swap) if tier == "nvme" else None)
+                  swap_dir=str(swap) if tier == "nvme" else None, chunk=chunk)
     data = batches(5)
     run_ranks(_checkpoint_worker, config, data, str(tmp_path), "save")
     run_ranks(_checkpoint_worker, config, data, str(tmp_path), "resume:ckpt")
@@ -534,6 +545,8 @@ def test_sharded_checkpoint_resumes_exactly_and_repartitions(stage, tier, dtype,
     if stage >= 1:  # both ranks wrote unit files
         assert {f.split("-rank-")[1] for f in manifest["files"] if f.startswith("unit-")} == \
             {"00000.bin", "00001.bin"}
+    if chunk is not None:  # the blocks' weights (3072 elements) were cut on each rank
+        assert max(len(e["pieces"]) for u in manifest["units"] for e in u["entries"]) > WORLD
     for r in range(WORLD):
         for key, value in saved[r]["saved"].items():
             assert torch.equal(resumed[r]["loaded"][key], value), (r, key)
@@ -545,6 +558,7 @@ def test_sharded_checkpoint_resumes_exactly_and_repartitions(stage, tier, dtype,
     torch.manual_seed(5)
     model = GPT(CFG)
     single = dict(config, stage=0, swap_dir=str(swap / "single") if tier == "nvme" else None)
+    del single["chunk"]
     with pytest.warns(RuntimeWarning, match="written by 2 rank"):
         with offload.wrap(model, make_opt(model.parameters()), config=single) as engine:
             engine.load_checkpoint(str(tmp_path / "ckpt"))

@@ -91,6 +91,28 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def timed_checkpoint(engine, ckpt_dir: str) -> dict:
+    """Seconds and peak RSS (VmHWM, reset before each) of save_checkpoint then load_checkpoint
+    of ``ckpt_dir``, and the checkpoint's bytes; the directory is removed after."""
+    out = {}
+    try:
+        for verb in ("save", "load"):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM from here (ru_maxrss keeps the training's peak)
+            start = time.perf_counter()
+            getattr(engine, f"{verb}_checkpoint")(ckpt_dir)
+            seconds = time.perf_counter() - start
+            with open("/proc/self/status") as f:
+                peak = int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+            out[verb] = dict(seconds=seconds, peak_rss_bytes=peak)
+            progress(f"{verb}_checkpoint {seconds:.1f} s, peak RSS {peak / GiB:.2f} GiB")
+            if verb == "save":
+                out["bytes"] = sum(os.path.getsize(os.path.join(ckpt_dir, name)) for name in os.listdir(ckpt_dir))
+    finally:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return out
+
+
 def llama(layers: int, meta: bool):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -166,11 +188,15 @@ def run_offload(spec: dict) -> dict:
         units = [{"name": u.name, "compute_bytes": u.compute_numel * element_bytes,
                   "master_bytes": u.master_numel * 4} for u in engine.units]
         rss = peak_rss_bytes()
+        checkpoint = None
+        if spec.get("checkpoint"):
+            engine.zero_grad()  # the last step's deferred updates are done
+            checkpoint = timed_checkpoint(engine, os.path.join(spec["swap_dir"], "checkpoint"))
     finally:
         engine.close()
     phases = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
     return dict(row="offload", wrap_seconds=wrap_seconds, wrap_peak_rss_bytes=wrap_rss, peak_rss_bytes=rss,
-                step_seconds_all=seconds, probes=probes, phases=phases, units=units,
+                step_seconds_all=seconds, probes=probes, phases=phases, units=units, checkpoint=checkpoint,
                 num_params=sum(p.numel() for p in model.parameters()),
                 device_budget_bytes=stats["device_budget_bytes"], device_peak_bytes=stats["device_peak_bytes"],
                 nvme_bytes=stats["nvme_bytes"], num_units=stats["num_units"])
@@ -406,6 +432,14 @@ def print_table(results: list, args, out=sys.stdout) -> None:
               f"{r['peak_rss_bytes'] / GiB:7.2f} {fmt(None if read is None else read / GB, '8.2f')} "
               f"{fmt(None if written is None else written / GB, '8.2f')} {rate:>13s} {counts:>14s} {extra}  {note}", file=out)
     offload_row = by_row.get("offload", {})
+    ckpt = offload_row.get("checkpoint")
+    if ckpt:
+        print(f"checkpoint of {ckpt['bytes'] / GB:.1f} GB: save {ckpt['save']['seconds']:.1f} s "
+              f"({ckpt['bytes'] / GB / ckpt['save']['seconds']:.2f} GB/s), peak RSS "
+              f"{ckpt['save']['peak_rss_bytes'] / GiB:.2f} GiB; load {ckpt['load']['seconds']:.1f} s "
+              f"({ckpt['bytes'] / GB / ckpt['load']['seconds']:.2f} GB/s), peak RSS "
+              f"{ckpt['load']['peak_rss_bytes'] / GiB:.2f} GiB (the steps' peak: "
+              f"{offload_row['peak_rss_bytes'] / GiB:.2f} GiB)", file=out)
     if "probes" in offload_row:
         print("offload per timed step (s): " + ", ".join(
             f"{q['forward_seconds']:.1f} fwd + {q['backward_seconds']:.1f} bwd + {q['step_call_seconds']:.1f} step"
@@ -446,6 +480,9 @@ def parse_args(argv=None):
     p.add_argument("--adam-numel", type=int, default=50_000_000,
                    help="elements the compute-only row times the Adam kernel on (default 50M)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per row (default: torch's)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="the offload row then saves and loads a checkpoint in the swap directory "
+                        "(its time and peak RSS; about 12 B a parameter more on disk)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="the offload row writes Engine.export_trace here (see tools/trace_summary.py)")
     p.add_argument("--row-timeout", type=float, default=3600.0, help="seconds per row before it is killed")
@@ -476,6 +513,7 @@ def main(argv=None) -> int:
                 speculative_updates={"auto": None, "on": True, "off": False}[args.speculative_updates],
                 compute_steps=args.compute_steps, compute_layers=args.compute_layers, adam_numel=args.adam_numel,
                 threads=args.threads, pipeline_depth=3,  # OffloadConfig.optimizer_pipeline_depth default
+                checkpoint=args.checkpoint,
                 trace=os.path.abspath(args.trace) if args.trace else None)
 
     parent = os.path.abspath(args.swap_dir) if args.swap_dir else tempfile.gettempdir()
@@ -483,10 +521,13 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the offload row's wrap says it again, if spares do not all fit
         need = planned_swap_bytes(base, parent) + DISK_MARGIN_BYTES
+        if args.checkpoint:  # fp32 master and two moments a parameter, and a few small files
+            need += 12 * sum(p.numel() for p in llama(args.layers, meta=True).parameters())
     free = shutil.disk_usage(parent).free
     if "offload" in args.rows and free < need:
         print(f"bench_scale: {parent} has {free:,} bytes free ({free / GB:.1f} GB); the {args.layers}-layer "
-              f"run needs {need:,} ({need / GB:.1f} GB: its swap files and a margin). Use --swap-dir or "
+              f"run needs {need:,} ({need / GB:.1f} GB: its swap files{', the checkpoint' if args.checkpoint else ''} "
+              f"and a margin). Use --swap-dir or "
               f"--layers.", file=sys.stderr)
         return 2
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)

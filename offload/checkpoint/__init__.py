@@ -21,9 +21,15 @@ elements it keeps from whichever pieces hold them, so a checkpoint of N ranks lo
 After every phase the ranks agree: when one failed, every rank raises an error naming it,
 and nothing is renamed into place.
 
-[Note: bounded checkpoint memory] Save and load move one unit at a time: the host holds at
-most one unit's master, moments and compute copy (plus the engine's own I/O bounce buffer);
-verification and export hash and copy in 4 MiB chunks.
+[Note: bounded checkpoint memory] Save and load go unit by unit, and through each unit's
+states in pieces of at most CHUNK_NUMEL elements (offload/checkpoint/access.py: 32 MiB of
+fp32): a save reads a piece of the master, exp_avg and exp_avg_sq and writes them, a load
+builds a piece of a home and writes it (a piece of a home that does not start or end on a
+page boundary has its edge pages read and patched first). The host holds about three fp32
+pieces, not a unit: the 3B model's embedding unit has 4.7 GB of fp32 master and moments,
+more than the host budget of a run that size. A unit file is a run of pieces, each
+parameter's elements in the pieces that cover them (format.py). Verification and export
+hash and copy in 4 MiB chunks.
 
 [Note: atomic checkpoint directory] is in directory.py: every crash of a save leaves a
 complete checkpoint at its name, or complete copies beside it that load names.

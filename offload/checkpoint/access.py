@@ -19,6 +19,10 @@ from torch import nn
 
 from offload.errors import CheckpointError, EngineFailedError
 
+# [Note: bounded checkpoint memory] The elements a save or load moves at once: 32 MiB of
+# fp32, a whole number of pages in any dtype.
+CHUNK_NUMEL = 8 << 20
+
 if TYPE_CHECKING:
     from offload.config import OffloadConfig
     from offload.memory.layout import Layout, UnitState
@@ -32,22 +36,32 @@ class HomeIO:
     checkpoint code and wherever homes are kept; today bound methods of offload/memory/
     homes.py's Homes, and the engine's release)."""
 
-    read_master: Callable[["UnitState"], torch.Tensor]
-    """u's fp32 master as its home holds it: this rank's shard at stage >= 1; merged, the
-    compute copy's prefix; split ([Note: split master]), joined from its two halves."""
-    load: Callable[[Any, int, torch.dtype], torch.Tensor]
-    """``load(home, numel, dtype)``: a new host tensor with a home's first ``numel`` elements."""
-    store: Callable[[Any, torch.Tensor], None]
-    """``store(home, src)``: overwrite a whole home with ``src``."""
-    store_compute: Callable[["UnitState", torch.Tensor], None]
-    """``store_compute(u, compute)``: overwrite u's whole compute copy at home (and the frozen
-    tail of its spare one, [Note: speculative updates])."""
-    store_master: Callable[["UnitState", torch.Tensor, int, Optional[torch.Tensor]], None]
-    """``store_master(u, master, start, low)``: write the master's home from ``master`` (fp32,
-    u's trainable elements from ``start``); ``low``: split_master_into's result, or None."""
-    split_master_into: Callable[["UnitState", torch.Tensor, torch.Tensor, int], torch.Tensor]
-    """``split_master_into(u, master, high, start)``: [Note: split master] round ``master``
-    into the bf16 ``high`` and return the low halves of this rank's shard as the home holds them."""
+    read_master_range: Callable[["UnitState", int, int], torch.Tensor]
+    """``read_master_range(u, lo, hi)``: u's fp32 master of elements [lo, hi) of its
+    trainable prefix, inside this rank's shard, as its home holds it (merged: the compute
+    copy's; split, [Note: split master]: joined from the two halves). Valid until the next
+    call."""
+    load_range: Callable[[Any, int, int, torch.dtype, str], torch.Tensor]
+    """``load_range(home, start, numel, dtype, buffer)``: elements [start, start + numel) of
+    a home, read into the reused buffer named ``buffer`` (valid until that name is used
+    again) or a view of a host home."""
+    store_range: Callable[[Any, int, torch.Tensor, str], None]
+    """``store_range(home, start, src, buffer)``: overwrite elements [start, start + n) of a
+    home with ``src`` (through the reused buffer named ``buffer`` where it must)."""
+    store_master_range: Callable[["UnitState", torch.Tensor, int, torch.Tensor], None]
+    """``store_master_range(u, master, start, high)``: from ``master`` (fp32, elements from
+    ``start`` of u's trainable prefix) fill ``high`` (the compute copy's values there) and
+    write the master's home where it is kept apart (this rank's shard)."""
+    zero_master_padding: Callable[["UnitState"], None]
+    """``zero_master_padding(u)``: zeros in the master's home past this rank's shard."""
+    store_compute_range: Callable[["UnitState", int, torch.Tensor], None]
+    """``store_compute_range(u, start, compute)``: overwrite elements from ``start`` of u's
+    compute copy at home (and past the frozen start, of its spare one: [Note: speculative
+    updates])."""
+    buffer: Callable[[str, int], torch.Tensor]
+    """``buffer(name, nbytes)``: a page-aligned uint8 buffer reused under ``name``."""
+    drop_buffers: Callable[[], None]
+    """Let go of every buffer ``buffer``, ``load_range`` and ``store_range`` kept."""
     release: Callable[["UnitState"], None]
     """Drop u's device copy (about to be stale)."""
 
@@ -143,21 +157,39 @@ class CheckpointAccess:
             return trainable, (f.lo, f.hi)
         return trainable, whole[1] if rank == 0 else (0, 0)
 
+    def chunks(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """[Note: bounded checkpoint memory] [lo, hi) in ranges of at most CHUNK_NUMEL elements
+        that start at multiples of it (counted from 0, so in a home whole pages of any dtype),
+        the pieces save and load move."""
+        starts = range(lo - lo % CHUNK_NUMEL, hi, CHUNK_NUMEL)
+        return [(max(a, lo), min(a + CHUNK_NUMEL, hi)) for a in starts if max(a, lo) < min(a + CHUNK_NUMEL, hi)]
+
+    def release_buffers(self) -> None:
+        """Let go of the buffers the pieces were moved through (end of a save or load)."""
+        self._homes.drop_buffers()
+
     def read_trainable_state(self, u: "UnitState", lo: int,
                              hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 master, exp_avg and exp_avg_sq of elements [lo, hi) of u's trainable prefix,
-        which this rank keeps (its shard, or everything), from wherever they are current."""
+        which this rank keeps (its shard, or everything), from wherever they are current;
+        at most one of ``chunks`` at a time. Valid until the next call."""
         s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
         # [Note: swap I/O failures] after a failed write the host copy is current (the staged
         # step that keeps one runs only where the shard is whole)
         dirty = self._state.dirty(u.index)
-        master = dirty["master"] if "master" in dirty else self._homes.read_master(u)
-        # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
-        base = 0 if self._layout.merged and u.param_shard is None else s.lo
-        moments = dirty["moments"] if "moments" in dirty else \
-            self._homes.load(u.moments_home, 2 * s.state_numel, torch.float32)
-        return (master[lo - base:hi - base], moments[lo - s.lo:hi - s.lo],
-                moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
+        if "master" in dirty:
+            # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
+            base = 0 if self._layout.merged and u.param_shard is None else s.lo
+            master = dirty["master"][lo - base:hi - base]
+        else:
+            master = self._homes.read_master_range(u, lo, hi)
+        if "moments" in dirty:
+            moments = dirty["moments"]
+            return (master, moments[lo - s.lo:hi - s.lo],
+                    moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
+        load = self._homes.load_range
+        return (master, load(u.moments_home, lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg"),
+                load(u.moments_home, s.state_numel + lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg_sq"))
 
     def read_lagging(self, u: "UnitState", lo: int, hi: int) -> Optional[torch.Tensor]:
         """[Note: delayed updates] fp32 values of elements [lo, hi) of u's trainable prefix in
@@ -166,22 +198,21 @@ class CheckpointAccess:
         state as its homes (DelayedUpdates.committed_view), so that copy sits in the spare homes."""
         if not u.delayed_pending:
             return None
-        compute = self._homes.load(u.spare.compute_home, u.compute_numel, self._layout.home_dtype)
-        return compute[lo:hi].to(torch.float32)
+        compute = self._homes.load_range(u.spare.compute_home, lo, hi - lo, self._layout.home_dtype, "ckpt.lagging")
+        return compute.to(torch.float32)
 
     def read_frozen_values(self, u: "UnitState", lo: int, hi: int) -> torch.Tensor:
-        """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps."""
+        """Compute-copy values of elements [lo, hi) of u's frozen tail, which this rank keeps.
+        Valid until the next call."""
         p = u.param_shard
         home_dtype = self._layout.home_dtype
+        load = self._homes.load_range
         if p is not None:  # [zero] stage 3: the rank's chunks, the frozen one second
-            home = self._homes.load(u.compute_home, p.home_numel, home_dtype)
-            return home[p.trainable_chunk_numel + lo - p.frozen.lo:p.trainable_chunk_numel + hi - p.frozen.lo]
+            return load(u.compute_home, p.trainable_chunk_numel + lo - p.frozen.lo, hi - lo, home_dtype, "ckpt.value")
         start = u.spec.frozen_start
         if self._layout.param_tier == "device":
-            compute = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
-        else:
-            compute = self._homes.load(u.compute_home, u.compute_numel, home_dtype)
-        return compute[start + lo:start + hi]
+            return self._device.view(u.device_offset, u.compute_numel)[start + lo:start + hi].to("cpu", copy=True)
+        return load(u.compute_home, start + lo, hi - lo, home_dtype, "ckpt.value")
 
     @torch.no_grad()
     def write_unit_state(self, u: "UnitState", read: Callable[[str, int, int, torch.Tensor], None],
@@ -191,60 +222,71 @@ class CheckpointAccess:
         trainable prefix ("master", "exp_avg", "exp_avg_sq") or of the frozen tail ("value",
         counted from the tail's start); ``steps``: Adam's step count of each trainable
         parameter. Trainable compute values are derived from the master (rounded as the Adam
-        kernel rounds it). Holds one unit's master, moments and compute copy at a time."""
-        s = u.shard
-        p = u.param_shard
-        t = u.spec.trainable_numel
-        lo, hi = (s.lo, s.hi) if p is not None else (0, t)  # master elements the compute copy needs
-        master = torch.zeros(hi - lo, dtype=torch.float32)
-        moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
-        read("master", lo, hi, master)
-        read("exp_avg", s.lo, s.hi, moments[:s.numel])
-        read("exp_avg_sq", s.lo, s.hi, moments[s.state_numel:s.state_numel + s.numel])
-        home_dtype = self._layout.home_dtype
-        low = None
-        if p is None:
-            compute = torch.zeros(u.compute_numel, dtype=self.compute_dtype)
-            if self._layout.split_master and u.trainable:  # [Note: split master]
-                low = self._homes.split_master_into(u, master, compute[:t], 0)
-            else:
-                compute[:t].copy_(master)
-            frozen_start = u.spec.frozen_start
-            read("value", 0, u.spec.total_numel - frozen_start, compute[frozen_start:u.spec.total_numel])
-        else:  # [zero] stage 3: the rank's chunks
-            compute = torch.zeros(p.home_numel, dtype=home_dtype)
-            if self._layout.split_master and u.trainable:  # [Note: split master]
-                low = self._homes.split_master_into(u, master, compute[:s.numel], s.lo)
-            else:
-                compute[:s.numel].copy_(master)
-            f = p.frozen
-            read("value", f.lo, f.hi, compute[p.trainable_chunk_numel:p.trainable_chunk_numel + f.numel])
-        if self._layout.param_tier == "device":
-            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
-        else:
+        kernel rounds it). [Note: bounded checkpoint memory] One piece (``chunks``) of the
+        compute copy, the master or a moment at a time; every home is written whole, its
+        padding with zeros, as the wrap wrote it."""
+        s, p = u.shard, u.param_shard
+        on_device = self._layout.param_tier == "device"
+        if not on_device:
             self._homes.release(u)  # a device copy of this unit is stale from now on
-            self._homes.store_compute(u, compute)  # merged: fp32, the master itself
+        # The compute copy as its home holds it: (home start, section, first element, count)
+        # of its trainable and frozen parts; the rest of the home is zeros.
+        if p is None:
+            frozen_start = u.spec.frozen_start
+            home_numel = u.compute_numel
+            parts = [(0, "master", 0, u.spec.trainable_numel),
+                     (frozen_start, "value", 0, u.spec.total_numel - frozen_start)]
+        else:  # [zero] stage 3: the rank's chunks
+            home_numel = p.home_numel
+            parts = [(0, "master", s.lo, s.numel), (p.trainable_chunk_numel, "value", p.frozen.lo, p.frozen.numel)]
+        home_dtype = self.compute_dtype if p is None else self._layout.home_dtype
+        for a, b in self.chunks(0, home_numel):
+            compute = self._homes.buffer("ckpt.compute", (b - a) * home_dtype.itemsize).view(home_dtype).zero_()
+            for start, section, first, numel in parts:
+                x, y = max(a, start), min(b, start + numel)
+                if x >= y:
+                    continue
+                lo, hi = first + x - start, first + y - start
+                if section == "value":
+                    read("value", lo, hi, compute[x - a:y - a])
+                    continue
+                master = self._homes.buffer("ckpt.master", (hi - lo) * 4).view(torch.float32)
+                read("master", lo, hi, master)
+                self._homes.store_master_range(u, master, lo, compute[x - a:y - a])
+            if on_device:
+                self._device.view(u.device_offset, u.compute_numel)[a:b].copy_(compute)
+            elif p is None:
+                self._homes.store_compute_range(u, a, compute)  # merged: fp32, the master itself
+            else:
+                self._homes.store_range(u.compute_home, a, compute, "ckpt.bounce")
         if u.trainable:
-            self._homes.store_master(u, master, lo, low)
-            self._homes.store(u.moments_home, moments)
+            self._homes.zero_master_padding(u)
+            for half, section in ((0, "exp_avg"), (s.state_numel, "exp_avg_sq")):
+                for a, b in self.chunks(0, s.state_numel):
+                    moment = self._homes.buffer("ckpt.moment", (b - a) * 4).view(torch.float32).zero_()
+                    if a < s.numel:
+                        read(section, s.lo + a, s.lo + min(b, s.numel), moment[:min(b, s.numel) - a])
+                    self._homes.store_range(u.moments_home, half + a, moment, "ckpt.bounce")
         u.steps = list(steps)
         u.has_grad = [False] * len(u.trainable)
         u.delayed_pending = False  # [Note: delayed updates] unless restore_lagging says otherwise
 
     @torch.no_grad()
-    def restore_lagging(self, u: "UnitState", lagging: torch.Tensor) -> bool:
+    def restore_lagging(self, u: "UnitState", read: Callable[[int, int, torch.Tensor], None]) -> bool:
         """[Note: delayed updates] u's state (just written by write_unit_state) is the result
         of a delayed update that was pending when the checkpoint was saved: it goes into the
-        spare homes, and ``lagging`` (fp32, the trainable prefix of the compute copy the
-        forward read then) into the homes' compute copy, as the engine held them. False (and
-        nothing changes: the run goes on from the updated weights) without delayed_update."""
+        spare homes, and the compute copy the forward read then (``read(lo, hi, out)``: fp32
+        elements [lo, hi) of its trainable prefix) into the homes' compute copy, as the engine
+        held them. False (and nothing changes: the run goes on from the updated weights)
+        without delayed_update."""
         if not self._layout.delayed_update or u.spare is None:
             return False
-        u.commit_spare()  # the homes written just now become the spare ones
+        u.commit_spare()  # the homes written just now become the spare ones; their frozen tail is current
         home_dtype = self._layout.home_dtype
-        compute = self._homes.load(u.compute_home, u.compute_numel, home_dtype)  # its frozen tail is current
-        compute[:u.spec.trainable_numel].copy_(lagging)
-        self._homes.store(u.compute_home, compute)
+        for a, b in self.chunks(0, u.spec.trainable_numel):
+            lagging = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
+            read(a, b, lagging)
+            self._homes.store_range(u.compute_home, a, lagging.to(home_dtype), "ckpt.bounce")
         u.delayed_pending = True
         return True
 

@@ -9,15 +9,18 @@ A checkpoint is a directory of raw little-endian files plus ``manifest.json``:
                       which file holds which elements, at which byte offsets), and every file
                       with its size and sha256. A ``checksum`` field covers the manifest.
   unit-NNNNN.bin      per unit (``unit-NNNNN-rank-RRRRR.bin`` per unit and rank when several
-                      ranks wrote it): fp32 master of the elements written | exp_avg |
-                      exp_avg_sq | the compute copy of frozen parameters (compute dtype).
+                      ranks wrote it), for each piece of its trainable elements (at most
+                      CHUNK_NUMEL of offload/checkpoint/access.py): fp32 master | exp_avg |
+                      exp_avg_sq; then the compute copy of frozen parameters (compute
+                      dtype), piece after piece. A parameter's record lists every piece
+                      that holds some of its elements.
                       Trainable compute copies are derived (fp32: the master itself;
                       bf16/fp16: the master rounded to nearest even, as the Adam kernel writes
                       them; bf16 with a split master: rounded half away from zero, see
                       [Note: split master] in native/adam/master_split.cpp), so they are not
                       stored.
                       A unit saved with a delayed update pending ("delayed_pending" in its
-                      manifest record) has a fourth trainable section, "lagging": the fp32
+                      manifest record) has a fourth section in each trainable piece, "lagging": the fp32
                       values of the compute copy the next forward reads, one update behind
                       the master ([Note: delayed updates] in offload/optim/delayed.py).
   buffers.bin         the model's persistent buffers (byte offsets in the manifest).

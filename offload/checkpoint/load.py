@@ -192,11 +192,10 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
                 read = _unit_reader(u, saved, reader)
                 access.write_unit_state(u, read, [saved[e.fqn]["step"] for e in u.trainable])
                 if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
-                    lagging = torch.zeros(u.spec.trainable_numel, dtype=torch.float32)
-                    read("lagging", 0, u.spec.trainable_numel, lagging)
-                    access.restore_lagging(u, lagging)
+                    access.restore_lagging(u, lambda lo, hi, out, read=read: read("lagging", lo, hi, out))
         finally:
             reader.close()
+            access.release_buffers()
         _load_rest(access, manifest, ckpt_dir, rng)
     error = attempt(load_states)[1]
     if isinstance(error, OSError):

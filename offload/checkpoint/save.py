@@ -152,9 +152,12 @@ def _write_rank(access: "CheckpointAccess", tmp: str) -> Dict[str, Any]:
     suffix = f"-rank-{rank:05d}" if world_size > 1 else ""
     files: Dict[str, Dict[str, Any]] = {}
     pieces: Dict[str, List[Dict[str, Any]]] = {}
-    for u in access.units:
-        for fqn, piece in _write_unit(access, u, tmp, suffix, files):
-            pieces.setdefault(fqn, []).append(piece)
+    try:
+        for u in access.units:
+            for fqn, piece in _write_unit(access, u, tmp, suffix, files):
+                pieces.setdefault(fqn, []).append(piece)
+    finally:
+        access.release_buffers()
     buffer_entries = []
     _, buffers = state_dict_aliases(access.module)
     if buffers and rank == 0:
@@ -233,8 +236,9 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
 @torch.no_grad()
 def _write_unit(access: "CheckpointAccess", u: "UnitState", tmp: str, suffix: str,
                 files: Dict[str, Dict[str, Any]]) -> List[Tuple[str, Dict[str, Any]]]:
-    """This rank's part of one unit (see offload/checkpoint/format.py): (fqn, piece) pairs;
-    [Note: bounded checkpoint memory]."""
+    """This rank's part of one unit (see offload/checkpoint/format.py): (fqn, piece) pairs,
+    a piece of each parameter in each of ``access.chunks`` it meets ([Note: bounded
+    checkpoint memory])."""
     (t_lo, t_hi), (f_lo, f_hi) = access.ranges(u)
     if t_lo >= t_hi and f_lo >= f_hi:
         return []
@@ -242,33 +246,33 @@ def _write_unit(access: "CheckpointAccess", u: "UnitState", tmp: str, suffix: st
     writer = _HashingWriter(os.path.join(tmp, file_name))
     pieces = []
     try:
-        if t_lo < t_hi:
-            master, exp_avg, exp_avg_sq = access.read_trainable_state(u, t_lo, t_hi)
+        for a, b in access.chunks(t_lo, t_hi):  # a piece of each state at a time: master | exp_avg | exp_avg_sq
+            master, exp_avg, exp_avg_sq = access.read_trainable_state(u, a, b)
             sections = [writer.write(master), writer.write(exp_avg), writer.write(exp_avg_sq)]
             del master, exp_avg, exp_avg_sq
-            lagging = access.read_lagging(u, t_lo, t_hi)  # [Note: delayed updates]
+            lagging = access.read_lagging(u, a, b)  # [Note: delayed updates]
             if lagging is not None:
                 sections.append(writer.write(lagging))
                 del lagging
             for e in u.trainable:
-                a, b = max(e.offset, t_lo), min(e.offset + e.numel, t_hi)
-                if a < b:
-                    at = 4 * (a - t_lo)
-                    piece = {"file": file_name, "start": a - e.offset, "numel": b - a,
+                x, y = max(e.offset, a), min(e.offset + e.numel, b)
+                if x < y:
+                    at = 4 * (x - a)
+                    piece = {"file": file_name, "start": x - e.offset, "numel": y - x,
                              "master": sections[0] + at, "exp_avg": sections[1] + at, "exp_avg_sq": sections[2] + at}
                     if len(sections) > 3:
                         piece["lagging"] = sections[3] + at
                     pieces.append((e.fqn, piece))
-        if f_lo < f_hi:
-            values = access.read_frozen_values(u, f_lo, f_hi)
+        frozen, tail = u.spec.frozen_entries, u.spec.frozen_start
+        for a, b in access.chunks(f_lo, f_hi):
+            values = access.read_frozen_values(u, a, b)
             section, size, dtype = writer.write(values), values.element_size(), dtype_name(values.dtype)
             del values
-            frozen, tail = u.spec.frozen_entries, u.spec.frozen_start
             for e in frozen:
-                a, b = max(e.offset - tail, f_lo), min(e.offset - tail + e.numel, f_hi)
-                if a < b:
-                    pieces.append((e.fqn, {"file": file_name, "start": a - (e.offset - tail), "numel": b - a,
-                                           "value": section + size * (a - f_lo), "file_dtype": dtype}))
+                x, y = max(e.offset - tail, a), min(e.offset - tail + e.numel, b)
+                if x < y:
+                    pieces.append((e.fqn, {"file": file_name, "start": x - (e.offset - tail), "numel": y - x,
+                                           "value": section + size * (x - a), "file_dtype": dtype}))
     except BaseException:
         writer.abort()
         raise

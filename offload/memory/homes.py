@@ -5,9 +5,12 @@ A unit's compute copy is homed on ``layout.compute_tier(index)`` (on the device 
 on the host or NVMe, fetched to a device slot when needed); its fp32 master and Adam moments
 on ``layout.state_tier(index)`` ([Note: placement by budget]). ``Homes`` allocates them once
 at wrap, writes every unit's initial state there (``write_initial_state``, one unit at a
-time as offload/memory/materialize.py materializes the model) and offers the whole-buffer readers and writers that
-checkpoints, ``state_dict`` and the optimizer steps' failure paths go through: ``load``,
-``store``, ``read_master``, ``store_master``, ``split_master_into``. The per-step traffic
+time as offload/memory/materialize.py materializes the model) and offers the synchronous
+readers and writers that ``state_dict`` and the optimizer steps' failure paths go through,
+whole buffers (``load``, ``store``, ``read_master``, ``store_master``,
+``split_master_into``), and those that checkpoints go through, ranges of a buffer
+(``load_range``, ``store_range``, ``read_master_range``, ``store_master_range``,
+``store_compute_range``: [Note: bounded checkpoint memory]). The per-step traffic
 (fetches, the staged and sharded optimizer steps) moves pieces of the same homes through
 buffers of its own and does not come here.
 """
@@ -20,12 +23,12 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
                                    unit_gradient_bytes)
-from offload.memory.layout import Layout, SpareHomes, StagingSlot, UnitState, sub_extent
+from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, sub_extent
 from offload.optim import join_master, split_master
 from offload.tiers.nvme import wait_all
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
-from offload.units import PAGE_BYTES, ParamEntry, Residency
+from offload.units import PAGE_BYTES, ParamEntry, Residency, round_up
 from offload.zero import Partition
 
 _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
@@ -57,7 +60,7 @@ class Homes:
         self._release_param = release_param
         self._stats = stats
         self._bind = bind
-        self._initial_buffers: Dict[str, torch.Tensor] = {}  # see _initial_buffer
+        self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0
 
     # ------------------------------------------------------------------ allocation
@@ -155,24 +158,35 @@ class Homes:
             self._bind(u)
         self._num_written += 1
         if self._num_written == len(self._units):  # the last unit: wrap holds no buffer past here
-            self._initial_buffers.clear()
+            self.drop_buffers()
 
     def _initial_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed, page-aligned buffer of ``numel`` ``dtype`` for write_initial_state,
-        reused from unit to unit (grown when a unit is larger): memory touched for the first
-        time is several times slower than memory reused (see offload/tiers/device.py), and
-        writing each unit from a new buffer made first touches a large part of wrap's time.
-        Every use is synchronous (written home before the next unit), so the reuse holds no
-        more than the largest unit needs, as one buffer per unit did; dropped after the last
-        unit. Zeroed on each use: the alignment gaps between parameters stay zeros."""
+        reused from unit to unit (``buffer``): memory touched for the first time is several
+        times slower than memory reused (see offload/tiers/device.py), and writing each unit
+        from a new buffer made first touches a large part of wrap's time. Every use is
+        synchronous (written home before the next unit), so the reuse holds no more than the
+        largest unit needs, as one buffer per unit did; dropped after the last unit. Zeroed
+        on each use: the alignment gaps between parameters stay zeros."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        return self.buffer(name, nbytes).view(dtype).zero_()
+
+    def buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a page-aligned uint8 buffer kept under ``name`` and reused
+        by the next call with that name (grown when too small); ``drop_buffers`` lets go of
+        them all. A caller is done with a name's bytes before it asks for that name again."""
         from offload.io import aligned_empty
 
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        buffer = self._initial_buffers.get(name)
+        buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < nbytes:
-            self._initial_buffers.pop(name, None)  # let go of the smaller one first
-            buffer = self._initial_buffers[name] = aligned_empty(nbytes)
-        return buffer[:nbytes].view(dtype).zero_()
+            self._buffers.pop(name, None)  # let go of the smaller one first
+            buffer = self._buffers[name] = aligned_empty(nbytes)
+        return buffer[:nbytes]
+
+    def drop_buffers(self) -> None:
+        """Let go of every buffer ``buffer`` keeps (after wrap's last unit, and after a
+        checkpoint's save or load)."""
+        self._buffers.clear()
 
     def _store_initial_moments(self, u: UnitState) -> None:
         """u's moments and step counts: zeros, or those the optimizer had (``adam_state``:
@@ -312,6 +326,102 @@ class Homes:
         buf = aligned_empty(src.numel() * src.element_size(), dtype=src.dtype)
         buf.copy_(src)
         return buf
+
+    # ------------------------------------------------------------------ ranges
+    # [Note: bounded checkpoint memory] Checkpoints move a unit's state piece by piece
+    # (offload/checkpoint/access.py): the 128256 x 3072 fp32 embedding of a 3B model is
+    # 1.6 GB, its master and moments 4.7 GB, more than a host budget a run of that size gets.
+    def load_range(self, home: Any, start: int, numel: int, dtype: torch.dtype, buffer: str) -> torch.Tensor:
+        """Elements [start, start + numel) of a buffer home holding ``dtype``: a view of the
+        home itself on the host; on NVMe, read (the whole pages that hold them) into the
+        reused buffer named ``buffer`` (``buffer``), valid until that name is used again."""
+        if isinstance(home, torch.Tensor):
+            return home[start:start + numel]
+        size = dtype.itemsize
+        lo = start * size // PAGE_BYTES * PAGE_BYTES
+        hi = round_up((start + numel) * size, PAGE_BYTES)
+        buf = self.buffer(buffer, hi - lo)
+        self._nvme.read(buf, sub_extent(home, lo, hi - lo)).wait()
+        first = (start * size - lo) // size
+        return buf.view(dtype)[first:first + numel]
+
+    def store_range(self, home: Any, start: int, src: torch.Tensor, buffer: str) -> None:
+        """Overwrite elements [start, start + n) of a buffer home with ``src`` (n elements,
+        the home's dtype), synchronously. On NVMe whole pages are written: from ``src``
+        itself when it covers them exactly from a page-aligned address, else through the
+        reused buffer named ``buffer``, with the edge pages' other bytes read first."""
+        n = src.numel()
+        if isinstance(home, torch.Tensor):
+            home[start:start + n].copy_(src)
+            return
+        size = src.element_size()
+        a, b = start * size, (start + n) * size
+        lo, hi = a // PAGE_BYTES * PAGE_BYTES, round_up(b, PAGE_BYTES)
+        if (lo, hi) == (a, b) and src.is_contiguous() and src.data_ptr() % PAGE_BYTES == 0:
+            staging = src
+        else:
+            staging = self.buffer(buffer, hi - lo)
+            if lo < a:  # the first page's bytes before ``a``
+                self._nvme.read(staging[:PAGE_BYTES], sub_extent(home, lo, PAGE_BYTES)).wait()
+            if hi > b and not (lo < a and hi - PAGE_BYTES == lo):  # the last page's, unless read just now
+                self._nvme.read(staging[hi - lo - PAGE_BYTES:], sub_extent(home, hi - PAGE_BYTES, PAGE_BYTES)).wait()
+            staging[a - lo:b - lo].view(src.dtype).copy_(src)
+        self._nvme.write(staging, sub_extent(home, lo, hi - lo)).wait()
+
+    def read_master_range(self, u: UnitState, lo: int, hi: int) -> torch.Tensor:
+        """fp32 master of elements [lo, hi) of u's trainable prefix, inside this rank's shard,
+        as ``read_master`` gives them (uses the buffers "master", "high" and "low")."""
+        layout, s = self._layout, u.shard
+        base = 0 if u.param_shard is None else s.lo  # [zero] stage 3: the rank's chunk starts with its shard
+        if layout.merged:
+            return self.load_range(u.compute_home, lo - base, hi - lo, torch.float32, "master")
+        if not layout.split_master:
+            return self.load_range(u.master_home, lo - s.lo, hi - lo, torch.float32, "master")
+        high = self.load_range(u.compute_home, lo - base, hi - lo, layout.compute_dtype, "high")
+        low = self.load_range(u.master_home, lo - s.lo, hi - lo, torch.int16, "low")
+        master = self.buffer("master", (hi - lo) * FP32_BYTES).view(torch.float32)
+        join_master(high.contiguous(), low.contiguous(), master)
+        return master
+
+    def store_master_range(self, u: UnitState, master: torch.Tensor, start: int, high: torch.Tensor) -> None:
+        """From ``master`` (fp32, elements [start, start + n) of u's trainable prefix) fill
+        ``high``, the compute copy's values of those elements (the master itself, or its
+        rounding: [Note: split master]), and write the master's home where it is kept apart
+        from the compute copy (the elements of this rank's shard among them)."""
+        layout, s = self._layout, u.shard
+        n = master.numel()
+        a, b = max(start, s.lo), min(start + n, s.hi)
+        if layout.split_master:
+            low = self.buffer("low", n * 2).view(torch.int16)
+            split_master(master.contiguous(), high, low)
+            if a < b:
+                self.store_range(u.master_home, a - s.lo, low[a - start:b - start], "bounce")
+            return
+        high.copy_(master)
+        if not layout.merged and a < b:
+            self.store_range(u.master_home, a - s.lo, master[a - start:b - start], "bounce")
+
+    def zero_master_padding(self, u: UnitState) -> None:
+        """Zero the master's home past this rank's shard, to the end of its last page (as
+        ``store_master`` writes it)."""
+        layout, s = self._layout, u.shard
+        if layout.merged or not u.trainable:
+            return
+        end, dtype = (low_numel(s.numel), torch.int16) if layout.split_master else (s.state_numel, torch.float32)
+        if end > s.numel:
+            self.store_range(u.master_home, s.numel, torch.zeros(end - s.numel, dtype=dtype), "bounce")
+
+    def store_compute_range(self, u: UnitState, start: int, compute: torch.Tensor) -> None:
+        """Overwrite elements [start, start + n) of u's compute copy at home from ``compute``,
+        and, past the frozen start, the same elements of its spare copy (see
+        ``store_compute``)."""
+        self.store_range(u.compute_home, start, compute, "bounce")
+        frozen_start = u.spec.frozen_start
+        if u.spare is None or frozen_start >= u.spec.total_numel:
+            return
+        a = max(start, frozen_start)
+        if a < start + compute.numel():
+            self.store_range(u.spare.compute_home, a, compute[a - start:], "bounce")
 
     def unit_values(self, u: UnitState, dirty: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
         """u's current values, {element offset: tensor shaped as its parameter}: the fp32
