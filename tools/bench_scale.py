@@ -12,7 +12,9 @@ Rows, each in a fresh subprocess of its own (peak RSS is ru_maxrss of that proce
                 tokens; --warmup untimed steps, then --steps timed ones (forward, backward,
                 step). Wrap time, the mean step, and per timed step from engine.stats():
                 NVMe bytes read and written, prefetch hits / misses, fetch and optimizer
-                waits, the optimizer step's own seconds.
+                waits, the optimizer step's own seconds. With --checkpoint it then saves
+                and loads a checkpoint in the swap dir (seconds and peak RSS of each, the
+                peak from a VmHWM reset before each; 12 B a parameter more on disk).
   compute-only  forward + backward of the same model in RAM (weights in --dtype, no
                 offload), plus the Adam kernel (offload's adam_step_flat, bf16 copy-out) over
                 every parameter. With --layers <= --compute-layers the whole model is run;
@@ -44,7 +46,8 @@ fallback (cpublas_gemm_impl) about 5x slower than fp32 forward and far slower ba
 twice the --device-budget for the same room) for numbers on such a machine.
 
     python3 tools/bench_scale.py --layers 4          # ~0.8 B params
-    python3 tools/bench_scale.py                     # 28 layers: ~16 GiB RSS today, ~50 GB swap
+    python3 tools/bench_scale.py --dtype fp32 --host-budget 3.5GiB --device-budget 3.4GiB
+                                                     # 28 layers: ~7 GiB RSS, 48-67 GB swap
 """
 from __future__ import annotations
 

@@ -334,7 +334,7 @@ class Homes:
     def load_range(self, home: Any, start: int, numel: int, dtype: torch.dtype, buffer: str) -> torch.Tensor:
         """Elements [start, start + numel) of a buffer home holding ``dtype``: a view of the
         home itself on the host; on NVMe, read (the whole pages that hold them) into the
-        reused buffer named ``buffer`` (``buffer``), valid until that name is used again."""
+        reused buffer of that name (see ``buffer``), valid until the name is used again."""
         if isinstance(home, torch.Tensor):
             return home[start:start + numel]
         size = dtype.itemsize
