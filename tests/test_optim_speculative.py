@@ -218,6 +218,7 @@ def test_a_failed_spare_write_redoes_that_unit(tmp_path):
         faulty = wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=1)  # the first write of backward
         loss = gpt_loss(engine, data[1])
         engine.backward(loss)
+        engine.debug.updates.wait_optimizer()  # backward may return before the worker's first write
         assert faulty.writes >= 1
         unwrap_swap_io(engine)
         engine.step()
