@@ -189,3 +189,51 @@ def test_a_save_and_a_load_hold_a_few_pieces_not_a_unit(tmp_path):
     assert four_pieces <= result["unit_state"] / 3
     for verb, growth in result["growth"].items():
         assert growth <= four_pieces, (verb, result)
+
+
+@pytest.mark.parametrize("direct", ["honored", "refused at open", "refused at write"])
+def test_unit_files_go_through_o_direct_or_the_page_cache_and_load_the_same(direct, tmp_path, monkeypatch):
+    """Unit files are written a staging buffer at a time with O_DIRECT (here 8 KiB, so that
+    the small units' files take several), their tail through the page cache; where
+    O_DIRECT is refused, at open or at the first write, everything goes through the page
+    cache. Either way the checkpoint loads into a fresh engine as the saver's state, and
+    its run goes on bit for bit."""
+    import errno
+    import fcntl
+
+    import offload.checkpoint.save as save
+
+    monkeypatch.setattr(save._DirectWriter, "STAGE_BYTES", 8192)
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_writes = []
+
+    def fake_open(path, flags, *args, **kwargs):
+        if direct == "refused at open" and flags & os.O_DIRECT and os.path.basename(path).startswith("unit-"):
+            raise OSError(errno.EINVAL, "O_DIRECT refused (test)", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def fake_pwrite(fd, data, offset):
+        ours = os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("unit-")  # not swap I/O
+        if ours and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if direct == "refused at write":
+                raise OSError(errno.EINVAL, "O_DIRECT refused (test)")
+            direct_writes.append(len(data))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "open", fake_open)  # the swap's own opens and writes pass through
+    monkeypatch.setattr(os, "pwrite", fake_pwrite)
+    with make_engine("bf16-nvme", tmp_path / "ref") as ref:
+        ref_losses = run(ref, 0, 6)
+        ref_state = ref.state_dict()
+    with make_engine("bf16-nvme", tmp_path / "first") as first:
+        run(first, 0, 3)
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = first.state_dict()
+    monkeypatch.undo()
+    assert (len(direct_writes) > 0) == (direct == "honored")
+    assert all(n == 8192 for n in direct_writes)
+    with make_engine("bf16-nvme", tmp_path / "resumed", seed=1) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert_same_state(resumed.state_dict(), saved)
+        assert run(resumed, 3, 3) == ref_losses[3:]
+        assert_same_state(resumed.state_dict(), ref_state)

@@ -4,12 +4,13 @@ place at the end ([Note: atomic checkpoint directory] in directory.py).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import warnings
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,6 +61,80 @@ class _HashingWriter:
             self._file.close()  # flushes what is buffered: may fail as the write did
         except OSError:
             pass
+
+
+class _DirectWriter(_HashingWriter):
+    """A _HashingWriter for the large unit files: the bytes go through a page-aligned
+    staging buffer, written with O_DIRECT a whole buffer at a time, and the tail (less than
+    a buffer) through the page cache at close. Buffered writes of tens of GB are throttled
+    by the kernel's writeback: a 1-layer 3B-shaped save spent 17.9 of its 27.4 s in file
+    writes (0.33 GB/s), against 2-2.5 GB/s for O_DIRECT on the same disk. Where the
+    filesystem refuses O_DIRECT (tmpfs: at open; some others: EINVAL at the first write)
+    the buffers go through the page cache instead."""
+
+    STAGE_BYTES = 8 << 20
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from offload.io import aligned_empty
+
+        self._direct: Optional[int] = None
+        try:
+            self._direct = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            pass
+        self._stage = memoryview(aligned_empty(self.STAGE_BYTES).numpy())
+        self._staged = 0   # bytes in the stage
+        self._flushed = 0  # bytes written to the file before them
+
+    def write_bytes(self, data: "bytes | memoryview") -> int:
+        offset = self.nbytes
+        self._hash.update(data)
+        os_step("checkpoint.save.write", "write", self.path, self._stage_bytes, memoryview(data).cast("B"))
+        self.nbytes += len(data)
+        return offset
+
+    def _stage_bytes(self, data: memoryview) -> None:
+        while len(data):
+            n = min(len(data), self.STAGE_BYTES - self._staged)
+            self._stage[self._staged:self._staged + n] = data[:n]
+            self._staged += n
+            data = data[n:]
+            if self._staged == self.STAGE_BYTES:
+                self._write_stage(direct=True)
+
+    def _write_stage(self, direct: bool) -> None:
+        """Write the stage's bytes at the file's end: with O_DIRECT when ``direct`` and it is
+        open, else through the page cache."""
+        done, n = 0, self._staged
+        while done < n:  # a short write goes on from where it stopped
+            fd = self._direct if direct and self._direct is not None else self._file.fileno()
+            try:
+                done += os.pwrite(fd, self._stage[done:n], self._flushed + done)
+            except OSError as error:
+                if fd != self._direct or error.errno != errno.EINVAL:
+                    raise
+                self._close_direct()  # O_DIRECT opened but refused: the page cache from here
+        self._flushed += n
+        self._staged = 0
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+
+    def close(self) -> Dict[str, Any]:
+        try:
+            os_step(None, "write", self.path, self._write_stage, False)
+        except BaseException:
+            self.abort()
+            raise
+        self._close_direct()
+        return super().close()
+
+    def abort(self) -> None:
+        self._close_direct()
+        super().abort()
 
 
 def _jsonable_group(group: Dict[str, Any], index: int) -> Dict[str, Any]:
@@ -243,7 +318,7 @@ def _write_unit(access: "CheckpointAccess", u: "UnitState", tmp: str, suffix: st
     if t_lo >= t_hi and f_lo >= f_hi:
         return []
     file_name = f"unit-{u.index:05d}{suffix}.bin"
-    writer = _HashingWriter(os.path.join(tmp, file_name))
+    writer = _DirectWriter(os.path.join(tmp, file_name))
     pieces = []
     try:
         for a, b in access.chunks(t_lo, t_hi):  # a piece of each state at a time: master | exp_avg | exp_avg_sq
