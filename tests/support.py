@@ -401,3 +401,61 @@ class SlowDevice:
         self._queue.put(None)
         self._thread.join()
         self.inner.close()
+
+
+# ------------------------------------------------------------------ update timing
+class UpdatesHeldForTheNextForward:
+    """Updates made to wait, on the optimizer worker, for the next forward to come near
+    them: after ``hold()`` (called between backward and ``step()``), the update of the unit
+    at position k of ``order`` (the unit names in forward order, the root first) waits until
+    the next forward reaches unit k - 1 (the first block waits for its own forward; the
+    root's update is not held: the forward starts by waiting for it). So the prefetcher,
+    which looks ahead of the forward, has always met those updates queued and not started,
+    whatever the machine's pace. ``fail``: (unit name, exception) that unit's held update
+    raises once it is let go (an update still queued when step() returned, failing while
+    the next forward runs); nothing is held after it. As a context manager it arms the ``hooks.forward``,
+    ``optim.early_update`` and ``optim.deferred_update`` points, and lets everything go on
+    exit."""
+
+    def __init__(self, order, fail=None, timeout=60.0):
+        self.order, self.fail, self.timeout = list(order), fail, timeout
+        self._reached = None  # the units the forward since hold() has reached; None: not held
+        self._changed = threading.Condition()
+        self._stack = contextlib.ExitStack()
+
+    def hold(self):
+        with self._changed:
+            self._reached = set()
+
+    def _forward(self, unit, **_):
+        with self._changed:
+            if self._reached is not None:
+                self._reached.add(unit)
+                self._changed.notify_all()
+
+    def _update(self, unit, **_):
+        k = self.order.index(unit)
+        if k == 0:
+            return
+        waits_for = self.order[max(k - 1, 1)]
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._reached is None or waits_for in self._reached,
+                                          self.timeout):
+                raise AssertionError(f"the update of {unit} waited {self.timeout} s for the forward of {waits_for}")
+        if self.fail is not None and self.fail[0] == unit and self._reached is not None:
+            with self._changed:  # the forward stops here: the updates behind this one go on
+                self._reached = None
+                self._changed.notify_all()
+            raise self.fail[1]
+
+    def __enter__(self):
+        self._stack.enter_context(offload.faults.inject("hooks.forward", self._forward))
+        self._stack.enter_context(offload.faults.inject("optim.early_update", self._update))
+        self._stack.enter_context(offload.faults.inject("optim.deferred_update", self._update))
+        return self
+
+    def __exit__(self, *exc):
+        with self._changed:
+            self._reached = None
+            self._changed.notify_all()
+        return self._stack.__exit__(*exc)

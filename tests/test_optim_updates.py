@@ -10,8 +10,8 @@ import offload
 import offload.faults
 from offload.gpt import GPT
 
-from support import (CFG, SlowDevice, Sleepy, batches, gpt_loss, make_opt, nvme_gpt_engine, train_offload,
-                     wrap_swap_io)
+from support import (CFG, SlowDevice, Sleepy, UpdatesHeldForTheNextForward, batches, gpt_loss, make_opt,
+                     nvme_gpt_engine, train_offload, wrap_swap_io)
 
 
 # ---------------------------------------------------------------------------- early updates
@@ -147,6 +147,11 @@ def slow_sleepy_engine(swap_dir, seed=0, budget_units=8, **config):
     return engine
 
 
+# Clipping on (never triggering) without speculation: no early updates, so step() defers
+# every update, and UpdatesHeldForTheNextForward holds each until the next forward is near.
+ALL_DEFERRED = dict(max_grad_norm=1e9, speculative_updates=False)
+
+
 def train_sleepy(engine, x, steps):
     for _ in range(steps):
         engine.backward(engine(x))
@@ -172,17 +177,20 @@ def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
     results = {}
     x = torch.randn(4, 32)
     for fill in (True, False):
-        with slow_sleepy_engine(tmp_path / str(fill)) as engine:
+        with slow_sleepy_engine(tmp_path / str(fill), **ALL_DEFERRED) as engine:
             if not fill:
                 engine.debug.residency.fill_behind_updates = False  # the behaviour before fills
             per_step = []
-            for _ in range(6):
-                before = engine.stats()
-                engine.backward(engine(x))
-                engine.step()
-                after = engine.stats()
-                per_step.append({k: after[k] - before[k] for k in (
-                    "update_fills", "prefetch_misses", "bytes_nvme_to_device")})
+            # the updates wait for the next forward to start, at any pace of this machine
+            with UpdatesHeldForTheNextForward(u.name for u in engine.units) as held:
+                for _ in range(6):
+                    before = engine.stats()
+                    engine.backward(engine(x))
+                    held.hold()
+                    engine.step()
+                    after = engine.stats()
+                    per_step.append({k: after[k] - before[k] for k in (
+                        "update_fills", "prefetch_misses", "bytes_nvme_to_device")})
             engine.zero_grad()
             results[fill] = (per_step[3:], engine.state_dict())
     (on, state_on), (off, state_off) = results[True], results[False]
@@ -277,21 +285,23 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")  # the failed pass
 def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path):
-    """[Note: updates fill the device copy] A deferred update that fails while the next
-    forward has device slots waiting for updates: the error comes out of that forward, no
+    """[Note: updates fill the device copy] An update still queued when step() returned
+    fails while the next forward has device slots waiting for updates: the error comes out of that forward, no
     slot is left in flight or unaccounted for, and loading the last checkpoint makes the
     rest of the run end where an undisturbed one does."""
     x = torch.randn(4, 32)
-    with slow_sleepy_engine(tmp_path / "ref") as ref:
+    with slow_sleepy_engine(tmp_path / "ref", **ALL_DEFERRED) as ref:
         final = state_after(ref, x, 6)
-    with slow_sleepy_engine(tmp_path / "swap") as engine:
+    with slow_sleepy_engine(tmp_path / "swap", **ALL_DEFERRED) as engine:
         train_sleepy(engine, x, 3)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         fills = engine.stats()["update_fills"]
-        train_sleepy(engine, x, 1)  # its updates are still queued when step() returns
-        # two parameters a unit: the fourth unit updated from here
-        with offload.faults.inject("optim.adam", offload.faults.raising(RuntimeError("injected Adam failure")),
-                                   at=7):
+        # step()'s updates wait for the next forward to come near them; the fourth block's fails
+        with UpdatesHeldForTheNextForward((u.name for u in engine.units),
+                                          fail=("blocks.3", RuntimeError("injected Adam failure"))) as held:
+            engine.backward(engine(x))
+            held.hold()
+            engine.step()
             with pytest.raises(RuntimeError, match="injected Adam failure"):
                 engine.backward(engine(x))
         assert engine.stats()["update_fills"] > fills  # slots were waiting for updates
