@@ -41,7 +41,9 @@ from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Tupl
 import torch
 from torch import nn
 
+from offload.checkpoint.files import file_digests, reading_engine
 from offload.errors import CheckpointError
+from offload.io import IOEngine
 
 FORMAT = "offload-checkpoint"
 VERSION = 2
@@ -132,9 +134,8 @@ def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, A
                               "(the manifest was modified or corrupted)")
     check_fields(manifest, path)
     files = manifest["files"]
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
     first, every = share
+    hashed: List[Tuple[str, str, int]] = []  # (name, path, size) of this share's files
     for i, (file_name, info) in enumerate(sorted(files.items())):
         file_path = checked_path(ckpt_dir, file_name)
         try:
@@ -145,16 +146,12 @@ def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, A
         if size != info.get("bytes"):
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: file {file_name!r} has {size} bytes, "
                                   f"the manifest says {info.get('bytes')} (truncated or replaced)")
-        if i % every != first:
-            continue
-        digest = hashlib.sha256()
-        with open(file_path, "rb") as f:
-            while True:
-                n = f.readinto(buffer)
-                if not n:
-                    break
-                digest.update(view[:n])
-        if digest.hexdigest() != info.get("sha256"):
+        if i % every == first:
+            hashed.append((file_name, file_path, size))
+    # [Note: checkpoint reads] in offload/checkpoint/files.py
+    digests = file_digests([(path, size) for _, path, size in hashed])
+    for (file_name, _, _), digest in zip(hashed, digests):
+        if digest != files[file_name].get("sha256"):
             raise CheckpointError(f"checkpoint {ckpt_dir!r}: file {file_name!r} does not match its "
                                   "sha256 checksum (corrupted)")
     if manifest["version"] == 1:
@@ -374,17 +371,23 @@ def read_range(f: BinaryIO, file_name: str, file_bytes: int, offset: int, out: t
 
 
 class PieceReader:
-    """Reads ranges of a checkpoint's files, keeping each file open once opened."""
+    """Reads ranges of a checkpoint's files through an I/O engine ([Note: checkpoint reads]
+    in offload/checkpoint/files.py), which keeps the files open."""
 
     def __init__(self, ckpt_dir: str, files: Dict[str, Dict[str, Any]]) -> None:
         self.ckpt_dir = ckpt_dir
         self.files = files
-        self._handles: Dict[str, BinaryIO] = {}
+        self._io: Optional[IOEngine] = None
 
     def read(self, file_name: str, offset: int, out: torch.Tensor) -> None:
-        if file_name not in self._handles:
-            self._handles[file_name] = open(checked_path(self.ckpt_dir, file_name), "rb")
-        read_range(self._handles[file_name], file_name, self.files[file_name]["bytes"], offset, out)
+        nbytes, file_bytes = out.numel() * out.element_size(), self.files[file_name]["bytes"]
+        if not isinstance(offset, int) or offset < 0 or offset + nbytes > file_bytes:
+            raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
+                                  f"[{offset}, {offset}+{nbytes}) outside the file ({file_bytes} bytes)")
+        if self._io is None:
+            self._io = reading_engine()
+        self._io.read_into(out.reshape(-1).view(torch.uint8), checked_path(self.ckpt_dir, file_name),
+                           offset).wait()
 
     def read_param(self, record: Dict[str, Any], key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of one parameter's ``key`` section ("master", "exp_avg",
@@ -402,6 +405,6 @@ class PieceReader:
                 part.copy_(value)
 
     def close(self) -> None:
-        for f in self._handles.values():
-            f.close()
-        self._handles.clear()
+        if self._io is not None:
+            self._io.close()
+            self._io = None

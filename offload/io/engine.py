@@ -158,11 +158,13 @@ class IOEngine:
         the choice reflects the device that will be used.
     max_open_files: files kept open between requests (each holds a file descriptor); 0 opens
         and closes the file for every request.
+    warn_buffered: warn (once) when a file is opened without O_DIRECT because its filesystem
+        refuses it; False where that is expected.
     """
 
     def __init__(self, backend: str = "auto", block_bytes: int = 1 << 20, queue_depth: int = 32,
                  probe_dir: Optional[str] = None, *,
-                 max_open_files: int = DEFAULT_MAX_OPEN_FILES):
+                 max_open_files: int = DEFAULT_MAX_OPEN_FILES, warn_buffered: bool = True):
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if backend != "auto" and backend not in BACKENDS:
@@ -187,7 +189,7 @@ class IOEngine:
         self.queue_depth = queue_depth
         self._pending: List[IOHandle] = []
         self._tracked_requests = TRACKED_REQUESTS
-        self._warned_buffered = False
+        self._warned_buffered = not warn_buffered
         self._closed = False
 
     def read_into(self, tensor: torch.Tensor, path, offset: int = 0) -> IOHandle:
