@@ -329,10 +329,12 @@ def test_spare_homes_go_to_the_units_backward_finishes_first_when_the_disk_is_sh
     assert short[2]["nvme_bytes"] == unspeculated + last_two
     torch.manual_seed(0)
     model = GPT(CFG)
-    with pytest.warns(RuntimeWarning, match="spare homes"):
+    with pytest.warns(RuntimeWarning, match="spare homes") as caught:
         with offload.wrap(model, make_opt(model.parameters()),
                           config=config(tmp_path, "which", max_grad_norm=1.0)) as engine:
             assert [u.spare is not None for u in engine.units] == [False] * 3 + [True] * 2
+    # the warning points at the wrap() call above, not into the engine
+    assert [w.filename for w in caught if "spare homes" in str(w.message)] == [__file__]
 
 
 def test_host_spares_count_against_host_budget(tmp_path):

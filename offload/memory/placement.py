@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.config import OffloadConfig, format_size
+from offload.errors import warn_at_caller
 from offload.memory.budget import (
     UnitSizes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
     swap_bytes, unit_home_bytes)
@@ -282,12 +282,12 @@ def fit_spares_to_swap(units: Sequence[UnitSizes], layout: Layout, usable: Optio
             break
     fitted = dataclasses.replace(layout, spare_units=tuple(keep))
     wanted = sum(1 for i, u in enumerate(units) if layout.has_spare(i, u.trainable))
-    warnings.warn(
+    warn_at_caller(
         f"speculative_updates: the swap directory has room ({format_size(free_bytes)}, "
         f"{SPARE_FREE_FRACTION:.0%} of its free space) for the spare homes of "
         f"{sum(keep)} of {wanted} units (each needs its states twice); the others are updated after backward, "
         f"once the gradient norm is known. With all of them the run needs {format_size(swap_bytes(units, layout))} "
-        "of swap; speculative_updates=False silences this", RuntimeWarning, stacklevel=3)
+        "of swap; speculative_updates=False silences this", RuntimeWarning)
     return fitted
 
 
