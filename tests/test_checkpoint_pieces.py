@@ -237,3 +237,42 @@ def test_unit_files_go_through_o_direct_or_the_page_cache_and_load_the_same(dire
         assert_same_state(resumed.state_dict(), saved)
         assert run(resumed, 3, 3) == ref_losses[3:]
         assert_same_state(resumed.state_dict(), ref_state)
+
+
+def test_a_unit_file_write_that_fails_on_the_writer_thread_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    """Unit files' stages are hashed and written on threads of their own while the next
+    stage fills; a write failing there (ENOSPC at the third O_DIRECT stage, 8 KiB stages)
+    fails save_checkpoint with that errno and the file's name, removes the partial
+    directory, keeps the checkpoint the name held, and the next save works."""
+    import errno
+
+    import offload.checkpoint.save as save
+
+    monkeypatch.setattr(save._DirectWriter, "STAGE_BYTES", 8192)
+    real_pwrite = os.pwrite
+    writes = []
+
+    def failing_pwrite(fd, data, offset):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("unit-"):
+            writes.append(offset)
+            if len(writes) == 3:
+                raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return real_pwrite(fd, data, offset)
+
+    with make_engine("bf16-nvme", tmp_path / "swap") as engine:
+        run(engine, 0, 2)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        kept = offload.checkpoint.read_manifest(str(tmp_path / "ckpt"))["checksum"]
+        run(engine, 2, 1)
+        monkeypatch.setattr(os, "pwrite", failing_pwrite)
+        with pytest.raises(OSError, match=r"unit-\d+\.bin") as caught:
+            engine.save_checkpoint(str(tmp_path / "ckpt"))
+        monkeypatch.undo()
+        assert caught.value.errno == errno.ENOSPC
+        assert sorted(os.listdir(tmp_path)) == ["ckpt", "swap"]  # no partial directory
+        assert offload.checkpoint.read_manifest(str(tmp_path / "ckpt"))["checksum"] == kept
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = engine.state_dict()
+    with make_engine("bf16-nvme", tmp_path / "resumed", seed=1) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert_same_state(resumed.state_dict(), saved)
