@@ -204,6 +204,8 @@ def test_bad_arguments_name_the_argument(tmp_path):
         IOEngine("threads", queue_depth=0)
     with pytest.raises(TypeError, match="queue_depth"):
         IOEngine("threads", queue_depth=2.0)
+    with pytest.raises(TypeError, match="warn_buffered"):
+        IOEngine("threads", warn_buffered="no")
     with IOEngine("threads") as io:
         with pytest.raises(ValueError, match="contiguous"):
             io.write_from(torch.zeros(4, 4).t(), tmp_path / "x", 0)

@@ -173,6 +173,8 @@ class IOEngine:
                             ("max_open_files", max_open_files)):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not isinstance(warn_buffered, bool):
+            raise TypeError(f"warn_buffered must be a bool, got {type(warn_buffered).__name__}")
         if block_bytes <= 0 or block_bytes % ALIGN_BYTES or block_bytes > (1 << 30):
             raise ValueError(
                 f"block_bytes must be a positive multiple of {ALIGN_BYTES} up to 1 GiB, "
