@@ -183,7 +183,7 @@ class Engine:
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
                 timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
                 adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
-                release_grad=self._gradients.release,
+                release_grad=self._gradients.release, park_grad=self._gradients.park,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
                 record_failure=self._status.set)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update

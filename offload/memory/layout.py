@@ -292,6 +292,8 @@ class UnitState:
         self.grad_home: Any = None
         self.grad_spilled = False
         self.spilled_grad_squares: List[Tuple[int, torch.Tensor]] = []
+        # the squares of gradients read back from the extent and not changed since (else None)
+        self.read_back_squares: Optional[List[Tuple[int, torch.Tensor]]] = None
         # [zero] The part of the trainable prefix whose master/moments this rank keeps and
         # updates (all of it on one process), the grad buffer's length and the element of
         # the trainable prefix at grad[0]. The engine sets them from Partition.assign.

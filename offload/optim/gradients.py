@@ -52,6 +52,13 @@ Invariants:
   unit owns its gradients, so spill and update never race. A
   speculative update has run by then ([Note: speculative updates]); a unit that will still
   be updated early is spilled only if the allowance needs it, and read back by its update.
+  When what is left over the allowance belongs to units whose updates are queued or
+  running, the main thread waits for the first of those updates to finish, then spills
+  again (``gradient_budget_waits``): the worker's backlog does not take the host tier past
+  its budget (it took a 3B run 0.44 GB past it, one run in two). A speculative update that
+  read a unit's gradients back keeps them for a possible redo; they are still on the
+  extent, unchanged, so it lets go of the RAM and marks the unit spilled again (``park``),
+  and a redo reads them back once more.
 - A unit is spilled whole: every gradient it holds, copied piece by piece into the two
   halves of the bounce buffer (``SPILL_PIECE_BYTES`` each, or one unit's when that is
   less), each piece written while the next is copied in (or written from its flat
@@ -79,7 +86,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -219,6 +226,7 @@ class Gradients:
         src = grad.reshape(-1)
         if u.grad_spilled:  # [Note: gradient spill] accumulating onto spilled gradients
             self._read_back(u)
+        u.read_back_squares = None  # the values change from here: no longer the extent's
         adopted = False
         if self._layout.adopts_grads and u.grad is None:  # [Note: gradient ownership]
             if u.has_grad[k]:
@@ -298,14 +306,29 @@ class Gradients:
         def done(u: UnitState) -> bool:
             return u.grads_since_use >= len(u.trainable)
 
-        candidates = [u for u in self._units if u is not current and self._spillable(u)]
-        candidates.sort(key=lambda u: not done(u))  # stable
-        if done(current) and self._spillable(current):
-            candidates.append(current)
-        for u in candidates:
+        while True:
+            candidates = [u for u in self._units if u is not current and self._spillable(u)]
+            candidates.sort(key=lambda u: not done(u))  # stable
+            if done(current) and self._spillable(current):
+                candidates.append(current)
+            for u in candidates:
+                if self._ram_bytes <= self._allowance_bytes:
+                    return
+                self._spill(u)
             if self._ram_bytes <= self._allowance_bytes:
-                break
-            self._spill(u)
+                return
+            # Still over: the rest are units whose updates are queued or running (early or
+            # speculative, during backward). Their gradients cannot be spilled until the update
+            # is done, so backward waits for the first of them to finish instead of going past
+            # the budget by the worker's backlog ([Note: gradient spill]).
+            running = [u.update.ticket for u in self._units if u.update.ticket is not None and
+                       not u.update.ticket.done() and u.grad_home is not None and not u.grad_spilled and
+                       (u.grad is not None or any(g is not None for g in u.param_grads))]
+            if not running:
+                return
+            self._stats.count("gradient_budget_waits")
+            with self._stats.timed("optimizer_wait"):
+                wait_futures(running, return_when=FIRST_COMPLETED)
 
     @torch.no_grad()
     def _spill(self, u: UnitState) -> None:
@@ -364,7 +387,20 @@ class Gradients:
             self._host.release(buffer)
             raise
         self._count_ram(numel * FP32_BYTES)
+        u.read_back_squares = u.spilled_grad_squares  # the extent still holds these values
         u.grad, u.grad_spilled, u.spilled_grad_squares = buffer, False, []
+
+    def park(self, u: UnitState) -> None:
+        """[Note: gradient spill] After a speculative update, on its thread: gradients it
+        read back from u's extent and nobody changed since go back to being spilled (the
+        extent still holds them, with their squares), and their RAM is released; a redo
+        reads them back again. Gradients that never left RAM stay, as before."""
+        if u.read_back_squares is None or u.grad is None or not self._layout.adopts_grads:
+            return
+        self._host.release(u.grad)
+        self._count_ram(-u.grad.numel() * FP32_BYTES)
+        u.grad = None
+        u.grad_spilled, u.spilled_grad_squares, u.read_back_squares = True, u.read_back_squares, None
 
     def grad_buffer(self, u: UnitState) -> torch.Tensor:
         """u's flat fp32 gradient buffer, taken from the pool when its first gradient
@@ -397,7 +433,7 @@ class Gradients:
                 self._host.release(g)
                 self._count_ram(-g.numel() * FP32_BYTES)
                 u.param_grads[k] = None
-        u.grad_spilled, u.spilled_grad_squares = False, []  # [Note: gradient spill]
+        u.grad_spilled, u.spilled_grad_squares, u.read_back_squares = False, [], None  # [Note: gradient spill]
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The fp32 gradient of elements [a, b) (unit coordinates) of u's k-th trainable
