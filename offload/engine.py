@@ -183,7 +183,7 @@ class Engine:
                 nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
                 timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
                 adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
-                release_grad=self._gradients.release, park_grad=self._gradients.park,
+                release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
                 record_failure=self._status.set)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
@@ -221,7 +221,7 @@ class Engine:
                 grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
                 clipped=lambda: self._gradients.clipped, take_back=self._gradients.take_back,
                 zero_grad=self.zero_grad, loss_scale=lambda: self._gradients.loss_scale,
-                release_grad=self._gradients.release,
+                release_grad=self._gradients.release, park_grad=self._gradients.park,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),

@@ -350,20 +350,22 @@ def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
                     raise CheckpointError(f"checkpoint file {file_name!r}: parameter {r['fqn']!r} "
                                           f"has unknown dtype {piece.get('file_dtype')!r}")
                 for key in keys[r["trainable"]]:
-                    offset, nbytes, size = piece.get(key), piece["numel"] * dtype.itemsize, files[file_name]["bytes"]
-                    if not isinstance(offset, int) or offset < 0 or offset + nbytes > size:
-                        raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
-                                              f"[{offset}, {offset}+{nbytes}) outside the file ({size} bytes)")
+                    check_range(file_name, files[file_name]["bytes"], piece.get(key), piece["numel"] * dtype.itemsize)
             if covered != r["numel"]:
                 raise CheckpointError(f"checkpoint {ckpt_dir!r}: the pieces of parameter {r['fqn']!r} "
                                       f"cover {covered} of its {r['numel']} elements")
 
 
-def read_range(f: BinaryIO, file_name: str, file_bytes: int, offset: int, out: torch.Tensor) -> None:
-    nbytes = out.numel() * out.element_size()
+def check_range(file_name: str, file_bytes: int, offset: Any, nbytes: int) -> None:
+    """A CheckpointError unless bytes [offset, offset + nbytes) lie inside the file."""
     if not isinstance(offset, int) or offset < 0 or offset + nbytes > file_bytes:
         raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
                               f"[{offset}, {offset}+{nbytes}) outside the file ({file_bytes} bytes)")
+
+
+def read_range(f: BinaryIO, file_name: str, file_bytes: int, offset: int, out: torch.Tensor) -> None:
+    nbytes = out.numel() * out.element_size()
+    check_range(file_name, file_bytes, offset, nbytes)
     f.seek(offset)
     view = out.reshape(-1).view(torch.uint8).numpy()
     if f.readinto(memoryview(view)) != nbytes:
@@ -380,10 +382,7 @@ class PieceReader:
         self._io: Optional[IOEngine] = None
 
     def read(self, file_name: str, offset: int, out: torch.Tensor) -> None:
-        nbytes, file_bytes = out.numel() * out.element_size(), self.files[file_name]["bytes"]
-        if not isinstance(offset, int) or offset < 0 or offset + nbytes > file_bytes:
-            raise CheckpointError(f"checkpoint file {file_name!r}: a manifest entry points at bytes "
-                                  f"[{offset}, {offset}+{nbytes}) outside the file ({file_bytes} bytes)")
+        check_range(file_name, self.files[file_name]["bytes"], offset, out.numel() * out.element_size())
         if self._io is None:
             self._io = reading_engine()
         self._io.read_into(out.reshape(-1).view(torch.uint8), checked_path(self.ckpt_dir, file_name),

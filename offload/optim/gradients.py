@@ -291,12 +291,16 @@ class Gradients:
         with self._grad_pool_lock:
             self._ram_bytes += num_bytes
 
+    @staticmethod
+    def _spillable_grads(u: UnitState) -> bool:
+        """u has a gradient extent and gradients in RAM."""
+        return u.grad_home is not None and not u.grad_spilled and \
+            (u.grad is not None or any(g is not None for g in u.param_grads))
+
     def _spillable(self, u: UnitState) -> bool:
         """u's gradients are in RAM and no update of u is queued or running."""
         ticket = u.update.ticket
-        return u.grad_home is not None and not u.grad_spilled and (ticket is None or ticket.done()) and \
-            u.delayed_update is None and \
-            (u.grad is not None or any(g is not None for g in u.param_grads))
+        return self._spillable_grads(u) and (ticket is None or ticket.done()) and u.delayed_update is None
 
     def _spill_over_allowance(self, current: UnitState) -> None:
         """Spill units until the gradients in RAM are within the allowance: units backward
@@ -322,8 +326,7 @@ class Gradients:
             # is done, so backward waits for the first of them to finish instead of going past
             # the budget by the worker's backlog ([Note: gradient spill]).
             running = [u.update.ticket for u in self._units if u.update.ticket is not None and
-                       not u.update.ticket.done() and u.grad_home is not None and not u.grad_spilled and
-                       (u.grad is not None or any(g is not None for g in u.param_grads))]
+                       not u.update.ticket.done() and self._spillable_grads(u)]
             if not running:
                 return
             self._stats.count("gradient_budget_waits")
@@ -391,7 +394,7 @@ class Gradients:
         u.grad, u.grad_spilled, u.spilled_grad_squares = buffer, False, []
 
     def park(self, u: UnitState) -> None:
-        """[Note: gradient spill] After a speculative update, on its thread: gradients it
+        """[Note: gradient spill] After a speculative update (UpdateScheduler), on its thread: gradients it
         read back from u's extent and nobody changed since go back to being spilled (the
         extent still holds them, with their squares), and their RAM is released; a redo
         reads them back again. Gradients that never left RAM stay, as before."""

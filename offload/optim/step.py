@@ -55,7 +55,6 @@ class PipelinedStep:
                  adam_range: Callable[..., None],
                  compute_target: Callable[[UnitState], Optional[torch.Tensor]],
                  release_grad: Callable[[UnitState], None],
-                 park_grad: Callable[[UnitState], None],
                  read_master: Callable[[UnitState], torch.Tensor],
                  load: Callable[[Any, int, torch.dtype], torch.Tensor],
                  fail_step: Callable[[BaseException, str], NoReturn],
@@ -64,8 +63,7 @@ class PipelinedStep:
         what the host budget check planned, which the dirty copies may not eat into. The
         callables are the engine's: the step counts and pieces of a unit, Adam over a range
         of a unit (Engine._adam_range), where a separate compute copy is written, giving a
-        unit's gradients back or (``park_grad``, after a speculative update) letting go of a
-        copy read back from their spill extent, reading a whole master or home, stopping the engine after a
+        unit's gradients back, reading a whole master or home, stopping the engine after a
         step failed part-way (fatal) and recording a non-fatal failure (the failed writes)."""
         self.slots = slots
         self._layout = layout
@@ -81,7 +79,6 @@ class PipelinedStep:
         self._adam_range = adam_range
         self._compute_target = compute_target
         self._release_grad = release_grad
-        self._park_grad = park_grad
         self._read_master = read_master
         self._load = load
         self._fail_step = fail_step
@@ -340,7 +337,6 @@ class PipelinedStep:
         self._piece_ring(len(pieces), ring, start_reads, update)
         if spare is not None:
             spare.steps = steps
-            self._park_grad(u)  # kept for a redo, on NVMe if they came from there ([Note: gradient spill])
             return
         u.steps = steps
         self._release_grad(u)

@@ -101,6 +101,7 @@ class UpdateScheduler:
                  zero_grad: Callable[[], None],
                  loss_scale: Callable[[], float],
                  release_grad: Callable[[UnitState], None],
+                 park_grad: Callable[[UnitState], None],
                  update_in_place: Callable[..., None],
                  release: Callable[[UnitState], None],
                  drain_fetches: Callable[[], None],
@@ -116,7 +117,8 @@ class UpdateScheduler:
         last training pass's trace key; its failure state (refuse when failed, stop after
         a step failed part-way); gradients (one parameter's squared norm, the step's factor
         and skip decision, whether that norm clipped, zero_grad, the loss scale now, giving one
-        unit's back, taking one unit's fields back from its delayed update); Adam over a whole host-homed unit
+        unit's back, letting go of a speculative update's read-back copy of spilled ones,
+        taking one unit's fields back from its delayed update); Adam over a whole host-homed unit
         (Engine._update_in_place); residency (release a device copy, land the fetches in
         flight, land those waiting for updates, bring a unit whose update is pending,
         start a fetch)."""
@@ -143,6 +145,7 @@ class UpdateScheduler:
         self._zero_grad = zero_grad
         self._loss_scale = loss_scale
         self._release_grad = release_grad
+        self._park_grad = park_grad
         self._update_in_place = update_in_place
         self._release = release
         self._drain_fetches = drain_fetches
@@ -506,6 +509,8 @@ class UpdateScheduler:
             self._step_ring.update_early(u, groups, grad_factor)
         else:
             self._update_in_place(u, grad_factor, groups, speculative=u.update.speculative)
+        if u.update.speculative:  # its gradients wait for the norm, on NVMe if they came from there
+            self._park_grad(u)  # ([Note: gradient spill])
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
