@@ -413,9 +413,9 @@ class UpdatesHeldForTheNextForward:
     which looks ahead of the forward, has always met those updates queued and not started,
     whatever the machine's pace. ``fail``: (unit name, exception) that unit's held update
     raises once it is let go (an update still queued when step() returned, failing while
-    the next forward runs); nothing is held after it. As a context manager it arms the ``hooks.forward``,
-    ``optim.early_update`` and ``optim.deferred_update`` points, and lets everything go on
-    exit."""
+    the next forward runs); nothing is held after it. As a context manager it arms the
+    ``hooks.forward``, ``optim.early_update`` and ``optim.deferred_update`` points, and lets
+    everything go on exit."""
 
     def __init__(self, order, fail=None, timeout=60.0):
         self.order, self.fail, self.timeout = list(order), fail, timeout
