@@ -190,6 +190,8 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         "gradient_bytes": sum(u.grad_numel for u in units if u.trainable) * 4,  # fp32
         "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
         "failed_gradient_spills": s.counts["failed_gradient_spills"],
+        # fetches that failed before anything used them: drain_fetches in DeviceResidency
+        "failed_prefetches": s.counts["failed_prefetches"],
         "gradient_budget_waits": s.counts["gradient_budget_waits"],  # [Note: gradient spill]
         # [Note: placement by budget] compute copies, masters and moments at home per tier
         **{f"home_bytes_{tier}": n for tier, n in home_bytes.items()},

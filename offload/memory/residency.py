@@ -14,7 +14,9 @@ changes the state.
     LOADING  LOADED   DeviceResidency.finish_fetch: the transfer landed (a use, drain_fetches,
                       land_fills); the parameters are bound to the slot
     LOADING  HOME     DeviceResidency.finish_fetch: the transfer failed; the slot goes back
-                      (not the root's) and the home copy, unchanged, is read at the next use
+                      (not the root's) and the home copy, unchanged, is read at the next use;
+                      raised to a use that waits for it, counted and warned about when
+                      drain_fetches lands it (a fetch ahead of its use: nothing lost)
     LOADED   IN_USE   the engine's forward hooks, while the unit's forward runs (the root's:
                       the whole forward); an IN_USE unit is never evicted
     IN_USE   LOADED   the engine's forward hooks, when that forward ends
@@ -35,6 +37,7 @@ from typing import Any, Callable, ContextManager, List, Optional
 import torch
 
 from offload import faults
+from offload.errors import warn_at_caller
 from offload.memory.budget import compute_home_numel
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
 from offload.memory.released import ReleasedParameters
@@ -323,9 +326,18 @@ class DeviceResidency:
             self._stale_units.clear()
 
     def drain_fetches(self) -> None:
+        """Land every fetch in flight, before device copies are judged, states read or the
+        engine closed: nobody uses these copies yet. So a fetch whose swap read failed is
+        not raised here (its unit is HOME again, nothing changed, and its next use reads it
+        again and raises if the disk still fails): it is counted in
+        ``stats()["failed_prefetches"]`` and warned about."""
         for u in self.units:
             if u.compute_state == Residency.LOADING:
-                self.finish_fetch(u)
+                try:
+                    self.finish_fetch(u)
+                except OSError as error:
+                    self._stats.count("failed_prefetches")
+                    warn_at_caller(f"offload: {error}; nothing used it yet, and its next use reads it again")
 
     def prefetch(self) -> None:
         """Start the transfers the trace says come next (see offload/prefetch/)."""
