@@ -131,15 +131,18 @@ class OffloadConfig:
     reading them back for their update ([Note: gradient spill]); wrap refuses a budget
     below the fixed host needs plus two units' gradients, naming the sizes."""
 
-    param_tier: str = "host"
-    """Home of the compute copy of the parameters: "device", "host", "nvme", or "auto": the
-    device when device_budget holds every unit (or is None), else per unit, host or NVMe,
-    the host first within host_budget ([Note: placement by budget]; ``Engine.placement()``
-    says what was chosen)."""
+    param_tier: str = "auto"
+    """Home of the compute copy of the parameters: "device", "host", "nvme", or "auto" (the
+    default): the device when device_budget holds every unit (or is None) and the run does
+    not update speculatively or delayed (those keep the copies at home), else per unit,
+    host or NVMe, the host first within host_budget ([Note: placement by budget];
+    ``Engine.placement()`` says what was chosen). Without a swap_dir "auto" never chooses
+    NVMe; with several ranks it is "host"."""
 
-    optimizer_tier: str = "host"
-    """Home of the fp32 master weights and Adam's moments: "host", "nvme" or "auto" (per
-    unit, as param_tier "auto")."""
+    optimizer_tier: str = "auto"
+    """Home of the fp32 master weights and Adam's moments: "host", "nvme" or "auto" (the
+    default: per unit, host or NVMe, as param_tier "auto"; the host for every unit without a
+    swap_dir or with several ranks)."""
 
     swap_dir: Optional[str] = None
     """Directory for swap files; required when a tier is "nvme". With an "auto" tier and no

@@ -188,6 +188,42 @@ def test_compute_copies_go_to_the_device_when_its_budget_holds_them_all(tmp_path
     assert "device" not in {u.compute_tier for u in placement.units}
 
 
+def test_the_default_tiers_are_auto_and_compute_what_host_host_computes(tmp_path):
+    """Issue 19: "auto" is the default of both tiers. With nothing set it keeps every compute
+    copy on the device (device_budget None) and every state in RAM; where the run may update
+    speculatively (clipping here) the compute copies stay at home as with param_tier "host";
+    with the device budget at its floor and no swap_dir, everything is on the host as with
+    the old defaults. Every case computes what explicit (host, host) computes, bit for bit."""
+    assert (OffloadConfig().param_tier, OffloadConfig().optimizer_tier) == ("auto", "auto")
+    floor = minimum_device_budget(gpt_sizes("fp32"), "nvme", 4)
+    data = batches(3)
+    for extra, expected in ((dict(), "ddddd/hhhhh"), (dict(max_grad_norm=0.5), "hhhhh/hhhhh"),
+                            (dict(max_grad_norm=0.5, speculative_updates=False), "ddddd/hhhhh"),
+                            (dict(device_budget=floor), "hhhhh/hhhhh")):
+        defaults = dict(device="cpu", **extra)
+        placement, stats, _ = placement_of(defaults)
+        assert tiers(placement) == expected, extra
+        assert stats["nvme_bytes"] == 0
+        losses, state, *_ = train_gpt(defaults, data)
+        ref_losses, ref_state, *_ = train_gpt(dict(defaults, param_tier="host", optimizer_tier="host"), data)
+        assert losses == ref_losses, extra
+        assert_same_state(state, ref_state)
+
+
+def test_the_default_tiers_with_a_swap_dir_use_nvme_only_beyond_the_host_budget(tmp_path):
+    """The defaults with a swap_dir: everything in RAM while host_budget holds it (no NVMe
+    byte), states on NVMe only beyond it, where explicit (host, host) is refused at wrap."""
+    floor = minimum_device_budget(gpt_sizes("fp32"), "nvme", 4)
+    roomy = dict(device="cpu", device_budget=floor, swap_dir=str(tmp_path / "swap"))
+    placement, stats, _ = placement_of(roomy)
+    assert tiers(placement) == "hhhhh/hhhhh" and stats["nvme_bytes"] == 0
+    tight = dict(roomy, host_budget=all_nvme_floor(tmp_path, "fp32"))
+    placement, stats, _ = placement_of(tight)
+    assert "n" in tiers(placement) and stats["nvme_bytes"] > 0
+    with pytest.raises(ValueError, match="host_budget"):
+        placement_of(dict(tight, param_tier="host", optimizer_tier="host"))
+
+
 def test_a_machine_profile_is_checked_at_wrap_before_anything_is_touched(tmp_path):
     model = GPT(CFG)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -2,11 +2,14 @@
 machine profile (link bandwidths, Adam throughput) the choice and the step-time prediction
 use. One function decides (``place_units``); wrap and ``offload plan`` both call it.
 
-[Note: placement by budget] With ``param_tier="auto"`` or ``optimizer_tier="auto"`` the
-engine chooses, for every unit, where its compute copy and where its fp32 master and Adam
-moments live. Compute copies go to the device, all of them, when ``device_budget`` holds
-every unit (or is None: no limit), as ``param_tier="device"`` puts them: then nothing is
-fetched. Otherwise the choice is per unit, host RAM or NVMe: it starts from every auto role on NVMe
+[Note: placement by budget] With ``param_tier="auto"`` or ``optimizer_tier="auto"`` (both
+the defaults) the engine chooses, for every unit, where its compute copy and where its fp32
+master and Adam moments live. Compute copies go to the device, all of them, when
+``device_budget`` holds every unit (or is None: no limit), as ``param_tier="device"`` puts
+them: then nothing is fetched; but not in a run that may update speculatively (clipping,
+fp16 or skips, unless speculative_updates=False) or delayed, which need the copies at home.
+With several ranks an "auto" role is on the host, every unit (per-unit placement is for one
+process). Otherwise the choice is per unit, host RAM or NVMe: it starts from every auto role on NVMe
 (or, without a swap_dir, on the host) and moves roles to the host one at a time, best first,
 as long as the host budget still holds everything else the run keeps there, counted by the
 one budget arithmetic (memory/budget.py ``host_bytes``: staging slots, spare homes of
@@ -229,8 +232,11 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     allocated. ValueErrors name the config field (machine_profile, host_budget, the tiers)."""
     auto = "auto" in (config.param_tier, config.optimizer_tier)
     if auto and partition is not None:
-        raise ValueError("param_tier/optimizer_tier: 'auto' places units for one process; with several "
-                         "ranks give explicit tiers")
+        # per-unit placement is for one process: with several ranks an "auto" role is on the
+        # host, every unit, as the tiers' defaults were before they became "auto"
+        config = dataclasses.replace(config, **{f"{role}_tier": "host" for role in ("param", "optimizer")
+                                                if getattr(config, f"{role}_tier") == "auto"})
+        return Layout.resolve(config, device, partition)
     profile = load_profile(config.machine_profile, "machine_profile") if auto else DEFAULT_PROFILE
 
     base = Layout.resolve(config, device, partition)
@@ -239,12 +245,16 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
         # the default host budget as read once, for every candidate and the result
         return Layout.resolve(config, device, partition, (compute_tiers, state_tiers), base.host_budget)
 
-    if auto and base.host_budget is None:
-        raise ValueError("host_budget: 'auto' tiers need a host budget, and the memory available "
-                         "could not be read on this system; give host_budget")
+    if auto and base.host_budget is None and config.swap_dir is not None:
+        raise ValueError("host_budget: 'auto' tiers with a swap_dir need a host budget, and the memory "
+                         "available could not be read on this system; give host_budget")
     param_tier = config.param_tier
-    # (not with delayed updates, which keep a lagging compute copy at home)
-    if param_tier == "auto" and not config.delayed_update and (
+    # Not with delayed updates, which keep a lagging compute copy at home, nor where the run
+    # may update speculatively (clipping, fp16 or skips), which a device-homed compute copy
+    # rules out: there the compute copies stay at home, as with param_tier "host".
+    needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
+    if param_tier == "auto" and not config.delayed_update \
+            and not (needs_norm_first and config.speculative_updates is not False) and (
             config.device_budget is None
             or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):
         param_tier = "device"  # every compute copy fits the device budget: no fetch at all
