@@ -448,3 +448,30 @@ def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
     assert tiny["home_bytes"]["nvme"] > 0 and tiny["nvme_read_per_step"] > 0
     assert generous["home_bytes"]["nvme"] == 0 and generous["nvme_read_per_step"] == 0
     assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_bench_train_compares_the_new_default_tiers_with_the_old(tmp_path):
+    """--compare-defaults: an old (host, host) and a new (no tier given) row per scenario; with
+    nothing set the new defaults keep the compute copies on the device, with the device budget
+    at its floor on the host like the old; with a host budget the old defaults cannot meet
+    (here 0.03x their RSS, below the all-host need) the old row is refused at wrap and the
+    new one puts states on NVMe."""
+    out = tmp_path / "defaults.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--quick", "--compare-defaults", "--dtypes", "fp32", "--tight-fraction", "0.03",
+         "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step new/old" in proc.stdout
+    rows = {(r["scenario"], r["row"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 8
+    units = rows[("nothing set", "old-defaults")]["tiers"][0]["host"]
+    assert rows[("nothing set", "defaults")]["tiers"] == [{"device": units, "host": 0, "nvme": 0},
+                                                          {"device": 0, "host": units, "nvme": 0}]
+    for scenario in ("device budget at the floor", "floor, swap_dir, clipping"):
+        assert rows[(scenario, "defaults")]["tiers"] == rows[(scenario, "old-defaults")]["tiers"]
+    tight = "floor, swap_dir, clipping, tight host budget"
+    assert "host_budget" in rows[(tight, "old-defaults")]["error"]
+    assert rows[(tight, "defaults")]["tiers"][1]["nvme"] > 0 and rows[(tight, "defaults")]["nvme_read_per_step"] > 0
+    assert list((tmp_path / "swap").iterdir()) == []

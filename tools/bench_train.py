@@ -258,6 +258,11 @@ def offload_config(spec: dict, device_budget):
         return dict(common, param_tier="device", optimizer_tier="host", device_budget=None)
     if row == "host":
         return dict(common, param_tier="host", optimizer_tier="host", device_budget=device_budget)
+    if row in ("defaults", "old-defaults"):  # --compare-defaults (tools/bench_defaults.py)
+        config = dict(common, device_budget=None if spec.get("no_device_budget") else device_budget,
+                      swap_dir=spec.get("swap_dir"), host_budget=spec.get("host_budget"),
+                      max_grad_norm=spec.get("max_grad_norm"), swap_checksums=spec.get("swap_checksums", True))
+        return dict(config, param_tier="host", optimizer_tier="host") if row == "old-defaults" else config
     if row == "auto":  # --sweep-host-budget: [Note: placement by budget]
         config = dict(common, param_tier="auto", optimizer_tier="auto", device_budget=device_budget,
                       swap_dir=spec["swap_dir"], host_budget=spec["host_budget"],
@@ -353,6 +358,11 @@ def run_offload(spec: dict) -> dict:
         rss = peak_rss_bytes()  # the replay's buffers below are not the row's
         if spec["row"] == "auto":
             info = dict(info, **placement_report(engine, spec))
+        if spec["row"] in ("defaults", "old-defaults"):
+            placement = engine.placement()
+            info = dict(info, tiers=[{t: sum(getattr(u, role) == t for u in placement.units)
+                                      for t in ("device", "host", "nvme")}
+                                     for role in ("compute_tier", "state_tier")])
         if spec.get("paired_replay"):
             paired = paired_replay(step, engine.zero_grad, {"units": units, "phases": phases}, spec)
     finally:
@@ -944,6 +954,12 @@ def parse_args(argv=None):
                    help="with --nproc: cpu (gloo) or cuda (NCCL for ddp, one GPU per rank)")
     p.add_argument("--collective-timeout", type=float, default=300.0,
                    help="with --nproc: seconds a collective may wait for the other ranks")
+    p.add_argument("--compare-defaults", action="store_true",
+                   help="the tiers' defaults ('auto') against param_tier='host', optimizer_tier='host' in four "
+                        "scenarios (tools/bench_defaults.py)")
+    p.add_argument("--tight-fraction", type=float, default=0.5,
+                   help="with --compare-defaults: the last scenario's host budget as a fraction of the "
+                        "old defaults' RSS")
     p.add_argument("--sweep-host-budget", action="store_true",
                    help="placement 'auto' at host budgets from 0.3x to 1.2x the plain run's RSS, at "
                         "the device budget floor: step time measured and predicted (tools/bench_sweep.py)")
@@ -1062,6 +1078,10 @@ def main(argv=None) -> int:
         import bench_sweep  # tools/ is on sys.path: this script's directory
 
         return bench_sweep.main(args)
+    if args.compare_defaults:
+        import bench_defaults
+
+        return bench_defaults.main(args)
 
     rows = list(args.rows or DEFAULT_ROWS)
     deepspeed_note = None
