@@ -19,7 +19,9 @@ device keeps its shape; read weights with ``engine.state_dict()``.
 from __future__ import annotations
 
 import functools
+import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -215,6 +217,8 @@ class Hooks:
         self._saved_hooks: List[Any] = []  # the saved-tensor hooks of the forward running now
         self._aliases: List[_AliasSlot] = []  # [Note: shared parameter gradients]
         self._forward_depth = 0  # the root's forward may be called from within itself
+        # the frame of the root call that began the pass open now (None between passes)
+        self._pass_frame: Optional[types.FrameType] = None
         self._forward_started = 0.0
         self._backward_unit: Optional[UnitState] = None  # the unit whose backward runs now
         self._backward_started = 0.0
@@ -252,9 +256,15 @@ class Hooks:
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._forward_depth > 0 and not self._pass_on_stack():
+            # The last pass was interrupted where torch skips the always-called post-forward
+            # hooks (a KeyboardInterrupt in model(...) called directly; engine(...) ends its own
+            # pass): end it now, so that this call starts a new one instead of nesting in it.
+            self.abort_forward()
         self._forward_depth += 1
         if self._forward_depth > 1:
             return
+        self._pass_frame = sys._getframe(1)  # the root module's call, on the stack while the pass runs
         self._forward_started = time.perf_counter()
         # A new pass, no unit the current one. It raises, before anything of the pass
         # changes, if a released parameter was written ([Note: released parameters]); the
@@ -285,11 +295,22 @@ class Hooks:
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
 
+    def _pass_on_stack(self) -> bool:
+        """Whether the root call that began the open pass is still running on this thread's
+        stack (a call of the root from within its own forward), rather than unwound."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame is self._pass_frame:
+                return True
+            frame = frame.f_back
+        return False
+
     def abort_forward(self) -> None:
         """A forward raised ([Note: failures inside a step]). torch runs the always-called
         post-forward hooks for an Exception only: after a KeyboardInterrupt (or any other
         BaseException) end the pass here, so that the next forward starts a new one."""
         self._forward_depth = 0
+        self._pass_frame = None
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         for alias in self._aliases:
@@ -308,6 +329,7 @@ class Hooks:
         self._forward_depth -= 1
         if self._forward_depth > 0:
             return
+        self._pass_frame = None
         if self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         if self._root.compute_state == Residency.IN_USE:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import offload
+import offload.hooks
 from offload.gpt import GPT, GPTConfig
 from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel
 
@@ -300,6 +301,49 @@ def test_quirky_model_matches_plain_pytorch():
     frozen_unit = next(u for u in engine.units if any(e.fqn == "frozen.weight" for e in u.spec.entries))
     assert all(e.fqn not in ("frozen.weight", "frozen.bias") for e in frozen_unit.trainable)
     engine.close()
+
+
+class CallsItself(nn.Module):
+    """A model whose forward calls the model again, through __call__: the root's hooks run
+    nested, inside the pass the outer call began."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, inner=False):
+        if not inner:
+            return self(x, inner=True).square().mean()
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # e.g. a pass leaving its recorded trace
+def test_a_root_that_calls_itself_runs_one_pass_and_matches_plain_pytorch(swap_dir, monkeypatch):
+    """The inner call nests in the outer call's pass: it is not taken for the leftover of an
+    interrupted pass (which the next forward ends, Hooks.abort_forward)."""
+    aborted = []
+    abort_forward = offload.hooks.Hooks.abort_forward
+    monkeypatch.setattr(offload.hooks.Hooks, "abort_forward",
+                        lambda self: (aborted.append(True), abort_forward(self))[1])
+    torch.manual_seed(0)
+    ref = CallsItself()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randn(4, 16, generator=g) for _ in range(4)]
+    loss_fn = lambda m, b: m(b)  # noqa: E731
+    ref_losses = train_reference(ref, data, loss_fn=loss_fn)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, device_budget=12 * 1024,  # 2 of 4 blocks
+                  unit_predicate=lambda name, module: name.startswith("blocks."))
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        losses = train_offload(engine, data, loss_fn=loss_fn)
+        assert max_rel_error(engine.state_dict(), ref.state_dict()) < REL_TOL
+        # one pass a step, the outer call's: one recorded trace (an inner call taken for a
+        # new pass would record a second, under the key of its own arguments), replayed
+        assert engine.debug.prefetcher.num_traces == 1 and engine.stats()["prefetch_hits"] > 0
+    assert aborted == []
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) < REL_TOL
 
 
 def test_eval_and_no_grad_forward_work_between_steps():

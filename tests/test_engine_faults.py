@@ -340,6 +340,36 @@ def test_a_failed_read_ahead_of_the_next_pass_loses_nothing(then, tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("tiers", ["nvme", "host"])
+def test_an_interrupt_in_the_models_own_forward_ends_the_pass(tiers, tmp_path):
+    """Ctrl-C inside model(...) called directly, as the Hugging Face Trainer calls it (not
+    engine(...), which ends the pass itself): torch skips the always-called post-forward
+    hooks for a KeyboardInterrupt, so the next forward finds the pass still open. It must
+    start a new one, and the run equals one that never saw the interrupted forward."""
+    config = nvme_config(tmp_path) if tiers == "nvme" else dict(device_budget=100_000)
+
+    def model_step(engine, i):
+        b = batch(i)
+        engine.backward(engine.module(b[:, :-1], b[:, 1:]))
+        engine.step()
+
+    with make_engine(config) as ref:
+        for i in range(3):
+            model_step(ref, i)
+        final = ref.state_dict()
+    with make_engine(config) as engine:
+        model_step(engine, 0)
+        b = batch(1)
+        with offload.faults.inject("hooks.forward", offload.faults.raising(KeyboardInterrupt), at=2):
+            with pytest.raises(KeyboardInterrupt):
+                engine.module(b[:, :-1], b[:, 1:])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the interrupted pass left the recorded trace
+            for i in (1, 2):
+                model_step(engine, i)
+        assert_same_state(engine.state_dict(), final)
+
+
 def test_failed_write_without_room_to_hold_the_states_stops_the_engine(tmp_path):
     config = nvme_config(tmp_path)
     with make_engine(config) as probe:
