@@ -440,8 +440,12 @@ def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pred/meas" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [r["row"] for r in rows] == ["plain", "auto", "auto"]
-    tiny, generous = rows[1], rows[2]
+    # two plain runs, the sweep, one plain run, and the baseline: their median
+    assert [r["row"] for r in rows] == ["plain-run", "plain-run", "auto", "auto", "plain-run", "plain"]
+    runs = sorted(r["step_seconds"] for r in rows if r["row"] == "plain-run")
+    assert rows[-1]["plain_runs"] == [r["step_seconds"] for r in rows if r["row"] == "plain-run"]
+    assert rows[-1]["step_seconds"] == runs[1]
+    tiny, generous = rows[2], rows[3]
     for row in (tiny, generous):
         assert "error" not in row, row
         assert row["predicted_seconds"] > 0 and row["step_seconds"] > 0

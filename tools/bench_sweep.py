@@ -1,8 +1,10 @@
 """``tools/bench_train.py --sweep-host-budget``: step time against host budget with
 placement "auto" ([Note: placement by budget], offload/memory/placement.py).
 
-Per dtype, in one run: the plain PyTorch step (the baseline: its step time is also the
-compute time of the prediction, and its peak RSS sets the budgets), then the reference GPT
+Per dtype, in one run: the plain PyTorch step, twice before the sweep and once after it
+(the baseline is their median, since this machine's step time drifts by ±15% between
+minutes; the first two give the compute time of the prediction, and their peak RSS sets
+the budgets), then the reference GPT
 wrapped with param_tier="auto", optimizer_tier="auto" at host budgets of --fractions (0.3x
 to 1.2x) of the plain run's peak RSS, at the device budget floor (the smallest the engine
 accepts plus two blocks; --budget-fraction defaults to 0.01 here), each row a fresh
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -57,13 +60,16 @@ def main(args) -> int:
     results = []
     try:
         for dtype in args.dtypes:
-            plain = bt.run_row(dict(base, row="plain", dtype=dtype), args.row_timeout)
-            results.append(plain)
-            if "error" in plain:
-                print(f"  plain {dtype}: FAILED {plain['error']}", file=sys.stderr, flush=True)
+            # [the baseline] plain PyTorch PLAIN_RUNS_FIRST times before the sweep and once
+            # after it: this machine's step time drifts ±15% between minutes, so the ratios use
+            # the median ("plain" row), the budgets and the prediction the first runs'
+            runs = [plain_run(base, dtype, args.row_timeout) for _ in range(PLAIN_RUNS_FIRST)]
+            results.extend(runs)
+            first = [r for r in runs if "error" not in r]
+            if not first:
                 continue
-            print(f"  plain {dtype:5s} {plain['step_seconds']:.3f} s/step, "
-                  f"{plain['peak_rss_bytes'] / bt.GiB:.2f} GiB", file=sys.stderr, flush=True)
+            plain = dict(first[0], step_seconds=statistics.median(r["step_seconds"] for r in first),
+                         peak_rss_bytes=max(r["peak_rss_bytes"] for r in first))
             for delayed in ((False, True) if args.delayed_update else (False,)):
                 for fraction in fractions:
                     spec = dict(base, row="auto", dtype=dtype, delayed_update=delayed,
@@ -75,6 +81,11 @@ def main(args) -> int:
                     status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
                     print(f"  auto {dtype:5s} {fraction:4.2f}x{' delayed' if delayed else ''} {status}",
                           file=sys.stderr, flush=True)
+            last = plain_run(base, dtype, args.row_timeout)
+            results.append(last)
+            every = first + ([last] if "error" not in last else [])
+            results.append(dict(plain, row="plain", step_seconds=statistics.median(r["step_seconds"] for r in every),
+                                plain_runs=[r["step_seconds"] for r in every]))
     finally:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
@@ -93,6 +104,22 @@ def main(args) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
+# plain runs before the sweep (and one after it): see main
+PLAIN_RUNS_FIRST = 2
+
+
+def plain_run(base: dict, dtype: str, timeout: float) -> dict:
+    """One plain PyTorch row ("plain-run"); the sweep's baseline is their median."""
+    run = bt.run_row(dict(base, row="plain", dtype=dtype), timeout)
+    run["row"] = "plain-run"
+    if "error" in run:
+        print(f"  plain {dtype}: FAILED {run['error']}", file=sys.stderr, flush=True)
+    else:
+        print(f"  plain {dtype:5s} {run['step_seconds']:.3f} s/step, "
+              f"{run['peak_rss_bytes'] / bt.GiB:.2f} GiB", file=sys.stderr, flush=True)
+    return run
+
+
 def _gb(value) -> str:
     return "-" if value is None else f"{value / bt.GB:.2f}"
 
@@ -104,13 +131,16 @@ def print_sweep(results: list, out=sys.stdout) -> None:
               f"{'rd GB':>6s} {'pred rd':>7s} {'wr GB':>6s} {'pred wr':>7s}")
     print(header, file=out)
     print("-" * len(header), file=out)
-    for r in results:
-        if r["row"] == "plain":
+    for r in sorted(results, key=lambda r: r["row"] != "plain"):  # the baselines first
+        if r["row"] == "plain-run":
             if "error" in r:
-                print(f"{r['dtype']:5s} plain FAILED: {r['error']}", file=out)
-            else:
-                print(f"{r['dtype']:5s} {'plain':7s} {'':>5s} {'':>10s} {'':>8s} {r['step_seconds']:7.3f} "
-                      f"{1.0:7.2f} {'':>7s} {'':>9s} {r['peak_rss_bytes'] / bt.GiB:7.2f} {1.0:6.2f}", file=out)
+                print(f"{r['dtype']:5s} plain run FAILED: {r['error']}", file=out)
+            continue
+        if r["row"] == "plain":
+            runs = ", ".join(f"{x:.3f}" for x in r["plain_runs"])
+            print(f"{r['dtype']:5s} {'plain':7s} {'':>5s} {'':>10s} {'':>8s} {r['step_seconds']:7.3f} "
+                  f"{1.0:7.2f} {'':>7s} {'':>9s} {r['peak_rss_bytes'] / bt.GiB:7.2f} {1.0:6.2f}   "
+                  f"(median of {len(r['plain_runs'])} runs: {runs})", file=out)
             continue
         base = plain.get(r["dtype"])
         lead = f"{r['dtype']:5s} {'yes' if r['delayed'] else 'no':7s} {r['fraction']:5.2f}"
