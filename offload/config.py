@@ -452,6 +452,11 @@ class OffloadConfig:
         values["unit_classes"] = list(self.unit_classes)
         return values
 
+    def needs_norm_first(self) -> bool:
+        """Whether a step's updates depend on the global gradient norm, known only after
+        backward: clipping, fp16's overflow check or skip_nonfinite_steps."""
+        return self.max_grad_norm is not None or self.dtype == "fp16" or self.skip_nonfinite_steps
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

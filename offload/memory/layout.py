@@ -163,7 +163,7 @@ class Layout:
         on_states = {t for t in state_tiers if t} or {optimizer_tier}
         merged = config.dtype == "fp32" and param_tier != "device"
         needs_nvme = "nvme" in on_compute | on_states
-        needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
+        needs_norm_first = config.needs_norm_first()
         if config.delayed_update and partition is not None:
             raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}): "
                              "the ZeRO steps run their collectives on the main thread, in step()")

@@ -252,9 +252,8 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     # Not with delayed updates, which keep a lagging compute copy at home, nor where the run
     # may update speculatively (clipping, fp16 or skips), which a device-homed compute copy
     # rules out: there the compute copies stay at home, as with param_tier "host".
-    needs_norm_first = config.max_grad_norm is not None or config.dtype == "fp16" or config.skip_nonfinite_steps
     if param_tier == "auto" and not config.delayed_update \
-            and not (needs_norm_first and config.speculative_updates is not False) and (
+            and not (config.needs_norm_first() and config.speculative_updates is not False) and (
             config.device_budget is None
             or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):
         param_tier = "device"  # every compute copy fits the device budget: no fetch at all
