@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 import bench_train as bt
+from bench_sweep import floor_rows_base
 
 SCENARIOS = (
     ("nothing set", dict(no_device_budget=True)),
@@ -35,20 +36,11 @@ SCENARIOS = (
 
 
 def main(args) -> int:
-    model = {"full": bt.FULL_MODEL, "small": bt.SMALL_MODEL, "quick": bt.QUICK_MODEL}[
-        args.model or ("quick" if args.quick else "full")]
     if not 0 < args.tight_fraction:
         print("--tight-fraction: must be > 0", file=sys.stderr)
         return 2
-    base = {
-        "model": model, "swap_checksums": args.swap_checksums == "on",
-        "batch": args.batch or (bt.QUICK_BATCH if args.quick else bt.FULL_BATCH),
-        "steps": args.steps or (2 if args.quick else 3),
-        "warmup": args.warmup if args.warmup is not None else 1,
-        # the device budget floor: bench_train raises a budget below the minimum to it + 2 blocks
-        "budget_fraction": min(args.budget_fraction, 0.01),
-        "threads": args.threads or (1 if args.quick else None),
-    }
+    base = floor_rows_base(args)
+    model = base["model"]
     own_swap = args.swap_dir is None
     swap_root = tempfile.mkdtemp(prefix="bench_defaults-") if own_swap else args.swap_dir
     print(f"model {model}, batch {base['batch']}, {base['warmup']} warm-up + {base['steps']} timed steps; "

@@ -31,24 +31,30 @@ import bench_train as bt
 DEFAULT_FRACTIONS = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
 
 
-def main(args) -> int:
-    model = {"full": bt.FULL_MODEL, "small": bt.SMALL_MODEL, "quick": bt.QUICK_MODEL}[
-        args.model or ("quick" if args.quick else "full")]
-    fractions = tuple(args.fractions or DEFAULT_FRACTIONS)
-    if any(not 0 < f for f in fractions):
-        print("--fractions: every fraction must be > 0", file=sys.stderr)
-        return 2
-    base = {
-        "model": model, "swap_checksums": args.swap_checksums == "on",
+def floor_rows_base(args) -> dict:
+    """The spec every row of a sweep (and of tools/bench_defaults.py) starts from: the
+    model, batch and steps of the arguments, and the device budget at its floor."""
+    return {
+        "model": {"full": bt.FULL_MODEL, "small": bt.SMALL_MODEL, "quick": bt.QUICK_MODEL}[
+            args.model or ("quick" if args.quick else "full")],
+        "swap_checksums": args.swap_checksums == "on",
         "batch": args.batch or (bt.QUICK_BATCH if args.quick else bt.FULL_BATCH),
         "steps": args.steps or (2 if args.quick else 3),
         "warmup": args.warmup if args.warmup is not None else 1,
         # the device budget floor: bench_train raises a budget below the minimum to it + 2 blocks
         "budget_fraction": min(args.budget_fraction, 0.01),
         "threads": args.threads or (1 if args.quick else None),
-        "pipeline_depth": 3,
-        "machine_profile": os.path.abspath(args.machine_profile) if args.machine_profile else None,
     }
+
+
+def main(args) -> int:
+    fractions = tuple(args.fractions or DEFAULT_FRACTIONS)
+    if any(not 0 < f for f in fractions):
+        print("--fractions: every fraction must be > 0", file=sys.stderr)
+        return 2
+    base = dict(floor_rows_base(args), pipeline_depth=3,
+                machine_profile=os.path.abspath(args.machine_profile) if args.machine_profile else None)
+    model = base["model"]
     own_swap = args.swap_dir is None
     swap_root = tempfile.mkdtemp(prefix="bench_sweep-") if own_swap else os.path.abspath(args.swap_dir)
     os.makedirs(swap_root, exist_ok=True)
