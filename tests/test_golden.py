@@ -42,11 +42,23 @@ force the recorded ones, ATEN_CPU_CAPABILITY and OFFLOAD_FORCE_ISA, where the CP
 them), rather than comparing bits it cannot match or passing without a check. The intra-op
 thread count is pinned (torch.set_num_threads) because reductions such as the gradient norm
 sum in an order that depends on it; compute runs on the CPU whatever the machine has.
+
+Where only the instruction sets differ (the files were made on an AVX2 machine, this one has
+AVX-512), the module runs itself again in a child process that forces the recorded ones,
+and each test here reports its own outcome there (``recorded_kernels``). Forcing takes four
+variables, read when the libraries load: ATEN_CPU_CAPABILITY (torch's own kernels),
+ONEDNN_MAX_CPU_ISA (oneDNN's), MKL_CBWR=<isa>,STRICT (MKL's gemm: without it an Intel CPU
+limited to AVX2 still sums in another order than the AMD machine that made the files) and
+OFFLOAD_FORCE_ISA (our Adam). With them an Intel Xeon with AVX-512 reproduced every file
+made on an AMD EPYC with AVX2, bit for bit; with any one left out, some case did not.
 """
 import dataclasses
 import hashlib
 import json
 import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -268,8 +280,11 @@ def _zero_worker(rank, port, cases, work):
 
 
 @pytest.fixture(scope="module")
-def zero_results(tmp_path_factory):
-    """{case name: [rank 0's record, rank 1's record]} of every ZeRO case."""
+def zero_results(tmp_path_factory, recorded_kernels):
+    """{case name: [rank 0's record, rank 1's record]} of every ZeRO case (None when the
+    child process of ``recorded_kernels`` runs them)."""
+    if recorded_kernels is not None:
+        return None
     work = tmp_path_factory.mktemp("golden-zero")
     # forkserver: fresh processes like spawn, forked from a server that imported torch once
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
@@ -288,6 +303,68 @@ def environment() -> Dict[str, Any]:
 
 def golden_path(case: Case) -> Path:
     return GOLDEN_DIR / f"{case.name}.json"
+
+
+CHILD_VARIABLE = "OFFLOAD_GOLDEN_CHILD"  # set in the child process of recorded_kernels
+
+
+def forcing_variables() -> Optional[Dict[str, str]]:
+    """The environment variables that give a child process the kernels the golden files
+    were made with, when this process's differ from them only in instruction sets; None
+    when they match already, when the torch version differs too (nothing to force), when
+    regenerating, or in that child itself."""
+    if REGENERATE or os.environ.get(CHILD_VARIABLE) == "1":
+        return None
+    recorded = [json.loads(golden_path(c).read_text()) for c in CASES if golden_path(c).exists()]
+    here = environment()
+    made = {k: recorded[0].get(k) for k in here} if recorded else here
+    if made == here or made["torch"] != here["torch"] or made["num_threads"] != here["num_threads"] or \
+            any({k: r.get(k) for k in here} != made for r in recorded):
+        return None
+    isa = str(made["torch_cpu_capability"])
+    return {"ATEN_CPU_CAPABILITY": isa.lower(), "ONEDNN_MAX_CPU_ISA": isa.upper(),
+            "MKL_CBWR": f"{isa.upper()},STRICT", "OFFLOAD_FORCE_ISA": str(made["adam_isa"]),
+            CHILD_VARIABLE: "1"}
+
+
+class ChildOutcomes:
+    """The outcome of every test of this module in the child process of recorded_kernels."""
+
+    def __init__(self, variables: Dict[str, str], report: Path, output: str) -> None:
+        self.variables, self.output = variables, output
+        self.outcomes: Dict[str, Tuple[str, str]] = {}
+        if report.exists():
+            for case in ElementTree.parse(report).getroot().iter("testcase"):
+                failed = [c for c in case if c.tag in ("failure", "error", "skipped")]
+                kind = failed[0].tag if failed else "passed"
+                text = (failed[0].get("message") or "") + "\n" + (failed[0].text or "") if failed else ""
+                self.outcomes[case.get("name")] = (kind, text)
+
+    def check(self, test_name: str) -> None:
+        forced = " ".join(f"{k}={v}" for k, v in self.variables.items())
+        if test_name not in self.outcomes:
+            pytest.fail(f"{test_name} did not run in the child process with {forced}; its output:\n"
+                        f"{self.output[-4000:]}", pytrace=False)
+        kind, text = self.outcomes[test_name]
+        if kind != "passed":
+            pytest.fail(f"{test_name}, run with the recorded kernels ({forced}), {kind}:\n{text}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def recorded_kernels(tmp_path_factory) -> Optional[ChildOutcomes]:
+    """None when this process runs the kernels the golden files were made with (or cannot
+    be made to); else this module run again in a child process that forces them
+    (``forcing_variables``), whose outcomes the tests here report."""
+    variables = forcing_variables()
+    if variables is None:
+        return None
+    report = tmp_path_factory.mktemp("golden-child") / "report.xml"
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         f"--junitxml={report}", "-o", "junit_family=xunit2"],
+        cwd=Path(__file__).parent.parent, env={**os.environ, **variables},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    return ChildOutcomes(variables, report, child.stdout)
 
 
 def check_exercised(case: Case, exercised: List[Dict[str, Any]]) -> None:
@@ -394,18 +471,24 @@ def fixed_threads():
 
 
 @pytest.mark.parametrize("case", SINGLE, ids=[c.name for c in SINGLE])
-def test_single_process_reproduces_golden(case, tmp_path, fixed_threads):
+def test_single_process_reproduces_golden(case, tmp_path, fixed_threads, recorded_kernels, request):
+    if recorded_kernels is not None:
+        return recorded_kernels.check(request.node.name)
     check_against_golden(case, [train_case(case, tmp_path)])
 
 
 @pytest.mark.parametrize("case", ZERO, ids=[c.name for c in ZERO])
-def test_two_ranks_reproduce_golden(case, zero_results):
+def test_two_ranks_reproduce_golden(case, zero_results, recorded_kernels, request):
+    if recorded_kernels is not None:
+        return recorded_kernels.check(request.node.name)
     check_against_golden(case, zero_results[case.name])
 
 
-def test_one_ulp_of_learning_rate_changes_the_results(tmp_path, fixed_threads):
+def test_one_ulp_of_learning_rate_changes_the_results(tmp_path, fixed_threads, recorded_kernels, request):
     """The comparison is sharp enough to fail: the lr one float32 ulp up gives other bits.
     (One float64 ulp does not: the update is computed in float32, where it rounds away.)"""
+    if recorded_kernels is not None:
+        return recorded_kernels.check(request.node.name)
     case = SINGLE[0]
     path = golden_path(case)
     if REGENERATE or not path.exists():
