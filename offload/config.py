@@ -121,7 +121,9 @@ class OffloadConfig:
     device_budget: Size = None
     """Bytes of managed state (compute copies and gradients of units in flight) allowed on
     the device at once. None: no limit beyond the model's own size. Activations are not
-    counted."""
+    counted. The smallest budget wrap accepts (the root unit, the largest other unit and the
+    largest gradient) leaves the prefetcher no room: wrap warns then and names the budget
+    that keeps prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
 
     host_budget: Size = None
     """Bytes of host RAM the runtime may hold: fp32 gradients, staging buffers and whatever

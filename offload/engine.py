@@ -34,9 +34,10 @@ from torch import nn
 from offload import checkpoint, faults, units
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
+from offload.errors import warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_host_budget, slot_shape, swap_bytes, update_buffer_bytes)
+    UnitSizes, check_device_budget, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
@@ -125,6 +126,9 @@ class Engine:
         self.layout = layout = resolve_placement(config, self.device, self._partition, unit_sizes)
         self._placement = describe_units(unit_sizes, layout)  # fixed from here on
         arena = check_device_budget(unit_sizes, layout)
+        room = prefetch_room(unit_sizes, layout, arena)  # [Note: prefetch room]
+        if layout.prefetch and layout.prefetch_units and room is not None and room.units_ahead == 0:
+            warn_at_caller(room.warning(arena.budget_bytes, layout.prefetch_units))
         device_capacity_numel, device_budget = arena.capacity_numel, arena.budget_bytes
         needs_nvme = layout.needs_nvme
         nvme_bytes = swap_bytes(unit_sizes, layout)

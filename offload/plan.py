@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.config import OffloadConfig
-from offload.memory.budget import UnitSizes, host_bytes, minimum_device_budget, swap_bytes
+from offload.memory.budget import UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes
 from offload.memory.layout import Layout
 from offload.memory import placement as unit_placement
 
@@ -409,6 +409,15 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                      f"{format_seconds(pred.overlap_bound_seconds):>11}  {where}")
         if short:
             missing.append(f"  {param_tier}/{optimizer_tier}: " + "; ".join(short))
+    sizes = [u.sizes(e) for u in shape.units]
+    room = floor_prefetch_room(sizes, e)
+    if room is not None:  # [Note: prefetch room]
+        floor = minimum_device_budget(sizes, "nvme", e)
+        lines += ["", f"prefetch: the smallest device budget of param_tier host or nvme ({format_size(floor)}) "
+                      f"leaves room for {room.units_ahead} unit{'' if room.units_ahead == 1 else 's'} ahead of the "
+                      "one in use; " + ", ".join(f"{format_size(max(floor, room.budget_for(k)))} for {k}"
+                                                 for k in (1, 2, 4))
+                      + f" (units of the median size, {format_size(room.unit_bytes)})"]
     lines += ["", "bytes moved per optimizer step (one micro-batch):"]
     for param_tier, optimizer_tier in CONFIGURATIONS:
         p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)

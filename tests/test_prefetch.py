@@ -1,6 +1,7 @@
 """Trace-driven prefetch: the planner's budget guarantees, parity with prefetch on and off,
 quiet steady state, and overlap of I/O with compute (issue 5)."""
 import copy
+import re
 import time
 import warnings
 
@@ -87,6 +88,60 @@ def test_prefetcher_warns_once_per_cause_and_rerecords():
     # with the same cause: no second warning.
     assert len(seen) == 1 and "unit 3" in seen[0]
     assert p.replaying is False
+
+
+# ---------------------------------------------------------------------------- room
+def _steady_counts(tmp_path, budget, name):
+    """The small GPT on NVMe under ``budget``: wrap's warnings, then (hits, misses) over
+    steps 2-4 (the first records the trace) and the state_dict."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    data = batches(4, seed=7)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / name), device_budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    with engine:
+        train_offload(engine, data[:1])
+        before = engine.stats()
+        train_offload(engine, data[1:])
+        after = engine.stats()
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
+    counts = tuple(after[k] - before[k] for k in ("prefetch_hits", "prefetch_misses"))
+    return caught, counts, state
+
+
+def test_a_device_budget_with_no_room_ahead_is_named_at_wrap_and_the_budget_it_names_prefetches(tmp_path):
+    """[Note: prefetch room] At the smallest device budget wrap accepts the arena holds the
+    root unit and the one in use, nothing ahead: wrap warns, at the caller's line, and names
+    the budget for prefetch_units (2) units ahead. At the floor a replayed use finds its unit
+    on the device at most once a step (the first unit of a pass, fetched between passes); at
+    the named budget every replayed use does. The numbers are the same."""
+    from offload.config import format_size
+    from offload.memory.budget import minimum_device_budget, model_unit_sizes
+    from offload.plan import DEFAULT_PROFILE, report, shape_from_module
+
+    floor = minimum_device_budget(model_unit_sizes(GPT(CFG), 4), "nvme", 4)
+    caught, (hits, misses), at_floor = _steady_counts(tmp_path, floor, "floor")
+    room = [w for w in caught if "leaves no room to fetch a unit ahead" in str(w.message)]
+    assert len(room) == 1 and room[0].filename == __file__
+    named = int(re.search(r"\((\d+) bytes\) lets the prefetcher keep 2 units ahead", str(room[0].message)).group(1))
+    uses = 3 * (2 * CFG.num_layers - 1)  # three steps of blocks 0..3, 2..0 (3 used once at the turn)
+    assert hits + misses == uses and hits <= 3, "at most the unit a pass begins with, once a step"
+    block = 53248  # a block's fp32 compute copy: the named budget is the floor and two more
+    assert named == floor + 2 * block
+    with torch.device("meta"):  # offload plan says the same before any run
+        text, _ = report(shape_from_module(GPT(CFG), "gpt"), "fp32", DEFAULT_PROFILE, None, None, None, 3, None, 1)
+    assert f"({format_size(floor)}) leaves room for 0 units ahead" in text
+    assert f"{format_size(named)} for 2" in text
+
+    caught, (hits, misses), at_named = _steady_counts(tmp_path, named, "named")
+    assert not [w for w in caught if "leaves no room" in str(w.message)]
+    assert (hits, misses) == (uses, 0)
+    caught, _, _ = _steady_counts(tmp_path, named - 1, "one_less")
+    assert [w for w in caught if "leaves no room" in str(w.message)] == [], "one unit ahead still fits"
+    assert at_floor.keys() == at_named.keys()
+    assert all(torch.equal(at_floor[k], at_named[k]) for k in at_floor)
 
 
 # ---------------------------------------------------------------------------- parity
