@@ -15,15 +15,21 @@ class EngineFailedError(RuntimeError):
 
 
 def warn_at_caller(message: str, category: type = RuntimeWarning) -> None:
-    """``warnings.warn`` attributed to the first frame outside the offload package (the
-    user's call of wrap(), step(), ...), however deep inside offload it is raised, so
-    that a warning filter or the printed location points at the user's line."""
+    """``warnings.warn`` attributed to the first frame outside the offload package and
+    torch (the user's call of wrap(), step(), state_dict(), or the line of their model's
+    forward that called a module whose hook raised it), however deep inside offload it is
+    raised, so that a warning filter or the printed location points at the user's code.
+    torch's frames in between (a module's ``__call__``, the autograd engine's entry, the
+    wrapper of a ``no_grad`` decorator) are skipped as part of the call."""
     import os
     import sys
     import warnings
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

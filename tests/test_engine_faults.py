@@ -551,8 +551,9 @@ def test_nonfinite_gradient_is_reported_with_its_unit_and_skipped_when_asked(ski
         handle = engine.units[2].trainable[0].param.register_hook(poison)
         _forward_backward(engine, 1)
         handle.remove()
-        with pytest.warns(RuntimeWarning, match=rf"first in unit {engine.units[2].name!r}"):
+        with pytest.warns(RuntimeWarning, match=rf"first in unit {engine.units[2].name!r}") as caught:
             engine.step()
+        assert caught[0].filename == __file__, "the warning points at the user's step() call"
         stats = engine.stats()
         assert stats["nonfinite_steps"] == 1
         after = engine.state_dict()
@@ -566,6 +567,24 @@ def test_nonfinite_gradient_is_reported_with_its_unit_and_skipped_when_asked(ski
             warnings.simplefilter("error")
             if skip:
                 run(engine, 2, 1)  # finite again: no warning
+
+
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "nvme")], ids="-".join)
+def test_the_nonfinite_warning_points_at_the_users_line(tiers, tmp_path):
+    """With the states on NVMe step() defers the updates and their bookkeeping, the norm
+    among it ([Note: deferred updates]): the warning then comes from the call that settles
+    them (here state_dict(), a method under torch.no_grad), and still names the user's line,
+    not offload's nor torch's decorator."""
+    with make_engine(nvme_config(tmp_path, param_tier=tiers[0]) if tiers[1] == "nvme" else {}) as engine:
+        b = batch(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.backward(engine(b[:, :-1], b[:, 1:]) * float("nan"))
+            engine.step()
+            engine.state_dict()
+        nonfinite = [w for w in caught if "non-finite gradient" in str(w.message)]
+        assert len(nonfinite) == 1 and nonfinite[0].filename == __file__
+        assert engine.stats()["nonfinite_steps"] == 1
 
 
 # ---------------------------------------------------------------------- soak

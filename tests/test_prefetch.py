@@ -230,6 +230,9 @@ def test_data_dependent_branch_parity(tiers, tmp_path):
             assert max_rel_error(engine.state_dict(), ref.state_dict()) < REL_TOL
     divergence = [w for w in caught if "left the recorded unit trace" in str(w.message)]
     assert 1 <= len(divergence) <= 2, "one warning per cause, not one per step"
+    # at the user's line: Branchy.forward's call of the module it did not call before,
+    # not offload's nor torch's Module.__call__
+    assert all(w.filename == __file__ for w in divergence), [w.filename for w in divergence]
 
 
 def test_alternating_train_and_eval_keeps_both_traces_and_stays_quiet():

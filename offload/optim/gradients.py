@@ -85,7 +85,6 @@ allowance for a while. Not with CUDA or [zero] several ranks (flat pooled buffer
 from __future__ import annotations
 
 import threading
-import warnings
 from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -93,6 +92,7 @@ import torch
 from torch import nn
 
 from offload import faults
+from offload.errors import warn_at_caller
 from offload.memory.budget import UnitSizes, gradient_spill
 from offload.memory.layout import FP32_BYTES, Layout, UnitState, sub_extent
 from offload.stats import Stats
@@ -495,9 +495,9 @@ class Gradients:
                 action = ("the step is skipped (skip_nonfinite_steps=True)" if layout.skip_nonfinite_steps
                           else "the step goes ahead and writes NaN/Inf into the parameters; set "
                           "skip_nonfinite_steps=True to skip such steps")
-                # stacklevel: the caller of Engine.step (step -> _optimizer_step -> here)
-                warnings.warn(f"non-finite gradient (NaN/Inf) at micro-step {micro_step}, first "
-                              f"in {where}; {action}", RuntimeWarning, stacklevel=4)
+                # at the user's line: step(), or the call that settles a deferred step
+                warn_at_caller(f"non-finite gradient (NaN/Inf) at micro-step {micro_step}, first "
+                               f"in {where}; {action}")
             if layout.fp16:
                 self.loss_scale = max(self.loss_scale / 2, layout.min_loss_scale)
                 self.good_steps = 0

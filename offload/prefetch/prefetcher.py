@@ -15,9 +15,9 @@ MAX_TRACES), not per pass, and the pass just seen becomes the new trace.
 from __future__ import annotations
 
 import collections
-import warnings
 from typing import Callable, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
+from offload.errors import warn_at_caller
 from offload.prefetch.plan import PrefetchPlan, plan_prefetch
 from offload.prefetch.trace import NEVER, ExecutionTrace
 
@@ -40,7 +40,7 @@ class Prefetcher:
     """
 
     def __init__(self, enabled: bool, max_units_ahead: int,
-                 warn: Callable[[str], None] = lambda msg: warnings.warn(msg, RuntimeWarning, stacklevel=4),
+                 warn: Callable[[str], None] = warn_at_caller,
                  *, max_bytes_ahead: Optional[int] = None) -> None:
         self.enabled = enabled
         self.max_units_ahead = max_units_ahead
