@@ -39,7 +39,7 @@ REL_TOL = 1e-5
 # the stacked fp32 norms and multiplies the gradients by the coefficient in fp32 first. The
 # coefficients differ in their last bits, and Adam's normalisation carries that into the
 # parameters with the smallest gradients. Measured on test_optim_speculative's clipping run
-# (MIXED_NORM, 8 steps; the same run without clipping is bit for bit plain PyTorch): 3.6e-7
+# (MIXED_NORM, 6 steps; the same run without clipping is bit for bit plain PyTorch): 3.6e-7
 # with MKL's AVX2 kernels (an AMD EPYC, or MKL_CBWR=AVX2,STRICT), 1.9e-5 with its AVX-512 ones
 # (an Intel Xeon); plain PyTorch against itself, MKL AVX2 against AVX-512 on that Xeon,
 # differs by 5.5e-5. A real bug shows as > 1e-3.
