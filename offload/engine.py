@@ -240,7 +240,7 @@ class Engine:
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
                 prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
-                step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_optimizer,
+                step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_before_forward,
                 early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
                 settled_values=self._settled)
             undo.callback(self._hooks.remove)
@@ -352,6 +352,7 @@ class Engine:
         self._status.check_open("zero_grad")
         self._updates.settle_all()
         self._updates.wait_queued()  # [Note: update states]
+        self._updates.release_speculative_copies()  # [Note: speculative updates] dropped below
         for u in self.units:
             if u.delayed_update is not None:  # [Note: delayed updates] its gradients are the update's
                 continue

@@ -189,7 +189,8 @@ class Hooks:
         - ``forget_last_needed()``: a new pass begins, no unit is the current one;
         - ``step_pending()``: the last step's deferred or delayed updates are still running
           ([Note: deferred updates], [Note: delayed updates]): the forward must not wait for
-          them; ``wait_optimizer()``: wait for every queued update;
+          them; ``wait_optimizer()``: wait for every queued update (and drop the device
+          copies that speculative updates not yet committed wrote);
         - ``early_updates()``: this backward may update units as they finish ([Note: early
           updates]); ``maybe_update_early()``: start the updates of units now done;
         - ``settled_values(what)``: the reader of a unit's current values (Homes.unit_values),

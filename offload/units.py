@@ -140,7 +140,8 @@ class UnitUpdate:
     - ``home_writes``: the swap writes of the update, set by the worker while RUNNING;
       a fetch must not read the home before them.
     - ``speculative`` ([Note: speculative updates]): the update writes the unit's spare
-      homes, not its homes (never its device copy: no fill, not in_device), and step()
+      homes, not its homes (never a fill; in_device, the device copy holds the
+      speculative result until step() commits it or releases the copy), and step()
       commits or redoes it. Main thread: set when queued, cleared by step() and ``reset``.
     - ``speculation_failed``: a swap write of the speculative update failed; its homes are
       intact and step() redoes the update whatever the norm. Set by the thread that

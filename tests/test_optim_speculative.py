@@ -16,6 +16,7 @@ from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, host_bytes, swap_bytes
 from offload.io.swap import Extent
 from offload.memory.layout import Layout
+from offload.units import Residency
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
                      max_rel_error, train_gpt, train_offload, train_reference, unwrap_swap_io, wrap_swap_io)
@@ -204,6 +205,80 @@ def test_state_dict_between_backward_and_step_is_the_last_step(tmp_path):
         assert not torch.equal(after["blocks.0.fc.weight"], before["blocks.0.fc.weight"])
 
 
+def written_speculatively(engine):
+    """Units whose device copy holds an uncommitted speculative update ([Note: speculative
+    updates]: written once the pass needed no other unit, as early updates write it)."""
+    return [u for u in engine.units if u.update.speculative and u.update.in_device]
+
+
+def speculated_engine(tmp_path, name, dtype="fp32"):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    return offload.wrap(model, make_opt(model.parameters()),
+                        config=config(tmp_path, name, dtype=dtype, max_grad_norm=NEVER_CLIPS))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_committed_speculative_update_keeps_the_device_copy_it_wrote(dtype, tmp_path):
+    """A speculative update writes a resident device copy, as an early update does; when
+    step() commits it the copy stays, holding the new compute copy, and the next forward
+    needs no read for that unit (before, every speculated unit was read back from NVMe)."""
+    data = batches(3)
+    with speculated_engine(tmp_path, "s", dtype) as engine:
+        train_offload(engine, data[:2])
+        engine.backward(gpt_loss(engine, data[2]))
+        engine.debug.updates.wait_optimizer()
+        written = written_speculatively(engine)
+        assert written, "no speculative update wrote a device copy"
+        engine.step()
+        engine.state_dict()  # the deferred step settled: the homes are final
+        homes, device = engine.debug.homes, engine.debug.device
+        for u in written:
+            assert u.compute_state == Residency.LOADED, u.name
+            copy = device.view(u.device_offset, u.compute_numel)
+            assert torch.equal(copy, homes.load(u.compute_home, u.compute_numel, copy.dtype)), u.name
+
+
+def test_a_forward_between_backward_and_step_uses_the_last_steps_weights(tmp_path):
+    """A forward before step() (an evaluation, say) computes with the last step's weights,
+    as plain PyTorch does: the device copies that speculative updates wrote are dropped
+    first. step() still commits those updates, and the run is the uninterrupted one."""
+    data = batches(4)
+    reference = train(tmp_path, "ref", data, max_grad_norm=NEVER_CLIPS)
+    with speculated_engine(tmp_path, "s") as engine:
+        train_offload(engine, data[:2])
+        probe = data[3][:, :-1]
+        with torch.no_grad():
+            expected = engine(probe)
+        loss = gpt_loss(engine, data[2])
+        engine.backward(loss)
+        engine.debug.updates.wait_optimizer()
+        assert written_speculatively(engine)
+        with torch.no_grad():
+            assert torch.equal(engine(probe), expected)
+        assert not written_speculatively(engine)
+        engine.step()
+        losses = [loss.item()] + train_offload(engine, data[3:])
+        assert losses == reference[0][2:]
+        assert_same_state(engine.state_dict(), reference[1])
+
+
+def test_zero_grad_between_backward_and_step_drops_the_speculation(tmp_path):
+    """zero_grad() after a backward whose units were speculated, device copies included:
+    nothing of that backward remains, and the run equals one without that batch."""
+    data = batches(4)
+    reference = train(tmp_path, "ref", [data[0], data[1], data[3]], max_grad_norm=NEVER_CLIPS)
+    with speculated_engine(tmp_path, "s") as engine:
+        train_offload(engine, data[:2])
+        engine.backward(gpt_loss(engine, data[2]))
+        engine.debug.updates.wait_optimizer()
+        assert written_speculatively(engine)
+        engine.zero_grad()
+        assert not written_speculatively(engine)
+        assert train_offload(engine, data[3:]) == reference[0][2:]
+        assert_same_state(engine.state_dict(), reference[1])
+
+
 def test_a_failed_spare_write_redoes_that_unit(tmp_path):
     """A swap write of a speculative update fails: the unit's homes were not touched, so
     step() redoes it from them and the run equals the serialized one."""
@@ -277,7 +352,11 @@ def test_a_backward_failing_after_speculative_updates_only_is_consistent(tmp_pat
                 engine.backward(loss)
         assert engine.stats()["speculative_updates"] > speculated
         assert_same_state(engine.state_dict(), before)
-        train_offload(engine, data[1:])  # carries on
+        losses = train_offload(engine, data[1:])  # carries on, with the weights of before
+        after = engine.state_dict()
+    reference = train(tmp_path, "ref", data, max_grad_norm=NEVER_CLIPS)
+    assert losses == reference[0][1:]
+    assert_same_state(after, reference[1])
 
 
 def home_bytes_on_nvme(u):

@@ -333,7 +333,6 @@ class PipelinedStep:
             self._issue_writes(u, lo, hi, self.slots[index], spare)
             writes.extend(self.slots[index].pending_writes)
 
-        assert spare is None or not in_device, "a speculative update never writes the device copy"
         self._piece_ring(len(pieces), ring, start_reads, update)
         if spare is not None:
             spare.steps = steps

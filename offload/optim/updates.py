@@ -17,15 +17,20 @@ the step's gradient factor were the loss scale's inverse alone (clip coefficient
 skip), into its *spare homes* (``UnitState.spare``: a second master, moments and compute
 copy at home, same tiers and sizes, allocated at wrap; host-homed states are copied there
 first and updated in place). Its homes, its step counts and its gradients are left as they
-were, and the update never writes the unit's device copy (no fill, not in_device). step()
-waits for the speculative updates, takes the norm, and then (``_resolve_speculation``):
+were. It never fills a slot (step() waits for it before the next forward's fetches), but it
+writes a resident device copy as a non-speculative update does, once the pass needs no
+other unit ([Note: updates through the device copy]): that copy then holds the speculative
+result, and goes wherever the result does not become the unit's state (a dropped
+speculation below, a forward before step(), zero_grad(), a failed backward:
+``release_speculative_copies``). step() waits for the speculative updates, takes the norm,
+and then (``_resolve_speculation``):
 - no clipping (torch's coefficient ``max_norm / (norm + 1e-6)`` is >= 1, so the serialized
   factor equals the speculated one to the bit) and no skip: each unit's spare homes and
   step counts become its homes (a swap of references, ``UnitState.commit_spare``); the old
   homes are the next step's spares;
-- clipping: the speculative results are dropped and those units are updated by the step
-  from their untouched homes and kept gradients with the true factor, like units never
-  updated (``redone_updates``);
+- clipping: the speculative results are dropped (with the device copies they wrote) and
+  those units are updated by the step from their untouched homes and kept gradients with
+  the true factor, like units never updated (``redone_updates``);
 - a skipped step (fp16 overflow, skip_nonfinite_steps): dropped, nothing else.
 Either way every unit's new state is what the serialized path computes, bit for bit: the
 kernel runs on the same inputs with the same factor, and the norm sums the same
@@ -287,9 +292,27 @@ class UpdateScheduler:
                 u.update.speculative = False
                 self._release_grad(u)
             else:
+                if u.update.in_device:
+                    self._release(u)  # its device copy holds the dropped update
                 u.update.reset()  # DONE -> IDLE: the step updates it from its homes (or skips it)
                 if not skip:
                     self._stats.count("redone_updates")
+
+    def release_speculative_copies(self) -> None:
+        """[Note: speculative updates] Drop the device copies that speculative updates not
+        yet committed wrote: before a forward between backward and step() (it computes with
+        the weights of the last step, as plain PyTorch does), and in zero_grad() (the
+        speculation is dropped; a failed backward calls it too). Their spare homes are left
+        as they are."""
+        for u in self._units:
+            if u.update.speculative and u.update.in_device:
+                self._release(u)
+
+    def wait_before_forward(self) -> None:
+        """What a forward waits for when no deferred or delayed step is pending: every
+        queued update, and the release of speculative device copies."""
+        self.wait_optimizer()
+        self.release_speculative_copies()
 
     def _update_all_in_place(self, units: List[UnitState], grad_factor: float) -> None:
         """The step's updates of host-homed units, one after the other: stopping part-way
@@ -324,7 +347,7 @@ class UpdateScheduler:
             # an update on the worker failed (wait_optimizer recorded it: fatal, not consistent),
             # e.g. [Note: delayed updates] the last step's, which the gradient hand-off raised
             raise error
-        self._zero_grad()
+        self._zero_grad()  # with the device copies that speculative updates wrote
         raise with_note(error, "backward failed before any unit was updated: the gradients accumulated "
                                "since the last optimizer step were dropped (as by zero_grad()); weights and "
                                "optimizer states are unchanged, so training can go on with the next batch")
@@ -355,9 +378,9 @@ class UpdateScheduler:
                     factor = self._speculated_factor = 1.0 / self._loss_scale()
                     self._stats.count("speculative_updates")
                 # [Note: updates through the device copy] only once the pass needs no
-                # other unit: until then its slot may be wanted for the next ones
-                u.update.in_device = self._prefetcher.pass_complete and not u.update.speculative and \
-                    self._step_ring.device_copy_updatable(u)
+                # other unit: until then its slot may be wanted for the next ones (a
+                # speculative update too: the copy goes if the update is dropped)
+                u.update.in_device = self._prefetcher.pass_complete and self._step_ring.device_copy_updatable(u)
                 self.queue_update(u, self._hyperparameters(), factor, math.inf, "optim.early_update")  # arrival order
                 if self._layout.param_tier != "device" and not u.update.in_device:
                     self._mark_stale(u)
