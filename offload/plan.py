@@ -285,7 +285,7 @@ def auto_report(shape: ModelShape, config: "OffloadConfig | dict", profile: dict
     if prediction.seconds is not None:
         lines.append(f"  predicted step: {format_seconds(prediction.seconds)} (compute "
                      f"{format_seconds(compute_seconds)}; max(compute, I/O) + "
-                     f"{unit_placement.EXPOSED_IO_FRACTION:g} x min(compute, I/O))")
+                     f"{prediction.exposed_fraction:g} x min(compute, I/O))")
     else:
         lines.append("  predicted step: give --compute-seconds (a step with everything in RAM) or "
                      "--flops-per-second for a time including compute")

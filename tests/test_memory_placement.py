@@ -15,7 +15,7 @@ from offload.config import OffloadConfig
 from offload.gpt import GPT, GPTConfig
 from offload.memory.budget import host_bytes, minimum_device_budget, minimum_host_budget
 from offload.memory.layout import Layout
-from offload.memory.placement import DEFAULT_PROFILE, predict_step
+from offload.memory.placement import DEFAULT_PROFILE, EXPOSED_IO_FRACTION, predict_step
 from support import (CFG, RSS_SLACK_BYTES, assert_same_state, batches, gpt_loss, make_opt, rss_gpt_sizes, train_gpt,
                      train_in_fresh_process)
 
@@ -341,6 +341,20 @@ def test_the_prediction_counts_the_bytes_each_placement_moves(tmp_path):
         assert abs(read - predicted.nvme_read_bytes) <= 0.15 * read, (budget, read, predicted)
         assert abs(written - predicted.nvme_write_bytes) <= 0.15 * written, (budget, written, predicted)
         assert predicted.seconds >= max(1.0, predicted.io_seconds)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_the_predicted_step_shows_io_beside_compute_unless_updates_are_delayed(delayed, tmp_path):
+    """[Note: step prediction] The exact path's step is max(compute, I/O) plus
+    EXPOSED_IO_FRACTION of the smaller of the two; with delayed_update a step's updates run
+    under the next forward and backward whole, and the step is max(compute, I/O)."""
+    _, _, layout = placement_of(base(tmp_path, param_tier="nvme", optimizer_tier="nvme", delayed_update=delayed))
+    sizes = gpt_sizes("fp32")
+    for compute in (1e-3, 1.0, 1e3):
+        predicted = predict_step(sizes, layout, DEFAULT_PROFILE, compute)
+        shown = 0.0 if delayed else EXPOSED_IO_FRACTION * min(compute, predicted.io_seconds)
+        assert predicted.io_seconds > 0
+        assert predicted.seconds == pytest.approx(max(compute, predicted.io_seconds) + shown, rel=1e-12)
 
 
 def test_rss_of_a_mixed_placement_stays_under_a_bound_from_the_host_budget(tmp_path):

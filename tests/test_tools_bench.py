@@ -428,9 +428,10 @@ def test_bench_scale_plans_the_swap_bytes_wrap_preflights(tmp_path):
 
 
 def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
-    """--sweep-host-budget: the plain row, then placement "auto" at each fraction of the plain
-    RSS: a tiny budget puts states on NVMe, a generous one keeps everything in RAM; every row
-    has its predicted step and NVMe bytes."""
+    """--sweep-host-budget: the plain row, the compute row (everything in RAM, no budget),
+    then placement "auto" at each fraction of the plain RSS: a tiny budget puts states on
+    NVMe, a generous one keeps everything in RAM; every row has its predicted step and NVMe
+    bytes, predicted with the compute row's time."""
     out = tmp_path / "sweep.json"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
@@ -440,15 +441,18 @@ def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pred/meas" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
-    # two plain runs, the sweep, one plain run, and the baseline: their median
-    assert [r["row"] for r in rows] == ["plain-run", "plain-run", "auto", "auto", "plain-run", "plain"]
+    # two plain runs, the compute time, the sweep, one plain run, and the baseline: their median
+    assert [r["row"] for r in rows] == ["plain-run", "plain-run", "compute", "auto", "auto", "plain-run", "plain"]
     runs = sorted(r["step_seconds"] for r in rows if r["row"] == "plain-run")
     assert rows[-1]["plain_runs"] == [r["step_seconds"] for r in rows if r["row"] == "plain-run"]
     assert rows[-1]["step_seconds"] == runs[1]
-    tiny, generous = rows[2], rows[3]
+    compute, tiny, generous = rows[2], rows[3], rows[4]
+    assert "error" not in compute and compute["home_bytes"]["nvme"] == 0 and not compute["delayed"]
     for row in (tiny, generous):
         assert "error" not in row, row
         assert row["predicted_seconds"] > 0 and row["step_seconds"] > 0
+    # nothing on NVMe: the prediction is the compute time (and more with I/O)
+    assert generous["predicted_seconds"] == compute["step_seconds"] < tiny["predicted_seconds"]
     assert tiny["home_bytes"]["nvme"] > 0 and tiny["nvme_read_per_step"] > 0
     assert generous["home_bytes"]["nvme"] == 0 and generous["nvme_read_per_step"] == 0
     assert list((tmp_path / "swap").iterdir()) == []

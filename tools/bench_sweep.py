@@ -9,7 +9,9 @@ wrapped with param_tier="auto", optimizer_tier="auto" at host budgets of --fract
 to 1.2x) of the plain run's peak RSS, at the device budget floor (the smallest the engine
 accepts plus two blocks; --budget-fraction defaults to 0.01 here), each row a fresh
 subprocess (its RSS its own). With --delayed-update the same points again with
-delayed_update=True. Columns: what the placement put on the host (compute copies /
+delayed_update=True. Before each path's points, its compute time: the engine's step with
+every state in RAM (no host budget), delayed or not, which its predictions use. Columns:
+what the placement put on the host (compute copies /
 states of how many units), measured step and RSS (and their ratios to plain), the predicted
 step ([Note: step prediction]) and predicted / measured, NVMe GB read and written per step
 measured and predicted. --plot writes step time against host budget (matplotlib), the plain
@@ -77,10 +79,13 @@ def main(args) -> int:
             plain = dict(first[0], step_seconds=statistics.median(r["step_seconds"] for r in first),
                          peak_rss_bytes=max(r["peak_rss_bytes"] for r in first))
             for delayed in ((False, True) if args.delayed_update else (False,)):
+                compute = compute_run(base, dtype, delayed, args.row_timeout)
+                results.append(compute)
+                compute_seconds = plain["step_seconds"] if "error" in compute else compute["step_seconds"]
                 for fraction in fractions:
                     spec = dict(base, row="auto", dtype=dtype, delayed_update=delayed,
                                 host_budget=int(fraction * plain["peak_rss_bytes"]),
-                                compute_seconds=plain["step_seconds"])
+                                compute_seconds=compute_seconds)
                     result = bt.run_row(spec, args.row_timeout)
                     result.update(fraction=fraction, delayed=delayed, dtype=dtype)
                     results.append(result)
@@ -126,6 +131,22 @@ def plain_run(base: dict, dtype: str, timeout: float) -> dict:
     return run
 
 
+def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:
+    """[Note: step prediction] The compute time of one path's predictions: the engine's step
+    with placement "auto" and no host budget given (the default, which holds every state
+    of this model in RAM: checked), delayed or not as the path, measured before its points.
+    A failed one leaves the plain step as the compute time (and the row says why)."""
+    run = bt.run_row(dict(base, row="auto", dtype=dtype, delayed_update=delayed, host_budget=None), timeout)
+    run.update(row="compute", delayed=delayed, dtype=dtype)
+    if "error" not in run and run["home_bytes"].get("nvme", 0):
+        run["error"] = (f"the default host budget left {run['home_bytes']['nvme'] / bt.GB:.2f} GB on NVMe: "
+                        "not a compute time; the plain step is used instead")
+    what = f"{dtype:5s}{' delayed' if delayed else ''}"
+    status = run.get("error") or f"{run['step_seconds']:.3f} s/step"
+    print(f"  compute {what} (every state in RAM) {status}", file=sys.stderr, flush=True)
+    return run
+
+
 def _gb(value) -> str:
     return "-" if value is None else f"{value / bt.GB:.2f}"
 
@@ -149,6 +170,15 @@ def print_sweep(results: list, out=sys.stdout) -> None:
                   f"(median of {len(r['plain_runs'])} runs: {runs})", file=out)
             continue
         base = plain.get(r["dtype"])
+        if r["row"] == "compute":
+            lead = f"{r['dtype']:5s} {'yes' if r['delayed'] else 'no':7s} compute (every state in RAM, no budget):"
+            if "error" in r:
+                print(f"{lead} FAILED: {r['error']}", file=out)
+            else:
+                print(f"{lead} {r['step_seconds']:7.3f} s, {r['step_seconds'] / base['step_seconds']:.2f} x plain, "
+                      f"RSS {r['peak_rss_bytes'] / bt.GiB:.2f} GiB: the compute time of this path's predictions",
+                      file=out)
+            continue
         lead = f"{r['dtype']:5s} {'yes' if r['delayed'] else 'no':7s} {r['fraction']:5.2f}"
         if "error" in r:
             print(f"{lead} FAILED: {r['error']}", file=out)
@@ -187,6 +217,11 @@ def plot(results: list, path: str) -> None:
             if not rows:
                 continue
             what = f"auto {dtype}{' delayed' if delayed else ''}"
+            compute = next((r for r in results if r["row"] == "compute" and r["dtype"] == dtype
+                            and r["delayed"] == delayed and "error" not in r), None)
+            if compute is not None:
+                ax.axhline(compute["step_seconds"], color=colour, alpha=0.5, linestyle="-." if delayed else (0, (1, 4)),
+                           label=f"{what}, every state in RAM")
             xs = [r["fraction"] for r in rows]
             ax.plot(xs, [r["step_seconds"] for r in rows], marker="o", color=colour,
                     linestyle="--" if delayed else "-", label=f"{what}, measured")

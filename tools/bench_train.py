@@ -685,7 +685,8 @@ def error_line(output: str, returncode: int) -> tuple:
 
 def placement_report(engine, spec: dict) -> dict:
     """The auto row's placement (bytes per tier) and its predicted step ([Note: step
-    prediction]) with the plain step of the same run as its compute time."""
+    prediction]) with the compute time the spec gives (tools/bench_sweep.py: the same path's
+    step with every state in RAM, measured in the same run)."""
     from offload.memory.budget import UnitSizes
     from offload.memory.placement import load_profile, predict_step
 

@@ -310,21 +310,28 @@ class StepPrediction:
     nvme_write_bytes: int
     io_seconds: float                 # the bytes at the profile's NVMe bandwidths
     compute_seconds: Optional[float]  # the step with every state in RAM (measured or given)
+    exposed_fraction: float = 0.0     # EXPOSED_IO_FRACTION, or DELAYED_EXPOSED_IO_FRACTION
 
     @property
     def seconds(self) -> Optional[float]:
         """max(compute, I/O) + the I/O that cannot overlap compute (see predict_step)."""
         if self.compute_seconds is None:
             return None
-        return max(self.compute_seconds, self.io_seconds) + EXPOSED_IO_FRACTION * min(self.compute_seconds,
-                                                                                      self.io_seconds)
+        return max(self.compute_seconds, self.io_seconds) + self.exposed_fraction * min(self.compute_seconds,
+                                                                                        self.io_seconds)
 
 
 # [Note: step prediction] The share of the smaller of compute and NVMe time that shows in the
 # step anyway: the first fetches of forward, the last units' updates of backward, synchronous
 # gradient spills. A documented constant, measured with tools/bench_train.py
-# --sweep-host-budget (which prints predicted against measured at every point).
+# --sweep-host-budget (which prints predicted against measured at every point, the compute
+# time being the same path's step with every state in RAM, measured in the same run).
 EXPOSED_IO_FRACTION = 0.5
+# With delayed_update ([Note: delayed updates]) step t's updates, all of its state traffic,
+# run under step t+1's forward and backward, and the step is max(compute, I/O). The compute
+# time given must then be a delayed run's (its updates compete with forward and backward
+# for the cores).
+DELAYED_EXPOSED_IO_FRACTION = 0.0
 
 
 def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
@@ -376,4 +383,5 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
         read += spilled
         write += spilled
     io = read / bandwidth["nvme_read"] + write / bandwidth["nvme_write"]
-    return StepPrediction(read, write, io, compute_seconds)
+    exposed = DELAYED_EXPOSED_IO_FRACTION if layout.delayed_update else EXPOSED_IO_FRACTION
+    return StepPrediction(read, write, io, compute_seconds, exposed)
