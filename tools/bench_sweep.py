@@ -30,7 +30,7 @@ import tempfile
 
 import bench_train as bt
 
-DEFAULT_FRACTIONS = (0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.2)
+DEFAULT_FRACTIONS = (0.3, 0.45, 0.5, 0.6, 0.75, 0.9, 1.05, 1.2)  # 0.5 and 0.75: issue #19's targets
 
 
 def floor_rows_base(args) -> dict:
@@ -203,7 +203,7 @@ def plot(results: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     colours = {"fp32": "tab:blue", "bf16": "tab:orange"}
     for dtype in sorted({r["dtype"] for r in results}):
         plain = next((r for r in results if r["row"] == "plain" and r["dtype"] == dtype and "error" not in r), None)
@@ -233,7 +233,7 @@ def plot(results: list, path: str) -> None:
     ax.set_title("reference GPT, placement auto, device budget at the floor")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not on them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
