@@ -451,8 +451,12 @@ def test_bench_train_sweeps_host_budgets_with_auto_placement(tmp_path):
     for row in (tiny, generous):
         assert "error" not in row, row
         assert row["predicted_seconds"] > 0 and row["step_seconds"] > 0
+        # the disk checked before the point, and the prediction at its speed
+        assert row["disk"]["read_bytes_per_second"] > 0 and row["disk"]["write_bytes_per_second"] > 0
+        assert row["predicted_at_disk_seconds"] > 0
     # nothing on NVMe: the prediction is the compute time (and more with I/O)
     assert generous["predicted_seconds"] == compute["step_seconds"] < tiny["predicted_seconds"]
+    assert generous["predicted_at_disk_seconds"] == compute["step_seconds"] < tiny["predicted_at_disk_seconds"]
     assert tiny["home_bytes"]["nvme"] > 0 and tiny["nvme_read_per_step"] > 0
     assert generous["home_bytes"]["nvme"] == 0 and generous["nvme_read_per_step"] == 0
     assert list((tmp_path / "swap").iterdir()) == []

@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 
 import bench_train as bt
 
@@ -86,8 +87,11 @@ def main(args) -> int:
                     spec = dict(base, row="auto", dtype=dtype, delayed_update=delayed,
                                 host_budget=int(fraction * plain["peak_rss_bytes"]),
                                 compute_seconds=compute_seconds)
+                    disk = disk_check(swap_root)
                     result = bt.run_row(spec, args.row_timeout)
-                    result.update(fraction=fraction, delayed=delayed, dtype=dtype)
+                    result.update(fraction=fraction, delayed=delayed, dtype=dtype, disk=disk)
+                    if "error" not in result:
+                        result["predicted_at_disk_seconds"] = predicted_at_disk(result, disk, compute_seconds, delayed)
                     results.append(result)
                     status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
                     print(f"  auto {dtype:5s} {fraction:4.2f}x{' delayed' if delayed else ''} {status}",
@@ -131,6 +135,51 @@ def plain_run(base: dict, dtype: str, timeout: float) -> dict:
     return run
 
 
+# [Note: step prediction] This machine's disk moves between minutes (1.6x for the same
+# traffic), which the profile's fixed bandwidths cannot follow: each point is preceded by a
+# short O_DIRECT write and read of DISK_CHECK_BYTES in the swap directory, at the engine's
+# default I/O settings, and the table shows that speed and the prediction at it.
+DISK_CHECK_BYTES = 512 << 20
+
+
+def disk_check(directory: str) -> dict:
+    """Write then read DISK_CHECK_BYTES through offload.io.IOEngine (backend "auto", the
+    default block size and queue depth) in ``directory``: bytes per second each way."""
+    from offload.io import IOEngine, aligned_empty
+
+    chunk = 64 << 20
+    buf = aligned_empty(chunk).fill_(7)
+    fd, path = tempfile.mkstemp(prefix=".disk-check-", dir=directory)
+    os.close(fd)
+    try:
+        with IOEngine("auto", probe_dir=directory) as io:
+            start = time.perf_counter()
+            for offset in range(0, DISK_CHECK_BYTES, chunk):
+                io.write_from(buf, path, offset)
+            io.wait_all()
+            write_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            for offset in range(0, DISK_CHECK_BYTES, chunk):
+                io.read_into(buf, path, offset)
+            io.wait_all()
+            read_seconds = time.perf_counter() - start
+    finally:
+        os.unlink(path)
+    return {"read_bytes_per_second": DISK_CHECK_BYTES / read_seconds,
+            "write_bytes_per_second": DISK_CHECK_BYTES / write_seconds}
+
+
+def predicted_at_disk(row: dict, disk: dict, compute_seconds: float, delayed: bool) -> float:
+    """The point's predicted step ([Note: step prediction]: same bytes, same compute time,
+    same exposure) with the NVMe bandwidths of its disk check instead of the profile's."""
+    from offload.memory.placement import DELAYED_EXPOSED_IO_FRACTION, EXPOSED_IO_FRACTION, StepPrediction
+
+    io = row["predicted_read"] / disk["read_bytes_per_second"] + \
+        row["predicted_written"] / disk["write_bytes_per_second"]
+    return StepPrediction(row["predicted_read"], row["predicted_written"], io, compute_seconds,
+                          DELAYED_EXPOSED_IO_FRACTION if delayed else EXPOSED_IO_FRACTION).seconds
+
+
 def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:
     """[Note: step prediction] The compute time of one path's predictions: the engine's step
     with placement "auto" and no host budget given (the default, which holds every state
@@ -151,11 +200,23 @@ def _gb(value) -> str:
     return "-" if value is None else f"{value / bt.GB:.2f}"
 
 
+def _disk(disk) -> str:
+    if not disk:
+        return "-"
+    return f"{disk['read_bytes_per_second'] / bt.GB:.2f}/{disk['write_bytes_per_second'] / bt.GB:.2f}"
+
+
+def _at_disk(row: dict, step: float) -> str:
+    predicted = row.get("predicted_at_disk_seconds")
+    return f"{'-':>9s} {'-':>5s}" if predicted is None else f"{predicted:9.3f} {predicted / step:5.2f}"
+
+
 def print_sweep(results: list, out=sys.stdout) -> None:
     plain = {r["dtype"]: r for r in results if r["row"] == "plain" and "error" not in r}
     header = (f"{'dtype':5s} {'delayed':7s} {'x RSS':>5s} {'budget GiB':>10s} {'host c/s':>8s} {'step s':>7s} "
               f"{'x plain':>7s} {'pred s':>7s} {'pred/meas':>9s} {'RSS GiB':>7s} {'x RSS':>6s} "
-              f"{'rd GB':>6s} {'pred rd':>7s} {'wr GB':>6s} {'pred wr':>7s}")
+              f"{'rd GB':>6s} {'pred rd':>7s} {'wr GB':>6s} {'pred wr':>7s} {'disk r/w GB/s':>13s} "
+              f"{'pred@disk':>9s} {'/meas':>5s}")
     print(header, file=out)
     print("-" * len(header), file=out)
     for r in sorted(results, key=lambda r: r["row"] != "plain"):  # the baselines first
@@ -190,9 +251,12 @@ def print_sweep(results: list, out=sys.stdout) -> None:
               f"{'-' if predicted is None else f'{predicted / step:9.2f}':>9s} "
               f"{r['peak_rss_bytes'] / bt.GiB:7.2f} {r['peak_rss_bytes'] / base['peak_rss_bytes']:6.2f} "
               f"{_gb(r.get('nvme_read_per_step')):>6s} {_gb(r.get('predicted_read')):>7s} "
-              f"{_gb(r.get('nvme_written_per_step')):>6s} {_gb(r.get('predicted_written')):>7s}", file=out)
+              f"{_gb(r.get('nvme_written_per_step')):>6s} {_gb(r.get('predicted_written')):>7s} "
+              f"{_disk(r.get('disk')):>13s} {_at_disk(r, step)}", file=out)
     print("host c/s: units whose compute copy / whose master+moments the placement put in RAM; "
-          "x RSS (first column): the host budget as a fraction of the plain run's peak RSS", file=out)
+          "x RSS (first column): the host budget as a fraction of the plain run's peak RSS; disk r/w: "
+          f"a {DISK_CHECK_BYTES >> 20} MiB O_DIRECT write and read just before the point; pred@disk: the "
+          "prediction at those bandwidths instead of the profile's", file=out)
 
 
 def plot(results: list, path: str) -> None:
