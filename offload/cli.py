@@ -107,9 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--flops-per-second", type=float, default=None, help="model compute as 6 x params x tokens / this")
     plan.add_argument("--tokens-per-step", type=_positive_int, default=2048, help="with --flops-per-second (default 2048)")
     plan.add_argument("--compute-seconds", type=float, default=None,
-                      help="a step's time with every state in RAM, for the auto placement's predicted step")
+                      help="a step's time with every state in RAM, for the auto placement's predicted step "
+                           "(with --delayed-update: a delayed run's)")
     plan.add_argument("--max-grad-norm", type=float, default=None,
                       help="the run's max_grad_norm (auto placement counts the spare homes of speculative updates)")
+    plan.add_argument("--delayed-update", action="store_true",
+                      help="the run's delayed_update=True: auto placement counts its spare homes, and the "
+                           "predicted step hides its update I/O under compute")
 
     doctor = sub.add_parser("doctor", help="check the native build, I/O backends, O_DIRECT, limits, CUDA",
                             description="Exit code 1 when something required is missing, with the fix.")
@@ -197,7 +201,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
     auto_config = dict(device="cpu", dtype=args.dtype, param_tier="auto", optimizer_tier="auto",
                        host_budget=args.host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
-                       max_grad_norm=args.max_grad_norm, machine_profile=args.profile,
+                       max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth))
     text += "\n\n" + "\n".join(plan.auto_report(shape, auto_config, profile, compute))
     print(text)

@@ -275,7 +275,8 @@ def auto_report(shape: ModelShape, config: "OffloadConfig | dict", profile: dict
     lines = [f"auto placement (param_tier='auto', optimizer_tier='auto', host budget "
              f"{format_size(budget) if budget is not None else 'none'}"
              f"{' (default: 3/4 of the memory available now)' if layout.host_budget_default else ''}"
-             f"{', max_grad_norm ' + format(config.max_grad_norm, 'g') if config.max_grad_norm else ''}): "
+             f"{', max_grad_norm ' + format(config.max_grad_norm, 'g') if config.max_grad_norm else ''}"
+             f"{', delayed_update' if config.delayed_update else ''}): "
              "what wrap places, per unit, root first"]
     lines += ["  " + line for line in placement.describe()]
     lines.append("  at home: " + ", ".join(f"{tier} {format_size(n)}" for tier, n in placement.bytes_per_tier().items()))

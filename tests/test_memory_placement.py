@@ -1,6 +1,8 @@
 """Placement by budget ([Note: placement by budget], offload/memory/placement.py):
 param_tier/optimizer_tier "auto" place each unit's compute copy and states on host or NVMe
 within host_budget, never change what is computed, and ``offload plan`` places as wrap does."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -271,13 +273,14 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", ["gpt", "gpt-wide"])
+@pytest.mark.parametrize("name,delayed", [("gpt", False), ("gpt-wide", False), ("gpt", True)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_planner_places_every_unit_as_the_engine_does(tmp_path, name, dtype):
+def test_the_planner_places_every_unit_as_the_engine_does(tmp_path, name, delayed, dtype):
     with torch.device("meta"):
         shape = plan.shape_from_module(MODELS[name](), name)
     sizes = [u.sizes(4 if dtype == "fp32" else 2) for u in shape.units]
     config = base(tmp_path, dtype, param_tier="auto", optimizer_tier="auto", max_grad_norm=1.0,
+                  delayed_update=delayed,  # [Note: delayed updates] spare homes for every trainable unit
                   device_budget=minimum_device_budget(sizes, "nvme", 4 if dtype == "fp32" else 2))
     floor = minimum_host_budget(sizes, Layout.resolve(OffloadConfig(**config), CPU, None, (
         ("nvme",) * len(sizes), tuple("nvme" for _ in sizes))))
@@ -312,6 +315,33 @@ def test_offload_plan_prints_the_engine_placement_and_a_predicted_step(tmp_path)
     for line in placement.describe():
         assert line in text
     assert "predicted step: " in text
+    assert "+ 0.5 x min(compute, I/O)" in text
+
+
+def test_offload_plan_with_delayed_update_counts_spares_and_hides_the_update_io(tmp_path):
+    """--delayed-update: the placement is the engine's with delayed_update=True (spare homes
+    counted), and the predicted step is max(compute, I/O) ([Note: step prediction])."""
+    from offload.cli import main
+
+    shape = plan.shape_from_count(2e7, 4)
+    budget = 150 << 20
+    common = ["plan", "--params", "2e7", "--num-units", "4", "--dtype", "bf16", "--host-budget", str(budget),
+              "--device-budget", str(64 << 20), "--compute-seconds", "2", "--swap-dir", str(tmp_path)]
+    texts, nvme = {}, {}
+    for delayed in (False, True):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(common + (["--delayed-update"] if delayed else [])) == 0
+        texts[delayed] = out.getvalue()[out.getvalue().index("auto placement"):]
+        config = dict(device="cpu", dtype="bf16", param_tier="auto", optimizer_tier="auto", host_budget=budget,
+                      device_budget=64 << 20, swap_dir=str(tmp_path), delayed_update=delayed)
+        placement, _, _ = plan.auto_placement(shape, config)
+        for line in placement.describe():
+            assert line in texts[delayed]
+        nvme[delayed] = placement.bytes_per_tier().get("nvme", 0)
+    assert "delayed_update" in texts[True] and "delayed_update" not in texts[False]
+    assert "+ 0 x min(compute, I/O)" in texts[True] and "+ 0.5 x min(compute, I/O)" in texts[False]
+    assert nvme[True] > nvme[False] > 0, nvme  # the spares take RAM: more goes to NVMe
 
 
 def test_the_prediction_counts_the_bytes_each_placement_moves(tmp_path):
