@@ -13,11 +13,12 @@ import datetime
 import json
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
+
+from offload.errors import warn_at_caller
 
 Size = Union[int, str, None]
 
@@ -404,8 +405,8 @@ class OffloadConfig:
             ignored.append(("delayed_update_warmup_steps", "delayed_update=False"))
         ignored = [f"{name} ({why})" for name, why in ignored if getattr(self, name) != defaults[name]]
         if ignored:
-            warnings.warn(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}",
-                          UserWarning, stacklevel=4)
+            # at the user's OffloadConfig(...), or their wrap(config=...) that built it
+            warn_at_caller(f"OffloadConfig: these settings are ignored: {'; '.join(ignored)}", UserWarning)
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:

@@ -20,7 +20,8 @@ def warn_at_caller(message: str, category: type = RuntimeWarning) -> None:
     forward that called a module whose hook raised it), however deep inside offload it is
     raised, so that a warning filter or the printed location points at the user's code.
     torch's frames in between (a module's ``__call__``, the autograd engine's entry, the
-    wrapper of a ``no_grad`` decorator) are skipped as part of the call."""
+    wrapper of a ``no_grad`` decorator) are skipped as part of the call, and so is the
+    ``__init__`` a dataclass generates for one of offload's classes."""
     import os
     import sys
     import warnings
@@ -29,7 +30,14 @@ def warn_at_caller(message: str, category: type = RuntimeWarning) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
         inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    def part_of_the_call(frame) -> bool:
+        path = frame.f_code.co_filename
+        if path == "<string>" and frame.f_code.co_name == "__init__":
+            # the __init__ a dataclass generates (OffloadConfig's calls __post_init__)
+            return type(frame.f_locals.get("self")).__module__.startswith("offload.")
+        return os.path.abspath(path).startswith(tuple(inside))
+
     frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
+    while frame is not None and part_of_the_call(frame):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 import offload
 
@@ -180,5 +181,19 @@ def test_config_json_infinity_and_unreadable_files_name_the_problem(tmp_path):
     ({"prefetch": False, "prefetch_units": 4}, "prefetch_units"),
 ])
 def test_config_warns_about_settings_it_ignores(values, ignored):
-    with pytest.warns(UserWarning, match=f"ignored: {ignored}"):
+    with pytest.warns(UserWarning, match=f"ignored: {ignored}") as record:
         offload.OffloadConfig(**values)
+    assert [w.filename for w in record] == [__file__]  # the user's line, not offload's
+
+
+def test_the_ignored_settings_warning_points_at_the_wrap_that_built_the_config():
+    """wrap(config=dict) builds the OffloadConfig inside offload (from_any): the warning
+    still names the user's wrap() line."""
+    from offload.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2))
+    with pytest.warns(UserWarning, match="ignored: speculative_updates") as record:
+        engine = offload.wrap(model, torch.optim.AdamW(model.parameters()),
+                              config=dict(device="cpu", param_tier="device", speculative_updates=True))
+    engine.close()
+    assert [w.filename for w in record if "ignored" in str(w.message)] == [__file__]
