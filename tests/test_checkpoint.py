@@ -531,3 +531,25 @@ def test_a_symlinked_checkpoint_name_is_refused_and_its_target_kept(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ["ckpt", "other", "real"]
         assert os.path.isfile(os.path.join(real, MANIFEST))
         engine.load_checkpoint(str(tmp_path / "ckpt"))  # loading through a link is fine
+
+
+def test_checkpoint_warnings_point_at_the_users_call(tmp_path):
+    """A param_groups value that JSON cannot hold is not saved, and a checkpoint written
+    with another max_grad_norm loads without resuming bit-identically: each says so in a
+    warning attributed to the user's save_checkpoint() / load_checkpoint() line."""
+    import warnings
+
+    ckpt = str(tmp_path / "ckpt")
+    with make_engine(config_for(tmp_path, "host", "host", max_grad_norm=1.0)) as engine:
+        run(engine, 0, 1)
+        engine.optimizer.param_groups[0]["custom"] = object()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.save_checkpoint(ckpt)
+    assert [(w.filename, str(w.message)) for w in caught] == [
+        (__file__, "save_checkpoint: param_groups[0]['custom'] (object) is not saved")]
+    with make_engine(config_for(tmp_path, "host", "host", max_grad_norm=2.0)) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.load_checkpoint(ckpt)
+    assert [w.filename for w in caught if "max_grad_norm=1.0" in str(w.message)] == [__file__]

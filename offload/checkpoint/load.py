@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ from offload.checkpoint.access import Ranks, attempt
 from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
     DTYPES, MANIFEST, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
-from offload.errors import CheckpointError
+from offload.errors import CheckpointError, warn_at_caller
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess
@@ -79,10 +78,9 @@ def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir:
                                   f"{tuple(b.shape)} in the model")
     for key in ("dtype", "gradient_accumulation_steps", "max_grad_norm"):
         if manifest["config"].get(key) != getattr(access.config, key):
-            warnings.warn(f"load_checkpoint: the checkpoint was written with {key}="
-                          f"{manifest['config'].get(key)!r}, this engine uses "
-                          f"{getattr(access.config, key)!r}; the run will not continue bit-identically",
-                          RuntimeWarning, stacklevel=4)
+            warn_at_caller(f"load_checkpoint: the checkpoint was written with {key}="
+                           f"{manifest['config'].get(key)!r}, this engine uses "
+                           f"{getattr(access.config, key)!r}; the run will not continue bit-identically")
     return saved
 
 
@@ -172,17 +170,16 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
     ranks.agree("verification", error)
     manifest, saved, rng = checked
     if manifest["world_size"] != ranks.world_size:
-        warnings.warn(f"load_checkpoint: the checkpoint was written by {manifest['world_size']} "
-                      f"rank(s), this run has {ranks.world_size}: the states are re-partitioned; "
-                      "random number generators continue from those of the nearest saved rank",
-                      RuntimeWarning, stacklevel=3)
+        warn_at_caller(f"load_checkpoint: the checkpoint was written by {manifest['world_size']} "
+                       f"rank(s), this run has {ranks.world_size}: the states are re-partitioned; "
+                       "random number generators continue from those of the nearest saved rank")
     unfinished = (f"load_checkpoint({ckpt_dir!r}) did not finish, so the engine holds a mix of states; "
                   "load a checkpoint again before training")
     pending = {u["name"]: u.get("delayed_pending", False) for u in manifest["units"]}
     if any(pending.values()) and not access.config.delayed_update:
-        warnings.warn("load_checkpoint: the checkpoint was saved with delayed updates pending "
-                      "(delayed_update=True), this engine runs exact steps: it goes on from the updated "
-                      "weights, not bit-identically", RuntimeWarning, stacklevel=3)
+        warn_at_caller("load_checkpoint: the checkpoint was saved with delayed updates pending "
+                       "(delayed_update=True), this engine runs exact steps: it goes on from the updated "
+                       "weights, not bit-identically")
     access.begin_state_load(unfinished)
 
     def load_states() -> None:

@@ -11,7 +11,6 @@ import os
 import queue
 import random
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
@@ -21,6 +20,7 @@ from offload.checkpoint.directory import (
     clean_stale, create_file, fsync_dir, make_partial, os_step, put_in_place, remove_checkpoint)
 from offload.checkpoint.format import (
     FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
+from offload.errors import warn_at_caller
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess
@@ -213,8 +213,8 @@ def _jsonable_group(group: Dict[str, Any], index: int) -> Dict[str, Any]:
         try:
             json.dumps(value)
         except TypeError:
-            warnings.warn(f"save_checkpoint: param_groups[{index}][{key!r}] ({type(value).__name__}) "
-                          "is not saved", RuntimeWarning, stacklevel=4)
+            warn_at_caller(f"save_checkpoint: param_groups[{index}][{key!r}] ({type(value).__name__}) "
+                           "is not saved")
             continue
         out[key] = value
     return out
