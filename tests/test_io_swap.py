@@ -111,9 +111,10 @@ def test_run_dir_whose_lock_is_held_is_left_alone(tmp_path):
     (live / "lock").write_text("1\n")
     with open(live / "lock", "r+") as held:  # a live run holds the flock on its lock
         fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.warns(RuntimeWarning, match="live process"):
+        with pytest.warns(RuntimeWarning, match="live process") as seen:
             with SwapSpace(tmp_path, file_bytes=1 << 20) as space:
                 assert (str(live), 1) in space.live_runs and space.removed_stale_runs == []
+        assert [w.filename for w in seen] == [__file__]  # the caller's line
     assert live.exists()
 
 
@@ -129,6 +130,7 @@ def test_stale_run_whose_pid_is_reused_is_removed_and_reported(tmp_path):
             assert space.removed_stale_runs == [str(stale)] and space.live_runs == []
             assert space.stale_bytes_removed >= 1 << 20
     assert str(stale) in str(seen[0].message)
+    assert [w.filename for w in seen] == [__file__]
     assert not stale.exists()
 
 
@@ -217,9 +219,11 @@ def test_wrap_sizes_the_swap_file_from_its_plan_and_reports_stale_runs(tmp_path)
     (stale / "swap-0000.bin").write_bytes(b"x" * (1 << 20))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2))
-    with pytest.warns(RuntimeWarning, match="removed 1 run directory"):
+    with pytest.warns(RuntimeWarning, match="removed 1 run directory") as seen:
         engine = offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(
             device="cpu", param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path)))
+    # at the user's wrap() line, not inside offload's tiers
+    assert [w.filename for w in seen if "removed 1 run" in str(w.message)] == [__file__]
     with engine:
         stats = engine.stats()
         space = engine.debug.nvme.space

@@ -39,9 +39,10 @@ def test_a_symlink_named_like_a_stale_run_is_not_followed(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
     (swap / "offload-run-1-abcd").symlink_to(target)
-    with pytest.warns(RuntimeWarning, match="offload-run-1-abcd, which is not a run directory"):
+    with pytest.warns(RuntimeWarning, match="offload-run-1-abcd, which is not a run directory") as seen:
         with SwapSpace(swap) as space:
             assert space.removed_stale_runs == []
+    assert [w.filename for w in seen] == [__file__]
     assert sorted(os.listdir(target)) == ["keep"] and (target / "keep").read_text() == "precious"
     assert (swap / "offload-run-1-abcd").is_symlink()
 

@@ -43,11 +43,11 @@ import secrets
 import signal
 import stat
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from offload.errors import warn_at_caller
 from offload.io.probe import ALIGN_BYTES, probe_o_direct
 
 _LOCK_NAME = ".offload.lock"
@@ -417,9 +417,8 @@ class SwapSpace:
             raise
         self.o_direct: bool = bool(probe["o_direct"])
         if not self.o_direct:
-            warnings.warn(f"swap_dir {swap_dir!r} does not honor O_DIRECT "
-                          f"({probe['o_direct_error']}); swap I/O will be buffered",
-                          RuntimeWarning, stacklevel=2)
+            warn_at_caller(f"swap_dir {swap_dir!r} does not honor O_DIRECT "
+                           f"({probe['o_direct_error']}); swap I/O will be buffered")
 
         # 2. One run per directory.
         lock_path = os.path.join(swap_dir, _LOCK_NAME)
@@ -475,11 +474,9 @@ class SwapSpace:
         self._closed = False
         _track(self)
         if self.removed_stale_runs:
-            warnings.warn(
-                f"swap_dir {swap_dir!r}: removed {len(self.removed_stale_runs)} run director"
-                f"{'y' if len(self.removed_stale_runs) == 1 else 'ies'} of killed runs, freeing "
-                f"{self.stale_bytes_removed} bytes: {', '.join(self.removed_stale_runs)}",
-                RuntimeWarning, stacklevel=2)
+            warn_at_caller(f"swap_dir {swap_dir!r}: removed {len(self.removed_stale_runs)} run director"
+                           f"{'y' if len(self.removed_stale_runs) == 1 else 'ies'} of killed runs, freeing "
+                           f"{self.stale_bytes_removed} bytes: {', '.join(self.removed_stale_runs)}")
 
     def _clean_stale_runs(self) -> None:
         """[Note: stale runs] Removes the run directories (of this user) whose lock is free."""
@@ -490,15 +487,14 @@ class SwapSpace:
             try:
                 freed = remove_if_dead(self._dir_fd, entry, path, "lock")
             except ValueError as error:
-                warnings.warn(f"swap_dir holds {path}, which is not a run directory of this user "
-                              f"({error}); leaving it alone", RuntimeWarning, stacklevel=4)
+                warn_at_caller(f"swap_dir holds {path}, which is not a run directory of this user "
+                               f"({error}); leaving it alone")
                 continue
             if freed is None:
                 pid = _holder_pid(self._dir_fd, entry)
                 self.live_runs.append((path, pid))
-                warnings.warn(f"swap_dir holds the run directory {path} of a live process "
-                              f"(pid {pid}, its lock is held); leaving it alone",
-                              RuntimeWarning, stacklevel=4)
+                warn_at_caller(f"swap_dir holds the run directory {path} of a live process "
+                               f"(pid {pid}, its lock is held); leaving it alone")
                 continue
             self.stale_bytes_removed += freed
             self.removed_stale_runs.append(path)
