@@ -3,8 +3,10 @@ import fcntl
 import os
 import random
 import stat
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -231,3 +233,29 @@ def test_wrap_sizes_the_swap_file_from_its_plan_and_reports_stale_runs(tmp_path)
         # The plan is what wrap allocates: one file, exactly that size (it was 1 GiB).
         assert space.capacity_bytes == space.used_bytes == stats["nvme_bytes"] == space.reserve_bytes
         assert os.path.getsize(os.path.join(space.run_dir, "swap-0000.bin")) == stats["nvme_bytes"] < 1 << 20
+
+
+def test_a_swap_dir_without_o_direct_is_said_once_at_the_users_wrap(tmp_path):
+    """tmpfs accepts O_DIRECT without honoring it: SwapSpace says so at wrap, at the user's
+    line, and the run's I/O engine does not say it again for each swap file (it did, from
+    inside offload/tiers/nvme.py)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    directory = os.path.join("/dev/shm", f"offload-test-wrap-{os.getpid()}")
+    os.makedirs(directory, exist_ok=True)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(
+                    device="cpu", param_tier="nvme", optimizer_tier="nvme", swap_dir=directory)) as engine:
+                b = torch.randint(0, 64, (2, 17))
+                engine.backward(engine(b[:, :-1], b[:, 1:]))
+                engine.step()
+                engine.state_dict()
+        said = [(w.filename, str(w.message)) for w in caught if "O_DIRECT" in str(w.message)]
+        assert len(said) == 1 and said[0][0] == __file__, said
+        assert "does not honor O_DIRECT" in said[0][1]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -37,15 +37,18 @@ from offload.stats import Stats
 TRACE_REQUESTS = 1 << 15
 
 
-def _start_engine(swap_dir: str, backend: str, block_bytes: int, queue_depth: int) -> IOEngine:
+def _start_engine(swap_dir: str, backend: str, block_bytes: int, queue_depth: int,
+                  warn_buffered: bool) -> IOEngine:
     """The run's I/O engine, its backend seen to complete a real aligned write+read in
     ``swap_dir`` first ("auto": the first of io_uring, libaio, threads that does), so a
-    backend that fails there is an error naming io_backend before any swap file is written."""
+    backend that fails there is an error naming io_backend before any swap file is written.
+    ``warn_buffered``: whether the engine warns when a file opens without O_DIRECT (not
+    when SwapSpace has already said so of the whole directory)."""
     try:
         if backend != "auto":
             check_backend(backend, swap_dir)
         return IOEngine(backend=backend, block_bytes=block_bytes, queue_depth=queue_depth,
-                        probe_dir=swap_dir)
+                        probe_dir=swap_dir, warn_buffered=warn_buffered)
     except OSError as error:
         raise OSError(f"io_backend={backend!r}: {error}") from error
 
@@ -85,7 +88,8 @@ class NvmeTier:
         self.space = SwapSpace(swap_dir, reserve_bytes=reserve_bytes)
         try:
             self.io = faults.passing("nvme.io_engine",
-                                     _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth))
+                                     _start_engine(self.space.swap_dir, backend, block_bytes, queue_depth,
+                                                   warn_buffered=self.space.o_direct))
             # [Note: swap directory trust] requests use the swap files' descriptors, never paths
             self.space.hold_files(self.io.hold_file)
         except BaseException:
