@@ -26,16 +26,17 @@ def warn_at_caller(message: str, category: type = RuntimeWarning) -> None:
     import sys
     import warnings
 
-    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
-        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+        inside += (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+
     def part_of_the_call(frame) -> bool:
         path = frame.f_code.co_filename
         if path == "<string>" and frame.f_code.co_name == "__init__":
             # the __init__ a dataclass generates (OffloadConfig's calls __post_init__)
             return type(frame.f_locals.get("self")).__module__.startswith("offload.")
-        return os.path.abspath(path).startswith(tuple(inside))
+        return os.path.abspath(path).startswith(inside)
 
     frame, level = sys._getframe(1), 2  # stacklevel 2: the caller of this function
     while frame is not None and part_of_the_call(frame):

@@ -56,6 +56,22 @@ def _gbps(num_bytes: float, seconds: float) -> str:
     return f"{num_bytes / seconds / 1e9:6.2f} GB/s"
 
 
+def time_write_read(io, buf: torch.Tensor, path: str, num_bytes: int) -> "tuple[float, float]":
+    """Seconds to write the first ``num_bytes`` of ``path`` through the IOEngine ``io``,
+    ``buf`` (aligned) at a time, and then to read them back: (write, read)."""
+    chunk = buf.numel() * buf.element_size()
+    start = time.perf_counter()
+    for offset in range(0, num_bytes, chunk):
+        io.write_from(buf, path, offset)
+    io.wait_all()
+    write_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    for offset in range(0, num_bytes, chunk):
+        io.read_into(buf, path, offset)
+    io.wait_all()
+    return write_seconds, time.perf_counter() - start
+
+
 def _config_accepts_backend(backend: str) -> bool:
     from offload.config import OffloadConfig
     try:
@@ -147,16 +163,7 @@ class Profiler:
                             warnings.simplefilter("ignore")
                             with IOEngine(backend, block_bytes=block, queue_depth=depth) as io:
                                 os.truncate(path, 0)
-                                start = time.perf_counter()
-                                for offset in range(0, self.file_bytes, chunk):
-                                    io.write_from(buf, path, offset)
-                                io.wait_all()
-                                write_s = time.perf_counter() - start
-                                start = time.perf_counter()
-                                for offset in range(0, self.file_bytes, chunk):
-                                    io.read_into(buf, path, offset)
-                                io.wait_all()
-                                read_s = time.perf_counter() - start
+                                write_s, read_s = time_write_read(io, buf, path, self.file_bytes)
                         w = self.record("nvme_write", setting, self.file_bytes, write_s)
                         r = self.record("nvme_read", setting, self.file_bytes, read_s)
                         grid.append({"backend": backend, "block_bytes": block, "queue_depth": depth,

@@ -27,7 +27,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import bench_train as bt
 
@@ -91,7 +90,7 @@ def main(args) -> int:
                     result = bt.run_row(spec, args.row_timeout)
                     result.update(fraction=fraction, delayed=delayed, dtype=dtype, disk=disk)
                     if "error" not in result:
-                        result["predicted_at_disk_seconds"] = predicted_at_disk(result, disk, compute_seconds, delayed)
+                        result["predicted_at_disk_seconds"] = predicted_at_disk(result, disk, compute_seconds)
                     results.append(result)
                     status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
                     print(f"  auto {dtype:5s} {fraction:4.2f}x{' delayed' if delayed else ''} {status}",
@@ -146,38 +145,30 @@ def disk_check(directory: str) -> dict:
     """Write then read DISK_CHECK_BYTES through offload.io.IOEngine (backend "auto", the
     default block size and queue depth) in ``directory``: bytes per second each way."""
     from offload.io import IOEngine, aligned_empty
+    from offload.profile import time_write_read
 
-    chunk = 64 << 20
-    buf = aligned_empty(chunk).fill_(7)
+    buf = aligned_empty(64 << 20).fill_(7)
     fd, path = tempfile.mkstemp(prefix=".disk-check-", dir=directory)
     os.close(fd)
     try:
         with IOEngine("auto", probe_dir=directory) as io:
-            start = time.perf_counter()
-            for offset in range(0, DISK_CHECK_BYTES, chunk):
-                io.write_from(buf, path, offset)
-            io.wait_all()
-            write_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            for offset in range(0, DISK_CHECK_BYTES, chunk):
-                io.read_into(buf, path, offset)
-            io.wait_all()
-            read_seconds = time.perf_counter() - start
+            write_seconds, read_seconds = time_write_read(io, buf, path, DISK_CHECK_BYTES)
     finally:
         os.unlink(path)
     return {"read_bytes_per_second": DISK_CHECK_BYTES / read_seconds,
             "write_bytes_per_second": DISK_CHECK_BYTES / write_seconds}
 
 
-def predicted_at_disk(row: dict, disk: dict, compute_seconds: float, delayed: bool) -> float:
+def predicted_at_disk(row: dict, disk: dict, compute_seconds: float) -> float:
     """The point's predicted step ([Note: step prediction]: same bytes, same compute time,
-    same exposure) with the NVMe bandwidths of its disk check instead of the profile's."""
-    from offload.memory.placement import DELAYED_EXPOSED_IO_FRACTION, EXPOSED_IO_FRACTION, StepPrediction
+    the exposure its prediction used) with the NVMe bandwidths of its disk check instead of
+    the profile's."""
+    from offload.memory.placement import StepPrediction
 
     io = row["predicted_read"] / disk["read_bytes_per_second"] + \
         row["predicted_written"] / disk["write_bytes_per_second"]
     return StepPrediction(row["predicted_read"], row["predicted_written"], io, compute_seconds,
-                          DELAYED_EXPOSED_IO_FRACTION if delayed else EXPOSED_IO_FRACTION).seconds
+                          row["predicted_exposed_fraction"]).seconds
 
 
 def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:
