@@ -53,6 +53,9 @@ def adam_step(
     grad_scale: float,
     copy_out: int = 0,
     copy_out_dtype: int = 0,
+    param_out: int = 0,
+    exp_avg_out: int = 0,
+    exp_avg_sq_out: int = 0,
 ) -> None: ...
 def split_master(master: int, high: int, low: int, numel: int) -> None: ...
 def join_master(high: int, low: int, master: int, numel: int) -> None: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -286,6 +287,91 @@ def test_vector_kernel_equals_scalar_bit_for_bit(isa, grad_dtype, copy_dtype):
                     ref = step_bits("scalar", *args)
                     assert all(torch.equal(a, b) for a, b in zip(ours, ref)), (
                         f"numel={numel} stream={stream} offset={offset} {variant}")
+
+
+# ---- out-of-place steps ([Note: out-of-place Adam] in native/adam/adam.h) ---------------
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("copy_dtype", [None, torch.bfloat16, torch.float16])
+def test_out_of_place_step_equals_in_place_bit_for_bit(isa, grad_dtype, copy_dtype):
+    # Three steps that alternate between two sets of buffers, as a delayed run's homes and
+    # spare homes do: each writes the other set and leaves its inputs alone, and every
+    # output equals the in-place step's, bit for bit (specials included), across partial
+    # heads and tails, streamed and cached copy-outs and misaligned buffers.
+    hyper = dict(**HYPER, **DECAY_VARIANTS["adamw_decay"])
+    for numel in (1, 7, 17, 529, 1053, 2 * 2**16 + 77):
+        for offset in (0, 3):
+            for stream in (False, True):
+                gen = torch.Generator().manual_seed(numel + offset)
+                init = torch.randn(numel, generator=gen)
+                init[torch.randperm(numel, generator=gen)[:min(numel, 4)]] = torch.tensor(
+                    VECTOR_SPECIALS[:min(numel, 4)])
+                in_place = [init.clone(), torch.zeros(numel), torch.zeros(numel)]
+                # set 1 and the first copy-out share a phase, so that all four can stream
+                # together; set 0's differ, so that only some outputs can
+                sets = [[misaligned(numel, (offset + k + 2) % 7) for k in range(3)],
+                        [misaligned(numel, offset) for _ in range(3)]]
+                sets[0][0].copy_(init)
+                copies = [None if copy_dtype is None else misaligned(numel, offset + i, copy_dtype)
+                          for i in range(2)]
+                with forced_isa(isa), stream_copy_out_from(0 if stream else 2**62):
+                    for step in range(1, 4):
+                        grad = torch.randn(numel, generator=gen).to(grad_dtype)
+                        src, dst = sets[(step - 1) % 2], sets[step % 2]
+                        before = [t.clone() for t in src]
+                        adam_step_flat(*in_place[:1], grad, *in_place[1:], step=step,
+                                       copy_out=copies[1], **hyper)
+                        adam_step_flat(src[0], grad, src[1], src[2], step=step, copy_out=copies[0],
+                                       out=tuple(dst), **hyper)
+                        where = f"numel={numel} offset={offset} stream={stream} step={step}"
+                        for name, t, b in zip(("param", "exp_avg", "exp_avg_sq"), src, before):
+                            assert torch.equal(t.view(torch.int32), b.view(torch.int32)), f"{name} read only: {where}"
+                        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), dst, in_place):
+                            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{name}: {where}"
+                        if copy_dtype is not None:
+                            assert torch.equal(copies[0].view(torch.int16), copies[1].view(torch.int16)), where
+
+
+def test_out_of_place_outputs_must_not_overlap_any_buffer():
+    n = 64
+    shifted = torch.zeros(n + 1)
+    p, m, v, g = shifted[:n], torch.zeros(n), torch.zeros(n), torch.ones(n)
+    block = torch.zeros(4 * n)
+    hyper = dict(step=1, **HYPER, weight_decay=0.0)
+    for out, names in [((shifted[1:], torch.zeros(n), torch.zeros(n)), ("param", "out[0]")),
+                       ((block[:n], block[n // 2:3 * n // 2], block[2 * n:3 * n]), ("out[0]", "out[1]")),
+                       ((torch.zeros(n), torch.zeros(n), g), ("grad", "out[2]"))]:
+        with pytest.raises(ValueError, match=rf"{re.escape(names[0])} and {re.escape(names[1])} overlap"):
+            adam_step_flat(p, g, m, v, out=out, **hyper)
+    with pytest.raises(ValueError, match=r"out\[1\] \(exp_avg\) has 63 elements"):
+        adam_step_flat(p, g, m, v, out=(torch.zeros(n), torch.zeros(n - 1), torch.zeros(n)), **hyper)
+    with pytest.raises(TypeError, match="out must be a tuple"):
+        adam_step_flat(p, g, m, v, out=(torch.zeros(n), torch.zeros(n)), **hyper)
+    # the native check stands on its own (the binding takes bare addresses): an output
+    # that overlaps an input is refused before anything is written
+    q = torch.arange(2 * n, dtype=torch.float32)
+    before = q.clone()
+    with pytest.raises(ValueError, match="param_out overlaps param"):
+        _native.adam_step(q.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), n, step=1.0, lr=1e-2,
+                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, grad_scale=1.0,
+                          param_out=q.data_ptr() + 4 * (n // 2))
+    assert torch.equal(q, before)
+    # one output apart, the others in place
+    ref = [q[:n].clone(), m.clone(), v.clone()]
+    adam_step_flat(*ref[:1], g, *ref[1:], **hyper)
+    new_param = torch.zeros(n)
+    _native.adam_step(q.data_ptr(), g.data_ptr(), 0, m.data_ptr(), v.data_ptr(), n, step=1.0, lr=1e-2,
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, grad_scale=1.0,
+                      param_out=new_param.data_ptr())
+    assert torch.equal(q, before) and torch.equal(new_param, ref[0])
+    assert torch.equal(m, ref[1]) and torch.equal(v, ref[2])
+    # the same through adam_step_flat: an entry of out that is its input (the same memory,
+    # here another view of it) is updated in place
+    p2, m2, v2, new_m = q[:n].clone(), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    adam_step_flat(p2, g, m2, v2, out=(p2.view(-1), new_m, v2), **hyper)
+    assert torch.equal(p2, ref[0]) and torch.equal(new_m, ref[1]) and torch.equal(v2, ref[2])
+    assert not m2.any()
 
 
 def test_large_steps_stream_the_copy_out_by_default():

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -110,7 +111,7 @@ detail::Coefficients coefficients(const Hyperparameters& h) {
   return k;
 }
 
-using Kernel = void (*)(const Buffers&, const detail::Coefficients&, bool);
+using Kernel = void (*)(const Buffers&, const detail::Coefficients&, const detail::Streaming&);
 
 Kernel kernel_for(Isa isa) {
   switch (isa) {
@@ -135,6 +136,34 @@ void check(const Buffers& b) {
   if (b.numel > 0 && (b.param == nullptr || b.grad == nullptr || b.exp_avg == nullptr ||
                       b.exp_avg_sq == nullptr)) {
     throw std::invalid_argument("adam: null buffer pointer");
+  }
+  // [Note: out-of-place Adam] an output set apart from its input overlaps nothing.
+  struct Span {
+    const char* name;
+    const void* begin;
+    std::size_t bytes;
+  };
+  const std::size_t n = b.numel;
+  const Span spans[] = {
+      {"param", b.param, n * 4},          {"grad", b.grad, n * element_bytes(b.grad_dtype)},
+      {"exp_avg", b.exp_avg, n * 4},      {"exp_avg_sq", b.exp_avg_sq, n * 4},
+      {"copy_out", b.copy_out, b.copy_out != nullptr ? n * 2 : 0},
+      {"param_out", b.param_out, b.param_out != b.param ? n * 4 : 0},
+      {"exp_avg_out", b.exp_avg_out, b.exp_avg_out != b.exp_avg ? n * 4 : 0},
+      {"exp_avg_sq_out", b.exp_avg_sq_out, b.exp_avg_sq_out != b.exp_avg_sq ? n * 4 : 0},
+  };
+  auto overlap = [](const Span& x, const Span& y) {
+    const auto a = reinterpret_cast<std::uintptr_t>(x.begin);
+    const auto c = reinterpret_cast<std::uintptr_t>(y.begin);
+    return x.bytes > 0 && y.bytes > 0 && a < c + y.bytes && c < a + x.bytes;
+  };
+  for (std::size_t i = 5; i < std::size(spans); ++i) {
+    for (std::size_t j = 0; j < std::size(spans); ++j) {
+      if (j != i && overlap(spans[i], spans[j])) {
+        throw std::invalid_argument(std::string("adam: ") + spans[i].name + " overlaps " +
+                                    spans[j].name);
+      }
+    }
   }
 }
 
@@ -185,7 +214,13 @@ std::size_t stream_copy_out_min_numel() { return stream_copy_out_min().load(); }
 
 void set_stream_copy_out_min_numel(std::size_t numel) { stream_copy_out_min() = numel; }
 
-void step(const Buffers& buffers, const Hyperparameters& hyper) {
+void step(const Buffers& given, const Hyperparameters& hyper) {
+  Buffers buffers = given;  // [Note: out-of-place Adam] an output left null is its input
+  if (buffers.param_out == nullptr) buffers.param_out = const_cast<float*>(buffers.param);
+  if (buffers.exp_avg_out == nullptr) buffers.exp_avg_out = const_cast<float*>(buffers.exp_avg);
+  if (buffers.exp_avg_sq_out == nullptr) {
+    buffers.exp_avg_sq_out = const_cast<float*>(buffers.exp_avg_sq);
+  }
   check(buffers);
   const Kernel kernel = kernel_for(selected_isa());
   const detail::Coefficients k = coefficients(hyper);
@@ -193,8 +228,14 @@ void step(const Buffers& buffers, const Hyperparameters& hyper) {
   // Decided once for the whole step, not per thread range: it is the step's working set
   // that outgrows the cache. A copy_out that is not 2-byte aligned can never reach the
   // alignment streaming stores need (torch never hands us one).
-  const bool stream_copy_out = buffers.copy_out != nullptr && n >= stream_copy_out_min_numel() &&
-                               reinterpret_cast<std::uintptr_t>(buffers.copy_out) % 2 == 0;
+  detail::Streaming streaming;
+  streaming.copy_out = buffers.copy_out != nullptr && n >= stream_copy_out_min_numel() &&
+                       reinterpret_cast<std::uintptr_t>(buffers.copy_out) % 2 == 0;
+  // [Note: out-of-place Adam] outputs apart from their inputs are lines only written, as the
+  // copy-out's are: the same threshold decides.
+  streaming.state = n >= stream_copy_out_min_numel() &&
+                    (buffers.param_out != buffers.param || buffers.exp_avg_out != buffers.exp_avg ||
+                     buffers.exp_avg_sq_out != buffers.exp_avg_sq);
   const std::size_t grad_bytes = element_bytes(buffers.grad_dtype);
   offload::parallel_ranges(n, kGrainNumel, [&](std::size_t begin, std::size_t end) {
     Buffers part = buffers;
@@ -203,10 +244,13 @@ void step(const Buffers& buffers, const Hyperparameters& hyper) {
     part.grad = static_cast<const char*>(buffers.grad) + begin * grad_bytes;
     part.exp_avg += begin;
     part.exp_avg_sq += begin;
+    part.param_out += begin;
+    part.exp_avg_out += begin;
+    part.exp_avg_sq_out += begin;
     if (buffers.copy_out != nullptr) {
       part.copy_out = static_cast<char*>(buffers.copy_out) + begin * 2;
     }
-    kernel(part, k, stream_copy_out);
+    kernel(part, k, streaming);
   });
 }
 

@@ -45,6 +45,7 @@ struct Avx2 {
   ADAM_SIMD_OP void stream_half(std::uint16_t* p, HalfVec h) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
   }
+  ADAM_SIMD_OP void stream(float* p, Vec x) { _mm256_stream_ps(p, x); }
 
   // A partial vector: VMASKMOVPS for the fp32 streams (the other lanes load as 0 and are
   // not stored). AVX2 has no masked loads or stores of 16-bit values, so the 16-bit grad
@@ -99,8 +100,8 @@ struct Avx2 {
 
 }  // namespace
 
-void step_avx2(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
-  simd_step<Avx2>(b, k, stream_copy_out);
+void step_avx2(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
+  simd_step<Avx2>(b, k, streaming);
 }
 
 }  // namespace offload::adam::detail

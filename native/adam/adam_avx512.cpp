@@ -48,6 +48,7 @@ struct Avx512 {
   ADAM_SIMD_OP void stream_half(std::uint16_t* p, HalfVec h) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
   }
+  ADAM_SIMD_OP void stream(float* p, Vec x) { _mm512_stream_ps(p, x); }
 
   using Lanes = __mmask16;
   ADAM_SIMD_OP Lanes first_lanes(std::size_t count) {
@@ -89,8 +90,8 @@ struct Avx512 {
 
 }  // namespace
 
-void step_avx512(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
-  simd_step<Avx512>(b, k, stream_copy_out);
+void step_avx512(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
+  simd_step<Avx512>(b, k, streaming);
 }
 
 }  // namespace offload::adam::detail

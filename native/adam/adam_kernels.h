@@ -38,17 +38,31 @@ struct Coefficients {
 //    so a normal store first reads each line from DRAM (+2 B/element) and then pushes the
 //    states out of cache; for a step that fits in the last-level cache normal stores are
 //    faster, and the device copy that follows finds the data in cache.
-//  * param, exp_avg and exp_avg_sq are never streamed: their lines were just read, so there
-//    is no read-for-ownership to save (streaming them measured 15-20% slower).
+//  * In place, param, exp_avg and exp_avg_sq are never streamed: their lines were just read,
+//    so there is no read-for-ownership to save (streaming them measured 15-20% slower).
+//    Out of place ([Note: out-of-place Adam] in adam.h) their outputs are lines only written,
+//    like the copy-out, and a large step streams them (Streaming::state): normal stores read
+//    each line first (+12 B/element), which made an out-of-place step ~2x an in-place one
+//    on the 2-core reference machine. Streaming needs each output's address aligned to the
+//    vector: the head peeled for alignment is chosen by one output (the copy-out if it is
+//    streamed, else param_out), and each other output streams only if that head aligns it
+//    too (torch's allocations and the engine's slices are all equally aligned in practice);
+//    the rest are stored normally.
 //  * Each thread runs long contiguous ranges (offload::parallel_ranges); no cache blocking,
 //    since nothing is reused within a step.
 constexpr std::size_t kPrefetchNumel = 512;
 
+// Which outputs a step may write with streaming stores (see [Note: Adam memory traffic]);
+// it changes no result, and the scalar reference ignores it.
+struct Streaming {
+  bool copy_out = false;  // buffers.copy_out
+  bool state = false;     // the fp32 outputs of an out-of-place step that are apart from their inputs
+};
+
 // Each kernel processes buffers.numel elements single-threaded; adam.cpp splits the work.
-// stream_copy_out asks for streaming stores to buffers.copy_out (see [Note: Adam memory
-// traffic]); it changes no result, and the scalar reference ignores it.
-void step_scalar(const Buffers& buffers, const Coefficients& k, bool stream_copy_out);
-void step_avx2(const Buffers& buffers, const Coefficients& k, bool stream_copy_out);
-void step_avx512(const Buffers& buffers, const Coefficients& k, bool stream_copy_out);
+// Every output pointer is set (an in-place step's are its inputs).
+void step_scalar(const Buffers& buffers, const Coefficients& k, const Streaming& streaming);
+void step_avx2(const Buffers& buffers, const Coefficients& k, const Streaming& streaming);
+void step_avx512(const Buffers& buffers, const Coefficients& k, const Streaming& streaming);
 
 }  // namespace offload::adam::detail

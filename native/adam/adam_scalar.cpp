@@ -77,10 +77,15 @@ inline float load_grad(const void* grad, std::size_t i) {
 
 template <DType G, bool kCopyOut, DType C>
 void run(const Buffers& b, const Coefficients& k) {
-  float* __restrict param = b.param;
-  float* __restrict exp_avg = b.exp_avg;
-  float* __restrict exp_avg_sq = b.exp_avg_sq;
-  std::uint16_t* __restrict copy_out = static_cast<std::uint16_t*>(b.copy_out);
+  // No __restrict: an output is its input when the step is in place ([Note: out-of-place
+  // Adam]); each element is read before it is written.
+  const float* param = b.param;
+  const float* exp_avg = b.exp_avg;
+  const float* exp_avg_sq = b.exp_avg_sq;
+  float* param_out = b.param_out;
+  float* exp_avg_out = b.exp_avg_out;
+  float* exp_avg_sq_out = b.exp_avg_sq_out;
+  std::uint16_t* copy_out = static_cast<std::uint16_t*>(b.copy_out);
   for (std::size_t i = 0; i < b.numel; ++i) {
     float g = load_grad<G>(b.grad, i) * k.grad_scale;
     float p = param[i];
@@ -95,9 +100,9 @@ void run(const Buffers& b, const Coefficients& k) {
     v = std::fma(k.one_minus_beta2 * g, g, v);
     const float denom = std::sqrt(v) / k.bias_correction2_sqrt + k.eps;
     p = p + (k.neg_step_size * m) / denom;
-    param[i] = p;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    param_out[i] = p;
+    exp_avg_out[i] = m;
+    exp_avg_sq_out[i] = v;
     if constexpr (kCopyOut) {
       copy_out[i] = C == DType::kBFloat16 ? float_to_bf16(p) : float_to_fp16(p);
     }
@@ -113,7 +118,7 @@ void run_grad(const Buffers& b, const Coefficients& k) {
 
 }  // namespace
 
-void step_scalar(const Buffers& b, const Coefficients& k, bool /*stream_copy_out*/) {
+void step_scalar(const Buffers& b, const Coefficients& k, const Streaming& /*streaming*/) {
   switch (b.grad_dtype) {
     case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
     case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);

@@ -33,6 +33,7 @@
 //   load, store              unaligned, kWidth floats
 //   load_half, store_half    unaligned, kWidth 16-bit values
 //   stream_half              a streaming store; needs the address kWidth * 2-byte aligned
+//   stream                   a streaming store of kWidth floats; needs it kWidth * 4-byte aligned
 //   first_lanes(count)       the Lanes of elements [0, count), count < kWidth
 //   load_first, store_first, load_half_first, store_half_first
 //                            the same on those lanes only: loads give 0 in the other lanes,
@@ -108,12 +109,29 @@ inline typename V::HalfVec narrow(typename V::Vec x) {
   }
 }
 
+// Which fp32 outputs of an out-of-place step a full vector writes with a streaming store
+// (Streaming::state; see [Note: Adam memory traffic]).
+struct StateStreams {
+  bool param = false;
+  bool exp_avg = false;
+  bool exp_avg_sq = false;
+};
+
+template <class V, bool kPartial, bool kStreamState>
+inline void store_state(float* p, typename V::Vec x, typename V::Lanes lanes, bool stream) {
+  if constexpr (kStreamState && !kPartial) {
+    if (stream) return V::stream(p, x);
+  }
+  store<V, kPartial>(p, x, lanes);
+}
+
 // One vector of V::kWidth elements at i, or with kPartial only the lanes in `lanes`.
 // kStream: the copy-out is written with a streaming store, which needs copy_out + i aligned
-// to V::kWidth * 2 bytes; partial vectors never stream.
-template <class V, DType G, bool kCopyOut, DType C, bool kPartial, bool kStream>
+// to V::kWidth * 2 bytes; kStreamState: so are the fp32 outputs `streams` names, aligned to
+// V::kWidth * 4 bytes. Partial vectors never stream.
+template <class V, DType G, bool kCopyOut, DType C, bool kPartial, bool kStream, bool kStreamState>
 inline void update(const Buffers& b, const Coefficients& k, std::size_t i,
-                   typename V::Lanes lanes = typename V::Lanes()) {
+                   typename V::Lanes lanes = typename V::Lanes(), StateStreams streams = StateStreams()) {
   static_assert(!(kPartial && kStream), "a partial vector cannot be streamed");
   using Vec = typename V::Vec;
   Vec g = V::mul(load_grad<V, G, kPartial>(b.grad, i, lanes), V::broadcast(k.grad_scale));
@@ -130,9 +148,9 @@ inline void update(const Buffers& b, const Coefficients& k, std::size_t i,
   const Vec denom = V::add(V::div(V::sqrt(v), V::broadcast(k.bias_correction2_sqrt)),
                            V::broadcast(k.eps));
   p = V::add(p, V::div(V::mul(V::broadcast(k.neg_step_size), m), denom));
-  store<V, kPartial>(b.param + i, p, lanes);
-  store<V, kPartial>(b.exp_avg + i, m, lanes);
-  store<V, kPartial>(b.exp_avg_sq + i, v, lanes);
+  store_state<V, kPartial, kStreamState>(b.param_out + i, p, lanes, streams.param);
+  store_state<V, kPartial, kStreamState>(b.exp_avg_out + i, m, lanes, streams.exp_avg);
+  store_state<V, kPartial, kStreamState>(b.exp_avg_sq_out + i, v, lanes, streams.exp_avg_sq);
   if constexpr (kCopyOut) {
     std::uint16_t* out = static_cast<std::uint16_t*>(b.copy_out) + i;
     const typename V::HalfVec h = narrow<V, C>(p);
@@ -153,8 +171,15 @@ inline void prefetch_inputs(const Buffers& b, std::size_t i, std::size_t grad_by
   _mm_prefetch(reinterpret_cast<const char*>(b.exp_avg_sq + i), _MM_HINT_T0);
 }
 
+// Elements before address p (of elements `bytes` wide) reaches a V::kWidth-element
+// boundary: the position of p within its vector, counted in elements.
+template <class V>
+inline std::size_t phase(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) / bytes % V::kWidth;
+}
+
 // See [Note: Adam memory traffic] in adam_kernels.h.
-template <class V, DType G, bool kCopyOut, DType C, bool kStream>
+template <class V, DType G, bool kCopyOut, DType C, bool kStream, bool kStreamState>
 void run(const Buffers& b, const Coefficients& k) {
   constexpr std::size_t kWidth = V::kWidth;
   constexpr std::size_t kGradBytes = G == DType::kFloat32 ? 4 : 2;
@@ -163,46 +188,65 @@ void run(const Buffers& b, const Coefficients& k) {
   static_assert(kLineNumel % kWidth == 0, "a line holds whole vectors");
   const std::size_t n = b.numel;
   std::size_t i = 0;
-  if constexpr (kStream) {
-    // Streaming stores need copy_out + i aligned to kWidth * 2 bytes: run the few elements
-    // before that boundary as a partial vector (same arithmetic, so the same results).
-    const std::size_t misaligned =
-        reinterpret_cast<std::uintptr_t>(b.copy_out) % (kWidth * 2) / 2;
-    std::size_t head = (kWidth - misaligned) % kWidth;
+  StateStreams streams;
+  if constexpr (kStream || kStreamState) {
+    // Streaming stores need their address aligned to the vector: run the few elements
+    // before the lead output's boundary as a partial vector (same arithmetic, so the same
+    // results). The lead is the copy-out when it streams, else param_out.
+    const std::size_t lead = kStream ? phase<V>(b.copy_out, 2) : phase<V>(b.param_out, 4);
+    std::size_t head = (kWidth - lead) % kWidth;
     if (head > n) head = n;
-    if (head > 0) update<V, G, kCopyOut, C, true, false>(b, k, 0, V::first_lanes(head));
+    if constexpr (kStreamState) {
+      // An output streams only apart from its input, 4-byte aligned, and aligned by this head.
+      auto aligned = [&](const float* out, const float* in) {
+        return out != in && reinterpret_cast<std::uintptr_t>(out) % 4 == 0 &&
+               (phase<V>(out, 4) + head) % kWidth == 0;
+      };
+      streams.param = aligned(b.param_out, b.param);
+      streams.exp_avg = aligned(b.exp_avg_out, b.exp_avg);
+      streams.exp_avg_sq = aligned(b.exp_avg_sq_out, b.exp_avg_sq);
+    }
+    if (head > 0) update<V, G, kCopyOut, C, true, false, false>(b, k, 0, V::first_lanes(head));
     i = head;
   }
   for (; i + kPrefetchNumel + kLineNumel <= n; i += kLineNumel) {
     prefetch_inputs(b, i + kPrefetchNumel, kGradBytes);
     for (std::size_t j = 0; j < kLineNumel; j += kWidth) {
-      update<V, G, kCopyOut, C, false, kStream>(b, k, i + j);
+      update<V, G, kCopyOut, C, false, kStream, kStreamState>(b, k, i + j, typename V::Lanes(), streams);
     }
   }
-  for (; i + kWidth <= n; i += kWidth) update<V, G, kCopyOut, C, false, kStream>(b, k, i);
-  if (i < n) update<V, G, kCopyOut, C, true, false>(b, k, i, V::first_lanes(n - i));
+  for (; i + kWidth <= n; i += kWidth) {
+    update<V, G, kCopyOut, C, false, kStream, kStreamState>(b, k, i, typename V::Lanes(), streams);
+  }
+  if (i < n) update<V, G, kCopyOut, C, true, false, false>(b, k, i, V::first_lanes(n - i));
   // Streaming stores are weakly ordered: make them visible before the pool reports done.
-  if constexpr (kStream) _mm_sfence();
+  if constexpr (kStream || kStreamState) _mm_sfence();
+}
+
+template <class V, DType G, bool kStreamState>
+void run_copy_out(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
+  if (b.copy_out == nullptr) return run<V, G, false, DType::kFloat32, false, kStreamState>(b, k);
+  if (b.copy_out_dtype == DType::kBFloat16) {
+    return stream_copy_out ? run<V, G, true, DType::kBFloat16, true, kStreamState>(b, k)
+                           : run<V, G, true, DType::kBFloat16, false, kStreamState>(b, k);
+  }
+  return stream_copy_out ? run<V, G, true, DType::kFloat16, true, kStreamState>(b, k)
+                         : run<V, G, true, DType::kFloat16, false, kStreamState>(b, k);
 }
 
 template <class V, DType G>
-void run_grad(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
-  if (b.copy_out == nullptr) return run<V, G, false, DType::kFloat32, false>(b, k);
-  if (b.copy_out_dtype == DType::kBFloat16) {
-    return stream_copy_out ? run<V, G, true, DType::kBFloat16, true>(b, k)
-                           : run<V, G, true, DType::kBFloat16, false>(b, k);
-  }
-  return stream_copy_out ? run<V, G, true, DType::kFloat16, true>(b, k)
-                         : run<V, G, true, DType::kFloat16, false>(b, k);
+void run_grad(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
+  return streaming.state ? run_copy_out<V, G, true>(b, k, streaming.copy_out)
+                         : run_copy_out<V, G, false>(b, k, streaming.copy_out);
 }
 
 // The body of step_<isa> (adam_kernels.h) for the ISA of V.
 template <class V>
-void simd_step(const Buffers& b, const Coefficients& k, bool stream_copy_out) {
+void simd_step(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
   switch (b.grad_dtype) {
-    case DType::kFloat32: return run_grad<V, DType::kFloat32>(b, k, stream_copy_out);
-    case DType::kBFloat16: return run_grad<V, DType::kBFloat16>(b, k, stream_copy_out);
-    case DType::kFloat16: return run_grad<V, DType::kFloat16>(b, k, stream_copy_out);
+    case DType::kFloat32: return run_grad<V, DType::kFloat32>(b, k, streaming);
+    case DType::kBFloat16: return run_grad<V, DType::kBFloat16>(b, k, streaming);
+    case DType::kFloat16: return run_grad<V, DType::kFloat16>(b, k, streaming);
   }
 }
 

@@ -26,13 +26,17 @@ void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype,
                std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::size_t numel,
                double step, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool adamw, double grad_scale, std::uintptr_t copy_out,
-               int copy_out_dtype) {
+               int copy_out_dtype, std::uintptr_t param_out, std::uintptr_t exp_avg_out,
+               std::uintptr_t exp_avg_sq_out) {
   adam::Buffers buffers;
-  buffers.param = reinterpret_cast<float*>(param);
+  buffers.param = reinterpret_cast<const float*>(param);
   buffers.grad = reinterpret_cast<const void*>(grad);
   buffers.grad_dtype = dtype_from_code(grad_dtype, "grad_dtype");
-  buffers.exp_avg = reinterpret_cast<float*>(exp_avg);
-  buffers.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  buffers.exp_avg = reinterpret_cast<const float*>(exp_avg);
+  buffers.exp_avg_sq = reinterpret_cast<const float*>(exp_avg_sq);
+  buffers.param_out = reinterpret_cast<float*>(param_out);
+  buffers.exp_avg_out = reinterpret_cast<float*>(exp_avg_out);
+  buffers.exp_avg_sq_out = reinterpret_cast<float*>(exp_avg_sq_out);
   buffers.copy_out = reinterpret_cast<void*>(copy_out);
   buffers.copy_out_dtype = dtype_from_code(copy_out_dtype, "copy_out_dtype");
   buffers.numel = numel;
@@ -48,9 +52,12 @@ void register_adam(py::module_& m) {
         py::arg("numel"), py::kw_only(), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
         py::arg("grad_scale"), py::arg("copy_out") = 0, py::arg("copy_out_dtype") = 0,
+        py::arg("param_out") = 0, py::arg("exp_avg_out") = 0, py::arg("exp_avg_sq_out") = 0,
         "One Adam/AdamW step over flat buffers given by address (dtype codes: 0 float32, "
-        "1 bfloat16, 2 float16). Releases the GIL. Callers must pass valid, non-overlapping "
-        "buffers of numel elements: use offload.optim.adam_step_flat, which checks them.");
+        "1 bfloat16, 2 float16). param, exp_avg and exp_avg_sq are updated in place, or, where "
+        "their *_out address is given, left as they are and the new values written there. "
+        "Releases the GIL. Callers must pass valid buffers of numel elements: use "
+        "offload.optim.adam_step_flat, which checks them.");
   m.def(
       "split_master",
       [](std::uintptr_t master, std::uintptr_t high, std::uintptr_t low, std::size_t numel) {

@@ -59,8 +59,10 @@ def adam_step_flat(
     adamw: bool = True,
     grad_scale: float = 1.0,
     copy_out: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One Adam/AdamW step, in place, over flat CPU buffers, in a single pass over memory.
+    """One Adam/AdamW step over flat CPU buffers, in a single pass over memory: in place,
+    or with ``out`` into other buffers.
 
     Args:
         param: fp32 master weights, updated in place.
@@ -72,6 +74,10 @@ def adam_step_flat(
         adamw: decoupled weight decay (AdamW) if True, else L2 decay added to the grad (Adam).
         copy_out: optional bf16/fp16 buffer that receives the updated param, rounded to
             nearest even, in the same pass.
+        out: optional fp32 (param, exp_avg, exp_avg_sq) that receive the new values, while
+            ``param``, ``exp_avg`` and ``exp_avg_sq`` are only read ([Note: out-of-place
+            Adam] in native/adam/adam.h); the results are the same bit for bit. An entry
+            that is its input (the same memory) is updated in place.
 
     All tensors must be contiguous CPU tensors with ``param.numel()`` elements and must not
     overlap. Runs on the native thread pool with the GIL released.
@@ -88,6 +94,16 @@ def adam_step_flat(
     _check_flat("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
     if copy_out is not None:
         _check_flat("copy_out", copy_out, tuple(_COPY_OUT_DTYPE_CODES), numel)
+    out_addresses = (0, 0, 0)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError("out must be a tuple (param, exp_avg, exp_avg_sq) of tensors")
+        for name, tensor in zip(("out[0] (param)", "out[1] (exp_avg)", "out[2] (exp_avg_sq)"), out):
+            _check_flat(name, tensor, (torch.float32,), numel)
+        apart = [o.data_ptr() != i.data_ptr() for o, i in zip(out, (param, exp_avg, exp_avg_sq))]
+        out_addresses = tuple(o.data_ptr() if a else 0 for o, a in zip(out, apart))
+        _check_disjoint([("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+                         ("copy_out", copy_out)] + [(f"out[{k}]", o) for k, (o, a) in enumerate(zip(out, apart)) if a])
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this step), got {step}")
     _native.adam_step(
@@ -107,7 +123,21 @@ def adam_step_flat(
         grad_scale=float(grad_scale),
         copy_out=0 if copy_out is None else copy_out.data_ptr(),
         copy_out_dtype=0 if copy_out is None else _COPY_OUT_DTYPE_CODES[copy_out.dtype],
+        param_out=out_addresses[0],
+        exp_avg_out=out_addresses[1],
+        exp_avg_sq_out=out_addresses[2],
     )
+
+
+def _check_disjoint(named: list[tuple[str, torch.Tensor | None]]) -> None:
+    """ValueError naming the first two of ``named`` (contiguous tensors or None) whose
+    memory overlaps; an out-of-place step's outputs must overlap nothing it reads."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in named if t is not None and t.numel() > 0]
+    for i, (a, a_lo, a_hi) in enumerate(spans):
+        for b, b_lo, b_hi in spans[i + 1:]:
+            if a_lo < b_hi and b_lo < a_hi:
+                raise ValueError(f"{a} and {b} overlap; an out-of-place step needs separate buffers")
 
 
 def split_master(master: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
