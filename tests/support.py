@@ -243,6 +243,51 @@ class Checkpointed(nn.Module):
         return self.head(x).pow(2).mean()
 
 
+class SometimesBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, h, use_b):
+        h = torch.tanh(self.a(h))
+        return h + self.b(h) if use_b else h
+
+
+class Sometimes(nn.Module):
+    """Blocks (units) whose second linear is used on some steps only: on the others it has
+    no gradient, so an update of its unit must leave its value and moments as they are
+    while it updates the rest ([Note: out-of-place Adam]: the kernel writes only what has a
+    gradient, and a spare home must get the rest copied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList([SometimesBlock() for _ in range(3)])
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x, use_b):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, use_b)
+        return self.out(h).pow(2).mean()
+
+
+def train_sometimes(config, steps=6):
+    """Sometimes (seed 0) wrapped with ``config``, trained for ``steps`` steps, its second
+    linears used on steps 1, 4, 7, ... (every third: with delayed updates, the copy an update
+    without them writes is read two steps later by a forward with them): (losses, the
+    state_dict, the stats)."""
+    torch.manual_seed(0)
+    model = Sometimes()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 8, generator=g), i % 3 == 0) for i in range(steps)]
+    dtype = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        losses = train_offload(engine, data, loss_fn=lambda m, b: m(b[0].to(dtype), b[1]).float())
+        return losses, engine.state_dict(), engine.stats()
+
+
 # ------------------------------------------------------------------ models that take time
 class Sleep(torch.autograd.Function):
     @staticmethod

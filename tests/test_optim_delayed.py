@@ -22,7 +22,8 @@ from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, sw
 from offload.memory.layout import Layout
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
-                     max_rel_error, reference_optimizer_step, train_offload, unwrap_swap_io, wrap_swap_io)
+                     max_rel_error, reference_optimizer_step, train_offload, train_sometimes, unwrap_swap_io,
+                     wrap_swap_io)
 
 WATCHED = "blocks.1.fc.weight"  # a parameter of a block unit, read inside the forward
 
@@ -166,6 +167,25 @@ def test_accumulation_and_frozen_parameters_follow_the_reference(tiers, tmp_path
         assert max_rel_error({"w": a}, {"w": b}) < REL_TOL, k
     assert max_rel_error(ours.state, ref.state) < REL_TOL
     assert ours.stats["delayed_updates"] == 4
+
+
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "host")], ids="-".join)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_parameters_without_a_gradient_keep_their_state_through_a_delayed_update(tiers, dtype, tmp_path):
+    """[Note: out-of-place Adam] A delayed update of host-homed states reads the homes and
+    writes the spares: a parameter without a gradient that step (the second linear of each
+    block, two steps in three) must come through the commit unchanged, its fp32 master,
+    moments and 16-bit compute copy. The run equals the one with every state on NVMe (updated in the
+    staging slots) bit for bit, as placement never changes numerics (without the split
+    master, whose bf16 compute copy rounds ties away from zero)."""
+    kw = dict(dtype=dtype, delayed_update=True, delayed_update_warmup_steps=1, split_master=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the unit trace of a step without the branch
+        ours = train_sometimes(config(tmp_path, "ours", tiers, **kw))
+        ref = train_sometimes(config(tmp_path, "ref", ("nvme", "nvme"), **kw))
+    assert ours[0] == ref[0], "losses differ"
+    assert_same_state(ours[1], ref[1])
+    assert ours[2]["delayed_updates"] == ref[2]["delayed_updates"] == 5
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

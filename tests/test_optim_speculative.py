@@ -19,7 +19,8 @@ from offload.memory.layout import Layout
 from offload.units import Residency
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
-                     max_rel_error, train_gpt, train_offload, train_reference, unwrap_swap_io, wrap_swap_io)
+                     max_rel_error, train_gpt, train_offload, train_reference, train_sometimes, unwrap_swap_io,
+                     wrap_swap_io)
 
 # With this bound the small GPT's norm (9.6, 9.6, 7.7, 5.9, 5.0, 3.9 over six steps) is
 # clipped on the first three steps and not on the last three.
@@ -185,6 +186,25 @@ def test_frozen_parameters_and_a_checkpoint_load_survive_commits(tmp_path):
         train_offload(second, data[3:])
         assert second.stats()["speculative_updates"] > 0
         assert_same_state(second.state_dict(), expected)
+
+
+@pytest.mark.parametrize("tiers", [("host", "host"), ("nvme", "host"), ("host", "nvme")], ids="-".join)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_units_with_a_parameter_without_a_gradient_are_updated_in_step(tiers, dtype, tmp_path):
+    """A unit whose parameter gets no gradient that step (the second linear of each block,
+    two steps in three) is never final during backward: it is updated in step(), in place,
+    and the run is the serialized one bit for bit, with speculative updates on the other
+    steps (out of place, [Note: out-of-place Adam]). Host-homed states, the compute copy at
+    home or on NVMe."""
+    kw = dict(dtype=dtype, max_grad_norm=NEVER_CLIPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the unit trace of a step without the branch
+        on = train_sometimes(config(tmp_path, "on", tiers, speculative_updates=True, **kw))
+        off = train_sometimes(config(tmp_path, "off", tiers, speculative_updates=False, **kw))
+    assert on[0] == off[0], "losses differ"
+    assert_same_state(on[1], off[1])
+    # the three blocks speculate on the two steps that use their second linears only
+    assert on[2]["speculative_updates"] == 6 and on[2]["redone_updates"] == 0
 
 
 def test_state_dict_between_backward_and_step_is_the_last_step(tmp_path):

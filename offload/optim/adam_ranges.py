@@ -9,7 +9,7 @@ native/adam/adam.h.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -20,7 +20,22 @@ from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
 
-__all__ = ["UnitAdam"]
+__all__ = ["OutOfPlace", "UnitAdam"]
+
+
+class OutOfPlace(NamedTuple):
+    """Where an update that must leave a unit's homes as they are writes ([Note: speculative
+    updates], [Note: delayed updates]): the spare homes' master and moments, each starting
+    at the range's first element as the inputs do; an entry that is its input is updated in
+    place (a staged piece). ``compute_in``: the compute copy that the update's
+    ``compute_out`` replaces, or None. The kernel reads the homes and writes these in one
+    pass ([Note: out-of-place Adam] in native/adam/adam.h), and every element it does not
+    update (a parameter without a gradient, padding) is copied over, so that the outputs
+    hold the whole range."""
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    compute_in: Optional[torch.Tensor] = None
 
 
 class UnitAdam:
@@ -53,13 +68,15 @@ class UnitAdam:
     def adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, compute_out: Optional[torch.Tensor],
                    compute_is_staging: bool, grad_factor: float, copy_to_device: bool = True,
-                   groups: Optional[List[Dict[str, Any]]] = None) -> None:
+                   groups: Optional[List[Dict[str, Any]]] = None, out: Optional[OutOfPlace] = None) -> None:
         """Adam over elements [lo, hi) of u's trainable prefix. ``master``, the moments and
         ``compute_out`` (the new compute copy, when it is a separate buffer) start at lo.
         ``groups``: the hyperparameters taken when the update was queued (default: the
-        optimizer's param groups now)."""
+        optimizer's param groups now). ``out``: the update leaves ``master`` and the moments
+        as they are and writes there instead (see OutOfPlace)."""
         faults.hit("optim.adam_range", unit=u.name, lo=lo, hi=hi)
         groups = self._optimizer.param_groups if groups is None else groups
+        updated: List[Tuple[int, int]] = []  # what the kernel wrote, relative to lo
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
             if a >= b:
@@ -76,7 +93,13 @@ class UnitAdam:
                 master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
-                copy_out=None if compute_out is None else compute_out[r])
+                copy_out=None if compute_out is None else compute_out[r],
+                out=None if out is None else (out.master[r], out.exp_avg[r], out.exp_avg_sq[r]))
+            updated.append((r.start, r.stop))
+        if out is not None:
+            self._carry_over(hi - lo, updated, [(master, out.master), (exp_avg, out.exp_avg),
+                                                (exp_avg_sq, out.exp_avg_sq), (out.compute_in, compute_out)])
+            master = out.master
         layout = self._layout
         if copy_to_device and layout.param_tier == "device" and (compute_out is None or layout.device.type == "cuda"):
             end = min(hi, u.spec.trainable_numel)
@@ -86,6 +109,24 @@ class UnitAdam:
                 event = self._device.copy_in(dst, src[:end - lo])
                 if event is not None:
                     event.synchronize()
+
+    @staticmethod
+    def _carry_over(n: int, updated: List[Tuple[int, int]],
+                    pairs: List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]) -> None:
+        """[Note: out-of-place Adam] Copy elements [0, n) that the kernel did not write
+        (outside ``updated``) from each (source, destination) pair, where the two differ."""
+        gaps, start = [], 0
+        for a, b in sorted(updated):
+            if a > start:
+                gaps.append((start, a))
+            start = max(start, b)
+        if start < n:
+            gaps.append((start, n))
+        for src, dst in pairs:
+            if src is None or dst is None or src.data_ptr() == dst.data_ptr():
+                continue
+            for a, b in gaps:
+                dst[a:b].copy_(src[a:b])
 
     def compute_target(self, u: UnitState) -> Optional[torch.Tensor]:
         """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
@@ -102,25 +143,25 @@ class UnitAdam:
     def update_in_place(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
                         speculative: bool = False) -> None:
         """Adam on a unit whose master and moments live on the host. ``speculative``
-        ([Note: speculative updates]): u's states are copied into its spare homes and
-        updated there, u's own and its gradients are kept."""
+        ([Note: speculative updates]): the update reads u's homes and writes its spare ones
+        ([Note: out-of-place Adam]), u's own states and its gradients are kept."""
         steps = self.next_steps(u)
-        homes: Any = u
         target = self.compute_target(u)
+        n = u.master_numel
+        master = u.compute_home if self._layout.merged else u.master_home
+        moments = u.moments_home
+        out = None
         if speculative:
-            homes = u.spare
-            for name in ("compute_home", "master_home", "moments_home"):
-                if getattr(homes, name) is not None:
-                    getattr(homes, name).copy_(getattr(u, name))
+            spare = u.spare
             assert target is None or target is u.compute_home, "a speculative update never writes the device copy"
-            target = None if target is None else homes.compute_home
-        moments = homes.moments_home
-        master = homes.compute_home if self._layout.merged else homes.master_home
+            spare_master = spare.compute_home if self._layout.merged else spare.master_home
+            out = OutOfPlace(spare_master[:n], spare.moments_home[:n], spare.moments_home[n:2 * n],
+                             None if target is None else target[:n])
+            target = None if target is None else spare.compute_home
         start = time.perf_counter()
-        self.adam_range(u, 0, u.master_numel, steps, master, moments[:u.master_numel],
-                        moments[u.master_numel:2 * u.master_numel], target, False, grad_factor,
-                        groups=groups)
+        self.adam_range(u, 0, n, steps, master[:n], moments[:n], moments[n:2 * n], target, False, grad_factor,
+                        groups=groups, out=out)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
-        homes.steps = steps
+        (u.spare if speculative else u).steps = steps
         if not speculative:
             self._gradients.release(u)

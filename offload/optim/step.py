@@ -17,6 +17,7 @@ import torch
 from offload import faults
 from offload.config import format_size
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
+from offload.optim.adam_ranges import OutOfPlace
 from offload.optim.cpu_adam import join_master, split_master
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
@@ -101,15 +102,6 @@ class PipelinedStep:
         """Where the master lives in ``homes`` (a UnitState, or its SpareHomes)."""
         return homes.compute_home if self._layout.merged else homes.master_home
 
-    @staticmethod
-    def _writable(home: torch.Tensor, spare: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of a host home, where an update writes them: in place, or
-        ([Note: speculative updates]) copied into the spare home first."""
-        if spare is None:
-            return home[lo:hi]
-        spare[lo:hi].copy_(home[lo:hi])
-        return spare[lo:hi]
-
     def _issue_reads(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
                      in_device: bool = False) -> List[Any]:
         """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
@@ -161,22 +153,30 @@ class PipelinedStep:
                        grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
                        spare: Optional[SpareHomes] = None) -> None:
         """Adam over piece [lo, hi) of u, read into ``slot``; host-homed states are updated
-        in place, or ([Note: speculative updates]) in ``spare``'s homes."""
+        in place, or ([Note: speculative updates]) read from u's homes and written to
+        ``spare``'s ([Note: out-of-place Adam]). Staged states are updated in the slot."""
         n = hi - lo
         home = self.master_home(u)
-        master = slot.master[:n] if on_nvme(home) else \
-            self._writable(home, None if spare is None else self.master_home(spare), lo, hi)
+        master = slot.master[:n] if on_nvme(home) else home[lo:hi]
+        master_out = master if spare is None or on_nvme(home) else self.master_home(spare)[lo:hi]
         high = None
         if self._layout.split_master:  # [Note: split master] the master from its halves
-            high = slot.compute[:n] if slot.compute is not None else \
-                self._writable(u.compute_home, None if spare is None else spare.compute_home, lo, hi)  # nvme / host
+            assert on_nvme(home), "a split master lives on NVMe"
+            if slot.compute is not None:  # the compute copy on NVMe: staged
+                high = high_out = slot.compute[:n]
+            else:  # at home
+                high = u.compute_home[lo:hi]
+                high_out = high if spare is None else spare.compute_home[lo:hi]
             join_master(high, slot.low[:n], master)
         if on_nvme(u.moments_home):
             exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
+            exp_avg_out, exp_avg_sq_out = exp_avg, exp_avg_sq
         else:
-            moments = None if spare is None else spare.moments_home
-            exp_avg = self._writable(u.moments_home, moments, lo, hi)
-            exp_avg_sq = self._writable(u.moments_home, moments, u.master_numel + lo, u.master_numel + hi)
+            m = u.master_numel
+            exp_avg, exp_avg_sq = u.moments_home[lo:hi], u.moments_home[m + lo:m + hi]
+            exp_avg_out, exp_avg_sq_out = (exp_avg, exp_avg_sq) if spare is None else \
+                (spare.moments_home[lo:hi], spare.moments_home[m + lo:m + hi])
+        compute_in = None
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
         elif slot.compute is not None and on_nvme(u.compute_home):  # [Note: placement by budget]
@@ -185,15 +185,18 @@ class PipelinedStep:
             target = self._compute_target(u)
             if target is not None and spare is not None:
                 assert target is u.compute_home  # a host home ([Note: speculative updates]: no device copy)
-                compute_out = self._writable(target, spare.compute_home, lo, hi)
+                compute_in, compute_out = target[lo:hi], spare.compute_home[lo:hi]
             else:
                 compute_out = None if target is None else target[lo:hi]
             staging = False
+        out = None
+        if spare is not None:  # host-homed states are read at home and written to the spares
+            out = OutOfPlace(master_out, exp_avg_out, exp_avg_sq_out, compute_in)
         start = time.perf_counter()
         self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
-                         copy_to_device=high is None, groups=groups)
+                         copy_to_device=high is None, groups=groups, out=out)
         if high is not None:
-            split_master(master, high, slot.low[:n])
+            split_master(master, high_out, slot.low[:n])
         self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}]", start, time.perf_counter())
 
     def device_copy_updatable(self, u: UnitState) -> bool:
