@@ -411,9 +411,9 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
         if short:
             missing.append(f"  {param_tier}/{optimizer_tier}: " + "; ".join(short))
     sizes = [u.sizes(e) for u in shape.units]
-    room = floor_prefetch_room(sizes, e)
+    floor = minimum_device_budget(sizes, "nvme", e)
+    room = floor_prefetch_room(sizes, e, floor)
     if room is not None:  # [Note: prefetch room]
-        floor = minimum_device_budget(sizes, "nvme", e)
         lines += ["", f"prefetch: the smallest device budget of param_tier host or nvme ({format_size(floor)}) "
                       f"leaves room for {room.units_ahead} unit{'' if room.units_ahead == 1 else 's'} ahead of the "
                       "one in use; " + ", ".join(f"{format_size(max(floor, room.budget_for(k)))} for {k}"

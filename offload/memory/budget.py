@@ -180,11 +180,12 @@ def prefetch_room(units: Sequence[UnitSizes], layout: Layout, arena: DeviceBudge
     return _room(units, fetched, element_bytes, arena.capacity_numel * element_bytes)
 
 
-def floor_prefetch_room(units: Sequence[UnitSizes], compute_element_bytes: int) -> Optional[PrefetchRoom]:
-    """[Note: prefetch room] The room at the smallest device budget of a run that fetches
-    every unit (param_tier "host" or "nvme"), for ``offload plan``."""
-    arena = minimum_device_budget(units, "nvme", compute_element_bytes) - \
-        _gradient_reserve_bytes(units, compute_element_bytes)
+def floor_prefetch_room(units: Sequence[UnitSizes], compute_element_bytes: int,
+                        floor_bytes: int) -> Optional[PrefetchRoom]:
+    """[Note: prefetch room] The room at ``floor_bytes``, the smallest device budget of a run
+    that fetches every unit (``minimum_device_budget(units, "nvme", ...)``, which the caller
+    has), for ``offload plan``."""
+    arena = floor_bytes - _gradient_reserve_bytes(units, compute_element_bytes)
     return _room(units, range(1, len(units)), compute_element_bytes, arena)
 
 
