@@ -52,7 +52,8 @@ struct Hyperparameters {
 // (the step is in place). Set, it must not overlap any other buffer: a speculative or
 // delayed update writes the unit's spare homes from its homes in the one pass, leaving the
 // homes as they were, instead of copying the homes into the spares first and updating
-// those (which moved 28 B more per element through memory, four times the update's time).
+// those in place (28 B more per element through memory: on the 2-core reference machine,
+// 100M elements took 0.16 s that way against 0.07 s out of place and 0.05 s in place).
 // The arithmetic is the same either way, so are the results, bit for bit.
 struct Buffers {
   const float* param;
