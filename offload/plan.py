@@ -284,9 +284,12 @@ def auto_report(shape: ModelShape, config: "OffloadConfig | dict", profile: dict
                  f"{format_size(prediction.nvme_write_bytes)}: {format_seconds(prediction.io_seconds)} at the "
                  "profile's bandwidths")
     if prediction.seconds is not None:
+        if prediction.io_cpu_fraction:  # [Note: step prediction] delayed updates
+            formula = f"max(compute + {prediction.io_cpu_fraction:g} x I/O, I/O)"
+        else:
+            formula = f"max(compute, I/O) + {prediction.exposed_fraction:g} x min(compute, I/O)"
         lines.append(f"  predicted step: {format_seconds(prediction.seconds)} (compute "
-                     f"{format_seconds(compute_seconds)}; max(compute, I/O) + "
-                     f"{prediction.exposed_fraction:g} x min(compute, I/O))")
+                     f"{format_seconds(compute_seconds)}; {formula})")
     else:
         lines.append("  predicted step: give --compute-seconds (a step with everything in RAM) or "
                      "--flops-per-second for a time including compute")

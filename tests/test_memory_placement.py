@@ -17,7 +17,7 @@ from offload.config import OffloadConfig
 from offload.gpt import GPT, GPTConfig
 from offload.memory.budget import host_bytes, minimum_device_budget, minimum_host_budget
 from offload.memory.layout import Layout
-from offload.memory.placement import DEFAULT_PROFILE, EXPOSED_IO_FRACTION, predict_step
+from offload.memory.placement import DEFAULT_PROFILE, DELAYED_IO_CPU_FRACTION, EXPOSED_IO_FRACTION, predict_step
 from support import (CFG, RSS_SLACK_BYTES, assert_same_state, batches, gpt_loss, make_opt, rss_gpt_sizes, train_gpt,
                      train_in_fresh_process)
 
@@ -320,7 +320,8 @@ def test_offload_plan_prints_the_engine_placement_and_a_predicted_step(tmp_path)
 
 def test_offload_plan_with_delayed_update_counts_spares_and_hides_the_update_io(tmp_path):
     """--delayed-update: the placement is the engine's with delayed_update=True (spare homes
-    counted), and the predicted step is max(compute, I/O) ([Note: step prediction])."""
+    counted), and the predicted step is max(compute + DELAYED_IO_CPU_FRACTION x I/O, I/O)
+    ([Note: step prediction]): nothing exposed, the updates' CPU work beside compute."""
     from offload.cli import main
 
     shape = plan.shape_from_count(2e7, 4)
@@ -340,7 +341,8 @@ def test_offload_plan_with_delayed_update_counts_spares_and_hides_the_update_io(
             assert line in texts[delayed]
         nvme[delayed] = placement.bytes_per_tier().get("nvme", 0)
     assert "delayed_update" in texts[True] and "delayed_update" not in texts[False]
-    assert "+ 0 x min(compute, I/O)" in texts[True] and "+ 0.5 x min(compute, I/O)" in texts[False]
+    assert f"max(compute + {DELAYED_IO_CPU_FRACTION:g} x I/O, I/O))" in texts[True]
+    assert "min(compute, I/O)" not in texts[True] and "+ 0.5 x min(compute, I/O)" in texts[False]
     assert nvme[True] > nvme[False] > 0, nvme  # the spares take RAM: more goes to NVMe
 
 
@@ -377,14 +379,23 @@ def test_the_prediction_counts_the_bytes_each_placement_moves(tmp_path):
 def test_the_predicted_step_shows_io_beside_compute_unless_updates_are_delayed(delayed, tmp_path):
     """[Note: step prediction] The exact path's step is max(compute, I/O) plus
     EXPOSED_IO_FRACTION of the smaller of the two; with delayed_update a step's updates run
-    under the next forward and backward whole, and the step is max(compute, I/O)."""
+    under the next forward and backward whole, their CPU work (DELAYED_IO_CPU_FRACTION of
+    the I/O time) beside compute: max(compute + that, I/O)."""
     _, _, layout = placement_of(base(tmp_path, param_tier="nvme", optimizer_tier="nvme", delayed_update=delayed))
     sizes = gpt_sizes("fp32")
     for compute in (1e-3, 1.0, 1e3):
         predicted = predict_step(sizes, layout, DEFAULT_PROFILE, compute)
-        shown = 0.0 if delayed else EXPOSED_IO_FRACTION * min(compute, predicted.io_seconds)
-        assert predicted.io_seconds > 0
-        assert predicted.seconds == pytest.approx(max(compute, predicted.io_seconds) + shown, rel=1e-12)
+        io_s = predicted.io_seconds
+        assert io_s > 0
+        if delayed:
+            expected = max(compute + DELAYED_IO_CPU_FRACTION * io_s, io_s)
+        else:
+            expected = max(compute, io_s) + EXPOSED_IO_FRACTION * min(compute, io_s)
+        assert predicted.seconds == pytest.approx(expected, rel=1e-12)
+    # where the CPU work tips the balance: I/O a little longer than compute
+    compute = 0.9 * io_s
+    expected = (compute + DELAYED_IO_CPU_FRACTION * io_s) if delayed else io_s + EXPOSED_IO_FRACTION * compute
+    assert predict_step(sizes, layout, DEFAULT_PROFILE, compute).seconds == pytest.approx(expected, rel=1e-12)
 
 
 def test_rss_of_a_mixed_placement_stays_under_a_bound_from_the_host_budget(tmp_path):

@@ -161,14 +161,14 @@ def disk_check(directory: str) -> dict:
 
 def predicted_at_disk(row: dict, disk: dict, compute_seconds: float) -> float:
     """The point's predicted step ([Note: step prediction]: same bytes, same compute time,
-    the exposure its prediction used) with the NVMe bandwidths of its disk check instead of
+    the fractions its prediction used) with the NVMe bandwidths of its disk check instead of
     the profile's."""
     from offload.memory.placement import StepPrediction
 
     io = row["predicted_read"] / disk["read_bytes_per_second"] + \
         row["predicted_written"] / disk["write_bytes_per_second"]
     return StepPrediction(row["predicted_read"], row["predicted_written"], io, compute_seconds,
-                          row["predicted_exposed_fraction"]).seconds
+                          row["predicted_exposed_fraction"], row.get("predicted_io_cpu_fraction", 0.0)).seconds
 
 
 def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:

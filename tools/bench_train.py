@@ -702,7 +702,8 @@ def placement_report(engine, spec: dict) -> dict:
             "states_on_host": sum(u.state_tier == "host" for u in placement.units),
             "predicted_seconds": prediction.seconds, "predicted_read": prediction.nvme_read_bytes,
             "predicted_written": prediction.nvme_write_bytes, "predicted_io_seconds": prediction.io_seconds,
-            "predicted_exposed_fraction": prediction.exposed_fraction}
+            "predicted_exposed_fraction": prediction.exposed_fraction,
+            "predicted_io_cpu_fraction": prediction.io_cpu_fraction}
 
 
 def run_row(spec: dict, timeout_s: float) -> dict:
