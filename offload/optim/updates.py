@@ -15,9 +15,9 @@ Instead of holding every update until then (the serialized path: norm, then Adam
 unit in step()), a unit done in backward is updated at once on the optimizer worker as if
 the step's gradient factor were the loss scale's inverse alone (clip coefficient 1, no
 skip), into its *spare homes* (``UnitState.spare``: a second master, moments and compute
-copy at home, same tiers and sizes, allocated at wrap; host-homed states are copied there
-first and updated in place). Its homes, its step counts and its gradients are left as they
-were. It never fills a slot (step() waits for it before the next forward's fetches), but it
+copy at home, same tiers and sizes, allocated at wrap; host-homed states are read at home
+and the results written there in one pass, [Note: out-of-place Adam]). Its homes, its step
+counts and its gradients are left as they were. It never fills a slot (step() waits for it before the next forward's fetches), but it
 writes a resident device copy as a non-speculative update does, once the pass needs no
 other unit ([Note: updates through the device copy]): that copy then holds the speculative
 result, and goes wherever the result does not become the unit's state (a dropped
