@@ -167,12 +167,13 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         **{f"prefetch_{k}": getattr(prefetcher, k) for k in ("hits", "misses", "late", "unplanned")},
         "backward_seconds": s.seconds["backward"],
         "total_optimizer_seconds": s.seconds["optimizer"],
-        # counts of steps and updates ([Note: speculative updates] for speculative_updates and
-        # redone_updates; [Note: delayed updates] for the last three: optimizer steps whose update
-        # ran delayed, steps past the warm-up that fell back to exact ones, and gradient hand-offs
-        # that waited for the unit's delayed update)
+        # counts of steps and updates ([Note: speculative updates] for speculative_updates,
+        # redone_updates and taken_back_updates; [Note: delayed updates] for the last three:
+        # optimizer steps whose update ran delayed, steps past the warm-up that fell back to
+        # exact ones, and gradient hand-offs that waited for the unit's delayed update)
         **{k: s.counts[k] for k in ("skipped_steps", "nonfinite_steps", "early_updates", "deferred_updates",
-                                    "update_fills", "speculative_updates", "redone_updates", "delayed_updates",
+                                    "update_fills", "speculative_updates", "redone_updates",
+                                    "taken_back_updates", "delayed_updates",
                                     "delayed_fallbacks", "delayed_grad_waits")},
         "loss_scale": gradients.loss_scale,
         "grad_norm": gradients.last_grad_norm,  # see Gradients.last_grad_norm

@@ -101,7 +101,7 @@ class UpdateState(enum.Enum):
 
 LEGAL_UPDATE_TRANSITIONS: Dict[UpdateState, Tuple[UpdateState, ...]] = {
     UpdateState.IDLE: (UpdateState.QUEUED,),
-    UpdateState.QUEUED: (UpdateState.RUNNING,),
+    UpdateState.QUEUED: (UpdateState.RUNNING, UpdateState.IDLE),
     UpdateState.RUNNING: (UpdateState.DONE,),
     UpdateState.DONE: (UpdateState.IDLE,),
 }
@@ -119,6 +119,10 @@ class UnitUpdate:
                         (early) or by step() (deferred)
       QUEUED -> RUNNING optimizer worker: it takes the update off the queue (under the
                         scheduler's lock, so that a fill is attached before or never)
+      QUEUED -> IDLE    main thread: step() takes a speculative update the worker has not
+                        started off the queue, under the same lock (``take_back``; [Note:
+                        speculative updates]): the step updates that unit like one never
+                        updated
       RUNNING -> DONE   main thread, after waiting for the ticket (wait_optimizer,
                         settle_unit, settle_all)
       DONE -> IDLE      main thread: zero_grad (the step's gradients are gone)
@@ -183,6 +187,14 @@ class UnitUpdate:
 
     def start(self) -> None:
         self._to(UpdateState.RUNNING)
+
+    def take_back(self) -> None:
+        """[Note: speculative updates] A speculative update off the queue before it started:
+        nothing was written, its ticket is done with."""
+        assert self.speculative, f"{self.what}: only a speculative update is taken back"
+        self._to(UpdateState.IDLE)
+        self.ticket = None
+        self.in_device = self.speculative = False
 
     def attach_fill(self) -> None:
         assert self.state is UpdateState.QUEUED, f"{self.what}: a fill attached in {self.state.name}"

@@ -109,20 +109,26 @@ def train_reference(model, data, steps_per_update=1, max_grad_norm=None, opt=Non
     return losses
 
 
-def train_offload(engine, data, loss_fn=gpt_loss):
+def train_offload(engine, data, loss_fn=gpt_loss, settle_backward=False):
+    """``settle_backward``: as train_gpt's."""
     losses = []
     for b in data:
         loss = loss_fn(engine, b)
         engine.backward(loss)
+        if settle_backward:
+            engine.debug.updates.wait_optimizer()
         engine.step()
         losses.append(loss.item())
     return losses
 
 
-def train_gpt(config, data, frozen=()):
+def train_gpt(config, data, frozen=(), settle_backward=False):
     """The small GPT (seed 0) wrapped with ``config`` and trained on ``data``, parameters
     whose names start with one of ``frozen`` frozen: (losses, the state_dict after training,
-    the stats, every update's grad_norm, each taken once the update is settled)."""
+    the stats, every update's grad_norm, each taken once the update is settled).
+    ``settle_backward``: wait for the optimizer worker between backward and step(), so that
+    every speculative update runs and step() takes none back ([Note: speculative updates]:
+    which it takes back otherwise depends on how far the worker got)."""
     torch.manual_seed(0)
     model = GPT(CFG)
     for name, p in model.named_parameters():
@@ -133,6 +139,8 @@ def train_gpt(config, data, frozen=()):
         for i, b in enumerate(data):
             loss = gpt_loss(engine, b)
             engine.backward(loss)
+            if settle_backward:
+                engine.debug.updates.wait_optimizer()
             engine.step()
             losses.append(loss.item())
             if (i + 1) % accumulation == 0:
@@ -273,18 +281,19 @@ class Sometimes(nn.Module):
         return self.out(h).pow(2).mean()
 
 
-def train_sometimes(config, steps=6):
+def train_sometimes(config, steps=6, settle_backward=False):
     """Sometimes (seed 0) wrapped with ``config``, trained for ``steps`` steps, its second
     linears used on steps 1, 4, 7, ... (every third: with delayed updates, the copy an update
     without them writes is read two steps later by a forward with them): (losses, the
-    state_dict, the stats)."""
+    state_dict, the stats). ``settle_backward``: as train_gpt's."""
     torch.manual_seed(0)
     model = Sometimes()
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(4, 8, generator=g), i % 3 == 0) for i in range(steps)]
     dtype = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
     with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-        losses = train_offload(engine, data, loss_fn=lambda m, b: m(b[0].to(dtype), b[1]).float())
+        losses = train_offload(engine, data, loss_fn=lambda m, b: m(b[0].to(dtype), b[1]).float(),
+                               settle_backward=settle_backward)
         return losses, engine.state_dict(), engine.stats()
 
 

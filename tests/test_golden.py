@@ -234,6 +234,8 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
         for b in data:
             loss = engine(b[:, :-1], b[:, 1:])
             engine.backward(loss)
+            if case.speculative:  # every speculative update runs: none is taken back by step(),
+                engine.debug.updates.wait_optimizer()  # so the case commits and redoes as named
             engine.step()
             losses.append(loss.item())
             # None while a deferred step's bookkeeping (the norm among it) is still to run

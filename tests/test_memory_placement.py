@@ -140,8 +140,8 @@ def test_a_mixed_placement_computes_the_all_nvme_numbers_bit_for_bit(tmp_path, d
         # spill]: how many wait for queued updates depends on timing; the RSS test below
         # bounds the process)
         assert 0 < stats["home_bytes_host"] <= budget and stats["home_bytes_nvme"] > 0
-        if mode != "plain":
-            assert stats["speculative_updates"] > 0
+        if mode != "plain":  # speculated: run, or taken back by step() before the worker started it
+            assert stats["speculative_updates"] + stats["taken_back_updates"] > 0
 
 
 def test_units_forward_needs_first_get_ram_first(tmp_path):

@@ -4,6 +4,8 @@ the serialized step's (speculative_updates=False) bit for bit, and within the pa
 plain clip_grad_norm_ + AdamW. Failures leave the engine consistent or failed, never half
 committed."""
 import errno
+import threading
+import time
 import warnings
 
 import pytest
@@ -45,9 +47,10 @@ def config(tmp_path, name, tiers=("nvme", "nvme"), **kw):
                 device_budget=140 * 1024 * 2, **kw)
 
 
-def train(tmp_path, name, data, frozen=(), **kw):
-    """Losses, the state_dict after training, the stats and every step's grad_norm."""
-    return train_gpt(config(tmp_path, name, **kw), data, frozen)
+def train(tmp_path, name, data, frozen=(), settle_backward=False, **kw):
+    """Losses, the state_dict after training, the stats and every step's grad_norm.
+    ``settle_backward``: every speculative update runs before step() (support.train_gpt)."""
+    return train_gpt(config(tmp_path, name, **kw), data, frozen, settle_backward=settle_backward)
 
 
 def assert_same_run(a, b):
@@ -62,22 +65,100 @@ def assert_same_run(a, b):
 def test_speculative_updates_equal_the_serialized_step_bit_for_bit(tiers, dtype, clip, tmp_path):
     """Clipping configured but never triggering commits every speculative update; clipping
     on some steps and not others redoes exactly the units of the clipped steps. Either way
-    the losses, weights, optimizer states and norms are the serialized run's."""
+    the losses, weights, optimizer states and norms are the serialized run's. (Every
+    speculative update runs before step() here; test_step_takes_back_... has step() take
+    back those the worker has not started.)"""
     data = batches(NUM_STEPS)
     max_norm = NEVER_CLIPS if clip == "never" else MIXED_NORM
-    on = train(tmp_path, "on", data, tiers=tiers, dtype=dtype, max_grad_norm=max_norm, speculative_updates=True)
+    on = train(tmp_path, "on", data, tiers=tiers, dtype=dtype, max_grad_norm=max_norm, speculative_updates=True,
+               settle_backward=True)
     off = train(tmp_path, "off", data, tiers=tiers, dtype=dtype, max_grad_norm=max_norm, speculative_updates=False)
     assert_same_run(on, off)
     clipped_steps = sum(n > max_norm for n in off[3])
     speculated, redone = speculated_steps(off[3], max_norm)
     assert on[2]["speculative_updates"] == speculated * NUM_BLOCKS
     assert on[2]["redone_updates"] == redone * NUM_BLOCKS
+    assert on[2]["taken_back_updates"] == 0
     assert off[2]["speculative_updates"] == off[2]["early_updates"] == 0
     if clip == "mixed":
         assert 0 < clipped_steps < NUM_STEPS, off[3]  # the case is what its name says
         assert redone > 0 and speculated < NUM_STEPS  # a step after a clipped one does not speculate
     else:
         assert clipped_steps == 0 and speculated == NUM_STEPS
+
+
+# How long each speculative update waits before it runs in the take-back tests: far longer
+# than step() takes to find the later ones still queued.
+SLOW_WORKER_SECONDS = 0.5
+
+
+def train_with_a_slow_worker(tmp_path, name, data, **kw):
+    """As train(), but each speculative update starts SLOW_WORKER_SECONDS late, and step()
+    is called once the worker has started the first one of its backward: the others are
+    then still queued."""
+    started = threading.Semaphore(0)
+
+    def slow(*args, **context):
+        started.release()
+        time.sleep(SLOW_WORKER_SECONDS)
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    losses, norms = [], []
+    with offload.faults.inject("optim.early_update", slow), \
+            offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, name, **kw)) as engine:
+        for b in data:
+            queued = engine.stats()["speculative_updates"]
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            if engine.stats()["speculative_updates"] > queued:  # this backward speculated
+                assert started.acquire(timeout=60)
+            engine.step()
+            losses.append(loss.item())
+            engine.state_dict()  # settles the deferred step: its norm is taken
+            norms.append(engine.stats()["grad_norm"])
+        return losses, engine.state_dict(), engine.stats(), norms
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "host")], ids="-".join)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_step_takes_back_the_speculative_updates_the_worker_has_not_started(tiers, dtype, tmp_path):
+    """[Note: speculative updates] The worker is slow (each speculative update starts
+    SLOW_WORKER_SECONDS late): at step() the first block's update has started, the other
+    blocks' are still queued. step() takes those back, the norm takes their squares itself,
+    and they are updated like units never updated (deferred, or in step()); the one that ran
+    is committed or redone. Clipping on some steps and not others: bit for bit the
+    serialized run, and the counts say which way each update went."""
+    data = batches(NUM_STEPS)
+    off = train(tmp_path, "off", data, tiers=tiers, dtype=dtype, max_grad_norm=MIXED_NORM, speculative_updates=False)
+    on = train_with_a_slow_worker(tmp_path, "on", data, tiers=tiers, dtype=dtype, max_grad_norm=MIXED_NORM,
+                                  speculative_updates=True)
+    assert_same_run(on, off)
+    speculated, redone = speculated_steps(off[3], MIXED_NORM)
+    assert 0 < redone < speculated
+    assert on[2]["speculative_updates"] == speculated  # one a step: the first the worker took
+    assert on[2]["taken_back_updates"] == speculated * (NUM_BLOCKS - 1)
+    assert on[2]["redone_updates"] == redone
+    assert on[2]["early_updates"] == on[2]["speculative_updates"]
+
+
+def test_taken_back_updates_are_deferred_and_the_next_forward_reads_less(tmp_path):
+    """With the states on NVMe the updates step() takes back join its deferred ones: they run
+    under the next forward and write the device copies still resident ([Note: updates
+    through the device copy]), where a speculative update committed by step() left them to
+    be read again. Bit for bit the serialized run either way."""
+    data = batches(4)
+    off = train(tmp_path, "off", data, max_grad_norm=NEVER_CLIPS, speculative_updates=False)
+    on = train_with_a_slow_worker(tmp_path, "on", data, max_grad_norm=NEVER_CLIPS, speculative_updates=True)
+    settled = train(tmp_path, "settled", data, max_grad_norm=NEVER_CLIPS, speculative_updates=True,
+                    settle_backward=True)
+    assert_same_run(on, off)
+    assert_same_run(settled, off)
+    assert on[2]["taken_back_updates"] == len(data) * (NUM_BLOCKS - 1)
+    # the root each step, and the blocks taken back
+    assert on[2]["deferred_updates"] == len(data) * NUM_BLOCKS
+    assert settled[2]["deferred_updates"] == len(data) and settled[2]["taken_back_updates"] == 0
+    assert on[2]["bytes_read_nvme"] < settled[2]["bytes_read_nvme"]
 
 
 def test_speculative_updates_are_on_by_default_only_with_the_states_on_nvme(tmp_path):
@@ -96,7 +177,8 @@ def test_speculative_updates_match_plain_pytorch_clipping(tmp_path):
     torch.manual_seed(0)
     ref = GPT(CFG)
     ref_losses = train_reference(ref, data, max_grad_norm=MIXED_NORM)
-    losses, state, stats, _ = train(tmp_path, "on", data, dtype="fp32", max_grad_norm=MIXED_NORM)
+    losses, state, stats, _ = train(tmp_path, "on", data, dtype="fp32", max_grad_norm=MIXED_NORM,
+                                    settle_backward=True)
     assert stats["redone_updates"] > 0 and stats["speculative_updates"] > stats["redone_updates"]
     assert max_rel_error(state, ref.state_dict()) < CLIP_REL_TOL
     for a, b in zip(losses, ref_losses):
@@ -107,7 +189,8 @@ def test_gradient_accumulation_with_clipping(tmp_path):
     """Speculation only in the backward before an update; accumulated gradients are kept
     for the redo."""
     data = batches(NUM_STEPS)
-    on = train(tmp_path, "on", data, max_grad_norm=ACCUMULATED_MIXED_NORM, gradient_accumulation_steps=2)
+    on = train(tmp_path, "on", data, max_grad_norm=ACCUMULATED_MIXED_NORM, gradient_accumulation_steps=2,
+               settle_backward=True)
     off = train(tmp_path, "off", data, max_grad_norm=ACCUMULATED_MIXED_NORM, gradient_accumulation_steps=2,
                 speculative_updates=False)
     assert_same_run(on, off)
@@ -122,7 +205,7 @@ def test_fp16_overflow_drops_the_speculative_updates(tmp_path):
     homes keep the last step's state; the other steps commit theirs."""
     data = batches(NUM_STEPS)
     kw = dict(dtype="fp16", initial_loss_scale=2.0**17, tiers=("host", "nvme"))
-    on = train(tmp_path, "on", data, **kw)
+    on = train(tmp_path, "on", data, settle_backward=True, **kw)
     off = train(tmp_path, "off", data, speculative_updates=False, **kw)
     assert_same_run(on, off)
     assert 0 < on[2]["skipped_steps"] < NUM_STEPS
@@ -146,6 +229,7 @@ def test_skip_nonfinite_steps_drops_speculation_on_a_nan_step(tmp_path):
             for i, b in enumerate(data):
                 loss = gpt_loss(engine, b)
                 engine.backward(loss * float("nan") if i == nan_batch else loss)
+                engine.debug.updates.wait_optimizer()  # every speculative update runs (none taken back)
                 engine.step()
             return engine.state_dict(), engine.stats()
 
@@ -162,7 +246,7 @@ def test_frozen_parameters_and_a_checkpoint_load_survive_commits(tmp_path):
     after wrap and after a checkpoint load, so a committed spare keeps the frozen values."""
     data = batches(NUM_STEPS)
     frozen = ("blocks.0.ln1.", "blocks.1.fc.")
-    on = train(tmp_path, "on", data, frozen=frozen, max_grad_norm=NEVER_CLIPS)
+    on = train(tmp_path, "on", data, frozen=frozen, max_grad_norm=NEVER_CLIPS, settle_backward=True)
     off = train(tmp_path, "off", data, frozen=frozen, max_grad_norm=NEVER_CLIPS, speculative_updates=False)
     assert_same_run(on, off)
     assert on[2]["speculative_updates"] > 0
@@ -183,7 +267,7 @@ def test_frozen_parameters_and_a_checkpoint_load_survive_commits(tmp_path):
         expected = first.state_dict()
     with engine_for("second", 1) as second:  # other initial (frozen) values
         second.load_checkpoint(str(tmp_path / "ckpt"))
-        train_offload(second, data[3:])
+        train_offload(second, data[3:], settle_backward=True)
         assert second.stats()["speculative_updates"] > 0
         assert_same_state(second.state_dict(), expected)
 
@@ -199,7 +283,7 @@ def test_units_with_a_parameter_without_a_gradient_are_updated_in_step(tiers, dt
     kw = dict(dtype=dtype, max_grad_norm=NEVER_CLIPS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the unit trace of a step without the branch
-        on = train_sometimes(config(tmp_path, "on", tiers, speculative_updates=True, **kw))
+        on = train_sometimes(config(tmp_path, "on", tiers, speculative_updates=True, **kw), settle_backward=True)
         off = train_sometimes(config(tmp_path, "off", tiers, speculative_updates=False, **kw))
     assert on[0] == off[0], "losses differ"
     assert_same_state(on[1], off[1])
@@ -215,10 +299,10 @@ def test_state_dict_between_backward_and_step_is_the_last_step(tmp_path):
     model = GPT(CFG)
     with offload.wrap(model, make_opt(model.parameters()),
                       config=config(tmp_path, "s", max_grad_norm=NEVER_CLIPS)) as engine:
-        train_offload(engine, data[:2])
+        train_offload(engine, data[:2], settle_backward=True)
         before = engine.state_dict()
         engine.backward(gpt_loss(engine, data[2]))
-        assert engine.stats()["speculative_updates"] == 3 * NUM_BLOCKS
+        assert engine.stats()["speculative_updates"] == 3 * NUM_BLOCKS  # queued; none taken back yet
         assert_same_state(engine.state_dict(), before)
         engine.step()
         after = engine.state_dict()
@@ -408,7 +492,7 @@ def test_spare_homes_go_to_the_units_backward_finishes_first_when_the_disk_is_sh
     others are updated after the norm, with a warning; bit for bit the serialized run."""
     data = batches(NUM_STEPS)
     off = train(tmp_path, "off", data, max_grad_norm=MIXED_NORM, speculative_updates=False)
-    full = train(tmp_path, "full", data, max_grad_norm=MIXED_NORM)
+    full = train(tmp_path, "full", data, max_grad_norm=MIXED_NORM, settle_backward=True)
     torch.manual_seed(0)
     probe = GPT(CFG)
     with offload.wrap(probe, make_opt(probe.parameters()), config=config(tmp_path, "probe", max_grad_norm=1.0,
@@ -419,7 +503,7 @@ def test_spare_homes_go_to_the_units_backward_finishes_first_when_the_disk_is_sh
     free = int(room / offload.memory.placement.SPARE_FREE_FRACTION) + 1  # of which spares take that share
     monkeypatch.setattr(offload.memory.placement, "usable_bytes", lambda swap_dir: free)
     with pytest.warns(RuntimeWarning, match=r"spare homes of 2 of 4 units"):
-        short = train(tmp_path, "short", data, max_grad_norm=MIXED_NORM)
+        short = train(tmp_path, "short", data, max_grad_norm=MIXED_NORM, settle_backward=True)
     assert_same_run(short, off)
     assert_same_run(full, off)
     speculated, redone = speculated_steps(off[3], MIXED_NORM)

@@ -161,7 +161,8 @@ def run_offload(spec: dict) -> dict:
     keys = ("bytes_read_nvme", "bytes_written_nvme", "prefetch_hits", "prefetch_misses", "prefetch_late",
             "prefetch_unplanned",
             "fetch_wait_seconds", "optimizer_wait_seconds", "total_optimizer_seconds", "io_wait_seconds",
-            "speculative_updates", "redone_updates", "deferred_updates", "spilled_gradient_bytes")
+            "speculative_updates", "redone_updates", "taken_back_updates", "deferred_updates",
+            "spilled_gradient_bytes")
     try:
         seconds, probes = [], []
         for i in range(spec["warmup"] + spec["steps"]):
@@ -422,8 +423,9 @@ def print_table(results: list, args, out=sys.stdout) -> None:
             note = (f"{r['num_params'] / 1e9:.2f} B params, {r['num_units']} units, device peak "
                     f"{r['device_peak_bytes'] / GiB:.2f}/{r['device_budget_bytes'] / GiB:.2f} GiB, swap "
                     f"{r['nvme_bytes'] / GiB:.1f} GiB, wrap RSS {r['wrap_peak_rss_bytes'] / GiB:.2f} GiB; per step: "
-                    f"speculative/redone/deferred updates {p.get('speculative_updates', 0):.0f}/"
-                    f"{p.get('redone_updates', 0):.0f}/{p.get('deferred_updates', 0):.0f}, gradients spilled "
+                    f"speculative/redone/taken back/deferred updates {p.get('speculative_updates', 0):.0f}/"
+                    f"{p.get('redone_updates', 0):.0f}/{p.get('taken_back_updates', 0):.0f}/"
+                    f"{p.get('deferred_updates', 0):.0f}, gradients spilled "
                     f"{p.get('spilled_gradient_bytes', 0) / GB:.1f} GB; "
                     f"grad norms {norms}")
             wrap = f"{r['wrap_seconds']:7.1f}"

@@ -17,13 +17,18 @@ the step's gradient factor were the loss scale's inverse alone (clip coefficient
 skip), into its *spare homes* (``UnitState.spare``: a second master, moments and compute
 copy at home, same tiers and sizes, allocated at wrap; host-homed states are read at home
 and the results written there in one pass, [Note: out-of-place Adam]). Its homes, its step
-counts and its gradients are left as they were. It never fills a slot (step() waits for it before the next forward's fetches), but it
-writes a resident device copy as a non-speculative update does, once the pass needs no
-other unit ([Note: updates through the device copy]): that copy then holds the speculative
-result, and goes wherever the result does not become the unit's state (a dropped
-speculation below, a forward before step(), zero_grad(), a failed backward:
-``release_speculative_copies``). step() waits for the speculative updates, takes the norm,
-and then (``_resolve_speculation``):
+counts and its gradients are left as they were. It never fills a slot, but it writes a
+resident device copy as a non-speculative update does, once the pass needs no other unit
+([Note: updates through the device copy]): that copy then holds the speculative result, and
+goes wherever the result does not become the unit's state (a dropped speculation below, a
+forward before step(), zero_grad(), a failed backward: ``release_speculative_copies``).
+step() first takes back the speculative updates the worker has not started
+(``_take_back_speculation``, QUEUED -> IDLE in [Note: update states]; counted in
+``taken_back_updates``, not in ``speculative_updates`` or ``early_updates``):
+nothing of theirs was written, the norm takes their squares from the gradients, and the
+step updates those units with its own factor like units never updated (deferred to the next
+forward with the rest, where they can fill slots, [Note: deferred updates]). It waits for
+the one running, takes the norm, and then (``_resolve_speculation``):
 - no clipping (torch's coefficient ``max_norm / (norm + 1e-6)`` is >= 1, so the serialized
   factor equals the speculated one to the bit) and no skip: each unit's spare homes and
   step counts become its homes (a swap of references, ``UnitState.commit_spare``); the old
@@ -237,6 +242,8 @@ class UpdateScheduler:
             # the norm can wait for the updates (early_allowed without speculation: no clipping, fp16 or skips)
             self._defer_updates(1.0, norm_pending=True)
             return
+        if self._layout.speculative:
+            self._take_back_speculation()
         self.wait_optimizer()
         if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
             self._partition.finish_gradients(self._units)
@@ -277,6 +284,27 @@ class UpdateScheduler:
                         self._release(u)
                     u.update.in_device = False
         self._step_ring.raise_write_errors(self._micro_step())
+
+    def _take_back_speculation(self) -> None:
+        """[Note: speculative updates] The speculative updates the worker has not started
+        come off its queue: the norm takes their squares from the gradients, as for a unit
+        never updated, and the step updates those units with its own factor (deferred with
+        the rest, or here), instead of waiting for them, then committing or redoing them."""
+        with self.lock:  # every entry on the heap is QUEUED: the worker pops and starts under it
+            taken = [entry for entry in self._heap if entry[3].update.speculative]
+            if not taken:
+                return
+            self._heap = [entry for entry in self._heap if not entry[3].update.speculative]
+            heapq.heapify(self._heap)
+            for entry in taken:
+                entry[3].update.take_back()
+        tickets = [entry[6] for entry in taken]
+        self._early_futures = [f for f in self._early_futures if not any(f is t for t in tickets)]
+        for ticket in tickets:  # nobody waits for it; the worker's turn for it finds nothing
+            ticket.set_result(None)
+        self._stats.count("early_updates", -len(taken))
+        self._stats.count("speculative_updates", -len(taken))
+        self._stats.count("taken_back_updates", len(taken))
 
     def _resolve_speculation(self, keep: bool, skip: bool) -> None:
         """[Note: speculative updates] The norm is known and every speculative update is
@@ -406,6 +434,8 @@ class UpdateScheduler:
     def _run_next_update(self) -> None:
         """On the optimizer worker: the best queued update (one per queue_update call)."""
         with self.lock:
+            if not self._heap:  # its update was taken back ([Note: speculative updates])
+                return
             _, _, _, u, groups, grad_factor, ticket, point = heapq.heappop(self._heap)
             u.update.start()  # from here on no fill is attached (_prefetch_updating)
         try:
