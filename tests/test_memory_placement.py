@@ -315,7 +315,7 @@ def test_offload_plan_prints_the_engine_placement_and_a_predicted_step(tmp_path)
     for line in placement.describe():
         assert line in text
     assert "predicted step: " in text
-    assert "+ 0.5 x min(compute, I/O)" in text
+    assert f"+ {EXPOSED_IO_FRACTION:g} x min(compute, I/O)" in text
 
 
 def test_offload_plan_with_delayed_update_counts_spares_and_hides_the_update_io(tmp_path):
@@ -342,7 +342,7 @@ def test_offload_plan_with_delayed_update_counts_spares_and_hides_the_update_io(
         nvme[delayed] = placement.bytes_per_tier().get("nvme", 0)
     assert "delayed_update" in texts[True] and "delayed_update" not in texts[False]
     assert f"max(compute + {DELAYED_IO_CPU_FRACTION:g} x I/O, I/O))" in texts[True]
-    assert "min(compute, I/O)" not in texts[True] and "+ 0.5 x min(compute, I/O)" in texts[False]
+    assert "min(compute, I/O)" not in texts[True] and f"+ {EXPOSED_IO_FRACTION:g} x min(compute, I/O)" in texts[False]
     assert nvme[True] > nvme[False] > 0, nvme  # the spares take RAM: more goes to NVMe
 
 

@@ -327,8 +327,12 @@ class StepPrediction:
 # step anyway: the first fetches of forward, the last units' updates of backward, synchronous
 # gradient spills. A documented constant, measured with tools/bench_train.py
 # --sweep-host-budget (which prints predicted against measured at every point, the compute
-# time being the same path's step with every state in RAM, measured in the same run).
-EXPOSED_IO_FRACTION = 0.5
+# time being the same path's step with every state in RAM, measured in the same run). Fitted
+# on the 2-core reference machine (an AVX-512 Xeon; the disk check read 2.3-2.7 GB/s): the
+# exact points with NVMe traffic of two sweeps showed 0.11-0.35 in bf16 (medians 0.18, 0.25)
+# and 0.04-0.45 in fp32 (median 0.25); the 0.5 measured before on an AVX2 EPYC, whose compute
+# was twice as slow, over-predicted every one of them, by 2-25%.
+EXPOSED_IO_FRACTION = 0.25
 # With delayed_update ([Note: delayed updates]) step t's updates, all of its state traffic,
 # run under step t+1's forward and backward: nothing is exposed, but the updates' CPU work
 # (Adam on the staged pieces, split and join, checksums, staging copies) runs beside the
