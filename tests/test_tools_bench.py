@@ -367,6 +367,37 @@ def test_bench_scale_table_gives_the_step_over_the_slower_of_compute_and_io(caps
     assert "step / 10.00 s" in out
 
 
+def test_bench_scale_rounds_pair_each_step_with_its_own_replay(capsys):
+    """--rounds: offload and io-only alternate, compute-only runs once, and each round's
+    ratio is over max(compute-only, that round's io-only), not another round's."""
+    bench = load_tool(SCALE_TOOL)
+    assert bench.schedule(["offload", "compute-only", "io-only"], 3) == [
+        (1, "offload"), (1, "compute-only"), (1, "io-only"), (2, "offload"), (2, "io-only"),
+        (3, "offload"), (3, "io-only")]
+    probe = dict(prefetch_hits=1, prefetch_misses=0, prefetch_late=0, prefetch_unplanned=0,
+                 forward_seconds=1.0, backward_seconds=2.0, step_call_seconds=3.0)
+
+    def offload_row(k, seconds):
+        return dict(row="offload", round=k, step_seconds_all=[seconds], wrap_seconds=5.0, peak_rss_bytes=2 << 30,
+                    wrap_peak_rss_bytes=1 << 30, probes=[probe], num_params=10**9, num_units=5,
+                    device_peak_bytes=1 << 30, device_budget_bytes=3 << 30, nvme_bytes=8 << 30,
+                    phases=dict(bytes_read_nvme=4e9, bytes_written_nvme=2e9, fetch_wait_seconds=0.5,
+                                optimizer_wait_seconds=0.25, optimizer_seconds=3.0))
+
+    def io_row(k, seconds):
+        return dict(row="io-only", round=k, step_seconds_all=[seconds], peak_rss_bytes=1 << 30, read_per_step=4e9,
+                    written_per_step=2e9, note="r")
+
+    rows = [offload_row(1, 24.0), dict(row="compute-only", round=1, step_seconds_all=[10.0],
+                                       peak_rss_bytes=1 << 30, note="n"),
+            io_row(1, 20.0), offload_row(2, 33.0), io_row(2, 30.0)]  # the disk slower in round 2
+    bench.print_table(rows, None)
+    out = capsys.readouterr().out
+    assert next(line for line in out.splitlines() if line.startswith("offload 1 ")).split()[4] == "1.20"
+    assert next(line for line in out.splitlines() if line.startswith("offload 2 ")).split()[4] == "1.10"
+    assert "per round: 1.20, 1.10; median 1.15" in out
+
+
 def test_bench_scale_io_only_replays_the_rows_bytes_and_leaves_no_file(tmp_path):
     bench = load_tool(SCALE_TOOL)
     mib = 1 << 20

@@ -32,7 +32,10 @@ Rows, each in a fresh subprocess of its own (peak RSS is ru_maxrss of that proce
                 deep (piece_replayer).
 
 "x bound" = step / max(compute-only, io-only): 1.0 means the step takes as long as its
-slower resource alone (issue #17's target: <= 1.3).
+slower resource alone (issue #17's target: <= 1.3). With --rounds N the offload and io-only
+rows run N times, alternating, each io-only replaying its own round's traffic right after it,
+and each round's ratio takes that round's replay (this machine's disk moves 1.5x between
+minutes; the replay alone moved 1.6x between two runs 25 minutes apart).
 
 The swap dir (--swap-dir, default a fresh directory under $TMPDIR or /tmp) must hold the
 run's swap bytes (offload plan's number; ~50 GB at 28 layers): the tool refuses before
@@ -392,21 +395,37 @@ def fmt(value, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(len(format(0.0, spec)))
 
 
+def round_bounds(results: list) -> dict:
+    """{round: max(compute-only, that round's io-only)} in seconds, for the rounds that have
+    either (compute-only runs once, in the first round; each round replays its own offload
+    row's traffic)."""
+    compute = next((r["step_seconds"] for r in results if r["row"] == "compute-only" and "step_seconds" in r), None)
+    bounds = {}
+    for k in sorted({r.get("round", 1) for r in results}):
+        io = next((r["step_seconds"] for r in results
+                   if r["row"] == "io-only" and r.get("round", 1) == k and "step_seconds" in r), None)
+        known = [t for t in (compute, io) if t is not None]
+        if known:
+            bounds[k] = max(known)
+    return bounds
+
+
 def print_table(results: list, args, out=sys.stdout) -> None:
-    by_row = {r["row"]: r for r in results}
     for r in results:
         if "step_seconds_all" in r:
             r["step_seconds"] = statistics.mean(r["step_seconds_all"])
-    bound = max((by_row[k]["step_seconds"] for k in ("compute-only", "io-only")
-                 if "step_seconds" in by_row.get(k, {})), default=None)
+    bounds = round_bounds(results)
+    several = any(r.get("round", 1) > 1 for r in results)
     header = (f"{'row':12s} {'wrap s':>7s} {'step s':>7s} {'x bound':>7s} {'RSS GiB':>7s} {'rd GB/st':>8s} "
               f"{'wr GB/st':>8s} {'hit rate':>13s} {'miss/late/unpl':>14s} {'fetch wt s':>10s} {'opt wt s':>8s} {'opt s':>6s}  note")
     print(header, file=out)
     print("-" * len(header), file=out)
     for r in results:
+        label = f"{r['row']} {r.get('round', 1)}" if several and r["row"] != "compute-only" else r["row"]
         if "error" in r:
-            print(f"{r['row']:12s} FAILED: {r['error']}", file=out)
+            print(f"{label:12s} FAILED: {r['error']}", file=out)
             continue
+        bound = bounds.get(r.get("round", 1))
         ratio = r["step_seconds"] / bound if bound else None
         if r["row"] == "offload":
             p = r["phases"]
@@ -433,10 +452,11 @@ def print_table(results: list, args, out=sys.stdout) -> None:
             read, written = r.get("read_per_step"), r.get("written_per_step")
             rate, counts, note, wrap = "-", "-", r.get("note", ""), f"{'-':>7s}"
             extra = f"{'-':>10s} {'-':>8s} {'-':>6s}"
-        print(f"{r['row']:12s} {wrap} {r['step_seconds']:7.2f} {fmt(ratio, '7.2f')} "
+        print(f"{label:12s} {wrap} {r['step_seconds']:7.2f} {fmt(ratio, '7.2f')} "
               f"{r['peak_rss_bytes'] / GiB:7.2f} {fmt(None if read is None else read / GB, '8.2f')} "
               f"{fmt(None if written is None else written / GB, '8.2f')} {rate:>13s} {counts:>14s} {extra}  {note}", file=out)
-    offload_row = by_row.get("offload", {})
+    offload_rows = [r for r in results if r["row"] == "offload" and "error" not in r]
+    offload_row = offload_rows[-1] if offload_rows else {}
     ckpt = offload_row.get("checkpoint")
     if ckpt:
         print(f"checkpoint of {ckpt['bytes'] / GB:.1f} GB: save {ckpt['save']['seconds']:.1f} s "
@@ -445,15 +465,21 @@ def print_table(results: list, args, out=sys.stdout) -> None:
               f"({ckpt['bytes'] / GB / ckpt['load']['seconds']:.2f} GB/s), peak RSS "
               f"{ckpt['load']['peak_rss_bytes'] / GiB:.2f} GiB (the steps' peak: "
               f"{offload_row['peak_rss_bytes'] / GiB:.2f} GiB)", file=out)
-    if "probes" in offload_row:
-        print("offload per timed step (s): " + ", ".join(
+    for r in offload_rows:
+        label = f"offload {r.get('round', 1)}" if several else "offload"
+        print(f"{label} per timed step (s): " + ", ".join(
             f"{q['forward_seconds']:.1f} fwd + {q['backward_seconds']:.1f} bwd + {q['step_call_seconds']:.1f} step"
-            for q in offload_row["probes"]), file=out)
+            for q in r["probes"]), file=out)
     print("hit rate: of the timed steps' unit uses (hits / all); miss/late/unpl: at home when needed while "
           "replaying / still on its way / no trace replayed ([Note: prefetch counters])", file=out)
-    if bound:
-        print(f"x bound = step / max(compute-only, io-only) = step / {bound:.2f} s (issue #17 target <= 1.3)",
+    if bounds and not several:
+        print(f"x bound = step / max(compute-only, io-only) = step / {bounds[1]:.2f} s (issue #17 target <= 1.3)",
               file=out)
+    elif bounds:
+        ratios = [r["step_seconds"] / bounds[r["round"]] for r in offload_rows if r["round"] in bounds]
+        print("x bound = step / max(compute-only, the same round's io-only), per round: " + ", ".join(
+            f"{ratio:.2f}" for ratio in ratios) + (f"; median {statistics.median(ratios):.2f}" if ratios else "")
+            + " (issue #17 target <= 1.3)", file=out)
 
 
 def parse_args(argv=None):
@@ -491,16 +517,27 @@ def parse_args(argv=None):
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="the offload row writes Engine.export_trace here (see tools/trace_summary.py)")
     p.add_argument("--row-timeout", type=float, default=3600.0, help="seconds per row before it is killed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the offload and io-only rows this many times, alternating (compute-only "
+                        "once): each round's ratio pairs its step with its own replay (default 1)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.layers < 1 or args.steps < 1 or args.warmup < 0 or args.seq < 2:
-        p.error("--layers and --steps must be >= 1, --warmup >= 0, --seq >= 2")
+    if args.layers < 1 or args.steps < 1 or args.warmup < 0 or args.seq < 2 or args.rounds < 1:
+        p.error("--layers, --steps and --rounds must be >= 1, --warmup >= 0, --seq >= 2")
     if args.compute_layers < 2:
         p.error("--compute-layers must be >= 2 (two points to extrapolate from)")
     if "io-only" in args.rows and "offload" not in args.rows:
         p.error("io-only replays the offload row's traffic: --rows needs offload too")
     return args
+
+
+def schedule(rows, rounds: int) -> list:
+    """(round, row) in the order they run: ``rows`` in their order, then the offload and
+    io-only rows again for each further round (compute-only, CPU-bound, runs once). The
+    disk's speed drifts by 1.5x over minutes on the reference machine: each round's io-only
+    replay runs right after that round's offload row, so that each ratio pairs the two."""
+    return [(k, row) for k in range(1, rounds + 1) for row in rows if k == 1 or row != "compute-only"]
 
 
 def _raise_on_sigterm(signum, frame):
@@ -544,20 +581,21 @@ def main(argv=None) -> int:
           f"{need / GB:.1f} GB needed)", flush=True)
     results = []
     try:
-        for row in args.rows:
+        for k, row in schedule(args.rows, args.rounds):
             spec = dict(base, row=row)
-            if row == "io-only":
-                source = results[0]
+            if row == "io-only":  # this round's offload row's traffic
+                source = next(r for r in reversed(results) if r["row"] == "offload" and r["round"] == k)
                 if "error" in source:
-                    results.append({"row": row, "error": f"no traffic to replay: {source['error']}"})
+                    results.append({"row": row, "round": k, "error": f"no traffic to replay: {source['error']}"})
                     continue
                 spec["pattern"] = {"units": source["units"], "phases": source["phases"],
                                    "nvme_bytes": source["nvme_bytes"]}
             start = time.perf_counter()
-            result = run_row(spec, args.row_timeout)
+            result = dict(run_row(spec, args.row_timeout), round=k)
             results.append(result)
             status = result.get("error") or f"done in {time.perf_counter() - start:.0f} s"
-            print(f"  {row:12s} {status}", file=sys.stderr, flush=True)
+            print(f"  {row:12s} {status}{f' (round {k} of {args.rounds})' if args.rounds > 1 else ''}",
+                  file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(swap_root, ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)
