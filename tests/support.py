@@ -122,15 +122,16 @@ def train_offload(engine, data, loss_fn=gpt_loss, settle_backward=False):
     return losses
 
 
-def train_gpt(config, data, frozen=(), settle_backward=False):
-    """The small GPT (seed 0) wrapped with ``config`` and trained on ``data``, parameters
-    whose names start with one of ``frozen`` frozen: (losses, the state_dict after training,
-    the stats, every update's grad_norm, each taken once the update is settled).
+def train_gpt(config, data, frozen=(), settle_backward=False, model_config=CFG):
+    """The small GPT (seed 0; ``model_config``) wrapped with ``config`` and trained on
+    ``data``, parameters whose names start with one of ``frozen`` frozen: (losses, the
+    state_dict after training, the stats, every update's grad_norm, each taken once the
+    update is settled).
     ``settle_backward``: wait for the optimizer worker between backward and step(), so that
     every speculative update runs and step() takes none back ([Note: speculative updates]:
     which it takes back otherwise depends on how far the worker got)."""
     torch.manual_seed(0)
-    model = GPT(CFG)
+    model = GPT(model_config)
     for name, p in model.named_parameters():
         p.requires_grad_(not (frozen and name.startswith(frozen)))
     norms, losses = [], []

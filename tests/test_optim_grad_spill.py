@@ -3,6 +3,7 @@ gradients go to NVMe once backward is done with them and come back for their upd
 run is the unspilled run bit for bit, the process stays near its budget, a failed read of
 spilled gradients fails the engine as the checkpoint rules say, and a budget below the
 fixed host needs is refused with the sizes."""
+import dataclasses
 import errno
 import os
 
@@ -71,6 +72,64 @@ def test_spilled_run_equals_the_unspilled_run_bit_for_bit(dtype, clip, speculati
     assert spilled[2]["spilled_gradient_bytes"] > 0 and plain[2]["spilled_gradient_bytes"] == 0
     unit_bytes = (budget - (planned.total - planned.gradients)) // 2  # the smallest budget has two
     assert spilled[2]["host_peak_bytes"] <= budget + unit_bytes * (2 if speculative else 1)
+
+
+class ExtentTraffic:
+    """Wraps the engine's IOEngine (``inner``): counts the reads and writes that start inside
+    one extent (``path``, [lo, hi) bytes)."""
+
+    def __init__(self, io, extent):
+        self.inner, self._extent = io, extent
+        self.reads = self.writes = 0
+
+    def _inside(self, path, offset):
+        e = self._extent
+        return path == e.path and e.offset <= offset < e.offset + e.nbytes
+
+    def write_from(self, tensor, path, offset=0):
+        self.writes += self._inside(path, offset)
+        return self.inner.write_from(tensor, path, offset)
+
+    def read_into(self, tensor, path, offset=0):
+        self.reads += self._inside(path, offset)
+        return self.inner.read_into(tensor, path, offset)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_unit_holding_little_of_its_gradient_extent_is_not_spilled(dtype, tmp_path):
+    """[Note: gradient spill] Tied embeddings, clipping on, the smallest budget: for most of
+    backward the root unit holds only its final norm's gradient in RAM, while the tied
+    embedding's sum waits for the end of backward. Spilling it then wrote its whole extent
+    to free a few bytes, and the sum's arrival read it all back on the main thread. Now it
+    is spilled only once it holds its gradients: its extent is written and read at most
+    once a step (by the update), and the run is the unspilled one bit for bit."""
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    kw = dict(dtype=dtype, max_grad_norm=MIXED_NORM, speculative_updates=False)
+
+    def run(name, host_budget=None):
+        torch.manual_seed(0)
+        model = GPT(tied)
+        with offload.wrap(model, make_opt(model.parameters()),
+                          config=config(tmp_path, name, host_budget=host_budget, **kw)) as engine:
+            if host_budget is None:
+                sizes = [UnitSizes.of(u) for u in engine.units]
+                return minimum_host_budget(sizes, engine.layout), None, None
+            root = engine.units[0]
+            traffic = wrap_swap_io(engine, ExtentTraffic, root.grad_home)
+            losses = train_offload(engine, data)
+            return losses, engine.state_dict(), (traffic.reads, traffic.writes, engine.stats())
+
+    data = batches(NUM_STEPS)
+    budget, _, _ = run("probe")
+    losses, state, (reads, writes, stats) = run("spilled", budget)
+    plain = train_gpt(config(tmp_path, "plain", **kw), data, model_config=tied)
+    assert losses == plain[0]
+    assert_same_state(state, plain[1])
+    assert stats["spilled_gradient_bytes"] > 0
+    assert 0 < writes <= NUM_STEPS and reads <= writes
 
 
 def test_backward_waits_for_a_slow_worker_rather_than_passing_the_budget(tmp_path):
