@@ -205,6 +205,7 @@ class Engine:
             # 6. Every unit's state to its home tier (materializing meta models).
             move_to_homes(model, self.units, unmaterialized, self.device, init_fn, self._homes.write_initial_state,
                           undo, weight_files)
+            self._homes.drop_buffers()  # the last unit's write let go of them already
             close_weights(weight_files)
 
             # 7. The worker that updates units, hooks.

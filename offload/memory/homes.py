@@ -62,6 +62,10 @@ class Homes:
         self._bind = bind
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0
+        # [Note: wrap scratch in the arena] write_initial_state's buffers in the device arena,
+        # by name ("compute", "master"); None until the first unit is written
+        self._scratch: Optional[Dict[str, torch.Tensor]] = None
+        self._scratch_in_slot = False  # "compute" is the root unit's slot
 
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> None:
@@ -126,25 +130,33 @@ class Homes:
     # ------------------------------------------------------------------ initial state
     @torch.no_grad()
     def write_initial_state(self, u: UnitState) -> None:
-        """Write u's initial state home. Transient memory: u's compute copy (page aligned, so
-        it is written without a bounce copy) and a separate fp32 master where one is kept;
-        each parameter lets go of its storage once copied (the model's own storage is still
-        held until wrap succeeds: [Note: a failed wrap changes nothing]), the moments are
-        zeros."""
+        """Write u's initial state home. Transient memory, page aligned so that it is written
+        without a bounce copy ([Note: wrap scratch in the arena]): u's compute copy, and a
+        separate fp32 master where one is kept or, split ([Note: split master]), the master's
+        low halves, split from each parameter's values in turn; each parameter lets go of
+        its storage once copied (the model's own storage is still held until wrap succeeds:
+        [Note: a failed wrap changes nothing]), the moments are zeros."""
         layout = self._layout
+        split_here = self._splits_per_parameter() and u.trainable
         compute = self._initial_buffer("compute", u.compute_numel, layout.compute_dtype)
         master = self._initial_buffer("master", u.master_numel, torch.float32) \
-            if not layout.merged or self._partition is not None else None
+            if (not layout.merged or self._partition is not None) and not split_here else None
+        low = self._initial_buffer("low", low_numel(u.shard.numel), torch.int16) if split_here else None
         for e in u.spec.entries:
             value = e.param.detach().reshape(-1).to("cpu")
-            compute[e.offset:e.offset + e.numel].copy_(value)
+            target = compute[e.offset:e.offset + e.numel]
+            if split_here and e.trainable:  # elementwise: the same halves as splitting the whole prefix
+                split_master(value.to(torch.float32).contiguous(), target, low[e.offset:e.offset + e.numel])
+            else:
+                target.copy_(value)
             if e.trainable and master is not None:
                 master[e.offset:e.offset + e.numel].copy_(value)
             self._release_param(e)
         if self._partition is not None:  # [zero] every rank starts from rank 0's values
             self._partition.broadcast_initial(compute, master)
         t = u.spec.trainable_numel
-        low = self.split_master_into(u, master, compute[:t], 0) if layout.split_master and u.trainable else None
+        if layout.split_master and u.trainable and not split_here:
+            low = self.split_master_into(u, master, compute[:t], 0)
         if layout.param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
@@ -161,15 +173,61 @@ class Homes:
             self.drop_buffers()
 
     def _initial_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed, page-aligned buffer of ``numel`` ``dtype`` for write_initial_state,
-        reused from unit to unit (``buffer``): memory touched for the first time is several
-        times slower than memory reused (see offload/tiers/device.py), and writing each unit
-        from a new buffer made first touches a large part of wrap's time. Every use is
-        synchronous (written home before the next unit), so the reuse holds no more than the
-        largest unit needs, as one buffer per unit did; dropped after the last unit. Zeroed
-        on each use: the alignment gaps between parameters stay zeros."""
+        """A zeroed, page-aligned buffer of ``numel`` ``dtype`` for write_initial_state
+        ("compute" or "master"), reused from unit to unit: memory touched for the first time
+        is several times slower than memory reused (see offload/tiers/device.py), and writing
+        each unit from a new buffer made first touches a large part of wrap's time. Every use
+        is synchronous (written home before the next unit), so the reuse holds no more than
+        the largest unit needs, as one buffer per unit did; dropped after the last unit.
+        Zeroed on each use: the alignment gaps between parameters stay zeros. On a CPU device
+        both are carved from the arena when it has room ([Note: wrap scratch in the arena]),
+        else kept by ``buffer``."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        scratch = self._wrap_scratch(name)
+        if scratch is not None and nbytes <= scratch.numel():
+            return scratch[:nbytes].view(dtype).zero_()
         return self.buffer(name, nbytes).view(dtype).zero_()
+
+    def _splits_per_parameter(self) -> bool:
+        """[Note: split master] write_initial_state splits each parameter's values into the
+        compute copy and the low halves, with no fp32 master buffer ([zero]: not with a
+        partition, whose ranks start from rank 0's master)."""
+        return self._layout.split_master and self._partition is None
+
+    def _wrap_scratch(self, name: str) -> Optional[torch.Tensor]:
+        """[Note: wrap scratch in the arena] On a CPU device with compute copies off the
+        device, the arena is touched RAM that no unit uses until the first fetch: the
+        "compute" buffer goes in the root unit's slot when the largest compute copy fits
+        there, and the others ("master" or "low", and "compute" when it does not fit there)
+        in bytes borrowed from the rest of the arena: all of them if they fit together, else
+        as many as fit, largest first. None for a buffer without such room: the heap then,
+        through ``buffer``."""
+        if self._scratch is None:
+            self._scratch = {}
+            root = self._units[0]
+            layout = self._layout
+            if self._device.device.type == "cpu" and layout.param_tier != "device" \
+                    and root.device_offset is not None and self._num_written < len(self._units):
+                element_bytes = layout.compute_element_bytes
+                split = self._splits_per_parameter()
+                sizes = {
+                    "compute": max(round_up(u.compute_numel * element_bytes, PAGE_BYTES) for u in self._units),
+                    "master": 0 if split or (layout.merged and self._partition is None) else
+                    round_up(max(u.master_numel for u in self._units) * FP32_BYTES, PAGE_BYTES),
+                    "low": round_up(max(low_numel(u.shard.numel) for u in self._units) * 2, PAGE_BYTES)
+                    if split else 0,
+                }
+                if sizes["compute"] <= root.compute_numel * element_bytes:
+                    self._scratch["compute"] = self._device.view(root.device_offset, root.compute_numel).view(torch.uint8)
+                    self._scratch_in_slot, sizes["compute"] = True, 0
+                wanted = sorted((n for n in sizes if sizes[n]), key=lambda n: -sizes[n])
+                for names in [wanted] + [[n] for n in wanted]:
+                    borrowed = self._device.borrow(sum(sizes[n] for n in names)) if names else None
+                    if borrowed is not None:
+                        for n in names:
+                            self._scratch[n], borrowed = borrowed[:sizes[n]], borrowed[sizes[n]:]
+                        break
+        return self._scratch.get(name)
 
     def buffer(self, name: str, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a page-aligned uint8 buffer kept under ``name`` and reused
@@ -184,9 +242,14 @@ class Homes:
         return buffer[:nbytes]
 
     def drop_buffers(self) -> None:
-        """Let go of every buffer ``buffer`` keeps (after wrap's last unit, and after a
-        checkpoint's save or load)."""
+        """Let go of every buffer ``buffer`` keeps and of the arena borrowed for wrap (after
+        wrap's last unit, and after a checkpoint's save or load)."""
         self._buffers.clear()
+        if self._scratch:  # [Note: wrap scratch in the arena] zeros again, as the arena starts
+            if self._scratch_in_slot:
+                self._scratch["compute"].zero_()  # the root's slot (give_back zeroes what it lent)
+            self._device.give_back()
+            self._scratch = {}
 
     def _store_initial_moments(self, u: UnitState) -> None:
         """u's moments and step counts: zeros, or those the optimizer had (``adam_state``:
@@ -214,6 +277,9 @@ class Homes:
         nothing (the compute copy is the master); else this rank's shard ([zero]), padded."""
         if low is not None:
             self.store(u.master_home, low)
+        elif not self._layout.merged and start == 0 and self._partition is None and \
+                master.numel() == u.shard.state_numel:  # the whole home, its padding zero (write_initial_state)
+            self.store(u.master_home, master)
         elif not self._layout.merged:
             s = u.shard
             shard = torch.zeros(s.state_numel, dtype=torch.float32)
@@ -225,10 +291,13 @@ class Homes:
         trainable prefix) into ``high`` (its bf16 compute copy there, n elements) and return
         the low halves of this rank's shard ([zero] within that range) as the master's home
         holds them."""
-        low = torch.empty(high.numel(), dtype=torch.int16)
-        split_master(master[:high.numel()].contiguous(), high, low)
         s = u.shard
         home = torch.zeros(low_numel(u.shard.numel), dtype=torch.int16)
+        if s.lo == start and s.numel == high.numel():  # the range is this rank's: split into the home
+            split_master(master[:high.numel()].contiguous(), high, home[:s.numel])
+            return home
+        low = torch.empty(high.numel(), dtype=torch.int16)
+        split_master(master[:high.numel()].contiguous(), high, low)
         home[:s.numel].copy_(low[s.lo - start:s.hi - start])
         return home
 

@@ -44,6 +44,7 @@ class DeviceTier:
         self.slot_bytes = 0
         self.transient_bytes = 0
         self.peak_bytes = 0
+        self._borrowed: Optional[Tuple[int, int]] = None  # see borrow
         # Copies to the device run on their own stream so that they overlap the compute on
         # the default stream; every hand-off carries an event (see fetch in engine.py).
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -59,6 +60,7 @@ class DeviceTier:
 
     def allocate(self, numel: int) -> Optional[int]:
         """Element offset of a free slot of ``numel`` elements (first fit), or None."""
+        assert self._borrowed is None, "a slot handed out while wrap borrows the arena (see borrow)"
         for i, (start, length) in enumerate(self._free):
             if length >= numel:
                 if length == numel:
@@ -81,6 +83,31 @@ class DeviceTier:
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
             del self._free[i]
+
+    def borrow(self, nbytes: int) -> Optional[torch.Tensor]:
+        """[Note: wrap scratch in the arena] ``nbytes`` of a CPU arena's free bytes, page
+        aligned, as uint8, or None (CUDA: the arena is not host memory; no free run that
+        long). Wrap writes every unit home through buffers the size of the largest unit's
+        compute copy and master; on a CPU device the arena is RAM already touched, idle until
+        the first fetch, and taking those buffers there instead of the heap kept the 3B
+        shape's wrap 2.4 GB below the budgets' sum. No slot is handed out while borrowed
+        (``allocate`` asserts it); ``give_back`` zeroes the bytes again, as the arena starts."""
+        assert self._borrowed is None, "the arena is borrowed already"
+        if self.device.type != "cpu":
+            return None
+        numel = -(-nbytes // self.element_bytes)
+        start = next((start for start, length in self._free if length >= numel), None)
+        if start is None:
+            return None
+        self._borrowed = (start, numel)
+        return self.arena[start:start + numel].view(torch.uint8)[:nbytes]
+
+    def give_back(self) -> None:
+        """The end of a ``borrow``: its bytes are zeros and free again."""
+        if self._borrowed is not None:
+            start, numel = self._borrowed
+            self.arena[start:start + numel].zero_()
+            self._borrowed = None
 
     @property
     def free_bytes(self) -> int:
