@@ -63,7 +63,7 @@ class Homes:
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0
         # [Note: wrap scratch in the arena] write_initial_state's buffers in the device arena,
-        # by name ("compute", "master"); None until the first unit is written
+        # by name ("compute", "master", "low"); None until the first unit is written
         self._scratch: Optional[Dict[str, torch.Tensor]] = None
         self._scratch_in_slot = False  # "compute" is the root unit's slot
 
@@ -174,13 +174,13 @@ class Homes:
 
     def _initial_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed, page-aligned buffer of ``numel`` ``dtype`` for write_initial_state
-        ("compute" or "master"), reused from unit to unit: memory touched for the first time
+        ("compute", "master" or "low"), reused from unit to unit: memory touched for the first time
         is several times slower than memory reused (see offload/tiers/device.py), and writing
         each unit from a new buffer made first touches a large part of wrap's time. Every use
         is synchronous (written home before the next unit), so the reuse holds no more than
         the largest unit needs, as one buffer per unit did; dropped after the last unit.
         Zeroed on each use: the alignment gaps between parameters stay zeros. On a CPU device
-        both are carved from the arena when it has room ([Note: wrap scratch in the arena]),
+        they are carved from the arena when it has room ([Note: wrap scratch in the arena]),
         else kept by ``buffer``."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         scratch = self._wrap_scratch(name)
