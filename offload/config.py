@@ -127,10 +127,10 @@ class OffloadConfig:
     that keeps prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
 
     host_budget: Size = None
-    """Bytes of host RAM the runtime may hold: fp32 gradients, staging buffers and whatever
+    """Bytes of host RAM the runtime may hold: gradients, staging buffers and whatever
     state has its home on the host. None: three quarters of the memory available when the
     engine is wrapped (MemAvailable). With a CPU device, one rank and a tier on NVMe, a
-    budget below the step's fp32 gradients is met by spilling units' gradients to NVMe and
+    budget below the step's gradients is met by spilling units' gradients to NVMe and
     reading them back for their update ([Note: gradient spill]); wrap refuses a budget
     below the fixed host needs plus two units' gradients, naming the sizes."""
 

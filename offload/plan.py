@@ -10,7 +10,8 @@ Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for 
   fp32 master    4 B      home: optimizer_tier (0 when merged; 2 B, its low half, when
                           split: bf16, optimizer_tier "nvme", param_tier not "device")
   Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32)
-  fp32 gradients 4 B      home: host (accumulated over micro-steps)
+  gradients      e B      home: host, as autograd made them ([Note: 16-bit gradients]);
+                          4 B with fp32 compute or micro-steps to accumulate
 
 plus, whenever a tier is "nvme", ``optimizer_pipeline_depth`` host staging slots of
 3 x 4 B x (largest unit's master) (+ e x largest unit's compute copy when param_tier is
@@ -43,7 +44,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes
-from offload.memory.layout import Layout
+from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
 
 # The machine profile's schema lives with the placement that weighs tiers by it; offload
@@ -204,7 +205,8 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     if split:
         master_bytes = prefix_bytes
     moments_bytes = sum(2 * m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
-    grad_bytes = sum(u.trainable_numel for u in units) * _FP32_BYTES
+    grad_bytes = sum(u.trainable_numel for u in units) * layout.grad_element_bytes
+    grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"  # [Note: 16-bit gradients]
 
     device_bytes = minimum_device_budget(sizes, param_tier, e)
     device_compute = [n * e for n in compute_numel]
@@ -214,12 +216,12 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     del host_parts["fetch staging buffers"]
     nvme_bytes = swap_bytes(sizes, layout)
 
-    state_tier = {"compute copy": param_tier, "fp32 gradients": "host",
+    state_tier = {"compute copy": param_tier, grads: "host",
                   "fp32 master": "merged with compute copy" if merged else
                   f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier,
                   "Adam moments": optimizer_tier}
     state_bytes = {"compute copy": compute_bytes if param_tier != "device" else sum(device_compute),
-                   "fp32 gradients": grad_bytes, "fp32 master": master_bytes,
+                   grads: grad_bytes, "fp32 master": master_bytes,
                    "Adam moments": moments_bytes}
 
     # Traffic per optimizer step ([Note: step time model]).
@@ -389,7 +391,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
              "bytes per state (per trainable parameter, before 4 KiB page padding):",
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
              "   (4 B and no separate master when fp32 and param_tier != device)",
-             f"  fp32 gradients  4 B/param   {format_size(n * 4):>12}   (host)",
+             f"  gradients       {e} B/param   {format_size(n * e):>12}   (host; 4 B summed over micro-steps)",
              f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
              ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
              f"  Adam moments    8 B/param   {format_size(n * 8):>12}",

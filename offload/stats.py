@@ -188,7 +188,8 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         "rank": partition.rank if partition is not None else 0,
         "optimizer_state_bytes": homes.optimizer_state_bytes(),
         "parameter_bytes": homes.parameter_bytes(),
-        "gradient_bytes": sum(u.grad_numel for u in units if u.trainable) * 4,  # fp32
+        # [Note: 16-bit gradients] in the dtype they are held in
+        "gradient_bytes": sum(u.grad_numel for u in units if u.trainable) * gradients.element_bytes,
         "spilled_gradient_bytes": s.bytes["gradient_spill"],  # [Note: gradient spill]
         "failed_gradient_spills": s.counts["failed_gradient_spills"],
         # fetches that failed before anything used them: drain_fetches in DeviceResidency

@@ -139,7 +139,8 @@ def test_plan_on_a_parameter_count_gives_the_documented_bytes(tmp_path):
     configs = {(c["param_tier"], c["optimizer_tier"]): c
                for c in json.loads(out_json.read_text())["configurations"]}
     assert len(configs) == 6
-    grads, master, moments, compute = 4 * n, 4 * n, 8 * n, 2 * n
+    # [Note: 16-bit gradients] held in bf16: one backward a step, a CPU device
+    grads, master, moments, compute = 2 * n, 4 * n, 8 * n, 2 * n
     largest_param_bytes = (n_unit // 3) * 2
     staging = 3 * (3 * 4 * n_unit)                       # pipeline depth 3, master+moments
     # [Note: split master] bf16 with the optimizer on NVMe keeps the master's low half only

@@ -5,7 +5,7 @@ allocated; ``offload plan`` and tools/bench_train.py call it on models they neve
 Everything here is a pure function of per-unit sizes (``UnitSizes``, in elements, padded to
 whole pages as the buffers are) and the run's ``Layout``. A budget that is too small is a
 ValueError naming ``device_budget`` or ``host_budget`` and the bytes needed. A host budget
-below the step's fp32 gradients is met by spilling them to NVMe when the run can
+below the step's gradients is met by spilling them to NVMe when the run can
 (``gradient_spill``, [Note: gradient spill] in optim/gradients.py).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from offload import units as unit_split
 from offload.config import format_size
-from offload.memory.layout import FP32_BYTES, Layout, UnitState
+from offload.memory.layout import DTYPE_NAMES, FP32_BYTES, Layout, UnitState
 from offload.units import padded_numel, split_into_units
 from offload.zero import ParamShard
 
@@ -233,7 +233,7 @@ def swap_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
             total += home.master + home.moments
     spill = gradient_spill(units, layout)
     if spill is not None:  # [Note: gradient spill] one gradient extent per trainable unit
-        total += sum(unit_gradient_bytes(u) for u in units if u.trainable)
+        total += sum(unit_gradient_bytes(u, layout) for u in units if u.trainable)
     return total
 
 
@@ -306,14 +306,14 @@ class HostBytes:
 
     def parts(self) -> Dict[str, int]:
         """By part, named as host_budget's error names them."""
-        return {"fp32 gradients": self.gradients, "compute copies": self.compute_copies,
+        return {"gradients": self.gradients, "compute copies": self.compute_copies,
                 "fp32 master weights": self.master_weights, "Adam moments": self.moments,
                 "optimizer staging buffers": self.optimizer_staging,
                 "fetch staging buffers": self.fetch_staging}
 
 
 def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
-    grads = sum(u.grad_numel for u in units if u.trainable) * FP32_BYTES
+    grads = sum(u.grad_numel for u in units if u.trainable) * layout.grad_element_bytes
     compute = master = moments = staging = 0
     home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
     for i, u in enumerate(units):
@@ -338,10 +338,11 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     return HostBytes(grads, compute, master, moments, staging, fetch)
 
 
-def unit_gradient_bytes(u: UnitSizes) -> int:
-    """A unit's fp32 gradients as one flat buffer, padded to whole pages (its gradient
-    extent on NVMe, the spill's bounce buffer, a read-back buffer)."""
-    return padded_numel(u.grad_numel, FP32_BYTES) * FP32_BYTES
+def unit_gradient_bytes(u: UnitSizes, layout: Layout) -> int:
+    """A unit's gradients as one flat buffer of ``layout.grad_dtype`` ([Note: 16-bit
+    gradients]), padded to whole pages (its gradient extent on NVMe, the spill's bounce
+    buffer, a read-back buffer)."""
+    return padded_numel(u.grad_numel, layout.grad_element_bytes) * layout.grad_element_bytes
 
 
 @dataclass(frozen=True)
@@ -374,7 +375,7 @@ def held_shared_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
 def _spill_floor(units: Sequence[UnitSizes], layout: Layout) -> Tuple[int, int, int]:
     """(bounce buffer, the largest unit's gradients, the tied gradients held): what a
     spilling run keeps in RAM beside the fixed host needs and the allowance."""
-    largest = max((unit_gradient_bytes(u) for u in units if u.trainable), default=0)
+    largest = max((unit_gradient_bytes(u, layout) for u in units if u.trainable), default=0)
     return min(largest, 2 * SPILL_PIECE_BYTES), largest, held_shared_bytes(units, layout)
 
 
@@ -397,10 +398,11 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
     if planned.total <= budget:
         return None
     fixed = planned.total - planned.gradients
-    detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v and k != "fp32 gradients")
+    detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v and k != "gradients")
+    grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"
     if not layout.needs_nvme:
         raise ValueError(
-            f"host_budget: {format_size(budget)} ({budget} bytes) is below the step's fp32 gradients "
+            f"host_budget: {format_size(budget)} ({budget} bytes) is below the step's {grads} "
             f"({format_size(planned.gradients)}) plus the rest of the host needs ({detail or 'none'}); "
             "gradients beyond the budget are spilled to NVMe, which needs a tier on NVMe "
             "(param_tier or optimizer_tier 'nvme' and swap_dir)")
@@ -412,7 +414,7 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
             f"holds {detail or 'nothing else'} on the host, plus {format_size(largest)} for one unit's "
             f"gradients, {format_size(bounce)} to spill them to NVMe"
             + (f" and {format_size(held)} for tied parameters' gradients, held through backward" if held else "")
-            + f" (of {format_size(planned.gradients)} fp32 gradients in all); at least {needed} bytes are needed")
+            + f" (of {format_size(planned.gradients)} {grads} in all); at least {needed} bytes are needed")
     # The room of one unit's gradients is kept free: a unit's gradient arrives whole from
     # autograd before it can be spilled, so RAM holds the allowance plus that unit's. The
     # held tied gradients count inside the allowance, which the floor makes at least as large.

@@ -98,7 +98,7 @@ class Homes:
         if gradient_spill([UnitSizes.of(u) for u in self._units], layout) is not None:
             for u in self._units:  # [Note: gradient spill] where a unit's gradients may go
                 if u.trainable:
-                    u.grad_home = self._nvme.allocate(unit_gradient_bytes(UnitSizes.of(u)))
+                    u.grad_home = self._nvme.allocate(unit_gradient_bytes(UnitSizes.of(u), layout))
         if layout.param_tier != "device":
             # The root unit keeps one slot for the whole run: it is on the device from the
             # start of forward to the end of backward, and a fixed place avoids fragmenting.

@@ -48,6 +48,7 @@ from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitU
 from offload.zero.shards import ParamShard, ShardRange
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 FP32_BYTES = 4
 
 
@@ -113,6 +114,20 @@ class Layout:
     # on the worker while the next forward reads the copy from before them
     delayed_update: bool
     delayed_update_warmup_steps: int
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """[Note: 16-bit gradients] (optim/gradients.py) The dtype a unit's gradients are
+        held in from hand-off to its update, in RAM and in its spill extent: the compute
+        dtype where gradients are adopted and a step has one backward, else fp32."""
+        if self.adopts_grads and self.accumulation_steps == 1 and self.compute_element_bytes < FP32_BYTES:
+            return self.compute_dtype
+        return torch.float32
+
+    @property
+    def grad_element_bytes(self) -> int:
+        """Bytes of one element of ``grad_dtype``."""
+        return self.compute_element_bytes if self.grad_dtype != torch.float32 else FP32_BYTES
 
     @property
     def home_dtype(self) -> torch.dtype:

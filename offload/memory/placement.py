@@ -21,7 +21,7 @@ speculative updates, gradients):
   the master: read and written by the update too); optimizer states are read and written
   once a step. Speculative updates ([Note: speculative updates]) double a host-homed role's
   RAM (its spare), halving its worth; so do delayed updates ([Note: delayed updates]).
-- The step's fp32 gradients compete for the same RAM: beyond the budget they are spilled
+- The step's gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
   worth more per byte than a spilled gradient go first, with only the spill's floor
   (``budget.spill_floor_bytes``: the bounce buffer, the largest unit's gradients, the tied
