@@ -141,6 +141,7 @@ def test_plan_on_a_parameter_count_gives_the_documented_bytes(tmp_path):
     assert len(configs) == 6
     # [Note: 16-bit gradients] held in bf16: one backward a step, a CPU device
     grads, master, moments, compute = 2 * n, 4 * n, 8 * n, 2 * n
+    scratch = 2 * 4 * n_unit  # [Note: gradient squares] two threads' fp32 scratch, a unit's each
     largest_param_bytes = (n_unit // 3) * 2
     staging = 3 * (3 * 4 * n_unit)                       # pipeline depth 3, master+moments
     # [Note: split master] bf16 with the optimizer on NVMe keeps the master's low half only
@@ -150,17 +151,17 @@ def test_plan_on_a_parameter_count_gives_the_documented_bytes(tmp_path):
     assert c["nvme_bytes"] == compute + low + moments
     # + a bf16 compute piece per slot: the piece (one unit here, 1 Mi elements) plus
     # 2048 elements, since a 16-bit prefix is padded to 2048 elements and fp32 to 1024
-    assert c["host_bytes"] == grads + staging + 3 * 2 * (n_unit + 2048) + low_staging
+    assert c["host_bytes"] == grads + scratch + staging + 3 * 2 * (n_unit + 2048) + low_staging
     # the optimizer moves the low halves and moments both ways, reads the compute copy
     # (the high halves) and writes it back
     assert c["traffic_bytes_per_step"]["nvme_write"] == low + moments + compute
     assert c["device_bytes"] == 2 * (2 * n_unit) + largest_param_bytes
     c = configs[("device", "host")]
     assert c["nvme_bytes"] == 0
-    assert c["host_bytes"] == grads + master + moments
+    assert c["host_bytes"] == grads + scratch + master + moments
     assert c["device_bytes"] == compute + largest_param_bytes
     c = configs[("host", "nvme")]
-    assert c["host_bytes"] == grads + compute + staging + low_staging
+    assert c["host_bytes"] == grads + scratch + compute + staging + low_staging
     assert c["nvme_bytes"] == low + moments
     # fp32 compute merges the compute copy with the master: 4 + 8 B/param on NVMe, no master.
     result = run_cli("plan", "--params", str(n), "--num-units", "24", "--dtype", "fp32",

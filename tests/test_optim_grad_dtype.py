@@ -10,6 +10,7 @@ import offload
 from offload.gpt import GPT
 from offload.memory.budget import UnitSizes, minimum_host_budget
 from offload.memory.layout import Layout
+from offload.optim import squares
 
 from support import CFG, assert_same_state, batches, gpt_loss, make_opt, train_gpt
 
@@ -130,3 +131,38 @@ def test_a_second_backward_before_step_sums_in_fp32(dtype, host_budget, tmp_path
     assert_same_state(ours[1], ref[1])
     if host_budget == "smallest":
         assert ours[2]["spilled_gradient_bytes"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_squares_of_a_gradient_chunk_by_chunk(dtype, monkeypatch):
+    """[Note: gradient squares] Up to a chunk: one vector_norm's square, the engine's formula
+    before. Longer: the chunks' squares added in float64 in order, the same bits whether the
+    gradient is held in 16 bits or as its fp32 copy (the scratch a 16-bit one is widened
+    into is reused, and asked for only then), and nearer the float64 sum of squares than
+    one vector_norm over the whole."""
+    monkeypatch.setattr(squares, "SQUARES_CHUNK_NUMEL", 1 << 12)
+    torch.manual_seed(0)
+    scratch = torch.full((1 << 12,), float("nan"))
+    asked = []
+
+    def scratch_for():
+        asked.append(1)
+        return scratch
+
+    def ours(g):
+        return squares.grad_squares(g, scratch_for)
+
+    def one_norm(g):
+        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+
+    short = torch.randn(1 << 12).to(dtype)
+    assert ours(short).item() == one_norm(short).item()
+    long = (torch.randn(3 * (1 << 12) + 5) * 1e-3).to(dtype)
+    expected = torch.zeros((), dtype=torch.float64)
+    for a in range(0, long.numel(), 1 << 12):
+        expected = expected + one_norm(long[a:a + (1 << 12)])
+    assert ours(long).item() == expected.item() == ours(long.to(torch.float32)).item()
+    assert (len(asked) > 0) == (dtype != torch.float32)
+    big = (torch.randn(1 << 22) * 1e-3).to(dtype)
+    exact = (big.double() ** 2).sum().item()
+    assert abs(ours(big).item() - exact) < abs(one_norm(big).item() - exact)

@@ -299,6 +299,7 @@ class HostBytes:
     moments: int
     optimizer_staging: int   # staging slots, or [zero] the sharded update's two buffer sets
     fetch_staging: int       # see the fetch buffers the engine makes
+    squares_scratch: int = 0  # [Note: gradient squares] 16-bit gradients widened chunk by chunk
 
     @property
     def total(self) -> int:
@@ -309,7 +310,8 @@ class HostBytes:
         return {"gradients": self.gradients, "compute copies": self.compute_copies,
                 "fp32 master weights": self.master_weights, "Adam moments": self.moments,
                 "optimizer staging buffers": self.optimizer_staging,
-                "fetch staging buffers": self.fetch_staging}
+                "fetch staging buffers": self.fetch_staging,
+                "gradient norm scratch": self.squares_scratch}
 
 
 def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
@@ -335,7 +337,27 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
             fetch += largest * home_element_bytes
     elif layout.device.type == "cuda" and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
         fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
-    return HostBytes(grads, compute, master, moments, staging, fetch)
+    return HostBytes(grads, compute, master, moments, staging, fetch, squares_scratch_bytes(units, layout))
+
+
+# [Note: gradient squares] (optim/squares.py) a gradient's squares are summed over chunks
+# of this many elements, a 16-bit one widened into an fp32 scratch of one chunk, one per
+# thread that takes squares: the main thread (spills, step()) and the optimizer worker
+# (early updates)
+SQUARES_CHUNK_NUMEL = 1 << 22
+SQUARES_THREADS = 2
+
+
+def squares_scratch_numel(units: Sequence[UnitSizes], layout: Layout) -> int:
+    """[Note: gradient squares] Elements of one thread's fp32 scratch: a chunk, or the
+    largest unit's gradients when less; 0 where gradients are held in fp32."""
+    if layout.grad_dtype == torch.float32:
+        return 0
+    return min(SQUARES_CHUNK_NUMEL, max((u.grad_numel for u in units if u.trainable), default=0))
+
+
+def squares_scratch_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
+    return SQUARES_THREADS * squares_scratch_numel(units, layout) * FP32_BYTES
 
 
 def unit_gradient_bytes(u: UnitSizes, layout: Layout) -> int:

@@ -1,5 +1,6 @@
 """The optimizer: CPU Adam (``cpu_adam``), Adam over a range of one unit (``adam_ranges``),
-the gradients from backward to each unit's update (``gradients``), the pipelined step over
+the gradients from backward to each unit's update (``gradients``), their squares for the
+global norm (``squares``), the pipelined step over
 staged pieces (``step``), when each unit's update runs (``updates``) and the delayed updates
 (``delayed``)."""
 from offload.optim.cpu_adam import CPUAdam, adam_step_flat, join_master, split_master

@@ -25,7 +25,7 @@ the first time where the allocator does not reuse it (the reference GPT in bf16,
 on NVMe, clipping on: host peak 0.67 -> 0.36 GiB, RSS 1.38-1.43 -> 1.25-1.28 GiB, backward
 1.14-1.28 -> 1.10-1.23 s in three alternating pairs). The numbers are the same: widening bf16 or fp16 to fp32 is
 exact, and the two readers widen each element before using it, the norm's squares
-(``vector_norm(g, dtype=float32)``) and the Adam kernel (which takes bf16 and fp16
+(into a reused fp32 chunk: [Note: gradient squares] in optim/squares.py) and the Adam kernel (which takes bf16 and fp16
 gradients and multiplies the widened value by ``grad_scale``); the golden files hold bit
 for bit. A sum is taken in fp32: with micro-steps to accumulate gradients are held in fp32
 as before (the budgets plan 4 B), and a second gradient for a parameter that holds a
@@ -117,8 +117,9 @@ from torch import nn
 
 from offload import faults
 from offload.errors import warn_at_caller
-from offload.memory.budget import UnitSizes, gradient_spill
+from offload.memory.budget import SQUARES_THREADS, UnitSizes, gradient_spill, squares_scratch_numel
 from offload.memory.layout import Layout, UnitState, sub_extent
+from offload.optim.squares import grad_squares
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.units import PAGE_BYTES, ParamEntry
@@ -156,7 +157,8 @@ class Gradients:
         self._grad_pool_lock = threading.Lock()
         # [Note: gradient spill] the allowance (None: no spill), the bounce buffer, the
         # NVMe tier (spill_through), the gradient bytes held in RAM (under the pool's lock)
-        spill = gradient_spill([UnitSizes.of(u) for u in units], layout)
+        sizes = [UnitSizes.of(u) for u in units]
+        spill = gradient_spill(sizes, layout)
         self._allowance_bytes = None if spill is None else spill.allowance_bytes
         self._bounce_numel = 0 if spill is None else spill.bounce_bytes // layout.grad_element_bytes
         self._bounce: Optional[torch.Tensor] = None
@@ -164,6 +166,12 @@ class Gradients:
         self._partials: Dict[Tuple[int, int], torch.Tensor] = {}
         self._nvme: Optional[NvmeTier] = None
         self._ram_bytes = 0
+        # [Note: gradient squares] the threads' fp32 scratch buffers, planned with the host
+        # needs and allocated now, before any gradient can take the host tier past its plan
+        scratch_numel = squares_scratch_numel(sizes, layout)
+        self._free_scratch = [host.allocate(scratch_numel, torch.float32)
+                              for _ in range(SQUARES_THREADS if scratch_numel else 0)]
+        self._scratch = threading.local()
         # fp16 loss scaling: the scale and the finite steps since it last changed
         self.loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
         self.good_steps = 0
@@ -589,7 +597,16 @@ class Gradients:
         return factor, False
 
     def squares(self, u: UnitState, k: int) -> torch.Tensor:
-        """Sum of squares of u's k-th trainable parameter's gradient (float64, 0-d)."""
+        """Sum of squares of u's k-th trainable parameter's gradient (float64, 0-d; [Note:
+        gradient squares])."""
         e = u.trainable[k]
-        g = self.grad_range(u, k, e.offset, e.offset + e.numel)
-        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+        return grad_squares(self.grad_range(u, k, e.offset, e.offset + e.numel), self._squares_scratch)
+
+    def _squares_scratch(self) -> torch.Tensor:
+        """[Note: gradient squares] This thread's fp32 scratch (the main thread's and the
+        optimizer worker's), kept for the engine's life."""
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None:
+            with self._grad_pool_lock:
+                buffer = self._scratch.buffer = self._free_scratch.pop()  # one per thread (SQUARES_THREADS)
+        return buffer
