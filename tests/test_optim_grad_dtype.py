@@ -8,7 +8,7 @@ import torch
 
 import offload
 from offload.gpt import GPT
-from offload.memory.budget import UnitSizes, minimum_host_budget
+from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget
 from offload.memory.layout import Layout
 from offload.optim import squares
 
@@ -94,23 +94,27 @@ def test_spilled_16bit_gradients_compute_what_spilled_fp32_gradients_did(specula
     assert ours[2]["spilled_gradient_bytes"] > 0 and ref[2]["spilled_gradient_bytes"] > 0
 
 
-@pytest.mark.parametrize("host_budget", ["none", "smallest"])
+@pytest.mark.parametrize("host_budget", ["none", "planned", "smallest"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_a_second_backward_before_step_sums_in_fp32(dtype, host_budget, tmp_path, monkeypatch):
     """Two backward passes before each step() with gradient_accumulation_steps 1, as with
     plain PyTorch: each parameter's second gradient is added to the fp32 copy of the first
     (held in RAM, or read back from a 16-bit extent: such a unit then stays in RAM), as the
-    fp32-held run added it. Bit for bit that run."""
+    fp32-held run added it. Bit for bit that run. At a budget of exactly the planned host
+    bytes (no spill) the widened copies go past the plan's 16-bit gradients softly: the run
+    goes on."""
     kw = dict(dtype=dtype, max_grad_norm=MIXED_NORM, speculative_updates=False)
     data = batches(2 * 4)
 
     def run(name):
         budget = None
-        if host_budget == "smallest":
+        if host_budget != "none":
             probe = GPT(CFG)
             with offload.wrap(probe, make_opt(probe.parameters()),
                               config=config(tmp_path, "probe" + name, "nvme", **kw)) as e:
-                budget = minimum_host_budget([UnitSizes.of(u) for u in e.units], e.layout)
+                sizes = [UnitSizes.of(u) for u in e.units]
+                budget = minimum_host_budget(sizes, e.layout) if host_budget == "smallest" else \
+                    host_bytes(sizes, e.layout).total
         torch.manual_seed(0)
         model = GPT(CFG)
         losses = []
@@ -122,7 +126,7 @@ def test_a_second_backward_before_step_sums_in_fp32(dtype, host_budget, tmp_path
                     engine.backward(loss)
                     losses.append(loss.item())
                 engine.step()
-            return losses, engine.state_dict(), engine.stats()
+            return losses, engine.state_dict(), engine.stats(), budget
 
     ours = run("ours")
     held_in_fp32(monkeypatch)
@@ -131,6 +135,9 @@ def test_a_second_backward_before_step_sums_in_fp32(dtype, host_budget, tmp_path
     assert_same_state(ours[1], ref[1])
     if host_budget == "smallest":
         assert ours[2]["spilled_gradient_bytes"] > 0
+    if host_budget == "planned":
+        assert ours[2]["spilled_gradient_bytes"] == 0
+        assert ours[2]["host_peak_bytes"] > ours[3]  # the widened copies, past the plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

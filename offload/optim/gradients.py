@@ -31,7 +31,7 @@ for bit. A sum is taken in fp32: with micro-steps to accumulate gradients are he
 as before (the budgets plan 4 B), and a second gradient for a parameter that holds a
 16-bit one (a second backward before step()) first replaces it with its fp32 copy
 (``_widen``), then adds in fp32 as before; such a unit is not spilled while its extent is
-16-bit. With CUDA or [zero] several ranks the flat fp32 buffers stay.
+16-bit, and its widened bytes may take the host tier past the budget (planned at 16 bits). With CUDA or [zero] several ranks the flat fp32 buffers stay.
 
 [Note: shared parameter gradients] A parameter the model uses in several places (an output
 head tied to the token embedding) gets one gradient per use. Autograd would add them up
@@ -166,6 +166,9 @@ class Gradients:
         self._partials: Dict[Tuple[int, int], torch.Tensor] = {}
         self._nvme: Optional[NvmeTier] = None
         self._ram_bytes = 0
+        # [Note: 16-bit gradients] fp32 copies made of 16-bit gradients that a second one was
+        # added to, held now (beyond the plan: until they go, no gradient is adopted as planned)
+        self._widened = 0
         # [Note: gradient squares] the threads' fp32 scratch buffers, planned with the host
         # needs and allocated now, before any gradient can take the host tier past its plan
         scratch_numel = squares_scratch_numel(sizes, layout)
@@ -276,7 +279,10 @@ class Gradients:
                 u.param_grads[k] = src if keep else src.to(torch.float32)
                 adopted = held and u.param_grads[k] is src
                 if not adopted:
-                    self._host.adopt(u.param_grads[k], planned=self._allowance_bytes is None)
+                    # planned unless spilling, or widened gradients hold more than the plan,
+                    # or it is the fp32 copy of a shared parameter's sum, beside the sum
+                    planned = self._allowance_bytes is None and not self._widened and not held
+                    self._host.adopt(u.param_grads[k], planned=planned)
                     self._count_ram(u.param_grads[k].nbytes)
         else:
             if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
@@ -313,6 +319,8 @@ class Gradients:
         if u.grad is not None:
             if u.grad.dtype != torch.float32:
                 wide = self._host.allocate(u.grad.numel(), torch.float32, planned=False)
+                with self._grad_pool_lock:
+                    self._widened += 1
                 wide.copy_(u.grad)
                 self._host.release(u.grad)
                 self._count_ram(wide.nbytes - u.grad.nbytes)
@@ -321,7 +329,9 @@ class Gradients:
         g = u.param_grads[k]
         if g.dtype != torch.float32:
             wide = g.to(torch.float32)
-            self._host.adopt(wide, planned=self._allowance_bytes is None)
+            self._host.adopt(wide, planned=False)  # beyond the plan's 16-bit bytes: a soft overshoot
+            with self._grad_pool_lock:
+                self._widened += 1
             self._host.release(g)
             self._count_ram(wide.nbytes - g.nbytes)
             u.param_grads[k] = g = wide
@@ -502,8 +512,7 @@ class Gradients:
         gradient pool]), autograd's tensors back to the host tier ([Note: gradient
         ownership])."""
         if u.grad is not None and self._layout.adopts_grads:  # [Note: gradient spill] read back
-            self._host.release(u.grad)
-            self._count_ram(-u.grad.nbytes)
+            self._release_held(u.grad)
             u.grad = None
         elif u.grad is not None:
             with self._grad_pool_lock:
@@ -511,10 +520,17 @@ class Gradients:
             u.grad = None
         for k, g in enumerate(u.param_grads):
             if g is not None:
-                self._host.release(g)
-                self._count_ram(-g.nbytes)
+                self._release_held(g)
                 u.param_grads[k] = None
         u.grad_spilled, u.spilled_grad_squares, u.read_back_squares = False, [], None  # [Note: gradient spill]
+
+    def _release_held(self, g: torch.Tensor) -> None:
+        """A gradient tensor held in RAM goes (on the main thread or the optimizer worker)."""
+        self._host.release(g)
+        with self._grad_pool_lock:
+            self._ram_bytes -= g.nbytes
+            if g.dtype != self._layout.grad_dtype:  # [Note: 16-bit gradients] a widened copy
+                self._widened -= 1
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The gradient (fp32, or 16-bit: [Note: 16-bit gradients]) of elements [a, b) (unit coordinates) of u's k-th trainable
