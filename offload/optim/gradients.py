@@ -18,20 +18,22 @@ them as moved.
 [Note: 16-bit gradients] With a bf16 or fp16 compute dtype, where gradients are adopted
 ([Note: gradient ownership]: a CPU device, one rank) and a step has one backward
 (gradient_accumulation_steps 1), a gradient is held in the dtype autograd made it in
-(``Layout.grad_dtype``), and so is its spill extent ([Note: gradient spill]). Before, it was
-copied to a new fp32 tensor at hand-off: twice the RAM and the spill bytes, and a
+(``Layout.grad_dtype``), and so is its spill extent ([Note: gradient spill]). Before, it
+was copied to a new fp32 tensor at hand-off: twice the RAM and the spill bytes, and a
 conversion on the main thread between the units' backward compute, into memory touched for
-the first time where the allocator does not reuse it (the reference GPT in bf16, both tiers
-on NVMe, clipping on: host peak 0.67 -> 0.36 GiB, RSS 1.38-1.43 -> 1.25-1.28 GiB, backward
-1.14-1.28 -> 1.10-1.23 s in three alternating pairs). The numbers are the same: widening bf16 or fp16 to fp32 is
-exact, and the two readers widen each element before using it, the norm's squares
-(into a reused fp32 chunk: [Note: gradient squares] in optim/squares.py) and the Adam kernel (which takes bf16 and fp16
-gradients and multiplies the widened value by ``grad_scale``); the golden files hold bit
-for bit. A sum is taken in fp32: with micro-steps to accumulate gradients are held in fp32
-as before (the budgets plan 4 B), and a second gradient for a parameter that holds a
-16-bit one (a second backward before step()) first replaces it with its fp32 copy
-(``_widen``), then adds in fp32 as before; such a unit is not spilled while its extent is
-16-bit, and its widened bytes may take the host tier past the budget (planned at 16 bits). With CUDA or [zero] several ranks the flat fp32 buffers stay.
+the first time where the allocator does not reuse it (the reference GPT in bf16, both
+tiers on NVMe, clipping on: host peak 0.67 -> 0.36 GiB, RSS 1.38-1.43 -> 1.25-1.28 GiB,
+backward 1.14-1.28 -> 1.10-1.23 s in three alternating pairs). The numbers are the same:
+widening bf16 or fp16 to fp32 is exact, and the two readers widen each element before
+using it, the norm's squares (into a reused fp32 chunk: [Note: gradient squares] in
+optim/squares.py) and the Adam kernel (which takes bf16 and fp16 gradients and multiplies
+the widened value by ``grad_scale``); the golden files hold bit for bit. A sum is taken in
+fp32: with micro-steps to accumulate gradients are held in fp32 as before (the budgets
+plan 4 B), and a second gradient for a parameter that holds a 16-bit one (a second
+backward before step()) first replaces it with its fp32 copy (``_widen``), then adds in
+fp32 as before; such a unit is not spilled while its extent is 16-bit, and its widened
+bytes may take the host tier past the budget (planned at 16 bits). With CUDA or [zero]
+several ranks the flat fp32 buffers stay.
 
 [Note: shared parameter gradients] A parameter the model uses in several places (an output
 head tied to the token embedding) gets one gradient per use. Autograd would add them up
@@ -533,8 +535,8 @@ class Gradients:
                 self._widened -= 1
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
-        """The gradient (fp32, or 16-bit: [Note: 16-bit gradients]) of elements [a, b) (unit coordinates) of u's k-th trainable
-        parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
+        """The gradient (fp32, or 16-bit: [Note: 16-bit gradients]) of elements [a, b) (unit
+        coordinates) of u's k-th trainable parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
         in the parameter's own tensor. A spilled unit is read back first ([Note: gradient
         spill]: by the thread that updates it)."""
         if u.grad_spilled:
