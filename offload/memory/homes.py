@@ -200,8 +200,8 @@ class Homes:
         "compute" buffer goes in the root unit's slot when the largest compute copy fits
         there, and the others ("master" or "low", and "compute" when it does not fit there)
         in bytes borrowed from the rest of the arena: all of them if they fit together, else
-        as many as fit, largest first. None for a buffer without such room: the heap then,
-        through ``buffer``."""
+        the largest one that fits (the arena lends one run of bytes at a time). None for a
+        buffer without such room: the heap then, through ``buffer``."""
         if self._scratch is None:
             self._scratch = {}
             root = self._units[0]

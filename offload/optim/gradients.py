@@ -369,10 +369,11 @@ class Gradients:
     @staticmethod
     def _spillable_grads(u: UnitState) -> bool:
         """u has a gradient extent and gradients in RAM."""
-        return u.grad_home is not None and not u.grad_spilled and \
-            (u.grad is not None or any(g is not None for g in u.param_grads))
+        return u.grad_home is not None and not u.grad_spilled and bool(Gradients._held_tensors(u))
 
-    def _held_tensors(self, u: UnitState) -> List[torch.Tensor]:
+    @staticmethod
+    def _held_tensors(u: UnitState) -> List[torch.Tensor]:
+        """u's gradient tensors in RAM: its read-back buffer, or its parameters' own."""
         return [u.grad] if u.grad is not None else [g for g in u.param_grads if g is not None]
 
     def _spillable(self, u: UnitState) -> bool:
@@ -490,8 +491,7 @@ class Gradients:
         reads them back again. Gradients that never left RAM stay, as before."""
         if u.read_back_squares is None or u.grad is None or not self._layout.adopts_grads:
             return
-        self._host.release(u.grad)
-        self._count_ram(-u.grad.nbytes)
+        self._release_held(u.grad)
         u.grad = None
         u.grad_spilled, u.spilled_grad_squares, u.read_back_squares = True, u.read_back_squares, None
 
@@ -531,7 +531,7 @@ class Gradients:
         self._host.release(g)
         with self._grad_pool_lock:
             self._ram_bytes -= g.nbytes
-            if g.dtype != self._layout.grad_dtype:  # [Note: 16-bit gradients] a widened copy
+            if g.dtype == torch.float32 != self._layout.grad_dtype:  # [Note: 16-bit gradients] widened
                 self._widened -= 1
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
