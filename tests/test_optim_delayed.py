@@ -18,7 +18,7 @@ import offload.checkpoint.access
 import offload.faults
 from offload.errors import EngineFailedError
 from offload.gpt import GPT
-from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, swap_bytes
+from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, swap_bytes, unit_home_bytes
 from offload.memory.layout import Layout
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
@@ -374,25 +374,35 @@ def test_the_config_refuses_what_delayed_updates_cannot_do(tmp_path):
     assert layout.delayed_update and not layout.early_allowed and not layout.speculative and layout.spare_homes
 
 
-def test_the_spare_homes_are_in_the_budgets(tmp_path):
-    """The second set of homes is counted where it lives, as for speculative updates, so that
-    wrap's checks and offload plan stay true: twice the swap bytes on NVMe, twice the
-    compute copies and moments on the host."""
-    sizes = {}
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_spare_homes_are_a_second_compute_copy_in_the_budgets(dtype, tmp_path):
+    """The spare homes are a second compute copy only: master and moments are shared with
+    the homes (the update writes them in place), and the copy is counted where it lives, so
+    that wrap's checks and offload plan stay true: on NVMe the swap bytes grow by the
+    compute copies, on the host the compute copies double and the states do not."""
+    sizes, compute = {}, {}
     for delayed in (False, True):
         torch.manual_seed(0)
         model = GPT(CFG)
-        cfg = config(tmp_path, f"swap-{delayed}", ("nvme", "nvme"), delayed_update=delayed)
+        cfg = config(tmp_path, f"swap-{delayed}", ("nvme", "nvme"), delayed_update=delayed, dtype=dtype)
         with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
             sizes[delayed] = engine.stats()["nvme_bytes"]
             units = [UnitSizes.of(u) for u in engine.units]
             assert swap_bytes(units, engine.layout) == sizes[delayed]
-    assert sizes[True] == 2 * sizes[False]
-    on = Layout.resolve(offload.OffloadConfig(param_tier="host", optimizer_tier="host", delayed_update=True),
-                        torch.device("cpu"), None)
-    off = Layout.resolve(offload.OffloadConfig(param_tier="host", optimizer_tier="host"), torch.device("cpu"), None)
+            compute[delayed] = sum(unit_home_bytes(s, engine.layout, i).compute // (2 if delayed else 1)
+                                   for i, s in enumerate(units))
+            for u in engine.units:
+                if delayed and u.trainable:
+                    assert u.spare.master_home is u.master_home and u.spare.moments_home is u.moments_home
+                    assert u.spare.compute_home is not u.compute_home
+    assert compute[True] == compute[False] > 0
+    assert sizes[True] == sizes[False] + compute[False]
+    on = Layout.resolve(offload.OffloadConfig(param_tier="host", optimizer_tier="host", delayed_update=True,
+                                              dtype=dtype), torch.device("cpu"), None)
+    off = Layout.resolve(offload.OffloadConfig(param_tier="host", optimizer_tier="host", dtype=dtype),
+                         torch.device("cpu"), None)
     a, b = host_bytes(units, on), host_bytes(units, off)
-    assert a.moments == 2 * b.moments and a.compute_copies == 2 * b.compute_copies
+    assert a.moments == b.moments and a.compute_copies == 2 * b.compute_copies
 
 
 def test_a_failed_delayed_update_fails_the_step_until_a_checkpoint_is_loaded(tmp_path):

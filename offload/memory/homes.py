@@ -90,11 +90,14 @@ class Homes:
                 elif not layout.merged:
                     u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
                 u.moments_home = self._allocate_home(state_tier, 2 * state_numel, torch.float32)
-                # [Note: speculative updates], [Note: delayed updates] a second set, same sizes and tiers
+                # [Note: speculative updates] a second set, same sizes and tiers; [Note: delayed
+                # updates] a second compute copy, master and moments shared (written in place)
                 if layout.has_spare(u.index, True):
+                    own = layout.spare_states
                     u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home),
-                                         self._like(state_tier, u.master_home),
-                                         self._like(state_tier, u.moments_home), list(u.steps))
+                                         self._like(state_tier, u.master_home) if own else u.master_home,
+                                         self._like(state_tier, u.moments_home) if own else u.moments_home,
+                                         list(u.steps))
         if gradient_spill([UnitSizes.of(u) for u in self._units], layout) is not None:
             for u in self._units:  # [Note: gradient spill] where a unit's gradients may go
                 if u.trainable:

@@ -149,6 +149,13 @@ class Layout:
         writes the other (which units: ``has_spare``)."""
         return self.speculative or self.delayed_update
 
+    @property
+    def spare_states(self) -> bool:
+        """Spare homes hold a master and moments of their own, not only a compute copy:
+        [Note: speculative updates] keep the old states for a redo; [Note: delayed updates]
+        write master and moments in place, and their spare homes share the unit's."""
+        return self.spare_homes and not self.delayed_update
+
     def has_spare(self, index: int, trainable: bool) -> bool:
         """Whether unit ``index`` has spare homes: with delayed updates every trainable
         unit; with speculative updates those ``spare_units`` names, never the root (it is
@@ -347,7 +354,9 @@ class UnitState:
 
     def commit_spare(self) -> None:
         """[Note: speculative updates] The spare homes hold this step's update: they become
-        the homes, and the old homes the spare ones (main thread, nothing in flight)."""
+        the homes, and the old homes the spare ones (main thread, nothing in flight). A
+        delayed update's spare master and moments are the homes' own ([Note: delayed
+        updates]): swapping them changes nothing."""
         spare = self.spare
         assert spare is not None
         self.compute_home, spare.compute_home = spare.compute_home, self.compute_home
@@ -370,7 +379,9 @@ class SpareHomes:
     """[Note: speculative updates] A unit's second homes, in the same tiers and sizes as
     its own (compute_home only where an update writes the compute copy at home), and the
     step counts of the speculative update written there. Same attribute names as
-    UnitState's homes, so that an update takes either as where it writes."""
+    UnitState's homes, so that an update takes either as where it writes. With delayed
+    updates (``Layout.spare_states`` false) master_home and moments_home are the unit's
+    own homes, which the update thus writes in place ([Note: delayed updates])."""
 
     def __init__(self, compute_home: Any, master_home: Any, moments_home: Any, steps: List[int]) -> None:
         self.compute_home = compute_home

@@ -20,7 +20,8 @@ speculative updates, gradients):
   unit once, it stays on the device in between), and written by its update (with fp32 it is
   the master: read and written by the update too); optimizer states are read and written
   once a step. Speculative updates ([Note: speculative updates]) double a host-homed role's
-  RAM (its spare), halving its worth; so do delayed updates ([Note: delayed updates]).
+  RAM (its spare), halving its worth; delayed updates ([Note: delayed updates]) double a
+  compute copy's only (they write master and moments in place).
 - The step's gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
   worth more per byte than a spilled gradient go first, with only the spill's floor
@@ -206,11 +207,12 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
         copies = 2 if layout.has_spare(i, u.trainable) else 1  # [Note: speculative updates], [Note: delayed updates]
+        state_copies = copies if layout.spare_states else 1  # a delayed update's: a compute copy only
         if auto_compute:
             reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
             candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))
         if auto_states and u.trainable:
-            candidates.append(((read + write) / copies, i, "states"))
+            candidates.append(((read + write) / state_copies, i, "states"))
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
     for worth, i, role in candidates:
         trial_compute, trial_states = list(compute), list(states)

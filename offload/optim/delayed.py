@@ -17,27 +17,36 @@ skip_nonfinite_steps) nor clipped (torch's clip_grad_norm_ coefficient max_norm 
 update old, and w_k of a run with W >= k equals the exact run's bit for bit.
 
 Where the two states live. Every trainable unit has spare homes (``Layout.spare_homes``,
-counted by memory/budget.py as for [Note: speculative updates]). The homes always hold one
-complete state, the one the forward reads: w_{k-1} while step k's update is pending. The
-update reads the homes and writes w_k (master, moments, compute copy, step counts) into the
-spare homes, through the speculative updates' paths (``PipelinedStep.update_early`` with
-``into_spare``, ``UnitAdam.update_in_place`` with ``speculative``), and never touches the
-device copy. Nothing waits for it before the next step(): no ticket on ``u.update`` (so
-residency's fetches read the homes at once), and Hooks' root forward does not wait for the
-worker while it runs (``UpdateScheduler.overlapping``). step() k+1 then, in this order:
-1. waits for every delayed update and its spare writes; a failure of either is fatal
-   ([Note: failures inside a step]): the spare homes are half-written;
+counted by memory/budget.py): a second compute copy, on the compute copy's tier; their
+master and moments are the unit's own (``Layout.spare_states`` is false). The homes' compute
+copy is always the one the forward reads: w_{k-1}'s while step k's update is pending. The
+update reads the homes and writes w_k's compute copy and step counts into the spare homes,
+and its master and moments in place, through the speculative updates' paths
+(``PipelinedStep.update_early`` with ``into_spare``, ``UnitAdam.update_in_place`` with
+``speculative``: out-of-place writes whose master and moments targets are their sources), and
+never touches the device copy. Nothing waits for it before the next step(): no ticket on
+``u.update`` (so residency's fetches read the homes at once), and Hooks' root forward does
+not wait for the worker while it runs (``UpdateScheduler.overlapping``). step() k+1 then, in
+this order:
+1. waits for every delayed update and its writes; a failure of either is fatal ([Note:
+   failures inside a step]): master and moments are half-written;
 2. takes back the gradient fields of units that got no gradient in this step (below);
-3. commits: each pending unit's spare homes become its homes (``UnitState.commit_spare``, a
-   swap of references; the old homes are the next spare ones), and its device copy, now
-   stale, is dropped;
+3. commits: each pending unit's spare compute copy becomes its compute copy
+   (``UnitState.commit_spare``, a swap of references; the old copy is the next spare one),
+   and its device copy, now stale, is dropped;
 4. takes the norm and decides: delayed, or an exact step (the serialized one, unchanged);
 5. delayed: queues each unit with a gradient on the worker, in the order the next backward
    reaches them (``queue``).
-Keeping a whole second state rather than only a second compute copy keeps the homes one
-consistent state at all times (a failed or abandoned update leaves them intact, as a
-speculative one does), keeps the merged fp32 buffer and the split master as they are, and
-lets the warm-up and fallback steps run the exact step on the same buffers, bit for bit.
+Only the compute copy is doubled because only it is read while the update runs: master and
+moments are read by the update alone, and by readers that wait for it first (step(),
+checkpoints, state_dict). A failed update is fatal either way, so a second master and
+moments would keep nothing a run can use; they would double the states' RAM, and auto
+placement would keep half as many of them off the disk (bf16 reference GPT at half the plain
+run's RSS: 3 of 8 blocks' states in RAM against 6; tools/bench_train.py --sweep-host-budget
+--delayed-update). The merged fp32 master is a compute copy (its spare is a second master);
+the split master's high halves are the compute copy, its low halves are written in place
+with the moments. The warm-up and fallback steps run the exact step on the same buffers, bit
+for bit.
 
 Gradients. A delayed update reads u's gradient fields (has_grad, grad or param_grads, a
 spilled copy) while the next backward produces new ones. It owns them from step() on
@@ -126,8 +135,8 @@ class DelayedUpdates:
         return any(not ticket.done() for ticket in self._running)
 
     def wait(self) -> None:
-        """Wait for every delayed update and its spare writes (step 1 of the Note); a failure
-        of either stops the engine."""
+        """Wait for every delayed update and its writes (step 1 of the Note); a failure of
+        either stops the engine."""
         self._wait_optimizer()  # raises through fail_step when an update failed
         self._running.clear()
         failed, self._step_ring.failed_spare_writes = self._step_ring.failed_spare_writes, []
