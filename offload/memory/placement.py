@@ -21,7 +21,11 @@ speculative updates, gradients):
   the master: read and written by the update too); optimizer states are read and written
   once a step. Speculative updates ([Note: speculative updates]) double a host-homed role's
   RAM (its spare), halving its worth; delayed updates ([Note: delayed updates]) double a
-  compute copy's only (they write master and moments in place).
+  compute copy's only (they write master and moments in place), and move the states on the
+  optimizer worker beside the next forward and backward, where only their CPU share
+  (DELAYED_IO_CPU_FRACTION, [Note: step prediction]) shows in the step: a delayed run's
+  states are worth a quarter of their NVMe time, and its compute copies, whose fetches
+  forward and backward wait for, go to RAM first.
 - The step's gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
   worth more per byte than a spilled gradient go first, with only the spill's floor
@@ -212,7 +216,10 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
             reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
             candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))
         if auto_states and u.trainable:
-            candidates.append(((read + write) / state_copies, i, "states"))
+            # [Note: delayed updates] a delayed update moves the states on the worker, beside
+            # the next forward and backward: only its CPU share shows in the step
+            hidden = DELAYED_IO_CPU_FRACTION if layout.delayed_update else 1.0
+            candidates.append(((read + write) * hidden / state_copies, i, "states"))
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
     for worth, i, role in candidates:
         trial_compute, trial_states = list(compute), list(states)
