@@ -305,7 +305,7 @@ def piece_replayer(spec: dict):
     from offload.units import OPTIMIZER_PIECE_NUMEL
 
     return bench_train_module().replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * 4,
-                                file_bytes=spec["pattern"].get("nvme_bytes"))
+                                         file_bytes=spec["pattern"].get("nvme_bytes"))
 
 
 def run_io_only(spec: dict) -> dict:
