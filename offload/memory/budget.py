@@ -214,11 +214,10 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
     """The homes of u (unit ``index``), spare homes included ([Note: speculative updates],
     [Note: delayed updates]: ``Layout.has_spare``; a delayed update's spare homes are a
     second compute copy only, ``Layout.spare_states``)."""
-    copies = 2 if layout.has_spare(index, u.trainable) else 1
+    copies, state_copies = layout.home_copies(index, u.trainable)
     compute = copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
     if not u.trainable:
         return HomeBytes(compute, 0, 0)
-    state_copies = copies if layout.spare_states else 1
     master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
     return HomeBytes(compute, state_copies * master, state_copies * 2 * u.state_numel * FP32_BYTES)
 

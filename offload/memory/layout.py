@@ -166,6 +166,13 @@ class Layout:
             return True
         return index != 0 and (not self.spare_units or self.spare_units[index])
 
+    def home_copies(self, index: int, trainable: bool) -> Tuple[int, int]:
+        """How many compute copies, and how many masters and moments, unit ``index`` keeps
+        at home: 2 of a role with a spare (``has_spare``; states only where
+        ``spare_states``), else 1."""
+        copies = 2 if self.has_spare(index, trainable) else 1
+        return copies, copies if self.spare_states else 1
+
     @classmethod
     def resolve(cls, config: OffloadConfig, device: torch.device, partition: Any,
                 tiers: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None,

@@ -210,8 +210,8 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     gradient_floor = spill_floor_bytes(units, layout)
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
-        copies = 2 if layout.has_spare(i, u.trainable) else 1  # [Note: speculative updates], [Note: delayed updates]
-        state_copies = copies if layout.spare_states else 1  # a delayed update's: a compute copy only
+        # [Note: speculative updates], [Note: delayed updates] (a compute copy only) spares
+        copies, state_copies = layout.home_copies(i, u.trainable)
         if auto_compute:
             reads = (1 if i == 0 else 2) + (1 if layout.merged and u.trainable else 0)
             candidates.append(((reads * read + (write if u.trainable else 0.0)) / copies, i, "compute"))

@@ -321,21 +321,17 @@ class Gradients:
         if u.grad is not None:
             if u.grad.dtype != torch.float32:
                 wide = self._host.allocate(u.grad.numel(), torch.float32, planned=False)
-                with self._grad_pool_lock:
-                    self._widened += 1
                 wide.copy_(u.grad)
                 self._host.release(u.grad)
-                self._count_ram(wide.nbytes - u.grad.nbytes)
+                self._count_ram(wide.nbytes - u.grad.nbytes, widened=1)
                 u.grad = wide
             return u.grad[e.offset - u.grad_base:e.offset - u.grad_base + e.numel]
         g = u.param_grads[k]
         if g.dtype != torch.float32:
             wide = g.to(torch.float32)
             self._host.adopt(wide, planned=False)  # beyond the plan's 16-bit bytes: a soft overshoot
-            with self._grad_pool_lock:
-                self._widened += 1
             self._host.release(g)
-            self._count_ram(wide.nbytes - g.nbytes)
+            self._count_ram(wide.nbytes - g.nbytes, widened=1)
             u.param_grads[k] = g = wide
         return g
 
@@ -362,9 +358,12 @@ class Gradients:
         if self._allowance_bytes is not None:
             self._bounce = self._host.allocate(self._bounce_numel, self._layout.grad_dtype)
 
-    def _count_ram(self, num_bytes: int) -> None:
+    def _count_ram(self, num_bytes: int, widened: int = 0) -> None:
+        """Gradient bytes held in RAM, and ([Note: 16-bit gradients]) fp32 copies of 16-bit
+        ones held, change by these (any thread)."""
         with self._grad_pool_lock:
             self._ram_bytes += num_bytes
+            self._widened += widened
 
     @staticmethod
     def _spillable_grads(u: UnitState) -> bool:
@@ -529,10 +528,8 @@ class Gradients:
     def _release_held(self, g: torch.Tensor) -> None:
         """A gradient tensor held in RAM goes (on the main thread or the optimizer worker)."""
         self._host.release(g)
-        with self._grad_pool_lock:
-            self._ram_bytes -= g.nbytes
-            if g.dtype == torch.float32 != self._layout.grad_dtype:  # [Note: 16-bit gradients] widened
-                self._widened -= 1
+        widened = g.dtype == torch.float32 != self._layout.grad_dtype  # [Note: 16-bit gradients]
+        self._count_ram(-g.nbytes, widened=-1 if widened else 0)
 
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The gradient (fp32, or 16-bit: [Note: 16-bit gradients]) of elements [a, b) (unit
