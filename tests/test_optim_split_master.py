@@ -8,13 +8,20 @@ from offload.gpt import GPT
 from offload.optim import join_master, split_master
 from offload.units import padded_numel
 
-from support import CFG, batches, budget_for, make_opt, train_offload
+from support import BF16_LOSS_REL_TOL, CFG, batches, budget_for, gpt_loss, make_opt, train_offload
 
 
 def half_away_bits(master):
     """The bf16 bits of ``master`` rounded half away from zero, from integer arithmetic."""
     bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return (((bits + 0x8000) >> 16) & 0xFFFF).to(torch.int32)
+
+
+def differs_at_a_tie(master):
+    """Where ``master`` rounds otherwise half away from zero than to nearest even: exact ties
+    (low half 0x8000) whose high half is even, which nearest even keeps."""
+    nearest_even = master.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return nearest_even != half_away_bits(master)
 
 
 def test_split_then_join_gives_every_master_back_and_rounds_like_nearest_even_but_at_ties():
@@ -38,6 +45,7 @@ def test_split_then_join_gives_every_master_back_and_rounds_like_nearest_even_bu
     tie = (master.view(torch.int32) & 0xFFFF) == 0x8000
     differs = (hi_bits != nearest_even) & ~nan
     assert differs.any() and not (differs & ~tie).any()  # only exact ties round otherwise
+    assert torch.equal(differs, differs_at_a_tie(master) & ~nan)
 
 
 def test_split_master_rejects_mismatched_buffers():
@@ -64,15 +72,35 @@ def bf16_engine(swap_dir, split, param_tier="nvme", seed=0, **extra):
 def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_tier, extra, tmp_path):
     """After some steps every unit's compute copy at home is its master rounded half away
     from zero, and the master's home holds the low halves, 2 B per element instead of 4:
-    the difference shows in the NVMe bytes to the byte. The loss curve is the one of a
-    whole fp32 master: the runs differ only where a master sat exactly on a tie, where
-    the compute copies differ by one bf16 ulp, and Adam carries that on."""
+    the difference shows in the NVMe bytes to the byte. The run is the one of a whole fp32
+    master, bit for bit, until a master sits exactly on a tie: only there do the compute
+    copies differ (by one bf16 ulp), and from there Adam carries that on."""
     data = batches(6)
-    with bf16_engine(tmp_path / "whole", False, param_tier, **extra) as whole:
-        whole_losses = train_offload(whole, data)
+    accumulation = extra.get("gradient_accumulation_steps", 1)
+    with bf16_engine(tmp_path / "whole", False, param_tier, **extra) as whole, \
+            bf16_engine(tmp_path / "split", True, param_tier, **extra) as engine:
+        whole_losses, losses, tied_at = [], [], None
+        for i, b in enumerate(data):
+            if tied_at is None and i % accumulation == 0:  # at an update boundary, both settled
+                masters, whole_masters = engine.state_dict(), whole.state_dict()
+                for name, value in masters.items():
+                    assert torch.equal(value.view(torch.int32), whole_masters[name].view(torch.int32)), name
+                if any(differs_at_a_tie(m).any() for m in masters.values()):
+                    tied_at = i  # the compute copies differ from here on, at such ties only
+            for e, out in ((whole, whole_losses), (engine, losses)):
+                loss = gpt_loss(e, b)
+                e.backward(loss)
+                e.step()
+                out.append(loss.item())
+            if tied_at is None:  # the same compute copies computed this loss
+                assert losses[-1] == whole_losses[-1], i
         whole_bytes = whole.stats()["nvme_bytes"]
-    with bf16_engine(tmp_path / "split", True, param_tier, **extra) as engine:
-        losses = train_offload(engine, data)
+        whole.zero_grad()
+        for u in whole.units:  # a whole master's compute copy: rounded to nearest even
+            t = u.spec.trainable_numel
+            master = whole.debug.homes.read_master(u)[:t]
+            compute = whole.debug.homes.load(u.compute_home, t, torch.bfloat16)
+            assert torch.equal(compute.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
         engine.zero_grad()
         state = engine.state_dict()
         saved = sum(u.master_numel * 4 - padded_numel(u.spec.trainable_numel, 2) * 2
@@ -88,7 +116,11 @@ def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_t
             assert torch.equal(low, master.view(torch.int32).to(torch.int16))  # the low 16 bits
             for e in u.trainable:
                 assert torch.equal(state[e.fqn].reshape(-1), master[e.offset:e.offset + e.numel])
-    assert max(abs(a - b) / b for a, b in zip(losses, whole_losses)) < 1e-3
+    # After a tie the runs are two bf16 trainings of one model whose compute copies differed
+    # by one bf16 rounding in a few elements, the size of the rounding every bf16 op makes:
+    # their curves stay as close as a bf16 run stays to fp32 (BF16_LOSS_REL_TOL). How much
+    # closer depends on the CPU's kernels: Adam amplifies the one-ulp difference chaotically.
+    assert max(abs(a - b) / b for a, b in zip(losses, whole_losses)) < BF16_LOSS_REL_TOL
 
 
 def test_split_master_moves_fewer_bytes_per_step(tmp_path):
