@@ -157,6 +157,37 @@ def test_checkpoint_loads_into_other_tiers_and_restores_hyperparameters(tmp_path
         assert b.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_loss_scale_belongs_to_the_dtype(dtype, tmp_path):
+    """An fp16 checkpoint loaded into an engine of another dtype does not bring its loss
+    scale along: the next step is the one from the same states saved with scale 1 (before,
+    the gradients were multiplied by 2**15 and never unscaled), and the warning says what
+    was reset. A checkpoint of another dtype loaded into an fp16 engine starts that
+    engine's own initial scale."""
+    fp16 = config_for(tmp_path, "host", "host", dtype="fp16", min_loss_scale=1.0)
+    for scale in (2.0**15, 1.0):
+        with make_engine({**fp16, "initial_loss_scale": scale}) as engine:  # the same states
+            engine.save_checkpoint(str(tmp_path / f"fp16-{scale:g}"))
+    after = {}
+    for scale in (2.0**15, 1.0):
+        with make_engine(config_for(tmp_path, "host", "host", dtype=dtype), seed=3) as engine:
+            with pytest.warns(RuntimeWarning, match="dtype='fp16'.*the loss scale is reset to 1, where "
+                              f"{dtype} runs start \\(the checkpoint's was {scale:g}\\)") as caught:
+                engine.load_checkpoint(str(tmp_path / f"fp16-{scale:g}"))
+            assert all(w.filename == __file__ for w in caught)
+            assert engine.stats()["loss_scale"] == 1.0
+            run(engine, 0, 1)
+            after[scale] = engine.state_dict()
+    assert_same_state(after[2.0**15], after[1.0])
+    with make_engine(config_for(tmp_path, "host", "host", dtype=dtype)) as engine:
+        engine.save_checkpoint(str(tmp_path / dtype))
+    with make_engine({**fp16, "initial_loss_scale": 2.0**10}) as engine:
+        with pytest.warns(RuntimeWarning, match=f"dtype='{dtype}'.*the loss scale is reset to 1024, where "
+                          "fp16 runs start \\(the checkpoint's was 1\\)"):
+            engine.load_checkpoint(str(tmp_path / dtype))
+        assert engine.stats()["loss_scale"] == 2.0**10
+
+
 def test_save_mid_accumulation_is_refused(tmp_path):
     with make_engine(dict(gradient_accumulation_steps=2)) as engine:
         run(engine, 0, 1)

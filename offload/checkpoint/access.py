@@ -294,9 +294,18 @@ class CheckpointAccess:
         """The engine's scalar training state, as a checkpoint keeps it (EngineState.counters)."""
         return self._state.counters()
 
-    def restore_training_counters(self, counters: Dict[str, Any]) -> None:
-        """Set the counters that ``training_counters()`` returned."""
+    def restore_training_counters(self, counters: Dict[str, Any], saved_dtype: str) -> None:
+        """Set the counters that ``training_counters()`` returned, from a checkpoint written
+        with compute dtype ``saved_dtype``. The loss scale belongs to the dtype: from another
+        dtype's checkpoint it starts afresh (``fresh_loss_scaling``), else fp16's scale
+        would multiply the gradients of a bf16 run, or a bf16 run's 1.0 start an fp16 one."""
+        if saved_dtype != self.config.dtype:
+            counters = {**counters, **self.fresh_loss_scaling()}
         self._state.restore_counters(counters)
+
+    def fresh_loss_scaling(self) -> Dict[str, Any]:
+        """The loss-scale counters this engine's dtype starts a run with."""
+        return {"loss_scale": self._layout.starting_loss_scale, "good_steps": 0}
 
     def begin_state_load(self, message: str) -> None:
         """The states are about to be replaced: until ``finish_state_load()`` the engine may

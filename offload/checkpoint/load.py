@@ -78,9 +78,14 @@ def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir:
                                   f"{tuple(b.shape)} in the model")
     for key in ("dtype", "gradient_accumulation_steps", "max_grad_norm"):
         if manifest["config"].get(key) != getattr(access.config, key):
+            reset = ""
+            if key == "dtype":  # CheckpointAccess.restore_training_counters
+                fresh = access.fresh_loss_scaling()["loss_scale"]
+                reset = (f"; the loss scale is reset to {fresh:g}, where {access.config.dtype} runs start "
+                         f"(the checkpoint's was {manifest['engine']['loss_scale']:g})")
             warn_at_caller(f"load_checkpoint: the checkpoint was written with {key}="
                            f"{manifest['config'].get(key)!r}, this engine uses "
-                           f"{getattr(access.config, key)!r}; the run will not continue bit-identically")
+                           f"{getattr(access.config, key)!r}; the run will not continue bit-identically{reset}")
     return saved
 
 
@@ -237,7 +242,7 @@ def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: s
                 group[key].fill_(value)
             else:
                 group[key] = tuple(value) if isinstance(value, list) else value
-    access.restore_training_counters(manifest["engine"])
+    access.restore_training_counters(manifest["engine"], manifest["config"].get("dtype"))
     for device, state in rng["torch"]:
         if device == "cpu":
             torch.set_rng_state(state)

@@ -125,6 +125,12 @@ class Layout:
         return torch.float32
 
     @property
+    def starting_loss_scale(self) -> float:
+        """The loss scale a run starts from: initial_loss_scale with fp16; 1.0 (no scaling)
+        for the other dtypes."""
+        return self.initial_loss_scale if self.fp16 else 1.0
+
+    @property
     def grad_element_bytes(self) -> int:
         """Bytes of one element of ``grad_dtype``."""
         return self.compute_element_bytes if self.grad_dtype != torch.float32 else FP32_BYTES

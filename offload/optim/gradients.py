@@ -178,7 +178,7 @@ class Gradients:
                               for _ in range(SQUARES_THREADS if scratch_numel else 0)]
         self._scratch = threading.local()
         # fp16 loss scaling: the scale and the finite steps since it last changed
-        self.loss_scale = layout.initial_loss_scale if layout.fp16 else 1.0
+        self.loss_scale = layout.starting_loss_scale
         self.good_steps = 0
         # The global gradient norm of the last step with finite gradients, the loss scale
         # divided out, before clipping (None before such a step); stats()["grad_norm"].
