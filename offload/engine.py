@@ -355,13 +355,13 @@ class Engine:
         self._updates.wait_queued()  # [Note: update states]
         self._updates.release_speculative_copies()  # [Note: speculative updates] dropped below
         for u in self.units:
+            for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
+                e.param.grad = None  # never a delayed update's: those took theirs off the parameter
             if u.delayed_update is not None:  # [Note: delayed updates] its gradients are the update's
                 continue
             u.has_grad = [False] * len(u.trainable)
             u.update.reset()
             self._gradients.release(u)
-            for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
-                e.param.grad = None
         self._gradients.drop_partials()  # [Note: shared parameter gradients]
         if self._partition is not None:  # [zero]
             self._partition.zero_grad()

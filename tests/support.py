@@ -341,6 +341,42 @@ class Sleepy(nn.Module):
 
 
 # ------------------------------------------------------------------ processes
+# ------------------------------------------------------------------ signals
+def sigint_once_main_waits_in(function, timeout=30.0):
+    """A fault-point action for the optimizer worker: it waits until the main thread is
+    blocked inside ``function`` (a name on its stack) on a condition (threading's, which
+    concurrent.futures waits with: waiting on the worker), sends this process a real SIGINT, and
+    gives the handler time to run before the update it holds goes on. Fires once; a real
+    Ctrl-C lands where this one does. ``.sent`` tells whether it fired."""
+    import signal
+    import sys
+
+    main = threading.main_thread().ident
+
+    def main_stack():
+        frame, names = sys._current_frames().get(main), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return names
+
+    def action(**_):
+        if action.sent:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            names = main_stack()
+            if names[:1] == ["wait"] and function in names:
+                action.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the update is still running when the handler raises
+                return
+            time.sleep(0.002)
+        raise AssertionError(f"the main thread never waited in {function}: {main_stack()}")
+    action.sent = False
+    return action
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,8 +22,8 @@ from offload.memory.budget import UnitSizes, host_bytes, minimum_host_budget, sw
 from offload.memory.layout import Layout
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
-                     max_rel_error, reference_optimizer_step, train_offload, train_sometimes, unwrap_swap_io,
-                     wrap_swap_io)
+                     max_rel_error, reference_optimizer_step, sigint_once_main_waits_in, train_offload,
+                     train_sometimes, unwrap_swap_io, wrap_swap_io)
 
 WATCHED = "blocks.1.fc.weight"  # a parameter of a block unit, read inside the forward
 
@@ -515,3 +515,79 @@ def test_a_failed_backward_keeps_the_pending_update(tmp_path):
     assert losses == without.losses
     assert_same_state(state, without.state)
     assert stats["delayed_updates"] == len(data) - 1
+
+
+@pytest.mark.parametrize("where", ["waiting", "hand-off"])
+def test_ctrl_c_while_backward_waits_for_a_delayed_update_is_consistent(where, tmp_path):
+    """[Note: interrupts while waiting] A real SIGINT while backward waits for the last
+    step's delayed update (to take its gradient fields back) is raised once that update is
+    done, and the backward failed before any of its own updates: consistent; so is a
+    KeyboardInterrupt at the first gradient hand-off, before the unit's fields are taken
+    back ("hand-off"). The run then equals one that never saw that micro-batch, to the bit
+    (before, the parameter whose hand-off was interrupted kept its gradient in .grad, which
+    zero_grad left to a unit with a pending update, and the next backward added to it)."""
+    data = batches(5)
+    cfg = config(tmp_path, "ours", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0)
+    without = run(config(tmp_path, "without", ("nvme", "nvme"), delayed_update=True,
+                         delayed_update_warmup_steps=0), data[:2] + data[3:])
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+        for k, b in enumerate(data, start=1):
+            if k == 2:  # step 2's first delayed update holds the worker until step 3's backward waits
+                interrupt = sigint_once_main_waits_in("take_back")
+                if where == "waiting":
+                    point, action = "optim.deferred_update", interrupt
+                else:
+                    point, action = "optim.grad_ready", offload.faults.raising(KeyboardInterrupt)
+                loss = gpt_loss(engine, b)
+                engine.backward(loss)  # every update of step 1 done: their fields are taken back
+                with offload.faults.inject(point, action) as armed:
+                    engine.step()
+                    losses.append(loss.item())
+                    with pytest.raises(KeyboardInterrupt) as raised:
+                        engine.backward(gpt_loss(engine, data[2]))
+                assert interrupt.sent if where == "waiting" else armed.fired == 1
+                assert "backward failed before any unit was updated" in str(raised.value.__notes__)
+                continue
+            if k == 3:
+                continue
+            loss = gpt_loss(engine, b)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.state_dict()
+    assert losses == without.losses
+    assert_same_state(state, without.state)
+
+
+@pytest.mark.parametrize("verb", ["save_checkpoint", "state_dict"])
+def test_ctrl_c_while_a_reader_waits_for_a_delayed_update_changes_nothing(verb, tmp_path):
+    """[Note: interrupts while waiting] A real SIGINT while save_checkpoint or state_dict
+    waits for the pending delayed updates is raised once they are done, before anything is
+    read or written: the engine is not failed (before, a save marked it failed, and on a
+    run's first save everything since wrap was lost), the verb works when called again and
+    the run goes on as the uninterrupted one, to the bit."""
+    data = batches(4)
+    cfg = config(tmp_path, "ours", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0)
+    whole = run(config(tmp_path, "whole", ("nvme", "nvme"), delayed_update=True, delayed_update_warmup_steps=0), data)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ckpt = tmp_path / "ckpt"
+    read = {"save_checkpoint": lambda e: e.save_checkpoint(str(ckpt)), "state_dict": lambda e: e.state_dict()}[verb]
+    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
+        losses = train_offload(engine, data[:1])
+        interrupt = sigint_once_main_waits_in(verb)
+        engine.backward(gpt_loss(engine, data[1]))  # every update of step 1 done
+        with offload.faults.inject("optim.deferred_update", interrupt):
+            engine.step()  # step 2's updates pending: the first holds the worker until the reader waits
+            losses.append(whole.losses[1])
+            with pytest.raises(KeyboardInterrupt):
+                read(engine)
+        assert interrupt.sent
+        assert not ckpt.exists()
+        read(engine)
+        losses += train_offload(engine, data[2:])
+        assert losses == whole.losses
+        assert_same_state(engine.state_dict(), whole.state)

@@ -78,7 +78,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, NoReturn
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional
 
 from offload import faults
 from offload.memory.layout import Layout, UnitState
@@ -101,7 +101,7 @@ class DelayedUpdates:
                  step_ring: PipelinedStep, stats: Stats, timeline: Timeline,
                  micro_step: Callable[[], int],
                  track: Callable[[Future], None],
-                 wait_optimizer: Callable[[], None],
+                 finish_optimizer: Callable[[], Optional[BaseException]],
                  fail_step: Callable[[BaseException, str], NoReturn],
                  update_in_place: Callable[..., None],
                  release_grad: Callable[[UnitState], None],
@@ -109,7 +109,8 @@ class DelayedUpdates:
                  release: Callable[[UnitState], None],
                  drain_fetches: Callable[[], None]) -> None:
         """``track(ticket)``: the scheduler waits for it with every update on the worker
-        (``wait_optimizer``, which also finishes the staging slots' writes). The other
+        (``finish_optimizer``, which also finishes the staging slots' writes and returns an
+        interrupt that came meanwhile). The other
         callables are the scheduler's and the engine's: the micro-step counter, stopping the
         engine, Adam on host-homed states, giving a unit's gradients back, taking its
         gradient fields back (Gradients.take_back), dropping a device copy, landing fetches."""
@@ -121,7 +122,7 @@ class DelayedUpdates:
         self._timeline = timeline
         self._micro_step = micro_step
         self._track = track
-        self._wait_optimizer = wait_optimizer
+        self._finish_optimizer = finish_optimizer
         self._fail_step = fail_step
         self._update_in_place = update_in_place
         self._release_grad = release_grad
@@ -136,13 +137,16 @@ class DelayedUpdates:
 
     def wait(self) -> None:
         """Wait for every delayed update and its writes (step 1 of the Note); a failure of
-        either stops the engine."""
-        self._wait_optimizer()  # raises through fail_step when an update failed
+        either stops the engine. An interrupt meanwhile is raised after both are judged
+        ([Note: interrupts while waiting])."""
+        interrupt = self._finish_optimizer()  # raises through fail_step when an update failed
         self._running.clear()
         failed, self._step_ring.failed_spare_writes = self._step_ring.failed_spare_writes, []
         if failed:
             names = ", ".join(sorted({repr(u.name) for u, _ in failed}))
             self._fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
+        if interrupt is not None:
+            raise interrupt
 
     def take_back_all(self) -> None:
         """Every unit's gradient fields back from its delayed update (step 2 of the Note),

@@ -33,17 +33,28 @@ outcomes below, never a third):
 A failure of the deferred updates ([Note: deferred updates]) is the step's, reported by
 the next call that settles them. A refusal (EngineFailedError, a closed engine) changes
 nothing, the micro-step count included.
+
+[Note: interrupts while waiting] An interrupt (KeyboardInterrupt on Ctrl-C, or whatever a
+signal handler raises) that reaches the main thread while it waits for the optimizer
+worker is not a failure of the updates it waits for, and it cannot stop them half-way:
+the wait goes on to its end (``wait_through_interrupts``) and the interrupt is raised after
+it, where the outcomes above apply. Backward waiting for a delayed update's gradient
+fields, or for a running update before spilling gradients, fails before any of its own
+updates: consistent. save_checkpoint and state_dict waiting for delayed updates raise it
+before reading or writing anything: consistent, the engine trains on. Only a wait in
+step() stays fatal, as everything raised there does.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from concurrent.futures import ALL_COMPLETED, Future, wait as wait_futures
+from typing import Any, Callable, Collection, Dict, List, NoReturn, Optional, Tuple
 
 from torch import nn
 
 from offload.errors import EngineFailedError
 
-__all__ = ["FailureState", "with_note"]
+__all__ = ["FailureState", "wait_through_interrupts", "with_note"]
 
 
 def with_note(error: BaseException, note: str) -> BaseException:
@@ -59,6 +70,21 @@ def with_note(error: BaseException, note: str) -> BaseException:
     if hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(f"offload: {note}")
     return error
+
+
+def wait_through_interrupts(futures: Collection[Future], return_when: str = ALL_COMPLETED) -> Optional[BaseException]:
+    """Wait for ``futures`` (concurrent.futures.wait's ``return_when``) whatever interrupts
+    this thread meanwhile; the first such interrupt is returned once the wait is over, for
+    the caller to raise where the engine is consistent ([Note: interrupts while waiting]).
+    The futures' own errors stay in them."""
+    interrupt: Optional[BaseException] = None
+    while True:
+        try:
+            wait_futures(futures, return_when=return_when)
+            return interrupt
+        except BaseException as error:  # noqa: B902 - asynchronous: a signal, raised by the caller after the wait
+            if interrupt is None:
+                interrupt = error
 
 
 class FailureState:

@@ -111,7 +111,7 @@ allowance for a while. Not with CUDA or [zero] several ranks (flat pooled buffer
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_COMPLETED, wait as wait_futures
+from concurrent.futures import FIRST_COMPLETED
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -121,6 +121,7 @@ from offload import faults
 from offload.errors import warn_at_caller
 from offload.memory.budget import SQUARES_THREADS, UnitSizes, gradient_spill, squares_scratch_numel
 from offload.memory.layout import Layout, UnitState, sub_extent
+from offload.optim.failure import wait_through_interrupts
 from offload.optim.squares import grad_squares
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
@@ -342,13 +343,16 @@ class Gradients:
         ticket = u.delayed_update
         if ticket is None:
             return
+        interrupt = None
         if not ticket.done():
             self._stats.count("delayed_grad_waits")
             with self._stats.timed("optimizer_wait"):
-                wait_futures([ticket])
+                interrupt = wait_through_interrupts([ticket])  # [Note: interrupts while waiting]
         u.delayed_update = None
         u.has_grad = [False] * len(u.trainable)
         ticket.result()
+        if interrupt is not None:
+            raise interrupt
 
     # ------------------------------------------------------------------ spill
     def spill_through(self, nvme: Optional[NvmeTier]) -> None:
@@ -419,7 +423,9 @@ class Gradients:
                 return
             self._stats.count("gradient_budget_waits")
             with self._stats.timed("optimizer_wait"):
-                wait_futures(running, return_when=FIRST_COMPLETED)
+                interrupt = wait_through_interrupts(running, return_when=FIRST_COMPLETED)
+            if interrupt is not None:  # [Note: interrupts while waiting]
+                raise interrupt
 
     @torch.no_grad()
     def _spill(self, u: UnitState) -> None:

@@ -68,7 +68,7 @@ import itertools
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
@@ -76,7 +76,7 @@ import torch
 from offload import faults
 from offload.memory.layout import Layout, UnitState
 from offload.optim.delayed import DelayedUpdates
-from offload.optim.failure import with_note
+from offload.optim.failure import wait_through_interrupts, with_note
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
@@ -183,7 +183,8 @@ class UpdateScheduler:
         # [Note: delayed updates] None unless delayed_update
         self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
             units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
-            micro_step=micro_step, track=lambda ticket: self._early_futures.append(ticket), wait_optimizer=self.wait_optimizer,
+            micro_step=micro_step, track=lambda ticket: self._early_futures.append(ticket),
+            finish_optimizer=self.finish_optimizer,
             fail_step=fail_step, update_in_place=update_in_place, release_grad=release_grad, take_back=take_back,
             release=release, drain_fetches=drain_fetches) if layout.delayed_update else None
 
@@ -365,7 +366,9 @@ class UpdateScheduler:
         queued = [u.name for u in self._units if u.update.updated and not u.update.speculative]
         update_failed = False
         try:
-            self.wait_optimizer()  # what was queued runs to its end: nothing moves afterwards
+            # what was queued runs to its end: nothing moves afterwards (a second interrupt
+            # meanwhile is dropped: ``error`` is raised either way)
+            self.finish_optimizer()
         except BaseException:  # noqa: B902 - fatal either way, reported with ``error`` below
             update_failed = True
         if queued:
@@ -512,7 +515,7 @@ class UpdateScheduler:
         if ticket is None:
             return
         with self._stats.timed("optimizer_wait"):
-            wait_futures([ticket])
+            interrupt = wait_through_interrupts([ticket])  # [Note: interrupts while waiting]
             try:
                 for handle in u.update.home_writes:  # the home is current before anything reads it
                     handle.wait()
@@ -522,6 +525,8 @@ class UpdateScheduler:
         u.update.forget()
         if ticket.exception() is not None or self._step_ring.write_errors:
             self.settle_all()  # raises: a failed update, or a home this fetch may read is not written
+        if interrupt is not None:
+            raise interrupt
 
     def settle_all(self, raise_errors: bool = True) -> None:
         """[Note: deferred updates] Finish the last deferred step: wait for its updates,
@@ -570,11 +575,20 @@ class UpdateScheduler:
     def wait_optimizer(self) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
         and reported when the step ends ([Note: swap I/O failures]); any other failure there
-        is fatal: the units updated early and the rest no longer belong to one step."""
+        is fatal: the units updated early and the rest no longer belong to one step. An
+        interrupt meanwhile is raised once all is done ([Note: interrupts while waiting])."""
+        interrupt = self.finish_optimizer()
+        if interrupt is not None:
+            raise interrupt
+
+    def finish_optimizer(self) -> Optional[BaseException]:
+        """``wait_optimizer``, returning the interrupt that came while it waited (or None)
+        instead of raising it."""
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
         with self._stats.timed("optimizer_wait"):
-            for f in futures:
+            interrupt = wait_through_interrupts(futures)
+            for f in futures:  # all done: their errors only
                 try:
                     f.result()
                 except BaseException as error:  # noqa: B902 - reported below, after draining
@@ -594,6 +608,7 @@ class UpdateScheduler:
                     self._release(u)
             self._fail_step(errors[0], "while updating units during backward" if self.delayed is None else
                             "in a delayed update of the last optimizer step (delayed_update=True)")
+        return interrupt
 
     def prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
