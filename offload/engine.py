@@ -263,7 +263,7 @@ class Engine:
             self.units, layout, self._partition, self._device, model, optimizer, config,
             homes=HomeIO(read_master_range=self._homes.read_master_range, load_range=self._homes.load_range,
                          store_range=self._homes.store_range, store_master_range=self._homes.store_master_range,
-                         zero_master_padding=self._homes.zero_master_padding,
+                         forget_contents=self._homes.forget_contents, zero_master_padding=self._homes.zero_master_padding,
                          store_compute_range=self._homes.store_compute_range, buffer=self._homes.buffer,
                          drop_buffers=self._homes.drop_buffers,
                          release=self._residency.release),

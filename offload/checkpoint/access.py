@@ -52,6 +52,9 @@ class HomeIO:
     """``store_master_range(u, master, start, high)``: from ``master`` (fp32, elements from
     ``start`` of u's trainable prefix) fill ``high`` (the compute copy's values there) and
     write the master's home where it is kept apart (this rank's shard)."""
+    forget_contents: Callable[["UnitState"], None]
+    """``forget_contents(u)``: u's own homes are about to be written whole; what they hold
+    now is not checked again (their swap checksums are dropped)."""
     zero_master_padding: Callable[["UnitState"], None]
     """``zero_master_padding(u)``: zeros in the master's home past this rank's shard."""
     store_compute_range: Callable[["UnitState", int, torch.Tensor], None]
@@ -229,6 +232,7 @@ class CheckpointAccess:
         on_device = self._layout.param_tier == "device"
         if not on_device:
             self._homes.release(u)  # a device copy of this unit is stale from now on
+        self._homes.forget_contents(u)
         # The compute copy as its home holds it: (home start, section, first element, count)
         # of its trainable and frozen parts; the rest of the home is zeros.
         if p is None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
                                    unit_gradient_bytes)
-from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, sub_extent
+from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.optim import join_master, split_master
 from offload.tiers.nvme import wait_all
 from offload.stats import Stats
@@ -472,6 +472,19 @@ class Homes:
         high.copy_(master)
         if not layout.merged and a < b:
             self.store_range(u.master_home, a - s.lo, master[a - start:b - start], "bounce")
+
+    def forget_contents(self, u: UnitState) -> None:
+        """u's own homes (compute copy, master, moments) are about to be written whole (a
+        checkpoint load): their swap checksums are dropped, the pages unknown until written,
+        so that the edge pages a piece's write reads back are not checked against bytes the
+        load replaces anyway ([Note: swap checksums]). A page changed outside the run then
+        no longer stops the load that is its documented recovery."""
+        sums = None if self._nvme is None else self._nvme.checksums
+        if sums is None:
+            return
+        for home in (u.compute_home, u.master_home, u.moments_home):
+            if home is not None and on_nvme(home):
+                sums.forget(home.path, home.offset, home.nbytes)
 
     def zero_master_padding(self, u: UnitState) -> None:
         """Zero the master's home past this rank's shard, to the end of its last page (as
