@@ -408,6 +408,55 @@ def test_a_failed_spare_write_redoes_that_unit(tmp_path):
         assert_same_state(engine.state_dict(), off[1])
 
 
+@pytest.mark.parametrize("point", ["optim.early_update", "optim.adam_range", "optim.adam"])
+@pytest.mark.parametrize("clip", ["never", "mixed"])
+def test_a_failed_speculative_update_is_redone_by_the_step(point, clip, tmp_path):
+    """[Note: speculative updates] An update that raises while it speculates (at its start,
+    before a range or inside Adam) wrote the unit's spare homes and device copy only: the
+    step drops them and updates that unit from its homes and kept gradients, with a warning
+    naming it, and the run equals the serialized one to the bit. Before, the engine failed
+    until a checkpoint was loaded."""
+    data = batches(4)
+    max_norm = NEVER_CLIPS if clip == "never" else MIXED_NORM
+    off = train(tmp_path, "off", data, max_grad_norm=max_norm, speculative_updates=False)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "on", max_grad_norm=max_norm)) as engine:
+        loss = gpt_loss(engine, data[0])  # the first step speculates (and with MIXED_NORM clips)
+        with offload.faults.inject(point, offload.faults.raising(RuntimeError("boom")), at=1) as armed:
+            engine.backward(loss)
+            with pytest.warns(RuntimeWarning, match="a speculative update of unit .* failed"):
+                engine.debug.updates.wait_optimizer()  # the failed update is judged here
+        assert armed.fired == 1
+        engine.step()
+        losses.append(loss.item())
+        losses += train_offload(engine, data[1:])
+        stats = engine.stats()
+        state = engine.state_dict()
+    assert stats["redone_updates"] >= 1
+    assert losses == off[0]
+    assert_same_state(state, off[1])
+
+
+def test_a_failed_speculative_update_warns_at_the_users_line(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    data = batches(2)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "on", max_grad_norm=NEVER_CLIPS)) as engine:
+        train_offload(engine, data[:1])
+        engine.state_dict()  # the deferred updates of that step are done
+        loss = gpt_loss(engine, data[1])
+        with offload.faults.inject("optim.adam", offload.faults.raising(RuntimeError("boom")), at=1):
+            engine.backward(loss)
+        with pytest.warns(RuntimeWarning, match="a speculative update of unit 'blocks.3' failed .RuntimeError: "
+                          "boom.; its second copy of the states is dropped") as caught:
+            engine.step()
+        assert [w.filename for w in caught if "speculative update" in str(w.message)] == [__file__]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-step", "deferred"])
 def test_a_failure_in_a_redo_fails_the_engine_until_a_checkpoint_is_loaded(overlap, tmp_path):
     """The redo is the optimizer step: a failure there is fatal ([Note: failures inside a

@@ -41,7 +41,9 @@ Either way every unit's new state is what the serialized path computes, bit for 
 kernel runs on the same inputs with the same factor, and the norm sums the same
 per-parameter squares in the same order (``UnitState.early_grad_squares``). A speculative
 swap write that fails leaves the homes intact: that unit is redone whatever the norm
-(``speculation_failed``). Until step() the homes hold the last step's state, so
+(``speculation_failed``). So is one whose update raised (Adam, a gradient read-back, a bug):
+``finish_optimizer`` takes it back to IDLE with a warning, its device copy dropped, and the
+step updates it like a unit never updated, its squares taken from the kept gradients. Until step() the homes hold the last step's state, so
 state_dict() or a checkpoint between backward and step() is consistent, and a backward
 that fails after speculative updates only is still consistent ([Note: failures inside a
 step]). The spare homes include the compute copy's frozen tail, which no update writes:
@@ -74,6 +76,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 import torch
 
 from offload import faults
+from offload.errors import warn_at_caller
 from offload.memory.layout import Layout, UnitState
 from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import wait_through_interrupts, with_note
@@ -586,13 +589,19 @@ class UpdateScheduler:
         instead of raising it."""
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
+        speculation_failed: List[Tuple[UnitState, BaseException]] = []
+        owners = {id(u.update.ticket): u for u in self._units if u.update.ticket is not None}
         with self._stats.timed("optimizer_wait"):
             interrupt = wait_through_interrupts(futures)
             for f in futures:  # all done: their errors only
                 try:
                     f.result()
                 except BaseException as error:  # noqa: B902 - reported below, after draining
-                    errors.append(error)
+                    u = owners.get(id(f))
+                    if u is not None and u.update.speculative:
+                        speculation_failed.append((u, error))
+                    else:
+                        errors.append(error)
             for index in range(len(self._step_ring.slots)):
                 try:
                     self._step_ring.finish_slot_writes(index)  # write failures are kept, not raised
@@ -601,6 +610,16 @@ class UpdateScheduler:
         for u in self._units:  # [Note: update states] (nothing reads the tickets meanwhile)
             if u.update.ticket in futures:
                 u.update.finish()
+        for u, error in speculation_failed:
+            # [Note: speculative updates] it wrote the spare homes (and the device copy) only:
+            # the step updates the unit from its homes and kept gradients, like one never updated
+            if u.update.in_device:
+                self._release(u)
+            u.update.reset()
+            self._stats.count("redone_updates")
+            warn_at_caller(f"a speculative update of unit {u.name!r} failed ({type(error).__name__}: {error}); "
+                           "its second copy of the states is dropped and the optimizer step updates the unit "
+                           "from its homes, as if it had not run")
         if errors:
             self._land_fills()
             for u in self._units:  # a device copy the failed updates were writing into
