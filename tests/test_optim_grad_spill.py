@@ -245,6 +245,65 @@ def test_a_failed_spill_write_keeps_the_gradients_in_ram(tmp_path):
         assert_same_state(engine.state_dict(), plain[1])
 
 
+class FullDisk:
+    """The swap I/O engine of a disk that filled up: every write from the ``first``-th on
+    fails with ENOSPC (as a real one does where the files are not preallocated: btrfs, a
+    filesystem without fallocate), reads go on."""
+
+    def __init__(self, io, first):
+        self.inner, self.first, self.writes = io, first, 0
+
+    def write_from(self, tensor, path, offset=0):
+        self.writes += 1
+        if self.writes >= self.first:
+            return FailedHandle(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path))
+        return self.inner.write_from(tensor, path, offset)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("first", [1, 4])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_full_disk_at_the_smallest_budget_keeps_the_step_to_save_elsewhere(dtype, first, tmp_path):
+    """[Note: swap I/O failures] ENOSPC on every swap write from some point of a step, with
+    gradients spilling at the smallest host_budget: the spills keep their gradients in RAM
+    and the states the step could not write are held in host RAM past host_budget (it leaves
+    no room there), which the error says; a checkpoint saved elsewhere holds the step, and
+    the run resumed from it is the uninterrupted one. Before, the budget left no room for
+    the held states, the engine failed and refused to save."""
+    kw = dict(dtype=dtype)
+    budget, _ = smallest_budget(tmp_path, **kw)
+    data = batches(3)
+    plain = train(tmp_path, "plain", data, **kw)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ckpt = str(tmp_path / "elsewhere")
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "full", host_budget=budget, **kw)) as engine:
+        train_offload(engine, data[:1])
+        engine.state_dict()  # the first step's updates written
+        full = wrap_swap_io(engine, FullDisk, first)
+        loss = gpt_loss(engine, data[1])
+        engine.backward(loss)
+        with pytest.raises(OSError, match="past host_budget") as caught:
+            engine.step()
+            engine.state_dict()  # a deferred step reports its failed writes here
+        assert caught.value.errno == errno.ENOSPC and "save_checkpoint" in str(caught.value)
+        assert full.writes >= first and engine.stats()["spilled_gradient_bytes"] > 0
+        with pytest.raises(EngineFailedError):
+            gpt_loss(engine, data[2])
+        engine.save_checkpoint(ckpt)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=config(tmp_path, "resumed", host_budget=budget, **kw)) as engine:
+        engine.load_checkpoint(ckpt)
+        losses = [plain[0][0], loss.item()] + train_offload(engine, data[2:])
+        assert losses == plain[0]
+        assert_same_state(engine.state_dict(), plain[1])
+
+
 def test_budget_below_the_fixed_host_needs_is_refused_naming_the_sizes(tmp_path):
     """One byte below the smallest spilling budget names host_budget, the staging buffers
     and the gradients; without an NVMe tier a budget below the gradients says spilling needs

@@ -16,7 +16,8 @@ import torch
 
 from offload import faults
 from offload.config import format_size
-from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
+from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes,
+                                   on_nvme, sub_extent)
 from offload.optim.adam_ranges import OutOfPlace
 from offload.optim.cpu_adam import join_master, split_master
 from offload.stats import Stats, Timeline
@@ -432,32 +433,37 @@ class PipelinedStep:
         if self.write_errors:
             write_errors, self.write_errors = self.write_errors, []
             held = sum(t.numel() * t.element_size() for d in self.dirty.values() for t in d.values())
+            left = self._budget_left_bytes()
+            over = "" if left is None or held <= left else f", {format_size(held - left)} past host_budget"
             first = write_errors[0][1]
             names = ", ".join(sorted({repr(u.name) for u, _ in write_errors}))
             failure = {"fatal": False, "message": (
                 f"swap writes failed in the optimizer step at micro-step {micro_step} "
                 f"(units {names}; first error: {first}). The step completed: the updated states "
-                f"of those units are held in host RAM ({format_size(held)}), so "
+                f"of those units are held in host RAM ({format_size(held)}{over}), so "
                 "engine.save_checkpoint(DIR) on a filesystem with room saves a consistent "
                 "checkpoint of this step; forward and step refuse until a checkpoint is loaded "
                 "(engine.load_checkpoint(DIR) or a new process)")}
             self._record_failure(failure)
             raise OSError(first.errno, failure["message"]) from first
 
+    def _budget_left_bytes(self) -> Optional[int]:
+        """Host bytes host_budget leaves beside the engine's plan (None: no budget)."""
+        if self._layout.host_budget is None:
+            return None
+        # the plan reserves every gradient buffer even while the pool holds fewer
+        return max(self._layout.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
+
     def _dirty_limit_bytes(self) -> int:
-        """Host bytes the dirty copies may take: what host_budget leaves, else half of the
-        RAM the kernel reports available."""
-        if self._layout.host_budget is not None:
-            # the plan reserves every gradient buffer even while the pool holds fewer
-            return max(self._layout.host_budget - max(self._host_planned_bytes, self._host.used_bytes), 0)
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 // 2
-        except OSError:
-            pass
-        return 0
+        """Host bytes the dirty copies may take: half of the RAM the kernel reports
+        available, or what host_budget leaves when that is more. Past host_budget when it
+        leaves less (at the smallest budgets, where gradients spill, it leaves none): the
+        copies are the run's only current states, and without them the run is lost back to
+        its last checkpoint; the failure says by how much the budget is exceeded."""
+        available = available_memory_bytes()
+        half = 0 if available is None else available // 2
+        left = self._budget_left_bytes()
+        return half if left is None else max(left, half)
 
     def _keep_dirty(self, u: UnitState, lo: int, hi: int, slot: StagingSlot, error: Optional[OSError]) -> None:
         """[Note: swap I/O failures] Hold piece [lo, hi) of u's updated states in host RAM
