@@ -474,11 +474,14 @@ def test_a_failure_in_a_redo_fails_the_engine_until_a_checkpoint_is_loaded(overl
         engine.backward(gpt_loss(engine, data[1]))
         engine.debug.updates.wait_optimizer()  # the speculative updates are over: the next Adam range is a redo
         with offload.faults.inject("optim.adam_range", offload.faults.raising(RuntimeError("boom")), at=1) as armed:
-            with pytest.raises(RuntimeError, match="boom"):
+            with pytest.raises(RuntimeError, match="boom") as raised:
                 engine.step()
                 assert overlap, "step() redoes the units itself without overlap_step_with_forward"
                 engine(data[2][:, :-1])  # waits for the deferred redo of the units it needs
             assert armed.fired == 1
+        if overlap:  # the message says where the update ran: after step(), not during backward
+            assert "in the last optimizer step, whose updates ran on after step() returned" in \
+                " ".join(raised.value.__notes__)
         with pytest.raises(EngineFailedError):
             engine(data[2][:, :-1])
         engine.load_checkpoint(str(tmp_path / "ckpt"))

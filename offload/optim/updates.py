@@ -540,7 +540,8 @@ class UpdateScheduler:
         self.step_pending = False
         try:
             try:
-                self.wait_optimizer()
+                self.wait_optimizer("in the last optimizer step, whose updates ran on after step() returned "
+                                    "(overlap_step_with_forward=True)")
             finally:
                 self._land_fills()
                 for u in self._units:
@@ -575,18 +576,19 @@ class UpdateScheduler:
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
 
-    def wait_optimizer(self) -> None:
+    def wait_optimizer(self, where: Optional[str] = None) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
         and reported when the step ends ([Note: swap I/O failures]); any other failure there
         is fatal: the units updated early and the rest no longer belong to one step. An
         interrupt meanwhile is raised once all is done ([Note: interrupts while waiting])."""
-        interrupt = self.finish_optimizer()
+        interrupt = self.finish_optimizer(where)
         if interrupt is not None:
             raise interrupt
 
-    def finish_optimizer(self) -> Optional[BaseException]:
+    def finish_optimizer(self, where: Optional[str] = None) -> Optional[BaseException]:
         """``wait_optimizer``, returning the interrupt that came while it waited (or None)
-        instead of raising it."""
+        instead of raising it. ``where``: the updates waited for, for a failure's message
+        (default: the early updates of backward, or the delayed ones)."""
         futures, self._early_futures = self._early_futures, []
         errors: List[BaseException] = []
         speculation_failed: List[Tuple[UnitState, BaseException]] = []
@@ -625,8 +627,8 @@ class UpdateScheduler:
             for u in self._units:  # a device copy the failed updates were writing into
                 if u.update.in_device:
                     self._release(u)
-            self._fail_step(errors[0], "while updating units during backward" if self.delayed is None else
-                            "in a delayed update of the last optimizer step (delayed_update=True)")
+            self._fail_step(errors[0], where or ("while updating units during backward" if self.delayed is None else
+                                                 "in a delayed update of the last optimizer step (delayed_update=True)"))
         return interrupt
 
     def prefetch_next_pass(self) -> None:
