@@ -352,6 +352,18 @@ def _untrack(space: "SwapSpace") -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _existing_non_directory(path: str) -> Optional[str]:
+    """``path`` or the first of its ancestors that exists and is not a directory (a file
+    in the way of makedirs), or None."""
+    while True:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
 class SwapSpace:
     """The swap files of one run. See the module docstring for the layout.
 
@@ -392,6 +404,10 @@ class SwapSpace:
         try:
             os.makedirs(swap_dir, mode=0o700, exist_ok=True)
         except OSError as error:
+            blocker = _existing_non_directory(swap_dir)
+            if blocker is not None:
+                raise ValueError(f"swap_dir {swap_dir!r} cannot be created: {blocker!r} exists and is not a "
+                                 "directory; choose another swap_dir or move that file") from None
             raise ValueError(f"swap_dir {swap_dir!r} cannot be created: {error.strerror}") from None
         try:
             dir_fd = os.open(swap_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
