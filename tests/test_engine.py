@@ -493,6 +493,31 @@ def test_wrap_time_errors_leave_no_files(swap_dir):
     assert all(p.numel() > 0 for p in model.parameters())
 
 
+class NoisyAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(torch.randn_like(p.grad))
+        return super().step(closure)
+
+
+class AdamWWithAHook(torch.optim.AdamW):
+    """A subclass that changes nothing of step(): accepted."""
+
+
+def test_an_optimizer_overriding_step_is_refused_before_anything_is_touched(swap_dir):
+    """offload's Adam kernel updates the states, so a subclass's own step() would never run:
+    refused naming the class (before, accepted silently and trained without its change)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="optimizer: NoisyAdamW overrides step\\(\\), which offload never calls"):
+        offload.wrap(model, NoisyAdamW(model.parameters(), lr=1e-2), config=dict(swap_dir=swap_dir))
+    assert os.listdir(swap_dir) == []
+    with offload.wrap(model, AdamWWithAHook(model.parameters(), lr=1e-2), config=dict(swap_dir=swap_dir)) as engine:
+        train_offload(engine, batches(1))
+
+
 def test_trainable_parameter_missing_from_optimizer_is_an_error():
     model = GPT(CFG)
     opt = make_opt(list(model.blocks.parameters()))

@@ -10,6 +10,7 @@ Numerics: with fp32 gradients, both reproduce ``torch.optim.AdamW``/``Adam`` wit
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -378,6 +379,13 @@ def adam_flavour(optimizer: torch.optim.Optimizer) -> bool:
         raise ValueError(
             f"optimizer: offload runs Adam/AdamW on the CPU next to the states; got "
             f"{type(optimizer).__name__}. Pass torch.optim.Adam, torch.optim.AdamW or offload.CPUAdam")
+    ours = {inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW, CPUAdam)}
+    if inspect.unwrap(type(optimizer).step) not in ours:  # torch wraps step() in a profiling hook
+        raise ValueError(
+            f"optimizer: {type(optimizer).__name__} overrides step(), which offload never calls: the "
+            "states live beside the engine's own Adam kernel, which updates them. Wrap "
+            "torch.optim.Adam, torch.optim.AdamW or offload.CPUAdam itself (a change to the loss or the "
+            "gradients belongs before engine.backward or in the model)")
     for i, group in enumerate(optimizer.param_groups):
         for key in ("amsgrad", "maximize"):
             if group.get(key, False):
