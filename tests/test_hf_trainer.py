@@ -2,9 +2,14 @@
 whose model trains through an offload Engine logs the losses, gradient norms and learning
 rates of a plain Trainer with optim="adamw_torch", evaluates and saves like it, resumes
 from its own checkpoints, and refuses what it cannot honour before touching anything."""
+import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -12,9 +17,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
 
-from offload.integrations.transformers import ENGINE_CHECKPOINT_DIR, OffloadTrainer
+import offload.faults
+from offload.integrations.transformers import (COMPLETE_MARKER, ENGINE_CHECKPOINT_DIR, OffloadTrainer,
+                                               checkpoint_missing)
 from support import max_rel_error
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -193,15 +200,313 @@ def test_resume_from_a_save_steps_checkpoint_gives_the_uninterrupted_losses(base
         assert torch.equal(final[name], value), name
 
 
-def test_a_checkpoint_without_engine_states_is_refused_for_resume(base_dir, tmp_path):
-    (tmp_path / "checkpoint-3").mkdir()
+def test_a_directory_that_no_save_finished_is_refused_for_resume_naming_what_it_lacks(base_dir, tmp_path):
+    (tmp_path / "out" / "checkpoint-3").mkdir(parents=True)
     trainer = offload_trainer(base_dir, training_args(tmp_path / "out"), {}, train_dataset=TokenDataset(24, seed=1))
     try:
-        with pytest.raises(ValueError, match="holds no engine checkpoint"):
-            trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+        with pytest.raises(ValueError) as refusal:
+            trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+        for part in (str(tmp_path / "out" / "checkpoint-3"), f"no {COMPLETE_MARKER}", "no trainer_state.json",
+                     f"no {ENGINE_CHECKPOINT_DIR}/manifest.json"):
+            assert part in str(refusal.value)
+        with pytest.raises(ValueError, match="no checkpoint in .* that OffloadTrainer can resume from: .*checkpoint-3"):
+            trainer.train(resume_from_checkpoint=True)
     finally:
         trainer.close()
 
+
+def test_a_save_only_model_checkpoint_is_complete_but_refused_for_resume(base_dir, tmp_path):
+    args = training_args(tmp_path / "out", save_strategy="steps", save_steps=3, save_only_model=True)
+    trainer = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1))
+    try:
+        trainer.train()
+        assert checkpoint_missing(str(tmp_path / "out" / "checkpoint-6")) == []
+        with pytest.raises(ValueError, match="checkpoint-6.*save_only_model=True"):
+            trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6"))
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------ a checkpoint save killed part-way
+# [Note: complete Trainer checkpoints]: a run with save_steps=3 and save_total_limit=1 dies
+# while it saves checkpoint-6. An exception stands for the kill: only the engine's own save
+# catches it (to remove its half-written directory, which a kill leaves: the SIGKILL test
+# below), so checkpoint-6 holds what a kill at that point leaves.
+CRASH_ARGS = dict(save_strategy="steps", save_steps=3, save_total_limit=1)
+
+
+class InjectedKill(Exception):
+    pass
+
+
+class StepsRun(TrainerCallback):
+    """The optimizer steps a run made."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def kill(patch, owner, name, when, after=False):
+    """``owner.name`` raises InjectedKill when its last argument (the path it writes or
+    removes) satisfies ``when``: before it acts, or ``after`` it did."""
+    original = getattr(owner, name)
+
+    def killed(*args, **kwargs):
+        if not when(os.fspath(args[-1])):
+            return original(*args, **kwargs)
+        if after:
+            original(*args, **kwargs)
+        raise InjectedKill(f"{name}({args[-1]})")
+
+    patch.setattr(owner, name, killed)
+
+
+def in_checkpoint_6(path):
+    return f"{os.sep}checkpoint-6{os.sep}" in path or path.endswith(f"{os.sep}checkpoint-6")
+
+
+def kill_half_way_removing_checkpoint_3(patch, trainer):
+    """save_total_limit=1 removes checkpoint-3 once checkpoint-6 is complete: killed with
+    some of checkpoint-3's files gone."""
+    original = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if not os.fspath(path).endswith(f"{os.sep}checkpoint-3"):
+            return original(path, *args, **kwargs)
+        for name in ("trainer_state.json", "rng_state.pth"):
+            os.unlink(os.path.join(path, name))
+        raise InjectedKill(f"rmtree({path})")
+
+    patch.setattr(shutil, "rmtree", rmtree)
+
+
+# The points of a save, in the order it reaches them; each arms the kill for checkpoint-6's
+# save and returns the context manager that holds it armed, if any.
+KILL_POINTS = {
+    "before the weights": lambda patch, trainer: kill(patch, trainer.engine, "save_pretrained", in_checkpoint_6),
+    # the engine's first save into checkpoint-3/offload hits each point once, checkpoint-6's a second time
+    "inside the engine's checkpoint": lambda patch, trainer: offload.faults.inject(
+        "checkpoint.save.rename", offload.faults.raising(InjectedKill), at=2),
+    "the engine's checkpoint in place": lambda patch, trainer: offload.faults.inject(
+        "checkpoint.save.parent_fsync", offload.faults.raising(InjectedKill), at=2),
+    "before the RNG states": lambda patch, trainer: kill(patch, trainer, "_save_rng_state", in_checkpoint_6),
+    "before the trainer state": lambda patch, trainer: kill(patch, TrainerState, "save_to_json", in_checkpoint_6),
+    "after the trainer state": lambda patch, trainer: kill(patch, TrainerState, "save_to_json", in_checkpoint_6,
+                                                           after=True),
+    "before the marker's rename": lambda patch, trainer: kill(
+        patch, os, "replace", lambda path: in_checkpoint_6(path) and path.endswith(COMPLETE_MARKER)),
+    "removing the older checkpoint": kill_half_way_removing_checkpoint_3,
+}
+
+
+def run_killed(trainer, point):
+    with pytest.MonkeyPatch.context() as patch:
+        armed = KILL_POINTS[point](patch, trainer)
+        with armed or contextlib.nullcontext(), pytest.raises(InjectedKill):
+            trainer.train()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base_dir, tmp_path_factory):
+    """The run nothing killed: its losses and final weights."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    trainer = offload_trainer(base_dir, training_args(out / "out", **CRASH_ARGS), {},
+                              train_dataset=TokenDataset(24, seed=1))
+    try:
+        trainer.train()
+        trainer.save_model(out / "final")
+    finally:
+        trainer.close()
+    return logged(trainer, "loss"), load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_save_killed_at_any_point_resumes_from_the_last_complete_checkpoint(point, base_dir, uninterrupted,
+                                                                               tmp_path):
+    out = tmp_path / "out"
+    killed = offload_trainer(base_dir, training_args(out, **CRASH_ARGS), {}, train_dataset=TokenDataset(24, seed=1))
+    try:
+        run_killed(killed, point)
+    finally:
+        killed.close()
+    assert killed.state.global_step == 6
+    checkpoint_3, checkpoint_6 = str(out / "checkpoint-3"), str(out / "checkpoint-6")
+    finished = point == "removing the older checkpoint"
+    assert checkpoint_missing(checkpoint_6 if finished else checkpoint_3) == []
+    assert checkpoint_missing(checkpoint_3 if finished else checkpoint_6)  # incomplete, and not counted
+
+    steps = StepsRun()
+    resumed = offload_trainer(base_dir, training_args(out, **CRASH_ARGS), {}, train_dataset=TokenDataset(24, seed=1),
+                              callbacks=[steps])
+    try:
+        if finished:
+            with pytest.raises(ValueError, match=f"checkpoint-3.*no {COMPLETE_MARKER}.*no trainer_state.json"):
+                resumed.train(resume_from_checkpoint=checkpoint_3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # an older incomplete directory is no skipped checkpoint
+                resumed.train(resume_from_checkpoint=True)
+        else:
+            with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-3'.*skipped the newer "
+                                                 rf".*checkpoint-6' \(no {COMPLETE_MARKER}"):
+                resumed.train(resume_from_checkpoint=True)
+        resumed.save_model(tmp_path / "final")
+    finally:
+        resumed.close()
+    losses, weights = uninterrupted
+    assert steps.steps == ([] if finished else [4, 5, 6])
+    assert logged(resumed, "loss") == losses
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
+    # the resumed run's save of checkpoint-6 is complete, and only then removed checkpoint-3;
+    # a run resumed at its end saves nothing, so the half-removed checkpoint-3 waits for the next save
+    assert sorted(os.listdir(out)) == ["checkpoint-3"] * finished + ["checkpoint-6"]
+    assert checkpoint_missing(checkpoint_6) == []
+
+
+# One worker process imports transformers once and forks a child per point, which trains
+# and SIGKILLs itself there: no except or finally of the save runs, and the engine's own
+# half-saved .offload.partial-PID-HEX stays in checkpoint-6.
+SIGKILL_WORKER = textwrap.dedent("""
+    import json, os, signal, sys
+    import torch
+    import offload.faults
+    from transformers import LlamaForCausalLM, TrainerState
+    from offload.integrations.transformers import COMPLETE_MARKER, OffloadTrainer
+
+    base_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+
+    def sigkill(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill_at(owner, name, suffix):
+        original = getattr(owner, name)
+        def killed(*args, **kwargs):
+            if os.fspath(args[-1]).endswith(suffix):
+                sigkill()
+            return original(*args, **kwargs)
+        setattr(owner, name, killed)
+
+    statuses = []
+    for case in cases:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(120)  # a child that hangs dies too, and reports SIGALRM
+            if case["point"] == "inside the engine's checkpoint":  # its finished partial directory not renamed
+                armed = offload.faults.inject("checkpoint.save.rename", sigkill, at=2)  # held: dropped, it disarms
+                armed.__enter__()
+            elif case["point"] == "before the trainer state":
+                kill_at(TrainerState, "save_to_json", "checkpoint-6/trainer_state.json")
+            else:
+                kill_at(os, "replace", "checkpoint-6/" + COMPLETE_MARKER)
+            trainer = OffloadTrainer(model=LlamaForCausalLM.from_pretrained(base_dir),
+                                     args=torch.load(case["args"], weights_only=False), offload_config={},
+                                     train_dataset=torch.load(case["rows"]))
+            trainer.train()
+            os._exit(3)  # survived: the point was not reached
+        statuses.append(os.waitpid(pid, 0)[1])
+    print(json.dumps(statuses))
+""")
+SIGKILL_POINTS = ["inside the engine's checkpoint", "before the trainer state", "before the marker's rename"]
+
+
+@pytest.mark.slow  # about 13 s on a busy 2-core machine (a subprocess importing transformers)
+def test_a_save_sigkilled_at_a_point_resumes_from_the_last_complete_checkpoint(base_dir, uninterrupted, tmp_path):
+    rows = tmp_path / "rows.pt"
+    torch.save([TokenDataset(24, seed=1)[i] for i in range(24)], rows)
+    cases = []
+    for i, point in enumerate(SIGKILL_POINTS):
+        torch.save(training_args(tmp_path / f"case-{i}", **CRASH_ARGS), tmp_path / f"args-{i}.bin")
+        cases.append(dict(point=point, args=str(tmp_path / f"args-{i}.bin"), rows=str(rows)))
+    (tmp_path / "worker.py").write_text(SIGKILL_WORKER)
+    worker = subprocess.run([sys.executable, str(tmp_path / "worker.py"), str(base_dir), json.dumps(cases)],
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    statuses = json.loads(worker.stdout.strip().splitlines()[-1])
+    losses, weights = uninterrupted
+    for i, (point, status) in enumerate(zip(SIGKILL_POINTS, statuses)):
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9, (point, status)
+        out = tmp_path / f"case-{i}"
+        assert checkpoint_missing(str(out / "checkpoint-3")) == [] and checkpoint_missing(str(out / "checkpoint-6"))
+        engine_leftovers = [e for e in os.listdir(out / "checkpoint-6") if e.startswith(f".{ENGINE_CHECKPOINT_DIR}.")]
+        assert bool(engine_leftovers) == (point == "inside the engine's checkpoint"), point
+        resumed = offload_trainer(base_dir, training_args(out, **CRASH_ARGS), {},
+                                  train_dataset=TokenDataset(24, seed=1))
+        try:
+            with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-3'.*skipped the newer .*checkpoint-6'"):
+                resumed.train(resume_from_checkpoint=True)
+            resumed.save_model(tmp_path / f"final-{i}")
+        finally:
+            resumed.close()
+        assert logged(resumed, "loss") == losses, point
+        final = load_file(str(tmp_path / f"final-{i}" / "model.safetensors"))
+        assert all(torch.equal(final[k], weights[k]) for k in weights), point
+        # the engine's partial directory of the killed save went with the save of checkpoint-6 again
+        assert sorted(os.listdir(out)) == ["checkpoint-6"] and checkpoint_missing(str(out / "checkpoint-6")) == []
+        assert not [e for e in os.listdir(out / "checkpoint-6") if e.startswith(".")], point
+
+
+def test_resume_from_an_incomplete_checkpoint_is_refused_before_anything_changes(base_dir, uninterrupted,
+                                                                                  tmp_path):
+    out = tmp_path / "out"
+    killed = offload_trainer(base_dir, training_args(out, **CRASH_ARGS), {}, train_dataset=TokenDataset(24, seed=1))
+    try:
+        run_killed(killed, "before the trainer state")
+    finally:
+        killed.close()
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "again", **CRASH_ARGS), {},
+                              train_dataset=TokenDataset(24, seed=1))
+    try:
+        with pytest.raises(ValueError) as refusal:
+            trainer.train(resume_from_checkpoint=out / "checkpoint-6")
+        for part in (repr(str(out / "checkpoint-6")), f"no {COMPLETE_MARKER}", "no trainer_state.json"):
+            assert part in str(refusal.value)
+        assert "no scheduler.pt" not in str(refusal.value)  # what the save wrote is not named
+        trainer.train()  # from the start: the refused resume changed nothing
+        trainer.save_model(tmp_path / "final")
+    finally:
+        trainer.close()
+    losses, weights = uninterrupted
+    assert logged(trainer, "loss") == losses
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert all(torch.equal(final[k], weights[k]) for k in weights)
+
+
+def test_an_incomplete_directory_never_makes_save_total_limit_remove_a_complete_checkpoint(base_dir, tmp_path):
+    """checkpoint-9, left by a killed save of a longer run into the same output_dir, is
+    newer than checkpoint-3 both by step and by time; checkpoint-1, an older incomplete one,
+    is garbage."""
+    out = tmp_path / "out"
+
+    class PlantAfterCheckpoint3(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                (out / "checkpoint-9").mkdir()
+                (out / "checkpoint-9" / "model.safetensors").write_bytes(b"half")
+                now = time.time()
+                os.utime(out / "checkpoint-3", (now - 100, now - 100))
+                os.utime(out / "checkpoint-9", (now - 50, now - 50))
+
+    (out / "checkpoint-1").mkdir(parents=True)
+    args = training_args(out, **dict(CRASH_ARGS, save_total_limit=2))
+    trainer = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1),
+                              callbacks=[PlantAfterCheckpoint3()])
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    assert checkpoint_missing(str(out / "checkpoint-3")) == [] and checkpoint_missing(str(out / "checkpoint-6")) == []
+    resumed = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1))
+    try:
+        with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-6'.*skipped the newer .*checkpoint-9'"):
+            resumed.train(resume_from_checkpoint=True)
+    finally:
+        resumed.close()
+    assert args.save_total_limit == 2  # the caller's arguments are untouched
+    assert torch.load(out / "checkpoint-6" / "training_args.bin", weights_only=False).save_total_limit == 2
 
 
 def test_without_clipping_deferred_steps_train_alike_and_say_why_grad_norm_is_not_logged(base_dir, tmp_path):

@@ -35,29 +35,71 @@ the Trainer would do to the model and the optimizer:
    never reach ``p.grad``); its LR scheduler sets the param groups the engine's Adam reads.
 5. Checkpoints (``save_steps``): the Trainer writes ``checkpoint-N/`` as usual (Hugging Face
    weights from ``engine.save_pretrained``, RNG states, trainer state, scheduler) with the
-   engine's checkpoint in ``checkpoint-N/offload/`` in place of ``optimizer.pt``;
-   ``resume_from_checkpoint`` loads it once the scheduler exists (its param groups, learning
-   rates included, come from the checkpoint).
+   engine's checkpoint in ``checkpoint-N/offload/`` in place of ``optimizer.pt``, and
+   COMPLETE_MARKER last ([Note: complete Trainer checkpoints]); ``resume_from_checkpoint``
+   loads it once the scheduler exists (its param groups, learning rates included, come from
+   the checkpoint).
+
+[Note: complete Trainer checkpoints] A ``checkpoint-N`` directory is a checkpoint only once
+it holds COMPLETE_MARKER. The Trainer writes its files into ``checkpoint-N`` under their
+final names, so a save killed part-way leaves a directory that looks like a checkpoint;
+the marker is what says the save finished. ``_save_checkpoint``:
+
+1. takes the marker out of a ``checkpoint-N`` that exists already (the same step saved
+   again after a resume) and fsyncs the directory: it is incomplete until step 3;
+2. runs the Trainer's save (weights, the engine's checkpoint, which is atomic itself,
+   scheduler, RNG states, trainer state) with its ``save_total_limit`` rotation held back;
+3. fsyncs every file, then writes the marker under a temporary name, fsyncs it, renames
+   it into place and fsyncs the directory and its parent. The marker lists the files, so
+   a directory that lost some afterwards (the Trainer's own removal of checkpoints after
+   load_best_model_at_end, cut short) is not complete either;
+4. rotates over complete checkpoints only: they alone count toward ``save_total_limit``,
+   so a save killed before step 3 never deleted an older checkpoint and an incomplete
+   directory never pushes a complete one out. With ``save_total_limit``, incomplete
+   directories of earlier steps are removed; a removed checkpoint loses its marker first,
+   so a removal cut short leaves an incomplete directory.
+
+``train`` checks before the Trainer changes anything (``resumable_problems``: the marker,
+every file it lists, the engine's manifest, and not ``save_only_model``):
+``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` that passes and warns
+naming the newer ones it skipped and why; a path that does not pass is a ValueError naming
+it and what it lacks.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
+import re
+import shutil
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 import offload
+from offload.checkpoint import MANIFEST
 from offload.config import OffloadConfig
 
-__all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR"]
+__all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR", "COMPLETE_MARKER", "checkpoint_missing",
+           "resumable_problems"]
 
 ENGINE_CHECKPOINT_DIR = "offload"
 """Where the engine's checkpoint goes inside a Trainer's ``checkpoint-N`` directory."""
+
+COMPLETE_MARKER = "offload_trainer_complete.json"
+"""The file a save of ``checkpoint-N`` writes last ([Note: complete Trainer checkpoints])."""
+
+_MARKER_FORMAT = "offload-trainer-checkpoint"
+_MARKER_VERSION = 1
+_MARKER_PARTIAL = f".{COMPLETE_MARKER}.partial"
+_RNG_STATE_NAME = "rng_state.pth"  # the Trainer's name for one process's RNG states
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as trainer_utils.get_last_checkpoint
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """TrainingArguments.optim values the engine runs: torch's AdamW (the engine's CPU Adam
@@ -166,6 +208,121 @@ def trainer_owned_fields(args: TrainingArguments) -> Dict[str, Any]:
             "dtype": "bf16" if args.bf16 else "fp32"}
 
 
+def checkpoint_missing(checkpoint_dir: str) -> List[str]:
+    """What ``checkpoint_dir`` lacks of a finished OffloadTrainer save, one phrase each; []
+    when it is complete ([Note: complete Trainer checkpoints])."""
+    return _read_marker(checkpoint_dir)[1]
+
+
+def resumable_problems(checkpoint_dir: str) -> List[str]:
+    """Why OffloadTrainer cannot resume from ``checkpoint_dir``, one phrase each; [] when it can."""
+    marker, missing = _read_marker(checkpoint_dir)
+    if missing:
+        return missing
+    if not marker["engine_checkpoint"]:
+        return [f"no engine checkpoint ({ENGINE_CHECKPOINT_DIR}/): it was saved with save_only_model=True, and "
+                "OffloadTrainer resumes from checkpoints saved without it"]
+    return []
+
+
+def _read_marker(checkpoint_dir: str) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+    """The marker of ``checkpoint_dir`` and what the directory lacks of the save it records."""
+    if not os.path.isdir(checkpoint_dir):
+        return None, ["the directory does not exist"]
+    engine_manifest = f"{ENGINE_CHECKPOINT_DIR}/{MANIFEST}"
+    try:
+        with open(os.path.join(checkpoint_dir, COMPLETE_MARKER), encoding="utf-8") as file:
+            marker = json.load(file)
+    except FileNotFoundError:
+        expected = (TRAINER_STATE_NAME, SCHEDULER_NAME, _RNG_STATE_NAME, engine_manifest)
+        return None, [f"no {COMPLETE_MARKER}, the file a save writes last: the save was interrupted (or "
+                      "OffloadTrainer did not write it)"] + \
+            [f"no {name}" for name in expected if not os.path.exists(os.path.join(checkpoint_dir, name))]
+    except (OSError, ValueError) as error:
+        return None, [f"{COMPLETE_MARKER} is unreadable ({error})"]
+    if not (isinstance(marker, dict) and marker.get("format") == _MARKER_FORMAT
+            and isinstance(marker.get("files"), list) and isinstance(marker.get("engine_checkpoint"), bool)
+            and all(isinstance(name, str) for name in marker["files"])):
+        return None, [f"{COMPLETE_MARKER} is not an OffloadTrainer marker"]
+    missing = [f"no {name}" for name in marker["files"] if not os.path.isfile(os.path.join(checkpoint_dir, name))]
+    if marker["engine_checkpoint"] and not os.path.isfile(os.path.join(checkpoint_dir, engine_manifest)):
+        missing.append(f"no {engine_manifest}")
+    return marker, missing
+
+
+def _fsync(path: str) -> None:
+    """fsync a file or a directory; an OSError names it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        raise OSError(error.errno, f"could not fsync ({error.strerror})", path) from error
+    finally:
+        os.close(fd)
+
+
+def _unmark(checkpoint_dir: str) -> None:
+    """[Note: complete Trainer checkpoints] step 1; nothing when there is no marker."""
+    try:
+        os.unlink(os.path.join(checkpoint_dir, COMPLETE_MARKER))
+    except FileNotFoundError:
+        return
+    _fsync(checkpoint_dir)
+
+
+def _mark_complete(checkpoint_dir: str, engine_checkpoint: bool) -> None:
+    """[Note: complete Trainer checkpoints] step 3. The engine's directory is durable already
+    (its save fsyncs it) and verified by its own manifest; its leftovers beside it
+    (``.offload.partial-*``) belong to no checkpoint."""
+    files: List[str] = []
+    for root, dirs, names in os.walk(checkpoint_dir):
+        if root == checkpoint_dir:
+            dirs[:] = [d for d in dirs if d != ENGINE_CHECKPOINT_DIR and not d.startswith(f".{ENGINE_CHECKPOINT_DIR}.")]
+            names = [n for n in names if n not in (COMPLETE_MARKER, _MARKER_PARTIAL)]
+        for name in names:
+            path = os.path.join(root, name)
+            _fsync(path)
+            files.append(os.path.relpath(path, checkpoint_dir))
+        _fsync(root)
+    marker = {"format": _MARKER_FORMAT, "version": _MARKER_VERSION, "engine_checkpoint": engine_checkpoint,
+              "files": sorted(files)}
+    partial = os.path.join(checkpoint_dir, _MARKER_PARTIAL)
+    with open(partial, "w", encoding="utf-8") as file:
+        json.dump(marker, file, indent=1, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, os.path.join(checkpoint_dir, COMPLETE_MARKER))
+    _fsync(checkpoint_dir)
+    _fsync(os.path.dirname(os.path.abspath(checkpoint_dir)))  # the entry checkpoint-N itself
+
+
+def _remove_checkpoint(checkpoint_dir: str) -> None:
+    """Marker first: a removal cut short leaves an incomplete directory, never one that
+    claims files it lost. A symbolic link is removed itself, never what it points to."""
+    if os.path.islink(checkpoint_dir):
+        os.unlink(checkpoint_dir)
+        return
+    try:
+        os.unlink(os.path.join(checkpoint_dir, COMPLETE_MARKER))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+
+
+def _checkpoint_step(path: str) -> Optional[int]:
+    """N of a ``checkpoint-N`` directory; None for anything else."""
+    match = _CHECKPOINT_NAME.match(os.path.basename(path))
+    return int(match.group(1)) if match and os.path.isdir(path) else None
+
+
+def _require_resumable(checkpoint_dir: str) -> None:
+    problems = resumable_problems(checkpoint_dir)
+    if problems:
+        raise ValueError(f"resume_from_checkpoint: {checkpoint_dir!r} is not a checkpoint OffloadTrainer can resume "
+                         f"from: {'; '.join(problems)}. Resume from another one (resume_from_checkpoint=True takes "
+                         "the newest complete one in output_dir)")
+
+
 class OffloadTrainer(Trainer):
     """A ``transformers.Trainer`` that trains through ``offload.wrap`` ([Note: the Trainer's
     loop around the engine]). Takes the Trainer's arguments, plus ``offload_config`` (an
@@ -220,6 +377,8 @@ class OffloadTrainer(Trainer):
         self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
         self._warned_grad_norm = False
         self._closed = False
+        # the caller's TrainingArguments while _save_checkpoint holds a copy in self.args
+        self._args_outside_save: Optional[TrainingArguments] = None
 
     def close(self) -> None:
         """Close the engine (its swap files are removed); the trainer cannot train, evaluate
@@ -298,6 +457,94 @@ class OffloadTrainer(Trainer):
         return self._grad_norm
 
     # ------------------------------------------------------------------ saving and loading
+    def train(self, resume_from_checkpoint: "str | os.PathLike | bool | None" = None,
+              trial: "Any | None" = None, ignore_keys_for_eval: Optional[List[str]] = None) -> Any:
+        """Trainer.train, resuming from complete checkpoints only ([Note: complete Trainer
+        checkpoints]): ``resume_from_checkpoint=True`` takes the newest complete one in
+        ``output_dir``; a path to one that is not complete is a ValueError, before anything
+        changes."""
+        self._check_open("train")
+        if isinstance(resume_from_checkpoint, bool):
+            resume_from_checkpoint = self._last_resumable_checkpoint() if resume_from_checkpoint else None
+        elif resume_from_checkpoint is not None:
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
+            _require_resumable(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _last_resumable_checkpoint(self) -> str:
+        """The newest ``checkpoint-N`` in output_dir that OffloadTrainer can resume from,
+        warning with the newer ones it skips."""
+        output_dir = self.args.output_dir
+        try:
+            entries = os.listdir(output_dir)
+        except FileNotFoundError:
+            raise ValueError(f"resume_from_checkpoint=True: the output directory {output_dir!r} does not exist, "
+                             "so it holds no checkpoint") from None
+        checkpoints = [os.path.join(output_dir, entry) for entry in entries]
+        checkpoints = sorted((c for c in checkpoints if _checkpoint_step(c) is not None), key=_checkpoint_step,
+                             reverse=True)
+        skipped = []
+        for checkpoint in checkpoints:
+            problems = resumable_problems(checkpoint)
+            if not problems:
+                if skipped:
+                    warnings.warn(f"resume_from_checkpoint=True: resuming from {checkpoint!r}, the newest complete "
+                                  f"checkpoint; skipped the newer {'; '.join(skipped)}. A skipped directory is "
+                                  "left as it is; the run's save of that step replaces it",
+                                  UserWarning, stacklevel=3)
+                return checkpoint
+            skipped.append(f"{checkpoint!r} ({', '.join(problems)})")
+        raise ValueError(f"resume_from_checkpoint=True: no checkpoint in {output_dir!r} that OffloadTrainer can "
+                         f"resume from" + (f": {'; '.join(skipped)}" if skipped else " (no checkpoint-N directory)"))
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """Trainer's, made complete by a marker written last ([Note: complete Trainer checkpoints])."""
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            _unmark(checkpoint_dir)
+        # The Trainer's rotation would run before the marker: it sees a copy of the arguments
+        # without save_total_limit (the caller's stay untouched, and _save writes them).
+        args = self._args_outside_save = self.args
+        self.args = copy.copy(args)
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args, self._args_outside_save = args, None
+        if self.args.should_save:
+            _mark_complete(checkpoint_dir, engine_checkpoint=not self.args.save_only_model)
+            self._rotate_complete_checkpoints(run_dir, checkpoint_dir)
+
+    def _rotate_complete_checkpoints(self, run_dir: str, saved_dir: str) -> None:
+        """[Note: complete Trainer checkpoints] step 4: trainer_utils.rotate_checkpoints over
+        complete checkpoints (in the Trainer's order, oldest first, keeping the one just
+        saved and the best), after removing incomplete ones of steps before ``saved_dir``'s."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        saved_step = _checkpoint_step(saved_dir)
+        complete = []
+        for checkpoint in sort_checkpoints(run_dir, use_mtime=True):
+            step = _checkpoint_step(checkpoint)
+            if step is None:
+                continue
+            if not checkpoint_missing(checkpoint):
+                complete.append(checkpoint)
+            elif step < saved_step:
+                _remove_checkpoint(checkpoint)
+        protected = {os.path.abspath(saved_dir)}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(os.path.abspath(self.state.best_model_checkpoint))
+        num_to_remove = len(complete) - max(limit, len(protected))
+        for checkpoint in complete:
+            if num_to_remove <= 0:
+                break
+            if os.path.abspath(checkpoint) not in protected:
+                _remove_checkpoint(checkpoint)
+                num_to_remove -= 1
+
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         """Hugging Face weights streamed from the tiers (engine.save_pretrained); a PEFT model
         saves its adapters with its own save_pretrained. Then what Trainer._save adds."""
@@ -314,7 +561,7 @@ class OffloadTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        torch.save(self._args_outside_save or self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (every state, the optimizer's param groups, counters and
@@ -324,14 +571,10 @@ class OffloadTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-        """Only checks that the checkpoint holds an engine checkpoint: it is loaded, weights
-        and optimizer together, once the scheduler exists (_load_optimizer_and_scheduler)."""
-        engine_dir = os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT_DIR)
-        if not os.path.isdir(engine_dir):
-            raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint!r} holds no engine checkpoint "
-                f"({ENGINE_CHECKPOINT_DIR}/); OffloadTrainer resumes from checkpoints it wrote "
-                "without save_only_model")
+        """Only checks that the checkpoint is complete and holds an engine checkpoint: it is
+        loaded, weights and optimizer together, once the scheduler exists
+        (_load_optimizer_and_scheduler)."""
+        _require_resumable(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
