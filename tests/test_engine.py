@@ -3,6 +3,7 @@ device budget, for every tier combination (issue 4)."""
 import copy
 import errno
 import os
+import warnings
 
 import pytest
 import torch
@@ -131,6 +132,25 @@ def test_fp16_overflow_skips_step_and_lowers_scale():
     after = engine.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changes nothing"
     engine.close()
+
+
+def test_fp16_says_when_steps_are_skipped_at_the_minimum_loss_scale():
+    """Overflows at min_loss_scale skip steps without the scale falling: the run is stuck,
+    which a warning at the user's line says at the 1st, 2nd, 4th, ... such step in a row.
+    Overflows above the minimum (routine loss scaling) say nothing."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(dtype="fp16", initial_loss_scale=2.0**60, min_loss_scale=2.0**59)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_offload(engine, batches(5))
+        stuck = [w for w in caught if "in a row skipped" in str(w.message)]
+        assert engine.stats()["skipped_steps"] == 5 and engine.stats()["loss_scale"] == 2.0**59
+        # the first overflow is at 2**60, above the minimum: the next four are at it
+        assert [str(w.message).split(" optimizer step")[0] for w in stuck] == ["fp16: 1", "fp16: 2", "fp16: 4"]
+        assert all(w.filename.endswith("support.py") for w in stuck)  # train_offload's step(): the user's line
+        assert "minimum loss scale 5.76461e+17 (min_loss_scale)" in str(stuck[0].message)
 
 
 def test_device_budget_is_never_exceeded_and_matches_the_analytic_peak():

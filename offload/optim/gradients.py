@@ -181,6 +181,9 @@ class Gradients:
         # fp16 loss scaling: the scale and the finite steps since it last changed
         self.loss_scale = layout.starting_loss_scale
         self.good_steps = 0
+        # fp16: steps skipped one after the other with the scale at min_loss_scale (it can
+        # fall no further, so the run is stuck until the gradients fit fp16)
+        self._skipped_at_minimum = 0
         # The global gradient norm of the last step with finite gradients, the loss scale
         # divided out, before clipping (None before such a step); stats()["grad_norm"].
         self.last_grad_norm: Optional[float] = None
@@ -598,12 +601,14 @@ class Gradients:
                 warn_at_caller(f"non-finite gradient (NaN/Inf) at micro-step {micro_step}, first "
                                f"in {where}; {action}")
             if layout.fp16:
+                self._warn_if_stuck_at_minimum(micro_step)
                 self.loss_scale = max(self.loss_scale / 2, layout.min_loss_scale)
                 self.good_steps = 0
                 return inv_scale, True
             if layout.skip_nonfinite_steps:
                 return inv_scale, True
         elif layout.fp16:
+            self._skipped_at_minimum = 0
             self.good_steps += 1
             if self.good_steps % layout.loss_scale_window == 0:
                 self.loss_scale *= 2
@@ -616,6 +621,20 @@ class Gradients:
                 factor *= clip
                 self.clipped = True
         return factor, False
+
+    def _warn_if_stuck_at_minimum(self, micro_step: int) -> None:
+        """fp16: an overflow with the scale at min_loss_scale skips the step without the scale
+        falling any more. Said at the first such step in a row and as the count doubles
+        (1, 2, 4, ...): skips above the minimum are routine loss scaling."""
+        if self.loss_scale > self._layout.min_loss_scale:
+            return
+        self._skipped_at_minimum += 1
+        count = self._skipped_at_minimum
+        if count & (count - 1) == 0:
+            warn_at_caller(f"fp16: {count} optimizer step(s) in a row skipped at micro-step {micro_step}: the "
+                           f"gradients overflow fp16 at the minimum loss scale {self.loss_scale:g} "
+                           "(min_loss_scale), so the parameters do not change; lower min_loss_scale or the "
+                           "learning rate, or train in bf16")
 
     def squares(self, u: UnitState, k: int) -> torch.Tensor:
         """Sum of squares of u's k-th trainable parameter's gradient (float64, 0-d; [Note:
