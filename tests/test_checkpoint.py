@@ -269,8 +269,36 @@ def _corrupt_piece_gap(ckpt):
     return "pieces of parameter .* do not cover it exactly once"
 
 
+def _corrupt_overlapping_sections(ckpt):
+    """A manifest whose checksum is right again but whose exp_avg section reads the master's
+    bytes (before, loaded as the moments)."""
+    def change(m):
+        piece = m["units"][1]["entries"][0]["pieces"][0]
+        piece["exp_avg"] = piece["master"]
+    _rewrite_manifest(ckpt, change)
+    return "unit-00001.bin.*places .* (exp_avg and .* master|master and .* exp_avg) on the same bytes"
+
+
+def _corrupt_overlapping_parameters(ckpt):
+    def change(m):
+        first, second = m["units"][1]["entries"][:2]
+        second["pieces"][0]["master"] = first["pieces"][0]["master"] + 4  # inside the first one's master
+    _rewrite_manifest(ckpt, change)
+    return "unit-00001.bin.*on the same bytes"
+
+
+def _corrupt_manifest_symlink(ckpt):
+    """manifest.json replaced by a link to a copy elsewhere (before, followed and accepted)."""
+    elsewhere = os.path.join(os.path.dirname(ckpt), "elsewhere.json")
+    os.rename(os.path.join(ckpt, MANIFEST), elsewhere)
+    os.symlink(elsewhere, os.path.join(ckpt, MANIFEST))
+    return "manifest.json is a symbolic link"
+
+
 @pytest.mark.parametrize("corrupt", [_corrupt_flip, _corrupt_truncate, _corrupt_missing, _corrupt_outside,
-                                     _corrupt_manifest_byte, _corrupt_entry_offset, _corrupt_piece_gap])
+                                     _corrupt_manifest_byte, _corrupt_entry_offset, _corrupt_piece_gap,
+                                     _corrupt_overlapping_sections, _corrupt_overlapping_parameters,
+                                     _corrupt_manifest_symlink])
 def test_corrupt_checkpoint_is_rejected_and_nothing_is_loaded(corrupt, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     config = config_for(tmp_path, "nvme", "nvme")
@@ -434,6 +462,28 @@ def test_load_names_the_complete_copies_a_killed_replacement_left(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"]
         other.load_checkpoint(ckpt)
         assert_same_state(other.state_dict(), new_state)
+
+
+def test_a_save_over_a_checkpoint_holding_a_users_files_is_refused(tmp_path):
+    """Saving replaces the checkpoint directory whole, so a file of the user's inside it
+    would go with the old checkpoint: refused naming it, before anything is written, and the
+    checkpoint there still loads (before, the file was deleted)."""
+    ckpt = tmp_path / "ckpt"
+    with make_engine(config_for(tmp_path, "host", "host")) as engine:
+        run(engine, 0, 1)
+        engine.save_checkpoint(str(ckpt))
+        (ckpt / "notes.txt").write_text("mine")
+        (ckpt / "extra").mkdir()
+        run(engine, 1, 1)
+        with pytest.raises(ValueError, match="holds 2 entries the checkpoint there does not list "
+                           "\\('extra', 'notes.txt'\\).*move them out"):
+            engine.save_checkpoint(str(ckpt))
+        assert (ckpt / "notes.txt").read_text() == "mine"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
+        engine.load_checkpoint(str(ckpt))
+        (ckpt / "notes.txt").unlink()
+        (ckpt / "extra").rmdir()
+        engine.save_checkpoint(str(ckpt))  # its own files only: replaced as always
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o022])

@@ -31,6 +31,7 @@ converts them to the current layout. Nothing is unpickled on load.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -116,11 +117,17 @@ def read_manifest(ckpt_dir: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, A
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"checkpoint {ckpt_dir!r} does not exist or is not a directory")
     try:
-        with open(path) as f:
+        # O_NOFOLLOW: a checkpoint is its own files, never what a planted link points to
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
             manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} is missing (an incomplete "
                               "or foreign directory)") from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} is a symbolic link") from None
+        raise OSError(error.errno, f"checkpoint {ckpt_dir!r}: cannot read {MANIFEST}: {error.strerror}",
+                      path) from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {MANIFEST} is not valid JSON ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -328,8 +335,10 @@ def _upgrade_version_1(manifest: Dict[str, Any]) -> None:
 
 
 def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
-    """Every parameter's pieces cover it once, in listed files, inside those files."""
+    """Every parameter's pieces cover it once, in listed files, inside those files, and no
+    two sections (nor buffers) share a byte."""
     files = manifest["files"]
+    ranges: Dict[str, List[Tuple[int, int, str]]] = {}  # file -> (offset, bytes, what)
     for u in manifest["units"]:
         keys = {True: ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if u.get("delayed_pending") else ()),
                 False: ("value",)}
@@ -350,10 +359,23 @@ def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
                     raise CheckpointError(f"checkpoint file {file_name!r}: parameter {r['fqn']!r} "
                                           f"has unknown dtype {piece.get('file_dtype')!r}")
                 for key in keys[r["trainable"]]:
-                    check_range(file_name, files[file_name]["bytes"], piece.get(key), piece["numel"] * dtype.itemsize)
+                    nbytes = piece["numel"] * dtype.itemsize
+                    check_range(file_name, files[file_name]["bytes"], piece.get(key), nbytes)
+                    ranges.setdefault(file_name, []).append((piece[key], nbytes, f"{r['fqn']!r} {key}"))
             if covered != r["numel"]:
                 raise CheckpointError(f"checkpoint {ckpt_dir!r}: the pieces of parameter {r['fqn']!r} "
                                       f"cover {covered} of its {r['numel']} elements")
+    for b in manifest.get("buffers", []):
+        shape = b.get("shape")
+        if isinstance(b.get("offset"), int) and isinstance(shape, list) and b.get("dtype") in DTYPES:
+            ranges.setdefault("buffers.bin", []).append(
+                (b["offset"], numel_of(shape) * DTYPES[b["dtype"]].itemsize, f"buffer {b.get('name')!r}"))
+    for file_name, spans in ranges.items():  # each byte holds one value: overlaps load one value twice
+        spans.sort()
+        for (a, a_bytes, a_what), (b, _, b_what) in zip(spans, spans[1:]):
+            if b < a + a_bytes:
+                raise CheckpointError(f"checkpoint file {file_name!r}: the manifest places {a_what} and {b_what} "
+                                      f"on the same bytes ({b} < {a}+{a_bytes})")
 
 
 def check_range(file_name: str, file_bytes: int, offset: Any, nbytes: int) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import random
+import re
 import threading
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple
 
@@ -268,7 +269,27 @@ def _prepare_directory(target: str) -> str:
         if os.listdir(target) and not os.path.isfile(os.path.join(target, MANIFEST)):
             raise ValueError(f"save_checkpoint: {target!r} exists and is not an offload checkpoint; "
                              "refusing to replace it")
+        foreign = _foreign_entries(target)
+        if foreign:
+            shown = ", ".join(repr(name) for name in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise ValueError(f"save_checkpoint: {target!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+                             f"the checkpoint there does not list ({shown}); the save replaces the whole "
+                             "directory and would remove them: move them out, or save elsewhere")
     return make_partial(target)
+
+
+def _foreign_entries(target: str) -> List[str]:
+    """The entries of the checkpoint directory ``target`` that its manifest does not list
+    (a user's files), sorted. Where the manifest cannot be read (a corrupt checkpoint, which
+    a save may replace), the names a save writes count as listed."""
+    try:
+        with open(os.path.join(target, MANIFEST), "rb") as f:
+            listed = set(json.load(f)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    own = re.compile(r"^(buffers\.bin|rng-[A-Za-z0-9._-]+\.bin|unit-\d+[A-Za-z0-9._-]*\.bin)$")
+    return sorted(name for name in os.listdir(target) if name != MANIFEST and
+                  (name not in listed if listed is not None else not own.match(name)))
 
 
 def _complete(access: "CheckpointAccess", target: str, partial: str, everyone: List[Dict[str, Any]]) -> None:
