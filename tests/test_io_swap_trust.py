@@ -1,5 +1,6 @@
 """[Note: swap directory trust] and [Note: SIGTERM] in offload/io/swap.py: nothing in swap_dir
 is followed or trusted by name, and a SIGTERM removes the run's files as Ctrl-C does."""
+import errno
 import os
 import signal
 import stat
@@ -168,6 +169,70 @@ space.close()
     result = run_python(script)
     assert result.stdout.split() == ["True", "['lock',", "'swap-0000.bin']"], result.stdout + result.stderr
     assert os.listdir(tmp_path) == []
+
+
+ENDS_WITHOUT_CLOSE = """
+import sys, torch, offload
+from offload.gpt import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2))
+engine = offload.wrap(model, torch.optim.AdamW(model.parameters()),
+                      config=dict(param_tier="nvme", optimizer_tier="nvme", swap_dir={swap!r}))
+b = torch.randint(0, 32, (2, 9))
+engine.backward(engine(b[:, :-1], b[:, 1:]))
+engine.step()
+print("training", flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end,code", [("pass", 0), ("raise RuntimeError('uncaught')", 1), ("sys.exit(3)", 3)],
+                         ids=["return", "uncaught", "sys.exit"])
+def test_a_process_ending_without_close_removes_its_run_directory(end, code, tmp_path):
+    """A script that never calls close() (it ends, raises, or calls sys.exit) leaves no run
+    directory or swap file behind (before, they stayed until the next run in swap_dir)."""
+    swap = str(tmp_path)
+    result = run_python(ENDS_WITHOUT_CLOSE.format(swap=swap, end=end))
+    assert result.returncode == code and result.stdout == "training\n", result.stderr
+    assert os.listdir(swap) == []
+
+
+def test_close_lists_again_what_a_directory_read_skipped(tmp_path, monkeypatch):
+    """A filesystem whose directory reads skip entries while they are removed (btrfs) used to
+    leave the run directory and a swap file behind, the rmdir's ENOTEMPTY swallowed: close()
+    lists the directory again until it is empty. What it still cannot remove is warned
+    about with its path."""
+    real_scandir = os.scandir
+
+    class OneEntryARead:  # each read of a directory returns its first entry only
+        def __init__(self, fd):
+            self.inner = real_scandir(fd)
+
+        def __enter__(self):
+            return iter(list(self.inner)[:1])
+
+        def __exit__(self, *exc):
+            self.inner.close()
+
+    space = SwapSpace(tmp_path / "a", reserve_bytes=8192, file_bytes=4096)
+    space.allocate(4096)
+    space.allocate(4096)
+    assert len(os.listdir(space.run_dir)) == 3  # the lock and two swap files
+    monkeypatch.setattr(os, "scandir", OneEntryARead)
+    space.close()
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "a") == []
+
+    space = SwapSpace(tmp_path / "b", reserve_bytes=4096)
+    space.allocate(4096)
+    run_dir = space.run_dir
+
+    def not_empty(path, dir_fd=None):
+        raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), path)
+    monkeypatch.setattr(os, "rmdir", not_empty)
+    with pytest.warns(RuntimeWarning, match=f"the run directory '{run_dir}' could not be removed "
+                      ".Directory not empty.; remove it by hand") as caught:
+        space.close()
+    assert [w.filename for w in caught] == [__file__]
 
 
 def test_a_held_file_is_used_by_descriptor_until_released(tmp_path):

@@ -35,6 +35,7 @@ trusted. Removal is reported: a warning with the bytes freed, ``removed_stale_ru
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import errno
 import fcntl
@@ -336,6 +337,19 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+@atexit.register
+def _close_at_exit() -> None:
+    """A process that ends without close() (returning from main, an uncaught exception,
+    sys.exit) removes its runs' files too, as close() would, instead of leaving them until
+    the next run in that directory. After the thread pools' own exit hooks have joined
+    their workers (threading's, which run first); not after os._exit or a kill."""
+    for space in list(_open_spaces):
+        try:
+            space.close()
+        except Exception:  # noqa: BLE001 - the process is ending; what close() warns is shown
+            pass
+
+
 def _track(space: "SwapSpace") -> None:
     with _spaces_lock:
         _open_spaces.add(space)
@@ -592,15 +606,7 @@ class SwapSpace:
             os.close(fd)
         self._files = {}
         if self._run_fd is not None and os.getpid() == self._owner_pid:
-            try:
-                run_ino = os.fstat(self._run_fd).st_ino
-                with os.scandir(self._run_fd) as entries:
-                    for entry in entries:
-                        os.unlink(entry.name, dir_fd=self._run_fd)
-                if os.stat(self._run_name, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == run_ino:
-                    os.rmdir(self._run_name, dir_fd=self._dir_fd)
-            except OSError:
-                pass
+            self._remove_run_directory()
         if self._dir_lock_fd is not None and os.getpid() == self._owner_pid:
             try:  # unlink while still holding the lock; see _lock_file
                 if os.stat(_LOCK_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == \
@@ -612,6 +618,32 @@ class SwapSpace:
             if fd is not None:
                 os.close(fd)
         self._run_lock_fd = self._run_fd = self._dir_lock_fd = self._dir_fd = None
+
+    def _remove_run_directory(self) -> None:
+        """The run directory's files, then the directory, if it is still the one this run
+        made. The names are listed before any is unlinked, and listed again until none is
+        left (a directory read while entries are removed may skip some, as on btrfs); what
+        cannot be removed is warned about with its path, never dropped in silence."""
+        path = os.path.join(self.swap_dir, self._run_name)
+        try:
+            run_ino = os.fstat(self._run_fd).st_ino
+            for _ in range(3):
+                with os.scandir(self._run_fd) as entries:
+                    names = [entry.name for entry in entries]
+                if not names:
+                    break
+                for name in names:
+                    try:
+                        os.unlink(name, dir_fd=self._run_fd)
+                    except FileNotFoundError:
+                        pass
+            if os.stat(self._run_name, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == run_ino:
+                os.rmdir(self._run_name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass  # renamed or removed by someone else: not ours to find ([Note: swap directory trust])
+        except OSError as error:
+            warn_at_caller(f"close(): the run directory {path!r} could not be removed ({error.strerror}); "
+                           "remove it by hand, or the next run in that swap_dir removes it")
 
     def __enter__(self) -> "SwapSpace":
         return self
