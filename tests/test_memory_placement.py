@@ -274,8 +274,12 @@ def test_compute_copies_go_to_ram_before_states(tmp_path, dtype, delayed):
     assert found[0] == "nnnnn/nnnnn" and found[-1] == "hhhhh/hhhhh", found
     if delayed:  # more compute copies in RAM than states, somewhere between
         assert any(w.split("/")[0].count("h") > w.split("/")[1].count("h") for w in found), found
-    else:
+    elif dtype == "bf16":
         assert any(w.startswith("hhhhh/") and "n" in w for w in found), found  # states partly on NVMe
+    # In fp32 this model has no such window: below the all-RAM need gradients spill, and the
+    # spill's floor (budget.spill_floor_bytes: two units' gradients where early updates read
+    # spilled units back during backward) is more than the states left on NVMe would take,
+    # so the states go to RAM all at once, when every gradient fits too.
 
 
 MODELS = {

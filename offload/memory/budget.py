@@ -396,15 +396,21 @@ def held_shared_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
 
 
 def _spill_floor(units: Sequence[UnitSizes], layout: Layout) -> Tuple[int, int, int]:
-    """(bounce buffer, the largest unit's gradients, the tied gradients held): what a
-    spilling run keeps in RAM beside the fixed host needs and the allowance."""
+    """(bounce buffer, the room of the units' gradients beyond the allowance, the tied
+    gradients held): what a spilling run keeps in RAM beside the fixed host needs and the
+    allowance. The room is the largest unit's gradients, which arrive whole before they can
+    be spilled, and once more where an update on the optimizer worker may read a spilled
+    unit back while backward hands gradients over (early, speculative or delayed updates):
+    the two at once would otherwise take the host tier past host_budget."""
     largest = max((unit_gradient_bytes(u, layout) for u in units if u.trainable), default=0)
-    return min(largest, 2 * SPILL_PIECE_BYTES), largest, held_shared_bytes(units, layout)
+    read_back_in_backward = layout.early_allowed or layout.delayed_update
+    room = largest * (2 if read_back_in_backward else 1)
+    return min(largest, 2 * SPILL_PIECE_BYTES), room, held_shared_bytes(units, layout)
 
 
 def spill_floor_bytes(units: Sequence[UnitSizes], layout: Layout) -> int:
     """[Note: gradient spill] The gradient bytes a spilling run keeps in RAM at least: the
-    bounce buffer, the room of the largest unit's and the tied gradients held."""
+    bounce buffer, the room of the gradients beyond the allowance and the tied ones held."""
     return sum(_spill_floor(units, layout))
 
 
@@ -429,31 +435,32 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
             f"({format_size(planned.gradients)}) plus the rest of the host needs ({detail or 'none'}); "
             "gradients beyond the budget are spilled to NVMe, which needs a tier on NVMe "
             "(param_tier or optimizer_tier 'nvme' and swap_dir)")
-    bounce, largest, held = _spill_floor(units, layout)
-    needed = fixed + bounce + largest + held
+    bounce, room, held = _spill_floor(units, layout)
+    needed = fixed + bounce + room + held
     if budget < needed:
         raise ValueError(
             f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this configuration "
-            f"holds {detail or 'nothing else'} on the host, plus {format_size(largest)} for one unit's "
-            f"gradients, {format_size(bounce)} to spill them to NVMe"
+            f"holds {detail or 'nothing else'} on the host, plus {format_size(room)} for the gradients of "
+            f"the unit backward is producing (and of one an update reads back meanwhile), "
+            f"{format_size(bounce)} to spill them to NVMe"
             + (f" and {format_size(held)} for tied parameters' gradients, held through backward" if held else "")
             + f" (of {format_size(planned.gradients)} {grads} in all); at least {needed} bytes are needed")
-    # The room of one unit's gradients is kept free: a unit's gradient arrives whole from
-    # autograd before it can be spilled, so RAM holds the allowance plus that unit's. The
-    # held tied gradients count inside the allowance, which the floor makes at least as large.
-    return GradientSpill(budget - fixed - bounce - largest, bounce)
+    # The room (_spill_floor) is kept free: a unit's gradient arrives whole from autograd
+    # before it can be spilled, and an update may read another back meanwhile, so RAM holds
+    # the allowance plus those. The held tied gradients count inside the allowance, which the
+    # floor makes at least as large.
+    return GradientSpill(budget - fixed - bounce - room, bounce)
 
 
 def minimum_host_budget(units: Sequence[UnitSizes], layout: Layout) -> int:
     """The smallest ``host_budget`` wrap accepts: every byte of ``host_bytes``, or, where
-    gradients can be spilled (a CPU device, one rank, a tier on NVMe), the fixed needs, a
-    bounce buffer, the largest unit's gradients and the tied ones held ([Note: gradient
-    spill])."""
+    gradients can be spilled (a CPU device, one rank, a tier on NVMe), the fixed needs and
+    the spill's floor (``_spill_floor``) ([Note: gradient spill])."""
     planned = host_bytes(units, layout)
     if not (_can_spill(layout) and layout.needs_nvme):
         return planned.total
-    bounce, largest, held = _spill_floor(units, layout)
-    return min(planned.total, planned.total - planned.gradients + bounce + largest + held)
+    bounce, room, held = _spill_floor(units, layout)
+    return min(planned.total, planned.total - planned.gradients + bounce + room + held)
 
 
 def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:

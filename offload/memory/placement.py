@@ -29,8 +29,8 @@ speculative updates, gradients):
 - The step's gradients compete for the same RAM: beyond the budget they are spilled
   ([Note: gradient spill]), written and read back once a step, on the main thread. Roles
   worth more per byte than a spilled gradient go first, with only the spill's floor
-  (``budget.spill_floor_bytes``: the bounce buffer, the largest unit's gradients, the tied
-  ones held) kept back; the rest go only where every gradient still fits in RAM.
+  (``budget.spill_floor_bytes``: the bounce buffer, the room of the gradients beyond the
+  allowance, the tied ones held) kept back; the rest go only where every gradient still fits in RAM.
 - Among roles of equal worth, units in forward order first: the units forward needs first
   are the ones backward finishes last, whose updates the next step waits for.
 

@@ -62,7 +62,8 @@ autograd sums as before.
 [Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's fp32
 gradients do not fit beside the fixed host needs (``memory.budget.gradient_spill``: the
 budget minus everything else, the bounce buffer and the room of the largest unit's
-gradients, which arrive whole before they can be spilled, is the *allowance*; it holds the
+gradients, which arrive whole before they can be spilled, twice where an update on the
+worker may read a spilled unit back during backward, is the *allowance*; it holds the
 tied gradients of [Note: shared parameter gradients] too), each trainable unit gets a
 gradient extent on NVMe at wrap, and the main thread, after every gradient hook, writes
 whole units' gradients there until those held in RAM are within the allowance.
@@ -104,9 +105,10 @@ Invariants:
   first reads the unit back, then adds to the flat buffer (the same fp32 additions in the
   same order as into autograd's tensors), and the unit may be spilled again.
 - zero_grad forgets the mark (nothing on disk is freed; the next spill overwrites it).
-The bound is soft: units whose updates are queued or running, a gradient hook's own
-tensor and the read-back buffer of the unit being updated may hold RAM beyond the
-allowance for a while. Not with CUDA or [zero] several ranks (flat pooled buffers).
+The allowance is soft: units whose updates are queued or running, the gradients of the
+unit backward is producing and the read-back buffer of a unit being updated may hold RAM
+beyond it for a while, within the room the floor keeps for them, so the host tier stays
+within host_budget. Not with CUDA or [zero] several ranks (flat pooled buffers).
 """
 from __future__ import annotations
 
