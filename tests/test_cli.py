@@ -20,6 +20,7 @@ import torch
 import offload
 import offload.io
 from offload.gpt import GPT, GPTConfig
+from offload.memory.budget import UnitSizes, minimum_host_budget
 from offload.plan import load_profile, place, shape_from_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,9 +210,12 @@ def test_plan_bytes_agree_with_what_the_engine_allocates(tiers, dtype, tmp_path)
 
     with wrap(device_budget=placement.device_bytes, host_budget=placement.host_bytes) as engine:
         assert engine.stats()["nvme_bytes"] == placement.nvme_bytes
+        smallest = minimum_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout)
     with pytest.raises(ValueError, match="device_budget"):
         wrap(device_budget=placement.device_bytes - 1)
-    if "nvme" in tiers:  # [Note: gradient spill] a smaller host budget spills gradients
+    # [Note: gradient spill] a smaller host budget spills gradients, where the spill's floor
+    # is below them (not in bf16 at this size: the floor is more than every gradient)
+    if "nvme" in tiers and smallest < placement.host_bytes:
         with wrap(host_budget=placement.host_bytes - 1) as engine:
             assert engine.stats()["nvme_bytes"] > placement.nvme_bytes  # the gradient extents
     else:
