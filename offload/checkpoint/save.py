@@ -272,7 +272,8 @@ def _prepare_directory(target: str) -> str:
         foreign = _foreign_entries(target)
         if foreign:
             shown = ", ".join(repr(name) for name in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-            raise ValueError(f"save_checkpoint: {target!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} "
+            entries = "entry" if len(foreign) == 1 else "entries"
+            raise ValueError(f"save_checkpoint: {target!r} holds {len(foreign)} {entries} "
                              f"the checkpoint there does not list ({shown}); the save replaces the whole "
                              "directory and would remove them: move them out, or save elsewhere")
     return make_partial(target)

@@ -43,10 +43,10 @@ per-parameter squares in the same order (``UnitState.early_grad_squares``). A sp
 swap write that fails leaves the homes intact: that unit is redone whatever the norm
 (``speculation_failed``). So is one whose update raised (Adam, a gradient read-back, a bug):
 ``finish_optimizer`` takes it back to IDLE with a warning, its device copy dropped, and the
-step updates it like a unit never updated, its squares taken from the kept gradients. Until step() the homes hold the last step's state, so
-state_dict() or a checkpoint between backward and step() is consistent, and a backward
-that fails after speculative updates only is still consistent ([Note: failures inside a
-step]). The spare homes include the compute copy's frozen tail, which no update writes:
+step updates it like a unit never updated, its squares taken from the kept gradients.
+Until step() the homes hold the last step's state, so state_dict() or a checkpoint between
+backward and step() is consistent, and a backward that fails after speculative updates
+only is still consistent ([Note: failures inside a step]). The spare homes include the compute copy's frozen tail, which no update writes:
 ``Homes.store_compute`` writes it to both copies (wrap, checkpoint load). A backward after
 a step that clipped does not speculate (``UpdateScheduler.speculate``; a skipped step
 changes nothing): clipping tends to go on for a while (a fresh model's norm is far above
@@ -627,8 +627,10 @@ class UpdateScheduler:
             for u in self._units:  # a device copy the failed updates were writing into
                 if u.update.in_device:
                     self._release(u)
-            self._fail_step(errors[0], where or ("while updating units during backward" if self.delayed is None else
-                                                 "in a delayed update of the last optimizer step (delayed_update=True)"))
+            if where is None:
+                where = "while updating units during backward" if self.delayed is None else \
+                    "in a delayed update of the last optimizer step (delayed_update=True)"
+            self._fail_step(errors[0], where)
         return interrupt
 
     def prefetch_next_pass(self) -> None:
