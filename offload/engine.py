@@ -43,7 +43,7 @@ from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.placement import Placement, describe_units, resolve_placement
 from offload.memory.residency import DeviceResidency
-from offload.memory.weights import close_weights, iter_weights, open_weights, save_pretrained
+from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.cpu_adam import adam_flavour, carried_adam_state
 from offload.optim.failure import FailureState, with_note
@@ -375,13 +375,19 @@ class Engine:
         values = self._settled("state_dict")
         return {name: value.to("cpu", copy=True) for name, value in iter_weights(self.module, self.units, values)}
 
-    def save_pretrained(self, directory: str, dtype: Optional[torch.dtype] = None,
+    def save_pretrained(self, directory: str, dtype: "torch.dtype | str | None" = None,
                         max_shard_size: "int | str" = "5GB") -> None:
         """The weights as a Hugging Face model directory that ``from_pretrained`` loads
-        (safetensors, sharded above ``max_shard_size``, config.json), one unit at a time;
-        ``dtype`` (e.g. torch.bfloat16) converts floating tensors. [Note: weights out]"""
-        save_pretrained(directory, self.module, self.units, self._settled("save_pretrained"),
-                        torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size)
+        (safetensors, sharded above ``max_shard_size``, config.json), one unit at a time.
+        ``dtype`` converts floating tensors: torch.float32, torch.bfloat16 or torch.float16,
+        or "fp32", "bf16", "fp16" as in OffloadConfig; None keeps each tensor's own. A bad
+        argument is a ValueError before anything is written. ``directory`` holds the earlier
+        save or the new one whole at every instant, and keeps its other files; the files are
+        0600 (a new directory 0700) like a checkpoint's. [Note: atomic model directory] in
+        checkpoint/export.py"""
+        checkpoint.export.save_pretrained(
+            directory, self.module, self.units, self._settled("save_pretrained"),
+            torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size)
 
     def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
         """The reader of a unit's current values, once this step's updates are all done or none started."""

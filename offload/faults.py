@@ -65,6 +65,23 @@ POINTS: Dict[str, str] = {
                               "second rename)",
     "checkpoint.save.parent_fsync": "the fsync of NAME's parent directory after a rename, exchange or restore",
     "checkpoint.save.remove_old": "removing the checkpoint that NAME held before",
+    # The durable steps of save_pretrained and offload export into a model directory DIR
+    # ([Note: atomic model directory] in offload/checkpoint/export.py), in the order a save
+    # reaches them; each is hit just before the system call, with the path it acts on.
+    "checkpoint.pretrained.mkdir": "creating DIR where it is missing, and the staging directory "
+                                   "DIR/.offload-save-PID-HEX",
+    "checkpoint.pretrained.remove_stale": "removing a staging directory that a save of an exited process left in DIR",
+    "checkpoint.pretrained.create": "creating each weights file (a shard, the index) in the staging directory",
+    "checkpoint.pretrained.write": "each write into a weights file in the staging directory",
+    "checkpoint.pretrained.fsync": "the fsync of each staged file (weights and config files)",
+    "checkpoint.pretrained.move": "renaming each staged file into DIR: shards and config files, then "
+                                  "model.safetensors or the index",
+    "checkpoint.pretrained.dir_fsync": "the fsync of DIR after the files are moved in, after the switch, "
+                                       "and after the earlier save's files are removed",
+    "checkpoint.pretrained.switch": "a sharded save removing the earlier save's model.safetensors, "
+                                    "after which readers take the new index",
+    "checkpoint.pretrained.remove_old": "removing each file of the earlier save once the new one is in "
+                                        "place, then the empty staging directory",
 }
 
 _armed: Dict[str, "Armed"] = {}

@@ -2,8 +2,11 @@
 parameters]), wrap(..., weights=PATH) fills the tiers from safetensors files ([Note: weights
 into the tiers]) and Engine.save_pretrained writes what from_pretrained loads ([Note:
 weights out]). Tiny transformers models, built from configs and saved into tmp dirs."""
+import contextlib
+import errno
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -298,6 +301,89 @@ def test_weights_paths_that_hold_no_safetensors_are_refused(where, tmp_path):
         offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"], weights=path)
 
 
+def _index_dir(path, shards):
+    """A model directory whose index maps tensor ``name`` to each shard file name given."""
+    path.mkdir()
+    weight_map = {f"t{i}": name for i, name in enumerate(shards)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_shard_that_is_not_a_regular_file_is_refused_naming_it_without_blocking(kind, tmp_path):
+    """A FIFO listed as a shard made wrap(weights=) wait forever in open(); a directory
+    failed with "Is a directory" and no path."""
+    import signal
+
+    out = _index_dir(tmp_path / "model", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    safetensors.torch.save_file({"t0": torch.zeros(2)}, str(out / "model-00001-of-00002.safetensors"))
+    odd = out / "model-00002-of-00002.safetensors"
+    {"fifo": lambda: os.mkfifo(odd), "directory": odd.mkdir, "device": lambda: odd.symlink_to("/dev/zero")}[kind]()
+    cls, config = MODELS["gpt2"][0], MODELS["gpt2"][1]()
+    model = meta_model(cls, config)
+
+    def hung(*args):
+        raise TimeoutError("wrap(weights=) blocked on the shard")
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(ValueError, match=f"model-00002-of-00002.safetensors' is a {kind}, not a regular file"
+                           .replace("a fifo", "a FIFO")):
+            offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"], weights=out)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_weights_take_model_safetensors_over_an_index_as_from_pretrained_does(tmp_path):
+    """A directory holding both (a save switching layout, or another tool's leftovers):
+    wrap(weights=) loads what from_pretrained loads."""
+    cls, config = saved("llama", tmp_path / "model")
+    saved("llama", tmp_path / "other", seed=1, max_shard_size="40KB")
+    for f in os.listdir(tmp_path / "other"):
+        if f.startswith("model-") or f.endswith(".index.json"):
+            os.rename(tmp_path / "other" / f, tmp_path / "model" / f)
+    want = cls.from_pretrained(tmp_path / "model").state_dict()
+    model = meta_model(cls, config)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"],
+                      weights=tmp_path / "model") as engine:
+        state = engine.state_dict()
+    for k, v in want.items():
+        assert torch.equal(state[k], v), k
+
+
+def test_conversions_of_integers_bools_and_fp8_into_floating_parameters(tmp_path):
+    """Integers or bools into a float parameter are refused naming the tensor, the file and
+    both dtypes; fp8 loads with a warning giving its precision; other conversions are silent."""
+    from offload.io.safetensors import WeightFiles
+
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"ints": torch.arange(4), "flags": torch.ones(4, dtype=torch.bool),
+                                 "fp8": torch.ones(4).to(torch.float8_e4m3fn), "half": torch.ones(4).half()},
+                                str(path))
+    with WeightFiles(path) as files:
+        for name, dtype in [("ints", "torch.int64"), ("flags", "torch.bool")]:
+            with pytest.raises(ValueError, match=f"tensor '{name}' of '{path}' is {dtype}, and the parameter it "
+                                                 "would load into is torch.float32"):
+                files.check_conversion(name, torch.float32)
+        with pytest.warns(UserWarning, match="'fp8' of .* is torch.float8_e4m3fn and loads into a torch.bfloat16 "
+                                             r"parameter: its values keep fp8 precision \(3 mantissa bits\)"):
+            files.check_conversion("fp8", torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            files.check_conversion("half", torch.float32)
+            files.check_conversion("ints", torch.int32, "buffer")
+
+
+def test_integer_weights_into_a_float_parameter_are_refused_by_wrap(tmp_path):
+    def edit(tensors):
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.int32)
+    cls, config, path = _edited(tmp_path, edit)
+    model = meta_model(cls, config)
+    with pytest.raises(ValueError, match="tensor 'lm_head.weight' of .*edited.safetensors' is torch.int32"):
+        offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"], weights=path)
+
+
 # ---------------------------------------------------------------------- weights out
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_save_pretrained_gives_from_pretrained_the_trained_weights_exactly(kind, tmp_path):
@@ -341,6 +427,135 @@ def test_save_pretrained_over_an_earlier_save_in_the_other_layout_leaves_no_stal
         state = engine.state_dict()
     for k, v in cls.from_pretrained(out).state_dict().items():
         assert torch.equal(v, state[k]), k
+
+
+@contextlib.contextmanager
+def llama_engine(tmp_path):
+    cls, config = saved("llama", tmp_path / "model")
+    model = meta_model(cls, config)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"],
+                      weights=tmp_path / "model") as engine:
+        yield cls, engine
+
+
+def test_a_directory_mixing_files_of_two_saves_is_refused_naming_the_shard(tmp_path):
+    """[Note: save ids] One shard of another save of the same model among the shards: a
+    ValueError naming it, not a model loaded with 1 tensor of one save and the rest of the
+    other. Files without ids (other tools') load as before."""
+    with llama_engine(tmp_path) as (cls, engine):
+        engine.save_pretrained(tmp_path / "a", max_shard_size=40_000)
+        engine.save_pretrained(tmp_path / "b", max_shard_size=40_000)
+    shard = "model-00002-of-00012.safetensors"
+    shutil.copy(tmp_path / "b" / shard, tmp_path / "a" / shard)
+    model = meta_model(cls, cls.config_class.from_pretrained(tmp_path / "a"))
+    with pytest.raises(ValueError, match=f"weights: '{tmp_path / 'a' / shard}' is from another save than "
+                                         f"'{tmp_path / 'a' / 'model.safetensors.index.json'}'"):
+        offload.wrap(model, torch.optim.AdamW(model.parameters()), config=TIERS["host"], weights=tmp_path / "a")
+
+
+def test_save_pretrained_keeps_what_else_the_directory_holds(tmp_path):
+    """A Trainer's output_dir holds its checkpoint-N directories beside the final weights."""
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    (out / "tokenizer.json").write_text("{}")
+    with llama_engine(tmp_path) as (cls, engine):
+        engine.save_pretrained(out, max_shard_size=40_000)
+        engine.save_pretrained(out)
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json"]
+    assert (out / "checkpoint-3" / "trainer_state.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_save_pretrained_writes_nothing_through_planted_symlinks_and_makes_private_files(umask, tmp_path):
+    """Symbolic links planted at the names a save writes (its partial files, config.json)
+    are never written through; the files are 0600 and a directory it creates 0700, as a
+    checkpoint's, whatever the umask."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    out = tmp_path / "out"
+    out.mkdir()
+    planted = ["config.json", "generation_config.json", "model.safetensors.partial",
+               "model.safetensors.index.json.partial"] + \
+        [f"model-{k:05d}-of-{n:05d}.safetensors.partial" for n in range(2, 16) for k in range(1, n + 1)]
+    for name in planted:
+        (out / name).symlink_to(victim)
+    old_umask = os.umask(umask)
+    try:
+        with llama_engine(tmp_path) as (cls, engine):
+            engine.save_pretrained(out, max_shard_size=40_000)
+            engine.save_pretrained(out)
+            engine.save_pretrained(tmp_path / "new" / "model", max_shard_size=40_000)
+    finally:
+        os.umask(old_umask)
+    assert victim.read_text() == "root's file"
+    for directory in (out, tmp_path / "new" / "model"):
+        for name in os.listdir(directory):
+            if not (directory / name).is_symlink():
+                assert os.stat(directory / name).st_mode & 0o777 == 0o600, name
+    assert not (out / "config.json").is_symlink()
+    assert os.stat(tmp_path / "new" / "model").st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8, torch.float64, "fp8"])
+def test_save_pretrained_refuses_a_bad_argument_before_writing_anything(dtype, tmp_path):
+    with llama_engine(tmp_path) as (cls, engine):
+        with pytest.raises(ValueError, match=r"dtype: expected torch.float32, torch.bfloat16, torch.float16, "
+                                             r"'fp32', 'bf16', 'fp16' or None, got "):
+            engine.save_pretrained(tmp_path / "out", dtype=dtype)
+        with pytest.raises(ValueError, match="max_shard_size"):
+            engine.save_pretrained(tmp_path / "out", max_shard_size=0)
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(ValueError, match="save_pretrained: .*file' exists and is not a directory"):
+            engine.save_pretrained(tmp_path / "file")
+    assert not (tmp_path / "out").exists() and (tmp_path / "file").read_text() == "x"
+
+
+def test_save_pretrained_takes_the_dtype_as_the_config_spells_it(tmp_path):
+    from offload.io.safetensors import WeightFiles
+
+    with llama_engine(tmp_path) as (cls, engine):
+        engine.save_pretrained(tmp_path / "bf16", dtype="bf16")
+        engine.save_pretrained(tmp_path / "torch-bf16", dtype=torch.bfloat16)
+    with WeightFiles(tmp_path / "bf16") as a, WeightFiles(tmp_path / "torch-bf16") as b:
+        assert {d for d, _ in a.shapes.values()} == {torch.bfloat16}
+        assert all(torch.equal(a.read(k), b.read(k)) for k in a.shapes)
+
+
+FULL_DISK_WORKER = """
+import errno, json, os, resource, signal, sys
+import torch
+import offload
+from offload.gpt import GPT, GPTConfig
+
+out = sys.argv[1]
+model = GPT(GPTConfig(vocab_size=512, seq_len=8, d_model=64, num_heads=2, num_layers=1))
+engine = offload.wrap(model, torch.optim.AdamW(model.parameters()), config=dict(param_tier="host", optimizer_tier="host"))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, 64_000))
+try:
+    engine.save_pretrained(out)
+except OSError as error:
+    print(json.dumps({"errno": error.errno, "filename": error.filename, "message": str(error)}))
+"""
+
+
+def test_a_write_that_fails_keeps_its_errno_names_the_file_and_leaves_nothing(tmp_path):
+    """A real failed write (a file-size limit: EFBIG, as ENOSPC would be) in save_pretrained."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_WORKER, str(out)], capture_output=True, text=True,
+                            timeout=240, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+                                offload.__file__))))
+    assert result.returncode == 0, result.stderr
+    error = json.loads(result.stdout.strip().splitlines()[-1])
+    assert error["errno"] == errno.EFBIG, error
+    assert error["filename"] and os.path.basename(error["filename"]) == "model.safetensors", error
+    assert "save_pretrained could not write" in error["message"], error
+    assert os.listdir(out) == []
 
 
 @pytest.mark.parametrize("shard", [None, 40_000], ids=["one-file", "sharded"])
@@ -406,7 +621,9 @@ def _file(header, data=b""):
     (_file('{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', bytes(8)), "do not hold"),
     (_file('{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}}', bytes(16)), "do not hold"),
     (_file('{"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}}', bytes(4)), "known dtype"),
-], ids=["short", "header-length", "not-an-object", "past-the-end", "wrong-size", "dtype"])
+    (_file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+           '"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', bytes(12)), "'a' and 'b' overlap"),
+], ids=["short", "header-length", "not-an-object", "past-the-end", "wrong-size", "dtype", "overlap"])
 def test_a_broken_safetensors_file_is_refused_naming_it(content, message, tmp_path):
     path = tmp_path / "broken.safetensors"
     path.write_bytes(content)

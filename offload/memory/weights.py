@@ -16,22 +16,11 @@ meta buffer the files do not hold (a rotary embedding's ``inv_freq``, say): thos
 ``_init_weights`` where it has one (transformers' convention), which computes such buffers.
 Buffers the files hold are loaded too.
 
-[Note: weights out] ``Engine.save_pretrained(DIR)`` writes what ``from_pretrained(DIR)``
-reads: ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` of at most
-``max_shard_size`` each and ``model.safetensors.index.json``, plus ``config.json`` (and
-``generation_config.json``) when the model has a ``config`` with ``save_pretrained``. The
-values are those of ``engine.state_dict()`` (the fp32 master of trainable parameters), read
-one unit at a time as the files are written, so RAM holds about a unit; a parameter tied to
-others is written once, under its first name (transformers ties it again on load).
-``dtype`` converts floating-point tensors (``torch.bfloat16`` halves the files). Each file
-is written beside its name and renamed into place; the index comes last, and files of an
-earlier save in the other layout (a single file or shards) are removed so that
-``from_pretrained`` cannot pick them up.
+Writing weights out (``Engine.save_pretrained``) is offload/checkpoint/export.py's
+([Note: atomic model directory]); ``iter_weights`` below reads them one unit at a time.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -39,11 +28,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.config import parse_size
-from offload.io.safetensors import INDEX_NAME, SINGLE_NAME, SafetensorsWriter, WeightFiles
+from offload.io.safetensors import WeightFiles
 from offload.memory.layout import UnitState
 
-__all__ = ["PretrainedWeights", "open_weights", "close_weights", "iter_weights", "save_pretrained"]
+__all__ = ["PretrainedWeights", "open_weights", "close_weights", "iter_weights"]
 
 
 class PretrainedWeights:
@@ -62,9 +50,11 @@ class PretrainedWeights:
         shapes = self.files.shapes
         names_of: Dict[int, List[str]] = {}
         shape_of: Dict[int, Tuple[int, ...]] = {}
+        dtype_of: Dict[int, torch.dtype] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
             shape_of[id(p)] = tuple(p.shape)
+            dtype_of[id(p)] = p.dtype
         key_of: Dict[str, str] = {}
         missing: List[str] = []
         mis_shaped: List[str] = []
@@ -95,6 +85,11 @@ class PretrainedWeights:
             problems.append(f"mis-shaped: {mis_shaped}")
         if problems:
             raise ValueError(f"weights: {self.files.path!r} does not match the model; " + "; ".join(problems))
+        for pid, names in names_of.items():  # integers into weights refused, fp8 warned about
+            self.files.check_conversion(key_of[names[0]], dtype_of[pid])
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        for name, key in buffer_keys.items():
+            self.files.check_conversion(key, buffers[name].dtype, "buffer")
         return key_of, buffer_keys
 
     def parameter(self, fqn: str, dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +117,6 @@ def close_weights(weights: Optional[PretrainedWeights]) -> None:
 
 
 UnitValues = Callable[[UnitState], Dict[int, torch.Tensor]]
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def iter_weights(module: nn.Module, units: List[UnitState], unit_values: UnitValues,
@@ -146,76 +140,3 @@ def iter_weights(module: nn.Module, units: List[UnitState], unit_values: UnitVal
             yield name, current[1][e.offset]
         else:
             yield name, value.detach()
-
-
-def save_pretrained(directory: "str | os.PathLike[str]", module: nn.Module, units: List[UnitState],
-                    unit_values: UnitValues, frozen_dtype: torch.dtype, dtype: Optional[torch.dtype] = None,
-                    max_shard_size: "int | str" = "5GB") -> None:
-    """[Note: weights out] ``frozen_dtype``: that of the values ``unit_values`` gives for
-    frozen parameters (trainable ones come from the fp32 master)."""
-    directory = os.fspath(directory)
-    limit = parse_size(max_shard_size, "max_shard_size")
-    if not limit:
-        raise ValueError(f"max_shard_size: must be a positive size, got {max_shard_size!r}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype: must be a floating-point torch.dtype, got {dtype!r}")
-    entry_of = {e.param: e for u in units for e in u.spec.entries}
-
-    def out_dtype(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    # Names, dtypes and shapes first (a safetensors header precedes the data), cut into shards.
-    layout: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
-    seen = set()
-    for name, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, nn.Parameter) and value in entry_of:
-            if value in seen:
-                continue
-            seen.add(value)
-            e = entry_of[value]
-            shape, kind = tuple(e.shape), torch.empty(0, dtype=torch.float32 if e.trainable else frozen_dtype)
-        else:
-            shape, kind = tuple(value.shape), value
-        layout.append((name, out_dtype(kind), shape))
-    shards: List[List[Tuple[str, torch.dtype, Tuple[int, ...]]]] = [[]]
-    size = 0
-    for item in layout:
-        nbytes = math.prod(item[2]) * torch.empty(0, dtype=item[1]).element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
-    os.makedirs(directory, exist_ok=True)
-    names = [SINGLE_NAME] if len(shards) == 1 else \
-        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    values = iter_weights(module, units, unit_values, aliases=False)
-    total = 0
-    for file_name, shard in zip(names, shards):
-        writer = SafetensorsWriter(os.path.join(directory, file_name), shard, metadata={"format": "pt"})
-        try:
-            for name, want, _ in shard:
-                got, value = next(values)
-                assert got == name, (got, name)
-                writer.write(name, value.to(want))
-            writer.finish()
-        except BaseException:
-            writer.abandon()
-            raise
-        total += writer.data_bytes
-    index_path = os.path.join(directory, INDEX_NAME)
-    if len(shards) > 1:
-        weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
-        with open(index_path + ".partial", "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(index_path + ".partial", index_path)
-    for old in os.listdir(directory):  # an earlier save in the other layout
-        stale = old == SINGLE_NAME if len(shards) > 1 else (old == INDEX_NAME or _SHARD_RE.match(old))
-        if stale or (_SHARD_RE.match(old) and old not in names):
-            os.unlink(os.path.join(directory, old))
-    for attribute in ("config", "generation_config"):
-        config = getattr(module, attribute, None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
