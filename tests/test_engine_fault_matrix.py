@@ -1,8 +1,10 @@
 """The fault matrix of a step (issue 21): an exception at every fault point of forward,
 backward and step() (offload.faults.POINTS, so a new point joins the matrix), and a failed
-swap read or write, for fp32/bf16 and tiers (host, host)/(nvme, nvme), at the first and the
-last hit of one training step. Each case ends in one of the two outcomes of [Note:
-failures inside a step] (offload/optim/failure.py), never a third:
+swap read or write, for fp32/bf16 and tiers (host, host)/(nvme, nvme), with speculative and
+with delayed updates too (issue 36), at the first and the last hit of one training step.
+Each case ends in one of the two outcomes of [Note: failures inside a step]
+(offload/optim/failure.py), never a third (a failed speculative update that the step redoes
+is the first: the step completes and equals the uninterrupted one):
 
 - consistent: the engine trains on, and its weights are those before the failed batch;
   after the documented recovery (zero_grad(), then the same batch again) the run equals
@@ -36,7 +38,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:offload. execution left the rec
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2)
 # "nvme-clipped" (fp32 only): with clipping no unit is updated during backward and step()
 # runs the staged pipeline itself ([Note: the piece ring]) instead of deferring.
-TIERS = {"host": ("host", "host"), "nvme": ("nvme", "nvme"), "nvme-clipped": ("nvme", "nvme")}
+# "nvme-speculative": clipping that never triggers, so units are updated during backward
+# into spare homes and step() commits them ([Note: speculative updates]); "nvme-delayed":
+# every step's updates run after step() returns ([Note: delayed updates]).
+TIERS = {"host": ("host", "host"), "nvme": ("nvme", "nvme"), "nvme-clipped": ("nvme", "nvme"),
+         "nvme-speculative": ("nvme", "nvme"), "nvme-delayed": ("nvme", "nvme")}
 # Points the matrix does not arm: wrap's own (a failed wrap changes nothing: its own tests),
 # the checkpoint's (the crash-point harness), and the I/O engine hand-off, which the I/O
 # faults below stand for (a failed read or write of the NVMe tier).
@@ -45,8 +51,11 @@ STEP_POINTS = [n for n in offload.faults.points() if not n.startswith(NOT_IN_A_S
 IO_FAULTS = ["nvme.read", "nvme.write"]
 NOT_REACHED = {"host": {"optim.deferred_update", "optim.write_back", *IO_FAULTS}, "nvme": set(),
                # every unit stays resident, updated through its device copy: no fetch, no release
-               "nvme-clipped": {"optim.early_update", "optim.deferred_update", "memory.fetch", "memory.release"}}
-FAST = {("fp32", "nvme"), ("bf16", "host")}  # the rest is marked slow
+               "nvme-clipped": {"optim.early_update", "optim.deferred_update", "memory.fetch", "memory.release"},
+               "nvme-speculative": set(),
+               # no update during backward; every unit stays resident through a step's updates
+               "nvme-delayed": {"optim.early_update", "memory.fetch"}}
+FAST = {("fp32", "nvme"), ("bf16", "host"), ("fp32", "nvme-speculative"), ("bf16", "nvme-delayed")}  # the rest: slow
 
 
 class InjectedFault(Exception):
@@ -60,11 +69,12 @@ def batch(i):
 
 def config(dtype, tiers, swap_dir):
     param_tier, optimizer_tier = TIERS[tiers]
+    max_grad_norm = {"nvme-clipped": 1.0, "nvme-speculative": 1e9}.get(tiers)
+    delayed = dict(delayed_update=True, delayed_update_warmup_steps=0) if tiers == "nvme-delayed" else {}
     return dict(dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=str(swap_dir),
-                device_budget=60_000, max_grad_norm=1.0 if tiers == "nvme-clipped" else None,
-                # the serialized step of clipping (tests/test_optim_speculative.py has the failures
-                # of speculative updates)
-                speculative_updates=False if tiers == "nvme-clipped" else None)
+                device_budget=60_000, max_grad_norm=max_grad_norm,
+                # the serialized step of clipping
+                speculative_updates=False if tiers == "nvme-clipped" else None, **delayed)
 
 
 def make_engine(cfg):
@@ -75,11 +85,19 @@ def make_engine(cfg):
 
 def train_step(engine, i):
     """One training step on batch i, settled: with deferred updates ([Note: deferred
-    updates]) step() returns before they finish; zero_grad() waits for them."""
+    updates]) step() returns before they finish; zero_grad() waits for them. Speculative
+    updates all run before step() (else it takes back those the worker has not started,
+    and which points a step reaches depends on timing); delayed ones are waited for after
+    it (as state_dict and checkpoints wait, without reading anything), so that the step's
+    hits are its own."""
     b = batch(i)
     engine.backward(engine(b[:, :-1], b[:, 1:]))
+    if engine.layout.speculative:
+        engine.debug.updates.wait_optimizer()
     engine.step()
     engine.zero_grad()
+    if engine.layout.delayed_update:
+        engine.debug.updates.delayed.wait()
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,14 +149,20 @@ def fault(engine, point, at, error):
             yield lambda: armed.hits
 
 
+REDONE = "redone"
+
+
 def faulted_step(engine, point, at, error, ckpt):
-    """Step 1 with the ``at``-th hit of ``point`` failing: the exception it raised, or None
-    when that hit was a swap read ahead of the next pass, which step 1 does not wait for. A
+    """Step 1 with the ``at``-th hit of ``point`` failing: the exception it raised; None
+    when that hit was a swap read ahead of the next pass, which step 1 does not wait for;
+    REDONE when it failed a speculative update, which the step redid ([Note: speculative
+    updates]: only its spare homes were written). A
     step's hits can differ by one between runs: in step() the next pass's prefetch reads
     only the compute copies whose early or deferred updates are done by then, so one run
     reads one more or one fewer. A step that ends before hit ``at`` is taken back by loading
     ``ckpt`` (the state before it) and run again failing at its own last hit."""
     for _ in range(3):
+        redone = engine.stats()["redone_updates"]
         with fault(engine, point, at, error) as hits:
             try:
                 train_step(engine, 1)
@@ -146,6 +170,8 @@ def faulted_step(engine, point, at, error, ckpt):
                 assert hits() >= at
                 return raised
         if hits() >= at:
+            if engine.stats()["redone_updates"] > redone:
+                return REDONE
             assert point == "nvme.read", f"hit {at} of {point} was reached and did not fail"
             return None
         at = hits()
@@ -183,6 +209,11 @@ def test_a_fault_in_a_step_leaves_a_consistent_or_a_failed_engine(dtype, tiers, 
         raised = faulted_step(engine, point, at, error, ckpt)
         if raised is None:  # a read ahead of the next pass failed: step 1 is done, nothing lost
             assert_the_next_pass_reads_again(engine)
+            assert_same_state(engine.state_dict(), final)
+            return
+        if raised is REDONE:  # step 1 is done, the failed speculation redone: nothing lost
+            assert config(dtype, tiers, swap_root).get("max_grad_norm") == 1e9  # else redos are routine
+            train_step(engine, 2)
             assert_same_state(engine.state_dict(), final)
             return
         said = " ".join([str(raised), *getattr(raised, "__notes__", [])])
