@@ -20,8 +20,7 @@ PACKAGE_DIR = Path(offload.__file__).parent
 
 # Lowest first. A module may import modules of its own layer or of lower ones. A module is
 # named by its path ("offload.io.engine"; a package's __init__.py is "offload.io.__init__")
-# and belongs to the layer of the longest name here that is it or one of its parents. Names
-# of modules that do not exist yet (errors, hooks) hold their place for the split of issue 16.
+# and belongs to the layer of the longest name here that is it or one of its parents.
 LAYERS: List[List[str]] = [
     ["offload._native", "offload._info", "offload.errors", "offload.faults"],
     # A leaf: config asks it whether an io_backend can start, without the I/O engine.
@@ -53,8 +52,7 @@ LAYERS: List[List[str]] = [
 
 # Imports that break the rules today, as (importer, imported). Each is to be removed by the
 # issue named beside it; an entry that no longer breaks a rule fails the test, so this list
-# only shrinks. Empty today: checkpoint imports engine under TYPE_CHECKING only, and engine's
-# import of checkpoint (for EngineFailedError) goes down the layers.
+# only shrinks. Empty today.
 KNOWN_VIOLATIONS: FrozenSet[Tuple[str, str]] = frozenset()
 
 

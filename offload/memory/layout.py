@@ -11,7 +11,7 @@ write, so the rule for every field of it and of the mechanism objects lives here
 - The main thread (the caller's) runs every public verb and every hook (autograd runs them
   on the thread that runs backward, while the caller blocks), so it writes the hook and
   gradient fields (calls, backward_done, grads_since_use, has_grad, grad, param_grads,
-  early_grad_squares, delayed_update, delayed_pending), spills gradients
+  delayed_update, delayed_pending), spills gradients
   (``grad_spilled``, ``spilled_grad_squares``: [Note: gradient spill], only of units with
   no update queued or running), and it alone
   moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
@@ -19,14 +19,20 @@ write, so the rule for every field of it and of the mechanism objects lives here
   except stage 3's gathers, and owns the engine's own fields (micro-step, failure state).
 - The copy worker (``offload-copy``, DeviceResidency) runs the transfers of a fetch into
   the device slot it was handed and stage-3 all-gathers ([Note: parameter all-gathers]):
-  it writes tensor data in the slot, no field.
+  it writes tensor data in the slot, no field of UnitState, and takes and gives back the
+  staging buffers of reads from NVMe (``DeviceResidency._fetch_staging``, which no other
+  thread touches after wrap).
 - The optimizer worker (``offload-adam``, UpdateScheduler) runs one update at a time: it
   moves ``update`` QUEUED -> RUNNING under ``UpdateScheduler.lock`` (which also guards the
   queue and a fill being attached: [Note: update states]), writes the unit's states at
-  home, ``steps`` and ``update.home_writes``, PipelinedStep's ring fields (its docstring
-  says when the main thread may read them), and gives the unit's gradients back (under the
-  gradient pool's lock and HostTier's). The main thread reads what the worker wrote only
-  after waiting for the unit's ticket. An update of a spilled unit reads its gradients
+  home, ``steps`` and ``update.home_writes``, an early update's ``early_grad_squares`` and
+  ``early_nonfinite`` (which step()'s norm reads), PipelinedStep's ring fields (its
+  docstring says when the main thread may read them), and gives the unit's gradients back
+  (under the gradient pool's lock and HostTier's). Homes runs there too: the updates read
+  and write the homes through it, and a slot's failed write-back finished by the worker
+  reads the unit's states into ``PipelinedStep.dirty`` ([Note: swap I/O failures]), which
+  the main thread reads once the worker is idle (wait_optimizer). The main thread reads
+  what the worker wrote only after waiting for the unit's ticket. An update of a spilled unit reads its gradients
   back (``Gradients.grad_range``) on the thread that runs it, which then owns them.
   A delayed update ([Note: delayed updates]) owns its unit's gradient fields from step()
   until the main thread waits for it and takes them back (``Gradients.take_back``).

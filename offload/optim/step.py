@@ -64,7 +64,7 @@ class PipelinedStep:
         """``slots``: the staging slots (none without a staged step). ``host_planned_bytes``:
         what the host budget check planned, which the dirty copies may not eat into. The
         callables are the engine's: the step counts and pieces of a unit, Adam over a range
-        of a unit (Engine._adam_range), where a separate compute copy is written, giving a
+        of a unit (UnitAdam.adam_range), where a separate compute copy is written, giving a
         unit's gradients back, reading a whole master or home, stopping the engine after a
         step failed part-way (fatal) and recording a non-fatal failure (the failed writes)."""
         self.slots = slots

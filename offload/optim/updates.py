@@ -132,7 +132,7 @@ class UpdateScheduler:
         and skip decision, whether that norm clipped, zero_grad, the loss scale now, giving one
         unit's back, letting go of a speculative update's read-back copy of spilled ones,
         taking one unit's fields back from its delayed update); Adam over a whole host-homed unit
-        (Engine._update_in_place); residency (release a device copy, land the fetches in
+        (UnitAdam.update_in_place); residency (release a device copy, land the fetches in
         flight, land those waiting for updates, bring a unit whose update is pending,
         start a fetch)."""
         self._units = units
