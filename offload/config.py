@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
+from offload._sizes import PAGE_BYTES
 from offload.errors import warn_at_caller
 
 Size = Union[int, str, None]
@@ -79,7 +80,7 @@ def _check_backend_usable(backend: str) -> None:
 # up to 4096 blocks are in flight (io_uring and libaio size their rings by it). Spelled out
 # here so a config is checked without the native extension; tests/test_config.py pins them
 # against IOEngine.
-IO_BLOCK_ALIGN_BYTES = 4096
+IO_BLOCK_ALIGN_BYTES = PAGE_BYTES
 MAX_IO_BLOCK_BYTES = 1 << 30
 MAX_IO_QUEUE_DEPTH = 4096
 

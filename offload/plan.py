@@ -42,20 +42,19 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes
 from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
+from offload.units import padded_numel
 
 # The machine profile's schema lives with the placement that weighs tiers by it; offload
 # profile and the tests reach it here too.
 PROFILE_SCHEMA, PROFILE_VERSION = unit_placement.PROFILE_SCHEMA, unit_placement.PROFILE_VERSION
 LINKS, DEFAULT_PROFILE = unit_placement.LINKS, unit_placement.DEFAULT_PROFILE
 validate_profile, load_profile = unit_placement.validate_profile, unit_placement.load_profile
-from offload.units import padded_numel
 
-PAGE_BYTES = 4096
-_FP32_BYTES = 4
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -196,15 +195,15 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     sizes = [u.sizes(e) for u in units]
     compute_numel = [u.compute_numel for u in sizes]
     master_numel = [u.master_numel for u in sizes]
-    home_element = _FP32_BYTES if merged else e
+    home_element = FP32_BYTES if merged else e
     trainable = [u.trainable for u in sizes]
 
     compute_bytes = sum(n * home_element for n in compute_numel)
-    master_bytes = 0 if merged else sum(m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    master_bytes = 0 if merged else sum(m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
     prefix_bytes = sum(u.low_numel * 2 for u in sizes if u.trainable)
     if split:
         master_bytes = prefix_bytes
-    moments_bytes = sum(2 * m * _FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    moments_bytes = sum(2 * m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
     grad_bytes = sum(u.trainable_numel for u in units) * layout.grad_element_bytes
     grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"  # [Note: 16-bit gradients]
 
@@ -232,8 +231,8 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     traffic["device_to_host"] += shape.num_trainable * e
     master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
     trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
-    optimizer_io = (trainable_master * _FP32_BYTES if master_on_nvme and not split else 0) + \
-        (2 * trainable_master * _FP32_BYTES if optimizer_tier == "nvme" else 0)
+    optimizer_io = (trainable_master * FP32_BYTES if master_on_nvme and not split else 0) + \
+        (2 * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
     if split:  # the low halves, and the high ones: the compute copy, read from its home
         optimizer_io += prefix_bytes
         if param_tier == "nvme":

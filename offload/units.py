@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-PAGE_BYTES = 4096
+from offload._sizes import PAGE_BYTES
 # The optimizer pipeline moves states in pieces of at most this many elements (a multiple of
 # 4096, so that every piece starts on a page in fp32 and 16-bit buffers alike): staging
 # memory is then a few pieces, not a few of the largest unit (an embedding can be huge).

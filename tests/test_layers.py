@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(offload.__file__).parent
 # named by its path ("offload.io.engine"; a package's __init__.py is "offload.io.__init__")
 # and belongs to the layer of the longest name here that is it or one of its parents.
 LAYERS: List[List[str]] = [
-    ["offload._native", "offload._info", "offload.errors", "offload.faults"],
+    ["offload._native", "offload._info", "offload._sizes", "offload.errors", "offload.faults"],
     # A leaf: config asks it whether an io_backend can start, without the I/O engine.
     ["offload.io.probe"],
     ["offload.config"],

@@ -101,9 +101,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from offload.units import PAGE_BYTES  # noqa: E402 - after the path above
+
 GiB = 1 << 30
 GB = 1e9
-PAGE_BYTES = 4096
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 
 ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial",

@@ -16,8 +16,9 @@ import time
 from typing import Dict, Optional
 
 from offload import _native
+from offload._sizes import PAGE_BYTES
 
-ALIGN_BYTES = 4096
+ALIGN_BYTES = PAGE_BYTES  # O_DIRECT's alignment of offsets, lengths and buffers
 # Every backend, in the order backend="auto" prefers them; see [Note: auto backend choice].
 BACKENDS = ("io_uring", "libaio", "threads")
 # Size of a backend check's aligned write+read: 8 blocks of 1 MiB go through the queue at once.

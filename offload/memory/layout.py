@@ -48,6 +48,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
 from offload.tiers import HostTier
 from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitUpdate, padded_numel
@@ -55,7 +56,6 @@ from offload.zero.shards import ParamShard, ShardRange
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from offload._sizes import FP32_BYTES
 from offload.units import padded_numel
-
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
