@@ -1,5 +1,6 @@
 """offload.config: OffloadConfig from a dict or a JSON file, and errors that name the field."""
 import json
+import os
 
 import pytest
 import torch
@@ -197,3 +198,10 @@ def test_the_ignored_settings_warning_points_at_the_wrap_that_built_the_config()
                               config=dict(device="cpu", param_tier="device", speculative_updates=True))
     engine.close()
     assert [w.filename for w in record if "ignored" in str(w.message)] == [__file__]
+
+
+def test_a_test_not_marked_gpu_sees_the_cpu_whatever_the_machine_has():
+    """tests/conftest.py: on a GPU machine (issue 37, finding 3) "auto" would resolve to CUDA
+    and the CPU references would not compare; subprocesses see no GPU either."""
+    assert offload.OffloadConfig(device="auto").resolved_device() == torch.device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
