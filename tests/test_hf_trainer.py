@@ -125,6 +125,40 @@ def test_losses_grad_norms_eval_losses_and_weights_equal_the_plain_trainer(where
     assert_weights_close(tmp_path / "final", plain_final)
 
 
+class TokenStream(torch.utils.data.IterableDataset):
+    """TokenDataset's rows as a stream: no length."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return (self.rows[i] for i in range(len(self.rows)))
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+def test_evaluate_and_predict_give_the_plain_trainers_results_when_the_last_batch_is_short(
+        drop_last, base_dir, tmp_path):
+    """7 rows, eval batches of 2: the last batch's loss counts once per row it holds, from a
+    stream (no length) as from a map-style dataset, and predict() returns every row
+    (dataloader_drop_last drops the map-style dataset's short batch; the Trainer does not
+    apply it to a stream). The forward is the plain model's computation in fp32 (the
+    engine's compute copy holds the same values), so the results are the same bits."""
+    rows = TokenDataset(7, seed=2)
+    args = dict(dataloader_drop_last=drop_last)
+    plain = Trainer(model=model_from(base_dir), args=training_args(tmp_path / "plain", **args))
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", **args), {})
+    try:
+        for dataset in (TokenStream(rows), rows):
+            name = type(dataset).__name__
+            assert trainer.evaluate(dataset)["eval_loss"] == plain.evaluate(dataset)["eval_loss"], name
+            got, want = trainer.predict(dataset), plain.predict(dataset)
+            assert got.metrics["test_loss"] == want.metrics["test_loss"], name
+            assert got.predictions.shape == want.predictions.shape, name
+            assert (got.predictions == want.predictions).all() and (got.label_ids == want.label_ids).all(), name
+    finally:
+        trainer.close()
+
+
 def test_the_decay_groups_and_hyperparameters_are_the_trainers(base_dir, tmp_path):
     trainer = offload_trainer(base_dir, training_args(tmp_path / "out", adam_beta2=0.99, adam_epsilon=1e-6), {},
                               train_dataset=TokenDataset(4, seed=1))
@@ -528,16 +562,23 @@ def test_without_clipping_deferred_steps_train_alike_and_say_why_grad_norm_is_no
     assert logged(trainer, "grad_norm") == [] and len(logged(plain, "grad_norm")) == 6
 
 
-def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(base_dir, tmp_path):
+@pytest.mark.parametrize("where", ["host", "nvme"])
+def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(where, base_dir, tmp_path):
+    """The best checkpoint's weights, read through the model's and the engine's state_dict
+    (the load let go of every unit: a parameter holds its NaN placeholder until the next
+    pass, [Note: released parameters])."""
     args = training_args(tmp_path / "out", eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                          load_best_model_at_end=True, metric_for_best_model="eval_loss")
-    trainer = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1),
-                              eval_dataset=TokenDataset(6, seed=2))
+    trainer = offload_trainer(base_dir, args, nvme(tmp_path / "swap") if where == "nvme" else {},
+                              train_dataset=TokenDataset(24, seed=1), eval_dataset=TokenDataset(6, seed=2))
     try:
         trainer.train()
         eval_losses = logged(trainer, "eval_loss")
         best = eval_losses.index(min(eval_losses))
         assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{2 * (best + 1)}")
+        saved = load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+        for values in (trainer.model.state_dict(), trainer.engine.state_dict()):
+            assert values.keys() == saved.keys() and all(torch.equal(values[k], saved[k]) for k in saved)
         assert trainer.evaluate()["eval_loss"] == eval_losses[best]
     finally:
         trainer.close()
@@ -613,6 +654,11 @@ def test_bf16_trains_with_the_engine_in_bf16(base_dir, plain_run, tmp_path):
     try:
         assert trainer.engine.compute_dtype == torch.bfloat16
         trainer.train()
+        # the fp32 master, in the dtype from before wrap, read through either state_dict
+        values, master = trainer.model.state_dict(), trainer.engine.state_dict()
+        assert {v.dtype for v in master.values()} == {torch.float32}
+        assert any(not torch.equal(v, v.bfloat16().float()) for v in master.values())  # not the bf16 copy
+        assert values.keys() == master.keys() and all(torch.equal(values[k], master[k]) for k in master)
     finally:
         trainer.close()
     # bf16 compute against fp32: the same run, to bf16 precision

@@ -22,7 +22,11 @@ the Trainer would do to the model and the optimizer:
    config; the engine's device is the Trainer's ``args.device``.
 2. Accelerate neither moves the model nor wraps its forward in autocast (the engine places
    every state and computes in its own dtype); the Trainer's ``_move_model_to_device`` does
-   nothing (a meta model cannot move).
+   nothing (a meta model cannot move). Accelerate's ``device_placement`` also decides how
+   it prepares a data loader, so ``_get_dataloader`` turns it on for that, as in a plain
+   Trainer: with it off, an IterableDataset gets a DataLoaderShard instead of a
+   DataLoaderDispatcher, ``gather_for_metrics`` is not told the size of the last batch, and
+   ``evaluation_loop`` weights that batch's loss as a full batch's.
 3. ``training_step`` runs the model's forward (through the engine's hooks) and
    ``compute_loss`` as the Trainer does, normalizes the loss as ``Trainer.training_step``
    does (by ``num_items_in_batch`` across the accumulation window, or by the window's
@@ -329,7 +333,14 @@ class OffloadTrainer(Trainer):
     OffloadConfig, a dict or a JSON path: where the states live, without the fields that
     TrainingArguments decide) and ``weights`` (a Hugging Face model directory or a
     .safetensors file whose tensors become the parameters' values; with a model built on
-    the meta device). ``self.engine`` is the Engine; ``close()`` removes its swap files."""
+    the meta device). ``self.engine`` is the Engine; ``close()`` removes its swap files.
+
+    The engine stays open after ``train()`` (evaluate, predict and save_model run through it).
+    The model's parameters are the engine's ([Note: released parameters]): between passes
+    one holds its unit's compute copy while the unit stays on the device (in the compute
+    dtype), else a NaN placeholder (after load_best_model_at_end: every unit, the load let go
+    of them). Read trained values with ``model.state_dict()``, ``engine.state_dict()`` or
+    ``save_model``."""
 
     def __init__(
         self,
@@ -401,6 +412,18 @@ class OffloadTrainer(Trainer):
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Nothing to do: the engine puts every state on its tier and brings units to the device."""
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's (the train, eval and test loaders), prepared by accelerate as a plain
+        Trainer's are ([Note: the Trainer's loop around the engine] step 2)."""
+        # Off for the model and the optimizer (accelerate would move them, and read the
+        # optimizer's state_dict, which EngineAdam refuses); on while the loader is prepared.
+        accelerator = self.accelerator
+        accelerator.device_placement = True
+        try:
+            return super()._get_dataloader(*args, **kwargs)
+        finally:
+            accelerator.device_placement = False
 
     # ------------------------------------------------------------------ training
     def training_step(self, model: nn.Module, inputs: Dict[str, Any],
