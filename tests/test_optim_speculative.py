@@ -87,28 +87,32 @@ def test_speculative_updates_equal_the_serialized_step_bit_for_bit(tiers, dtype,
         assert clipped_steps == 0 and speculated == NUM_STEPS
 
 
-# How long each speculative update waits before it runs in the take-back tests: far longer
-# than step() takes to find the later ones still queued.
-SLOW_WORKER_SECONDS = 0.5
-
-
 def train_with_a_slow_worker(tmp_path, name, data, **kw):
-    """As train(), but each speculative update starts SLOW_WORKER_SECONDS late, and step()
-    is called once the worker has started the first one of its backward: the others are
-    then still queued."""
+    """As train(), but the first speculative update of each backward holds the worker until
+    step() has taken the others back (they are still queued behind it): step() is called
+    once that update has started. By the counts, not by timing: the update waits for
+    ``taken_back_updates`` to grow by the blocks left."""
     started = threading.Semaphore(0)
+    wanted = {"taken_back": None}
+    holder = {}
 
     def slow(*args, **context):
         started.release()
-        time.sleep(SLOW_WORKER_SECONDS)
+        target, deadline = wanted["taken_back"], time.monotonic() + 60
+        while holder["engine"].stats()["taken_back_updates"] < target:
+            assert time.monotonic() < deadline, "step() never took the queued updates back"
+            time.sleep(0.001)
 
     torch.manual_seed(0)
     model = GPT(CFG)
     losses, norms = [], []
     with offload.faults.inject("optim.early_update", slow), \
             offload.wrap(model, make_opt(model.parameters()), config=config(tmp_path, name, **kw)) as engine:
+        holder["engine"] = engine
         for b in data:
-            queued = engine.stats()["speculative_updates"]
+            stats = engine.stats()
+            queued = stats["speculative_updates"]
+            wanted["taken_back"] = stats["taken_back_updates"] + NUM_BLOCKS - 1
             loss = gpt_loss(engine, b)
             engine.backward(loss)
             if engine.stats()["speculative_updates"] > queued:  # this backward speculated
@@ -123,9 +127,9 @@ def train_with_a_slow_worker(tmp_path, name, data, **kw):
 @pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "host")], ids="-".join)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_step_takes_back_the_speculative_updates_the_worker_has_not_started(tiers, dtype, tmp_path):
-    """[Note: speculative updates] The worker is slow (each speculative update starts
-    SLOW_WORKER_SECONDS late): at step() the first block's update has started, the other
-    blocks' are still queued. step() takes those back, the norm takes their squares itself,
+    """[Note: speculative updates] The worker is slow (the first speculative update of a
+    backward holds it): at step() the first block's update has started, the other blocks'
+    are still queued. step() takes those back, the norm takes their squares itself,
     and they are updated like units never updated (deferred, or in step()); the one that ran
     is committed or redone. Clipping on some steps and not others: bit for bit the
     serialized run, and the counts say which way each update went."""
