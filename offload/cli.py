@@ -48,9 +48,18 @@ def _param_count(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    """offload's version, with torch's (the build decides which kernels and devices exist)."""
+    import torch
+
+    from offload import __version__
+    return f"offload {__version__} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offload", description="Train PyTorch models whose state does not fit on the device.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="train a small GPT with its state in swap files",

@@ -335,3 +335,9 @@ def test_a_demo_removes_the_temporary_directories_of_killed_demos_only(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"removed {tmp_path / dead} of a demo that was killed" in result.stdout
     assert demo_dirs(tmp_path) == ["offload-demo-live"]
+
+
+def test_version_names_offload_and_torch():
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"offload {offload.__version__} (torch {torch.__version__})"
