@@ -68,29 +68,32 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
 
     # 2. Swap directory, backends, O_DIRECT, free space.
     usable_dir = False
+    probe_dir = directory  # where the swap files would be: the directory, or what wrap creates it in
     if not os.path.exists(directory):
         ancestor = os.path.dirname(directory)
         while not os.path.exists(ancestor):
             ancestor = os.path.dirname(ancestor)
         if os.path.isdir(ancestor):
-            checks.fail("swap directory", f"{directory} does not exist",
-                        f"create it (`mkdir -p {directory}`) or pass --swap-dir DIR on a local NVMe drive")
+            probe_dir = ancestor  # wrap creates the rest (mode 0700), as it does here
         else:
             checks.fail("swap directory", f"{directory} cannot exist: {ancestor} is a file, not a directory",
                         "pass --swap-dir DIR naming a directory on a local NVMe drive")
     elif not os.path.isdir(directory):
         checks.fail("swap directory", f"{directory} is not a directory",
                     "pass --swap-dir DIR naming a directory on a local NVMe drive")
-    else:
+    if os.path.isdir(probe_dir):
         try:
-            fd, probe_path = tempfile.mkstemp(prefix=".offload-doctor-", dir=directory)
+            fd, probe_path = tempfile.mkstemp(prefix=".offload-doctor-", dir=probe_dir)
             os.close(fd)
             os.unlink(probe_path)
             usable_dir = True
-            checks.ok("swap directory", f"{directory} is writable")
+            checks.ok("swap directory", f"{directory} is writable" if probe_dir == directory else
+                      f"{directory} does not exist yet; wrap creates it in {probe_dir}, which is writable "
+                      "(the checks below are of that filesystem)")
         except OSError as e:
-            checks.fail("swap directory", f"cannot create files in {directory}: {e.strerror}",
-                        f"grant write permission on {directory} or pass --swap-dir DIR you can write")
+            checks.fail("swap directory", f"cannot create files in {probe_dir}: {e.strerror}",
+                        f"grant write permission on {probe_dir} or pass --swap-dir DIR you can write")
+    directory = probe_dir
     if usable_dir and info is not None:
         from offload.io.probe import BACKENDS, probe_directory
         try:

@@ -341,3 +341,17 @@ def test_version_names_offload_and_torch():
     result = run_cli("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"offload {offload.__version__} (torch {torch.__version__})"
+
+
+def test_doctor_and_wrap_agree_about_a_missing_swap_directory(tmp_path):
+    """A swap_dir that does not exist yet is one wrap creates: doctor checks the filesystem
+    it would be made on and passes (before, it failed while wrap went ahead)."""
+    missing = tmp_path / "not" / "yet"
+    result = run_cli("doctor", "--swap-dir", str(missing))
+    assert result.returncode == 0, result.stdout
+    assert f"{missing} does not exist yet; wrap creates it in {tmp_path}" in result.stdout
+    assert not missing.exists()  # doctor created nothing
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=2))
+    with offload.wrap(model, torch.optim.AdamW(model.parameters()),
+                      config=dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(missing))):
+        assert missing.is_dir()
