@@ -1,8 +1,9 @@
 """``offload doctor``: is this machine ready to offload? Each check prints one line; a check
 that fails on something required names the fix, and the exit code is 1.
 
-Required: the native extension loads; the swap directory exists, is writable, and at least
-one I/O backend completes a real aligned write+read there. Reported (warnings only): O_DIRECT
+Required: the native extension loads; the swap directory is writable (or, where it does not
+exist yet, the directory wrap would create it in is), and at least one I/O backend completes
+a real aligned write+read there. Reported (warnings only): O_DIRECT
 support (without it the engine falls back to buffered I/O), free space, RLIMIT_MEMLOCK, CUDA.
 """
 from __future__ import annotations
