@@ -240,10 +240,12 @@ def test_a_directory_that_no_save_finished_is_refused_for_resume_naming_what_it_
     try:
         with pytest.raises(ValueError) as refusal:
             trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
-        for part in (str(tmp_path / "out" / "checkpoint-3"), f"no {COMPLETE_MARKER}", "no trainer_state.json",
-                     f"no {ENGINE_CHECKPOINT_DIR}/manifest.json"):
+        # Trainer's own words first, then what the directory lacks
+        assert str(refusal.value).startswith(f"Can't find a valid checkpoint at {tmp_path / 'out' / 'checkpoint-3'}")
+        for part in (f"no {COMPLETE_MARKER}", "no trainer_state.json", f"no {ENGINE_CHECKPOINT_DIR}/manifest.json"):
             assert part in str(refusal.value)
-        with pytest.raises(ValueError, match="no checkpoint in .* that OffloadTrainer can resume from: .*checkpoint-3"):
+        with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*out\): none that "
+                           "OffloadTrainer can resume from: .*checkpoint-3"):
             trainer.train(resume_from_checkpoint=True)
     finally:
         trainer.close()
@@ -495,7 +497,8 @@ def test_resume_from_an_incomplete_checkpoint_is_refused_before_anything_changes
     try:
         with pytest.raises(ValueError) as refusal:
             trainer.train(resume_from_checkpoint=out / "checkpoint-6")
-        for part in (repr(str(out / "checkpoint-6")), f"no {COMPLETE_MARKER}", "no trainer_state.json"):
+        for part in (f"Can't find a valid checkpoint at {out / 'checkpoint-6'}", f"no {COMPLETE_MARKER}",
+                     "no trainer_state.json"):
             assert part in str(refusal.value)
         assert "no scheduler.pt" not in str(refusal.value)  # what the save wrote is not named
         trainer.train()  # from the start: the refused resume changed nothing

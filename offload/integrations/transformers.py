@@ -322,9 +322,10 @@ def _checkpoint_step(path: str) -> Optional[int]:
 def _require_resumable(checkpoint_dir: str) -> None:
     problems = resumable_problems(checkpoint_dir)
     if problems:
-        raise ValueError(f"resume_from_checkpoint: {checkpoint_dir!r} is not a checkpoint OffloadTrainer can resume "
-                         f"from: {'; '.join(problems)}. Resume from another one (resume_from_checkpoint=True takes "
-                         "the newest complete one in output_dir)")
+        # Trainer's own words first: scripts and tools match them
+        raise ValueError(f"Can't find a valid checkpoint at {checkpoint_dir}: it is not a checkpoint OffloadTrainer "
+                         f"can resume from: {'; '.join(problems)}. Resume from another one "
+                         "(resume_from_checkpoint=True takes the newest complete one in output_dir)")
 
 
 class OffloadTrainer(Trainer):
@@ -502,8 +503,8 @@ class OffloadTrainer(Trainer):
         try:
             entries = os.listdir(output_dir)
         except FileNotFoundError:
-            raise ValueError(f"resume_from_checkpoint=True: the output directory {output_dir!r} does not exist, "
-                             "so it holds no checkpoint") from None
+            raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): it does not "
+                             "exist") from None
         checkpoints = [os.path.join(output_dir, entry) for entry in entries]
         checkpoints = sorted((c for c in checkpoints if _checkpoint_step(c) is not None), key=_checkpoint_step,
                              reverse=True)
@@ -518,8 +519,8 @@ class OffloadTrainer(Trainer):
                                   UserWarning, stacklevel=3)
                 return checkpoint
             skipped.append(f"{checkpoint!r} ({', '.join(problems)})")
-        raise ValueError(f"resume_from_checkpoint=True: no checkpoint in {output_dir!r} that OffloadTrainer can "
-                         f"resume from" + (f": {'; '.join(skipped)}" if skipped else " (no checkpoint-N directory)"))
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): none that OffloadTrainer "
+                         f"can resume from" + (f": {'; '.join(skipped)}" if skipped else " (no checkpoint-N directory)"))
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """Trainer's, made complete by a marker written last ([Note: complete Trainer checkpoints])."""
