@@ -247,8 +247,7 @@ def _run_demo(s: DemoSettings, out: TextIO) -> int:
               f"  data    {len(text) / MiB:.1f} MiB from {num_files} .py files under {source_dir}\n"
               f"  budget  device {_fmt(budget)} for a model whose compute copy is {_fmt(model_bytes)} "
               f"(units stream in and out)\n"
-              f"  tiers   params + fp32 master + Adam moments -> nvme swap files, gradients -> host "
-              f"({_fmt(placement.nvme_bytes)} of swap)\n"
+              f"  tiers   params + fp32 master + Adam moments -> nvme swap files, gradients -> host\n"
               f"  swap    {swap_dir}{' (temporary)' if temporary else ''}\n"
               f"  run     {s.steps} steps of {s.batch_size} x {s.seq_len} tokens", file=out, flush=True)
 
@@ -257,6 +256,11 @@ def _run_demo(s: DemoSettings, out: TextIO) -> int:
                                        device_budget=budget, param_tier="nvme", optimizer_tier="nvme",
                                        swap_dir=swap_dir, dtype=s.dtype, max_grad_norm=1.0)
         engine = offload.wrap(model, optimizer, config, init_fn=_init_weights)
+        # what wrap made: the states, and their second copies where units are updated during
+        # backward ([Note: speculative updates]), which the plan of the tiers does not count
+        print(f"  swap    {_fmt(engine.stats()['nvme_bytes'])} in swap files "
+              f"({_fmt(placement.nvme_bytes)} of states, the rest second copies for the updates "
+              "during backward)", file=out, flush=True)
         warmup = max(1, s.steps // 10)
         schedule = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: min(
             1.0, (i + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))))
@@ -331,7 +335,8 @@ def _print_stats(stats: dict, out: TextIO) -> None:
         ("time", [("waiting on I/O", f"{stats['io_wait_seconds']:.2f} s"),
                   ("waiting for units", f"{stats['fetch_wait_seconds']:.2f} s"),
                   ("waiting for Adam", f"{stats['optimizer_wait_seconds']:.2f} s"),
-                  ("optimizer (total)", f"{stats['total_optimizer_seconds']:.2f} s"),
+                  ("optimizer (total)", f"{stats['total_optimizer_seconds'] + stats['worker_update_seconds']:.2f} s "
+                   f"({stats['worker_update_seconds']:.2f} s of it beside forward and backward)"),
                   ("last step", f"{stats['step_seconds']:.3f} s")]),
         ("prefetch", [("hits", str(stats["prefetch_hits"])),
                       ("misses", str(stats["prefetch_misses"]))]),

@@ -55,6 +55,10 @@ class Stats:
         with self._lock:
             self.counts[what] += n
 
+    def add_seconds(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[phase] += seconds
+
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -166,7 +170,9 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         # [Note: prefetch counters]
         **{f"prefetch_{k}": getattr(prefetcher, k) for k in ("hits", "misses", "late", "unplanned")},
         "backward_seconds": s.seconds["backward"],
-        "total_optimizer_seconds": s.seconds["optimizer"],
+        "total_optimizer_seconds": s.seconds["optimizer"],  # in step() itself
+        # the optimizer worker's updates (early, speculative, deferred, delayed), I/O included
+        "worker_update_seconds": s.seconds["worker_updates"],
         # counts of steps and updates ([Note: speculative updates] for speculative_updates,
         # redone_updates and taken_back_updates; [Note: delayed updates] for the last three:
         # optimizer steps whose update ran delayed, steps past the warm-up that fell back to

@@ -69,6 +69,13 @@ def test_demo_trains_end_to_end_and_removes_its_swap_files(tmp_path):
     assert "tier statistics" in out and "waiting on I/O" in out and "nvme -> device" in out
     assert "swap files removed" in out
     assert swap_leftovers(str(tmp_path)) == []
+    # The figures are true: the swap it made is the swap it used at its peak (second copies
+    # included), and the optimizer's time counts the updates on its thread (clipping on: they
+    # run during backward and after step()), which took the time step() did not.
+    swap = re.search(r"^  swap +([0-9.]+ [KMG]iB) in swap files", out, re.M).group(1)
+    assert re.search(rf"^    nvme +{re.escape(swap)}$", out, re.M), out
+    total, beside = map(float, re.search(r"optimizer \(total\) +([0-9.]+) s \(([0-9.]+) s of it beside", out).groups())
+    assert total >= beside > 0, out
 
 
 def test_demo_ctrl_c_stops_cleanly_and_removes_swap_files(tmp_path):

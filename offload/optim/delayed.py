@@ -203,7 +203,9 @@ class DelayedUpdates:
         else:
             self._update_in_place(u, grad_factor, groups, speculative=True)
         self._release_grad(u)  # the update owns them ([Note: threads] in memory/layout.py)
-        self._timeline.span("optimizer", f"update {u.name} (delayed)", start, time.perf_counter())
+        end = time.perf_counter()
+        self._timeline.span("optimizer", f"update {u.name} (delayed)", start, end)
+        self._stats.add_seconds("worker_updates", end - start)
 
     @contextlib.contextmanager
     def committed_view(self) -> Iterator[None]:

@@ -574,7 +574,9 @@ class UpdateScheduler:
         if u.update.speculative:  # its gradients wait for the norm, on NVMe if they came from there
             self._park_grad(u)  # ([Note: gradient spill])
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
-        self._timeline.span("optimizer", f"update {u.name} (early)", start, time.perf_counter())
+        end = time.perf_counter()
+        self._timeline.span("optimizer", f"update {u.name} (early)", start, end)
+        self._stats.add_seconds("worker_updates", end - start)
 
     def wait_optimizer(self, where: Optional[str] = None) -> None:
         """Wait for early updates and their write-backs. A failed write is kept in host RAM
