@@ -95,6 +95,10 @@ class Engine:
         # [Note: layout] every mode resolved once; nothing below reads the config again.
         self.layout = layout = Layout.resolve(config, self.device, self._partition)
         self.compute_dtype = layout.compute_dtype
+        if layout.fp16 and self.device.type == "cpu":
+            warn_at_caller("dtype='fp16' on a CPU device: torch's CPU kernels run fp16 matmuls many times "
+                           "slower than bf16 ones, and fp16 needs loss scaling; dtype='bf16' keeps fp32's "
+                           "range and runs at bf16's speed")
         compute_element_bytes = layout.compute_element_bytes
 
         # 2. Units, from the model and the optimizer's param groups.

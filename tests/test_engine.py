@@ -543,3 +543,16 @@ def test_trainable_parameter_missing_from_optimizer_is_an_error():
     opt = make_opt(list(model.blocks.parameters()))
     with pytest.raises(ValueError, match="wte.weight"):
         offload.wrap(model, opt)
+
+
+def test_fp16_on_a_cpu_device_suggests_bf16():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with pytest.warns(RuntimeWarning, match="dtype='fp16' on a CPU device.*dtype='bf16'") as caught:
+        engine = offload.wrap(model, make_opt(model.parameters()), config=dict(dtype="fp16"))
+    engine.close()
+    assert [w.filename for w in caught if "fp16" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = GPT(CFG)
+        offload.wrap(model, make_opt(model.parameters()), config=dict(dtype="bf16")).close()
