@@ -34,7 +34,7 @@ from torch import nn
 from offload import checkpoint, faults, units
 from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
 from offload.config import OffloadConfig
-from offload.errors import warn_at_caller
+from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
     UnitSizes, check_device_budget, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
@@ -411,6 +411,9 @@ class Engine:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one piece of a unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
+        failure = self._status.failure
+        if failure is not None and failure["fatal"]:  # before quiesce re-raises what failed the engine
+            raise EngineFailedError(f"save_checkpoint: {failure['message']}")
         self._updates.quiesce()
         with self._updates.committed_view():  # [Note: delayed updates] the true state, and the lagging copy
             checkpoint.save_checkpoint(self._checkpoint, ckpt_dir)

@@ -538,10 +538,11 @@ class UpdateScheduler:
         if not self.step_pending:
             return
         self.step_pending = False
+        interrupt = None
         try:
             try:
-                self.wait_optimizer("in the last optimizer step, whose updates ran on after step() returned "
-                                    "(overlap_step_with_forward=True)")
+                interrupt = self.finish_optimizer("in the last optimizer step, whose updates ran on after "
+                                                  "step() returned (overlap_step_with_forward=True)")
             finally:
                 self._land_fills()
                 for u in self._units:
@@ -554,6 +555,8 @@ class UpdateScheduler:
         except BaseException:
             if raise_errors:
                 raise
+        if interrupt is not None:  # [Note: interrupts while waiting] once the step's bookkeeping is done
+            raise interrupt
 
     def _update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         start = time.perf_counter()
