@@ -41,8 +41,10 @@ the wait goes on to its end (``wait_through_interrupts``) and the interrupt is r
 it, where the outcomes above apply. Backward waiting for a delayed update's gradient
 fields, or for a running update before spilling gradients, fails before any of its own
 updates: consistent. save_checkpoint and state_dict waiting for delayed updates raise it
-before reading or writing anything: consistent, the engine trains on. Only a wait in
-step() stays fatal, as everything raised there does.
+before reading or writing anything: consistent, the engine trains on. A call that settles
+a deferred step (zero_grad, the next backward) raises it once the step's bookkeeping (norm,
+zero_grad, write errors) is done. Only a wait in step() stays fatal, as everything raised
+there does.
 """
 from __future__ import annotations
 
