@@ -31,8 +31,8 @@ Each case ends in one of the two outcomes, never a third:
   one bit for bit.
 
 A failed speculative update is neither: it is dropped with a warning and step() redoes it; the
-run must then equal the uninterrupted one with nothing done. Cases that find an engine bug are
-strict xfails (KNOWN_BUGS), each with the failure it gives.
+run must then equal the uninterrupted one with nothing done. A case that finds an engine bug
+is a strict xfail (KNOWN_BUGS), with the failure it gives, until the bug is fixed.
 """
 import contextlib
 import dataclasses
@@ -275,14 +275,7 @@ def reference(name, swap_root):
 
 
 # Engine bugs these cases find, by case id: (the exception the case fails with, why).
-KNOWN_BUGS = {
-    "speculative-redone-memory.fetch-then-zero_grad": (AssertionError, (
-        "a Ctrl-C is dropped: zero_grad() -> UpdateScheduler.settle_all -> DeviceResidency.land_fills lands "
-        "the fill of blocks.0 and catches every BaseException its finish_fetch raises (meant for an update's "
-        "error, which the ticket reports), so zero_grad() returns: AssertionError: the KeyboardInterrupt at "
-        "memory.fetch was dropped without a word")),
-}
-KNOWN_BUGS["speculative-redone-memory.fetch-carry-on"] = KNOWN_BUGS["speculative-redone-memory.fetch-then-zero_grad"]
+KNOWN_BUGS: Dict[str, Tuple[type, str]] = {}  # none known today
 
 
 def cases():

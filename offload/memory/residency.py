@@ -423,15 +423,22 @@ class DeviceResidency:
         self._stats.count("update_fills")
         return True
 
-    def land_fills(self) -> None:
+    def land_fills(self) -> Optional[BaseException]:
         """Finish the fetches that waited for updates now over (prefetch_updating): the
-        slot of a failed one goes back (that error is reported with the update's own)."""
+        slot of a failed one goes back (that error is reported with the update's own). An
+        interrupt of this thread meanwhile (a KeyboardInterrupt, not an error) is returned
+        once every fill has landed, for the caller to raise ([Note: interrupts while
+        waiting])."""
+        interrupt: Optional[BaseException] = None
         for u in self.units:
             if u.update.fetch_chained and u.compute_state == Residency.LOADING:
                 try:
                     self.finish_fetch(u)
-                except BaseException:  # noqa: B902 - the update's ticket reports it
+                except Exception:  # noqa: BLE001 - the update's ticket reports it
                     pass
+                except BaseException as error:  # noqa: B902 - the unit is back home; raised by the caller
+                    interrupt = interrupt or error
+        return interrupt
 
     def wait_ready(self, u: UnitState) -> None:
         if u.ready_event is not None:

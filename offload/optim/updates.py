@@ -118,7 +118,7 @@ class UpdateScheduler:
                  update_in_place: Callable[..., None],
                  release: Callable[[UnitState], None],
                  drain_fetches: Callable[[], None],
-                 land_fills: Callable[[], None],
+                 land_fills: Callable[[], Optional[BaseException]],
                  prefetch_updating: Callable[[UnitState], bool],
                  start_fetch: Callable[..., bool]) -> None:
         """``units``: every unit, the root first. ``worker``: the optimizer worker (one
@@ -538,13 +538,13 @@ class UpdateScheduler:
         if not self.step_pending:
             return
         self.step_pending = False
-        interrupt = None
+        interrupt = landed = None
         try:
             try:
                 interrupt = self.finish_optimizer("in the last optimizer step, whose updates ran on after "
                                                   "step() returned (overlap_step_with_forward=True)")
             finally:
-                self._land_fills()
+                landed = self._land_fills()
                 for u in self._units:
                     u.update.forget()
             if self._norm_pending:  # the norm (and a warning for NaN/Inf) from the early squares
@@ -555,6 +555,7 @@ class UpdateScheduler:
         except BaseException:
             if raise_errors:
                 raise
+        interrupt = interrupt or landed
         if interrupt is not None:  # [Note: interrupts while waiting] once the step's bookkeeping is done
             raise interrupt
 
