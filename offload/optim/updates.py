@@ -46,8 +46,9 @@ swap write that fails leaves the homes intact: that unit is redone whatever the 
 step updates it like a unit never updated, its squares taken from the kept gradients.
 Until step() the homes hold the last step's state, so state_dict() or a checkpoint between
 backward and step() is consistent, and a backward that fails after speculative updates
-only is still consistent ([Note: failures inside a step]). The spare homes include the compute copy's frozen tail, which no update writes:
-``Homes.store_compute`` writes it to both copies (wrap, checkpoint load). A backward after
+only is still consistent ([Note: failures inside a step]). The spare homes include the
+compute copy's frozen tail, which no update writes: ``Homes.store_compute`` writes it to
+both copies (wrap, checkpoint load). A backward after
 a step that clipped does not speculate (``UpdateScheduler.speculate``; a skipped step
 changes nothing): clipping tends to go on for a while (a fresh model's norm is far above
 max_grad_norm), and each redo costs the update twice; that step's updates run once the
