@@ -103,14 +103,15 @@ def is_complete(path: str) -> bool:
     return not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def remove_checkpoint(path: str) -> None:
-    """Remove a checkpoint directory, its manifest first: interrupted, it is not complete.
-    A symbolic link is removed itself, never what it points to."""
+def remove_checkpoint(path: str, first: str = MANIFEST) -> None:
+    """Remove a checkpoint directory, the file that makes it complete (``first``: its
+    manifest) first: interrupted, it is not complete. A symbolic link is removed itself,
+    never what it points to."""
     if os.path.islink(path):
         os.unlink(path)
         return
     try:
-        os.unlink(os.path.join(path, MANIFEST))
+        os.unlink(os.path.join(path, first))
     except OSError:
         pass
     shutil.rmtree(path, ignore_errors=True)

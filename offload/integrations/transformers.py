@@ -76,7 +76,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -88,6 +87,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 import offload
 from offload.checkpoint import MANIFEST
+from offload.checkpoint.directory import remove_checkpoint
 from offload.config import OffloadConfig
 
 __all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR", "COMPLETE_MARKER", "checkpoint_missing",
@@ -302,15 +302,8 @@ def _mark_complete(checkpoint_dir: str, engine_checkpoint: bool) -> None:
 
 def _remove_checkpoint(checkpoint_dir: str) -> None:
     """Marker first: a removal cut short leaves an incomplete directory, never one that
-    claims files it lost. A symbolic link is removed itself, never what it points to."""
-    if os.path.islink(checkpoint_dir):
-        os.unlink(checkpoint_dir)
-        return
-    try:
-        os.unlink(os.path.join(checkpoint_dir, COMPLETE_MARKER))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    claims files it lost."""
+    remove_checkpoint(checkpoint_dir, first=COMPLETE_MARKER)
 
 
 def _checkpoint_step(path: str) -> Optional[int]:
