@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --params: units the model is cut into (default 24)")
     plan.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
     plan.add_argument("--device-budget", type=_size, default=None, help="default: GPU memory, or no limit without CUDA")
-    plan.add_argument("--host-budget", type=_size, default=None, help="default: physical RAM")
+    plan.add_argument("--host-budget", type=_size, default=None,
+                      help="default: 3/4 of the memory available now (wrap's default)")
     plan.add_argument("--nvme-budget", type=_size, default=None, help="default: free space of --swap-dir, else no limit")
     plan.add_argument("--swap-dir", default=None, help="directory whose free space bounds the nvme tier")
     plan.add_argument("--profile", metavar="PATH", default=None,
@@ -196,29 +197,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         import torch
         if torch.cuda.is_available():
             device_budget = torch.cuda.get_device_properties(0).total_memory
-    host_budget = args.host_budget
+    # One host budget for the whole report: the table's and the auto placement's
+    host_budget, host_budget_default = args.host_budget, False
     if host_budget is None:
-        host_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        from offload.memory.layout import default_host_budget
+        host_budget = default_host_budget()  # what wrap takes without one
+        host_budget_default = host_budget is not None
     nvme_budget = args.nvme_budget
     if nvme_budget is None and args.swap_dir:
         import shutil
         nvme_budget = shutil.disk_usage(args.swap_dir).free
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
-                                 args.pipeline_depth, args.flops_per_second, args.tokens_per_step)
+                                 args.pipeline_depth, args.flops_per_second, args.tokens_per_step,
+                                 host_budget_default=host_budget_default)
     compute = args.compute_seconds
     if compute is None and args.flops_per_second:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
     auto_config = dict(device="cpu", dtype=args.dtype, param_tier="auto", optimizer_tier="auto",
-                       host_budget=args.host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
+                       host_budget=host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth))
-    text += "\n\n" + "\n".join(plan.auto_report(shape, auto_config, profile, compute))
+    auto = plan.auto_plan(shape, auto_config, profile, compute)
+    text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     print(text)
     if args.json:
         import json
         with open(args.json, "w") as f:
             json.dump(plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
-                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step),
+                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
+                                   host_budget_default=host_budget_default),
                       f, indent=2)
         print(f"plan written to {args.json}")
     return 0 if any_fits else 1

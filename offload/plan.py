@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -110,7 +111,9 @@ def shape_from_count(num_params: int, num_units: int) -> ModelShape:
 
 def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
     """Build ``module:factory`` on the meta device and cut it into units as the engine does
-    (every parameter trainable, one optimizer param group)."""
+    (every parameter trainable, one optimizer param group). The factory is called with no
+    arguments (``offload.gpt:GPT`` builds the default GPTConfig); one that needs some is a
+    ValueError naming them, before it is called."""
     import torch
 
     if ":" not in spec:
@@ -120,6 +123,12 @@ def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--model: cannot load {spec!r}: {e}") from None
+    required = _required_arguments(factory)
+    if required:
+        raise ValueError(f"--model: {spec} needs arguments ({', '.join(required)}) and --model calls it with none: "
+                         "name a function that builds the model with its arguments, e.g. in my_models.py "
+                         "'def build(): return GPT(GPTConfig(d_model=1024, num_layers=24))', then "
+                         "--model my_models:build")
     try:
         with torch.device("meta"):
             model = factory()
@@ -128,6 +137,16 @@ def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {spec} returned {type(model).__name__}, not an nn.Module")
     return shape_from_module(model, spec, unit_classes)
+
+
+def _required_arguments(factory) -> List[str]:
+    """The parameters ``factory()`` would be missing ([] when it cannot be told)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call say
+        return []
+    return [name for name, p in signature.parameters.items()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> ModelShape:
@@ -260,37 +279,59 @@ def auto_placement(shape: ModelShape, config: "OffloadConfig | dict") -> Tuple[u
     return unit_placement.describe_units(sizes, layout), layout, sizes
 
 
-def auto_report(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
-                compute_seconds: Optional[float]) -> List[str]:
-    """The lines `offload plan` prints for "auto": each unit's tiers, bytes per tier, NVMe
-    bytes per step and the predicted step ([Note: step prediction])."""
-    from offload.config import format_size
+_HOST_DEFAULT_NOTE = "default: 3/4 of the memory available now, as wrap's"
 
+
+def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
+              compute_seconds: Optional[float]) -> dict:
+    """What `offload plan` reports for "auto" (its text and its --json both come from this):
+    each unit's tiers, bytes per tier, NVMe bytes per step and the predicted step ([Note:
+    step prediction]); ``possible`` False with ``error`` where wrap would refuse the config."""
     config = OffloadConfig.from_any(config)
+    settings = {"host_budget": config.host_budget, "host_budget_default": False, "max_grad_norm": config.max_grad_norm,
+                "delayed_update": config.delayed_update}
     try:
         placement, layout, sizes = auto_placement(shape, config)
     except ValueError as error:
-        return [f"auto placement: not possible: {error}"]
+        return {"possible": False, "error": str(error), **settings}
     prediction = unit_placement.predict_step(sizes, layout, profile, compute_seconds)
-    budget = layout.host_budget
+    if prediction.io_cpu_fraction:  # [Note: step prediction] delayed updates
+        formula = f"max(compute + {prediction.io_cpu_fraction:g} x I/O, I/O)"
+    else:
+        formula = f"max(compute, I/O) + {prediction.exposed_fraction:g} x min(compute, I/O)"
+    return {"possible": True, "error": None, **settings,
+            "host_budget": layout.host_budget, "host_budget_default": layout.host_budget_default,
+            "units": [dataclasses.asdict(u) for u in placement.units],
+            "bytes_per_tier": placement.bytes_per_tier(),
+            "nvme_read_bytes_per_step": prediction.nvme_read_bytes,
+            "nvme_write_bytes_per_step": prediction.nvme_write_bytes,
+            "io_seconds": prediction.io_seconds, "compute_seconds": compute_seconds,
+            "predicted_step_seconds": prediction.seconds, "predicted_step_formula": formula}
+
+
+def auto_report(auto: dict, host_budget_default: bool = False) -> List[str]:
+    """The lines `offload plan` prints for "auto", from ``auto_plan``'s answer
+    (``host_budget_default``: the caller took the host budget it gave as wrap's default)."""
+    from offload.config import format_size
+
+    if not auto["possible"]:
+        return [f"auto placement: not possible: {auto['error']}"]
+    budget = auto["host_budget"]
     lines = [f"auto placement (param_tier='auto', optimizer_tier='auto', host budget "
              f"{format_size(budget) if budget is not None else 'none'}"
-             f"{' (default: 3/4 of the memory available now)' if layout.host_budget_default else ''}"
-             f"{', max_grad_norm ' + format(config.max_grad_norm, 'g') if config.max_grad_norm else ''}"
-             f"{', delayed_update' if config.delayed_update else ''}): "
+             f"{' (' + _HOST_DEFAULT_NOTE + ')' if auto['host_budget_default'] or host_budget_default else ''}"
+             f"{', max_grad_norm ' + format(auto['max_grad_norm'], 'g') if auto['max_grad_norm'] else ''}"
+             f"{', delayed_update' if auto['delayed_update'] else ''}): "
              "what wrap places, per unit, root first"]
+    placement = unit_placement.Placement(tuple(unit_placement.UnitPlacement(**u) for u in auto["units"]))
     lines += ["  " + line for line in placement.describe()]
-    lines.append("  at home: " + ", ".join(f"{tier} {format_size(n)}" for tier, n in placement.bytes_per_tier().items()))
-    lines.append(f"  NVMe per step: read {format_size(prediction.nvme_read_bytes)}, written "
-                 f"{format_size(prediction.nvme_write_bytes)}: {format_seconds(prediction.io_seconds)} at the "
+    lines.append("  at home: " + ", ".join(f"{tier} {format_size(n)}" for tier, n in auto["bytes_per_tier"].items()))
+    lines.append(f"  NVMe per step: read {format_size(auto['nvme_read_bytes_per_step'])}, written "
+                 f"{format_size(auto['nvme_write_bytes_per_step'])}: {format_seconds(auto['io_seconds'])} at the "
                  "profile's bandwidths")
-    if prediction.seconds is not None:
-        if prediction.io_cpu_fraction:  # [Note: step prediction] delayed updates
-            formula = f"max(compute + {prediction.io_cpu_fraction:g} x I/O, I/O)"
-        else:
-            formula = f"max(compute, I/O) + {prediction.exposed_fraction:g} x min(compute, I/O)"
-        lines.append(f"  predicted step: {format_seconds(prediction.seconds)} (compute "
-                     f"{format_seconds(compute_seconds)}; {formula})")
+    if auto["predicted_step_seconds"] is not None:
+        lines.append(f"  predicted step: {format_seconds(auto['predicted_step_seconds'])} (compute "
+                     f"{format_seconds(auto['compute_seconds'])}; {auto['predicted_step_formula']})")
     else:
         lines.append("  predicted step: give --compute-seconds (a step with everything in RAM) or "
                      "--flops-per-second for a time including compute")
@@ -348,10 +389,25 @@ def format_seconds(seconds: float) -> str:
 
 
 # ---------------------------------------------------------------------------- report
+def _prefetch_room(shape: ModelShape, dtype: str) -> Optional[dict]:
+    """[Note: prefetch room] at the smallest device budget of param_tier host or nvme; None
+    for a model of fewer than two fetched units."""
+    e = _ELEMENT_BYTES[dtype]
+    sizes = [u.sizes(e) for u in shape.units]
+    floor = minimum_device_budget(sizes, "nvme", e)
+    room = floor_prefetch_room(sizes, e, floor)
+    if room is None:
+        return None
+    return {"floor_device_bytes": floor, "units_ahead": room.units_ahead, "unit_bytes": room.unit_bytes,
+            "device_budget_for_units_ahead": {k: max(floor, room.budget_for(k)) for k in (1, 2, 4)}}
+
+
 def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
             host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
-            flops_per_second: Optional[float], tokens_per_step: int) -> dict:
-    """What `offload plan --json` writes: the same numbers as the text report."""
+            flops_per_second: Optional[float], tokens_per_step: int, auto: dict,
+            host_budget_default: bool = False) -> dict:
+    """What `offload plan --json` writes: every number of the text report (``auto``:
+    ``auto_plan``'s answer, made under the same host budget)."""
     configurations = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
         p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
@@ -367,25 +423,39 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "predicted_step_seconds_overlapped": pred.overlap_bound_seconds,
             "predicted_link_seconds": pred.link_seconds, "predicted_adam_seconds": pred.adam_seconds,
             "predicted_compute_seconds": pred.compute_seconds})
-    return {"model": shape.description, "num_params": shape.num_params, "exact": shape.exact,
-            "dtype": dtype, "profile_source": profile.get("source", "measured"),
+    e = _ELEMENT_BYTES[dtype]
+    return {"model": shape.description, "num_params": shape.num_params, "num_trainable": shape.num_trainable,
+            "exact": shape.exact, "dtype": dtype,
+            "profile_source": profile.get("source", "measured"),
+            "bandwidth_bytes_per_second": dict(profile["bandwidth_bytes_per_second"]),
+            "adam_params_per_second": profile["adam_params_per_second"],
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
-            "configurations": configurations}
+            "host_budget_default": host_budget_default,
+            "bytes_per_param": {"compute copy": e, "gradients": e, "fp32 master": FP32_BYTES,
+                                "Adam moments": 2 * FP32_BYTES},
+            "configurations": configurations,
+            "any_fits": any(c["fits"] for c in configurations),
+            "prefetch": _prefetch_room(shape, dtype),
+            "auto": auto}
 
 
 def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
-           flops_per_second: Optional[float], tokens_per_step: int) -> Tuple[str, bool]:
-    """The text `offload plan` prints, and whether any configuration fits."""
+           flops_per_second: Optional[float], tokens_per_step: int,
+           host_budget_default: bool = False) -> Tuple[str, bool]:
+    """The text `offload plan` prints (the auto placement's lines come from auto_report),
+    and whether any configuration fits."""
     from offload.config import format_size
 
     e = _ELEMENT_BYTES[dtype]
     n = shape.num_trainable
+    budgets = [f"{tier} {format_size(b) if b is not None else 'no limit'}"
+               for tier, b in (("device", device_budget), ("host", host_budget), ("nvme", nvme_budget))]
+    if host_budget_default and host_budget is not None:
+        budgets[1] += f" ({_HOST_DEFAULT_NOTE})"
     lines = [f"model: {shape.description}", f"dtype: {dtype} (compute copy {e} B/param)",
              f"profile: {profile.get('source', 'measured')}",
-             "budgets: " + ", ".join(
-                 f"{tier} {format_size(b) if b is not None else 'no limit'}"
-                 for tier, b in (("device", device_budget), ("host", host_budget), ("nvme", nvme_budget))),
+             "budgets: " + ", ".join(budgets),
              "",
              "bytes per state (per trainable parameter, before 4 KiB page padding):",
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
@@ -414,15 +484,14 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                      f"{format_seconds(pred.overlap_bound_seconds):>11}  {where}")
         if short:
             missing.append(f"  {param_tier}/{optimizer_tier}: " + "; ".join(short))
-    sizes = [u.sizes(e) for u in shape.units]
-    floor = minimum_device_budget(sizes, "nvme", e)
-    room = floor_prefetch_room(sizes, e, floor)
+    room = _prefetch_room(shape, dtype)
     if room is not None:  # [Note: prefetch room]
-        lines += ["", f"prefetch: the smallest device budget of param_tier host or nvme ({format_size(floor)}) "
-                      f"leaves room for {room.units_ahead} unit{'' if room.units_ahead == 1 else 's'} ahead of the "
-                      "one in use; " + ", ".join(f"{format_size(max(floor, room.budget_for(k)))} for {k}"
-                                                 for k in (1, 2, 4))
-                      + f" (units of the median size, {format_size(room.unit_bytes)})"]
+        ahead = room["units_ahead"]
+        lines += ["", f"prefetch: the smallest device budget of param_tier host or nvme "
+                      f"({format_size(room['floor_device_bytes'])}) leaves room for {ahead} "
+                      f"unit{'' if ahead == 1 else 's'} ahead of the one in use; "
+                      + ", ".join(f"{format_size(b)} for {k}" for k, b in room["device_budget_for_units_ahead"].items())
+                      + f" (units of the median size, {format_size(room['unit_bytes'])})"]
     lines += ["", "bytes moved per optimizer step (one micro-batch):"]
     for param_tier, optimizer_tier in CONFIGURATIONS:
         p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)

@@ -362,3 +362,58 @@ def test_doctor_and_wrap_agree_about_a_missing_swap_directory(tmp_path):
     with offload.wrap(model, torch.optim.AdamW(model.parameters()),
                       config=dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(missing))):
         assert missing.is_dir()
+
+
+def _budget_bytes(text: str) -> float:
+    """'15.76 GiB' -> bytes (as format_size writes sizes)."""
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
+
+
+@pytest.mark.parametrize("host_budget", [None, "1GiB"])
+def test_plan_uses_one_host_budget_and_writes_everything_it_prints_to_json(host_budget, tmp_path):
+    """The table and the auto placement are planned under the same host budget (the given
+    one, else wrap's default), and --json holds the auto placement too."""
+    out_json = tmp_path / "plan.json"
+    budget = ["--host-budget", host_budget] if host_budget else []
+    result = run_cli("plan", "--params", str(25 << 20), "--num-units", "24", *budget, "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    table = re.search(r"^budgets: .*\bhost (\d+\.\d+ [KMGT]iB)", result.stdout, re.M).group(1)
+    auto_header = re.search(r"^auto placement .*host budget (\d+\.\d+ [KMGT]iB)", result.stdout, re.M).group(1)
+    printed = {_budget_bytes(table), _budget_bytes(auto_header)}
+    assert len(printed) == 1, result.stdout
+    plan = json.loads(out_json.read_text())
+    assert plan["budgets"]["host"] == plan["auto"]["host_budget"]
+    assert plan["host_budget_default"] is (host_budget is None)
+    assert abs(plan["budgets"]["host"] - printed.pop()) < 0.01 * plan["budgets"]["host"]
+    if host_budget:
+        assert plan["budgets"]["host"] == 1 << 30
+    auto = plan["auto"]
+    assert auto["possible"] and len(auto["units"]) == 25
+    assert [u["name"] for u in auto["units"]][:2] == ["<root>", "unit1"]
+    assert sum(u["compute_bytes"] for u in auto["units"]) + sum(u["state_bytes"] for u in auto["units"]) == \
+        sum(auto["bytes_per_tier"].values())
+    at_home = re.search(r"at home: device (.*), host (.*), nvme (.*)", result.stdout).groups()
+    for tier, printed_bytes in zip(("device", "host", "nvme"), at_home):
+        assert abs(auto["bytes_per_tier"][tier] - _budget_bytes(printed_bytes)) <= 0.01 * max(1, auto["bytes_per_tier"][tier])
+    assert plan["prefetch"]["units_ahead"] >= 0 and plan["any_fits"] is True
+    assert set(plan["bandwidth_bytes_per_second"]) >= {"nvme_read", "nvme_write"}
+
+
+def test_plan_model_takes_offload_gpt_and_the_readme_factory_and_names_missing_arguments(tmp_path):
+    result = run_cli("plan", "--model", "offload.gpt:GPT", "--dtype", "fp32")
+    assert result.returncode == 0, result.stderr
+    assert f"offload.gpt:GPT ({GPTConfig().num_params:,} parameters, {GPTConfig().num_layers + 1} units)" \
+        in result.stdout
+    # the README's example, as written there
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    factory = re.search(r"```python\n(# my_models\.py.*?)```", readme, re.S).group(1)
+    command = re.search(r"^offload plan (--model my_models:.*)$", readme, re.M).group(1).split()
+    (tmp_path / "my_models.py").write_text(factory)
+    command[command.index("--json") + 1] = str(tmp_path / "plan.json")
+    result = run_cli("plan", *command, extra_path=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["auto"]["possible"]
+    result = run_cli("plan", "--model", "offload.gpt:Block")
+    assert result.returncode == 1
+    assert "offload.gpt:Block needs arguments (cfg)" in result.stderr and "Traceback" not in result.stderr
