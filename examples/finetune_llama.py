@@ -7,6 +7,9 @@ bytes. The model is built on the meta device, so its weights go from the safeten
 straight into the swap files (weights=), a unit at a time.
 
     python3 examples/finetune_llama.py [--work-dir DIR] [--steps N]
+
+It needs offload's ``hf`` extra (transformers, accelerate, safetensors, peft); from the
+repository's root: python3 -m pip install torch==2.13.0 -e '.[hf]'
 """
 import argparse
 import inspect
@@ -15,9 +18,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from offload.integrations.transformers import OffloadTrainer
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from offload.integrations.transformers import OffloadTrainer
+except ImportError as error:
+    raise SystemExit(f"{error}\nThis example needs offload's hf extra: from the repository's root, "
+                     "python3 -m pip install torch==2.13.0 -e '.[hf]'") from None
 
 SEQUENCE_LENGTH = 64
 

@@ -5,6 +5,7 @@ from its own checkpoints, and refuses what it cannot honour before touching anyt
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -673,6 +674,32 @@ def test_import_offload_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
 
+
+
+HF_INSTALL = "python3 -m pip install torch==2.13.0 -e '.[hf]'"
+
+
+def test_the_readme_installs_the_hf_extra_that_the_example_and_the_trainer_need():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"transformers", "accelerate"} <= {re.match(r"[A-Za-z0-9_-]+", r).group() for r in extras["hf"]}
+    readme = (REPO / "README.md").read_text()
+    assert readme.count(HF_INSTALL) >= 2  # the weights section and the OffloadTrainer section
+    assert "offload[hf]" not in readme  # offload is installed from this tree, not from an index
+    assert HF_INSTALL in (REPO / "examples" / "finetune_llama.py").read_text()
+
+
+@pytest.mark.parametrize("code", [
+    "import offload.integrations.transformers",
+    "import runpy; runpy.run_path('examples/finetune_llama.py', run_name='__main__')",
+], ids=["integration", "example"])
+def test_without_transformers_the_trainer_and_the_example_name_the_hf_extra(code):
+    result = subprocess.run([sys.executable, "-c", f"import sys; sys.modules['transformers'] = None; {code}"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "hf extra" in result.stderr and HF_INSTALL in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.slow  # about 10 s on an idle 2-core machine, 30-50 s on a busy one (a subprocess importing transformers)

@@ -81,9 +81,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+try:
+    from transformers import PreTrainedModel, Trainer, TrainingArguments
+    from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+except ImportError as error:
+    raise ImportError(f"{error}: OffloadTrainer needs offload's hf extra (transformers, accelerate): from "
+                      "offload's source tree, python3 -m pip install torch==2.13.0 -e '.[hf]'") from error
 
 import offload
 from offload.checkpoint import MANIFEST
