@@ -651,6 +651,50 @@ def test_unsupported_settings_are_refused_with_their_names_before_anything_is_to
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nor the engine
 
 
+@pytest.mark.parametrize("where", ["host", "nvme"])
+def test_optimizer_state_dict_is_the_plain_trainers_after_the_same_steps(where, base_dir, plain_run, tmp_path):
+    """[Note: the optimizer's state as torch lays it out]: AdamW's param groups (the
+    scheduler's learning rates) as they are, its moments within the engine's fp32 parity
+    tolerance, its step counts exactly; the temporary checkpoint leaves nothing behind."""
+    plain, _ = plain_run
+    swap = tmp_path / "swap"
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", eval_strategy="steps", eval_steps=2),
+                              nvme(swap) if where == "nvme" else {}, train_dataset=TokenDataset(24, seed=1),
+                              eval_dataset=TokenDataset(6, seed=2))
+    try:
+        trainer.train()
+        before = sorted(os.listdir(swap)) if where == "nvme" else None
+        got, want = trainer.optimizer.state_dict(), plain.optimizer.state_dict()
+        if where == "nvme":
+            assert sorted(os.listdir(swap)) == before
+    finally:
+        trainer.close()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys() and len(want["state"]) == 21
+    for i, state in want["state"].items():
+        assert got["state"][i].keys() == state.keys()
+        assert torch.equal(got["state"][i]["step"], state["step"]) and got["state"][i]["step"].dtype == torch.float32
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got["state"][i][key].shape == state[key].shape and got["state"][i][key].dtype == state[key].dtype
+            assert max_rel_error({key: got["state"][i][key]}, {key: state[key]}) < REL_TOL, (i, key)
+
+
+def test_optimizer_state_dict_too_big_for_memory_is_refused_naming_the_engines_checkpoint(
+        base_dir, tmp_path, monkeypatch):
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", max_steps=1), nvme(tmp_path / "swap"),
+                              train_dataset=TokenDataset(4, seed=1))
+    try:
+        trainer.train()
+        before = sorted(os.listdir(tmp_path / "swap"))
+        monkeypatch.setattr("offload.memory.layout.available_memory_bytes", lambda: 64 << 10)
+        with pytest.raises(ValueError, match=r"optimizer.state_dict\(\): the Adam moments .* more than 0.75 of the "
+                                             r"memory available now .*trainer.engine.save_checkpoint\(DIR\)"):
+            trainer.optimizer.state_dict()
+        assert sorted(os.listdir(tmp_path / "swap")) == before  # nothing written
+    finally:
+        trainer.close()
+
+
 def test_bf16_trains_with_the_engine_in_bf16(base_dir, plain_run, tmp_path):
     plain, _ = plain_run
     trainer = offload_trainer(base_dir, training_args(tmp_path / "out", bf16=True), {},

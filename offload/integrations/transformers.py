@@ -35,8 +35,9 @@ the Trainer would do to the model and the optimizer:
    window's last call clips (the engine's global norm) and updates. A window cut short at
    the end of an epoch is closed with ``engine.step()`` calls without a backward.
 4. The Trainer's ``optimizer.step()`` and ``zero_grad()`` then do nothing
-   (``EngineAdam``); its gradient clipping reports the norm the engine measured (gradients
-   never reach ``p.grad``); its LR scheduler sets the param groups the engine's Adam reads.
+   (``EngineAdam``, whose ``state_dict()`` reads the moments from the engine); its gradient
+   clipping reports the norm the engine measured (gradients never reach ``p.grad``); its LR
+   scheduler sets the param groups the engine's Adam reads.
 5. Checkpoints (``save_steps``): the Trainer writes ``checkpoint-N/`` as usual (Hugging Face
    weights from ``engine.save_pretrained``, RNG states, trainer state, scheduler) with the
    engine's checkpoint in ``checkpoint-N/offload/`` in place of ``optimizer.pt``, and
@@ -127,10 +128,13 @@ class EngineAdam(torch.optim.Optimizer):
     param groups and state (so the Trainer's LR scheduler sets the learning rates the
     engine's Adam reads), with a ``step()`` and ``zero_grad()`` that do nothing, since the
     engine has updated in ``training_step`` ([Note: the Trainer's loop around the engine]).
-    Like accelerate's AcceleratedOptimizer it does not call ``Optimizer.__init__``."""
+    ``state_dict()`` gathers the moments from the engine's tiers ([Note: the optimizer's
+    state as torch lays it out]). Like accelerate's AcceleratedOptimizer it does not call
+    ``Optimizer.__init__``."""
 
-    def __init__(self, adam: torch.optim.Optimizer) -> None:
+    def __init__(self, adam: torch.optim.Optimizer, engine: "offload.Engine") -> None:
         self.adam = adam
+        self.engine = engine
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -151,8 +155,61 @@ class EngineAdam(torch.optim.Optimizer):
         return None
 
     def state_dict(self) -> Dict[str, Any]:
-        raise RuntimeError("the optimizer's state lives in the engine's tiers: save it with "
-                           "trainer.engine.save_checkpoint(DIR) (the Trainer's checkpoints do)")
+        """[Note: the optimizer's state as torch lays it out] ``torch.optim.AdamW.state_dict()``'s
+        layout: ``param_groups`` as the AdamW's own (the learning rates the scheduler set),
+        ``state[i]`` = ``step``, ``exp_avg``, ``exp_avg_sq`` of the i-th parameter of the
+        groups, for the parameters the engine has updated (as AdamW, none for one that never
+        had a gradient).
+
+        The engine keeps the moments in its tiers; they come out through its one public
+        reader of them, ``engine.save_checkpoint``: into a temporary directory (in swap_dir
+        when there is one, else the system's temporary directory; 12 B per trainable parameter
+        on disk while this runs), read back piece by piece into the tensors returned, then
+        removed. Like a checkpoint save, it finishes a step the engine deferred first.
+
+        A ValueError, before anything is written, when the moments would take more than
+        3/4 of the memory available now (wrap's default host budget): read them from
+        ``trainer.engine.save_checkpoint(DIR)`` instead, piece by piece (each parameter's
+        ``exp_avg``/``exp_avg_sq`` pieces are listed in DIR/manifest.json,
+        offload/checkpoint/format.py)."""
+        import tempfile
+
+        from offload.checkpoint.format import PieceReader, read_manifest
+        from offload.memory.layout import DEFAULT_HOST_FRACTION, available_memory_bytes
+
+        layout = self.adam.state_dict()  # param_groups, and the indices torch gives the parameters
+        params = [p for group in self.adam.param_groups for p in group["params"]]
+        moments_bytes = 2 * 4 * sum(p.numel() for p in params)
+        available = available_memory_bytes()
+        if available is not None and moments_bytes > DEFAULT_HOST_FRACTION * available:
+            raise ValueError(
+                f"optimizer.state_dict(): the Adam moments of {len(params)} parameters take {moments_bytes} bytes, "
+                f"more than {DEFAULT_HOST_FRACTION:g} of the memory available now ({available} bytes). Save them "
+                "with trainer.engine.save_checkpoint(DIR) (the Trainer's checkpoints do) and read each "
+                "parameter's exp_avg / exp_avg_sq pieces as DIR/manifest.json lists them")
+        name_of = {p: name for name, p in self.engine.module.named_parameters()}
+        with tempfile.TemporaryDirectory(prefix=".offload-optimizer-state-", dir=self.engine.config.swap_dir) as tmp:
+            ckpt_dir = os.path.join(tmp, "checkpoint")
+            self.engine.save_checkpoint(ckpt_dir)
+            manifest = read_manifest(ckpt_dir)
+            record_of = {name: r for u in manifest["units"] for r in u["entries"] if r["trainable"]
+                         for name in r["names"]}
+            reader = PieceReader(ckpt_dir, manifest["files"])
+            try:
+                for index, param in enumerate(params):
+                    record = record_of[name_of[param]]
+                    if not record["step"]:
+                        continue  # never updated: AdamW has no state for it either
+                    moments = {}
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        value = torch.empty(record["numel"], dtype=torch.float32)
+                        reader.read_param(record, key, 0, record["numel"], value)
+                        moments[key] = value.view(record["shape"])
+                    layout["state"][index] = {"step": torch.tensor(float(record["step"]), dtype=torch.float32),
+                                              **moments}
+            finally:
+                reader.close()
+        return layout
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         raise RuntimeError("the optimizer's state lives in the engine's tiers: load it with "
@@ -383,7 +440,7 @@ class OffloadTrainer(Trainer):
         # seeded it, and without moving the RNG that the training run then draws from.
         with torch.random.fork_rng(devices=[]):
             self.engine = offload.wrap(self.model, adam, config=config, weights=weights)
-        self.optimizer = EngineAdam(adam)
+        self.optimizer = EngineAdam(adam, self.engine)
         self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
         self._warned_grad_norm = False
         self._closed = False
@@ -415,8 +472,9 @@ class OffloadTrainer(Trainer):
     def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's (the train, eval and test loaders), prepared by accelerate as a plain
         Trainer's are ([Note: the Trainer's loop around the engine] step 2)."""
-        # Off for the model and the optimizer (accelerate would move them, and read the
-        # optimizer's state_dict, which EngineAdam refuses); on while the loader is prepared.
+        # Off for the model and the optimizer (accelerate would move them, and round-trip the
+        # optimizer's state through state_dict and load_state_dict, which EngineAdam refuses);
+        # on while the loader is prepared.
         accelerator = self.accelerator
         accelerator.device_placement = True
         try:
