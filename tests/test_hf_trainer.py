@@ -695,6 +695,28 @@ def test_optimizer_state_dict_too_big_for_memory_is_refused_naming_the_engines_c
         trainer.close()
 
 
+@pytest.mark.parametrize("setting, reason", [
+    ("model_init", "wraps one model, at construction"),
+    ("auto_find_batch_size", "refusing to train until a checkpoint is loaded"),
+    ("torch_compile", "compile each unit's forward yourself"),
+    ("fp16", "the Trainer holds the LR schedule only for accelerate's own GradScaler skips"),
+])
+def test_model_init_auto_find_batch_size_torch_compile_and_fp16_are_refused_with_the_reason(
+        setting, reason, tmp_path):
+    """Each before anything is built: model_init is never called."""
+    def model_init():
+        raise AssertionError("model_init was called")
+
+    arguments = {} if setting == "model_init" else {setting: True}
+    kwargs = dict(model_init=model_init) if setting == "model_init" else \
+        dict(model=LlamaForCausalLM(LlamaConfig(**CONFIG)))
+    with pytest.raises(ValueError, match="cannot honour") as refusal:
+        OffloadTrainer(args=training_args(tmp_path / "out", **arguments), train_dataset=TokenDataset(4, seed=1),
+                       **kwargs)
+    assert f"{setting}=" in str(refusal.value) and reason in str(refusal.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bf16_trains_with_the_engine_in_bf16(base_dir, plain_run, tmp_path):
     plain, _ = plain_run
     trainer = offload_trainer(base_dir, training_args(tmp_path / "out", bf16=True), {},

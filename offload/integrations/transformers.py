@@ -240,14 +240,23 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
         ("deepspeed", args.deepspeed, "the engine does what DeepSpeed would"),
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),
         ("parallelism_config", args.parallelism_config, "one process trains one engine"),
-        ("torch_compile", args.torch_compile, "compiled graphs bypass the engine's per-unit hooks"),
+        ("torch_compile", args.torch_compile,
+         "accelerate would compile the whole model, the engine's per-unit hooks (fetches, waits, I/O) "
+         "included; compile each unit's forward yourself before OffloadTrainer instead, e.g. for layer in "
+         "model.model.layers: layer.forward = torch.compile(layer.forward)"),
         ("fp16", args.fp16, "the engine would scale the loss and skip overflowed steps itself, but the "
                             "Trainer holds the LR schedule only for accelerate's own GradScaler skips; use bf16=True"),
         ("fp16_full_eval", args.fp16_full_eval, "the engine evaluates in its own dtype"),
         ("bf16_full_eval", args.bf16_full_eval, "the engine evaluates in its own dtype"),
         ("use_liger_kernel", args.use_liger_kernel, "it replaces modules after the engine cut the model into units"),
-        ("auto_find_batch_size", args.auto_find_batch_size, "an engine cannot retry a failed step"),
-        ("model_init", model_init, "the engine wraps the model given at construction"),
+        ("auto_find_batch_size", args.auto_find_batch_size,
+         "the Trainer retries a step that ran out of memory with half the batch, but one that failed after "
+         "the engine's updates began leaves the engine refusing to train until a checkpoint is loaded; "
+         "set per_device_train_batch_size"),
+        ("model_init", model_init,
+         "Trainer.train builds a new model per trial from it, and OffloadTrainer wraps one model, at "
+         "construction, into its engine (a trial's model would train outside it); build an OffloadTrainer "
+         "with model= per trial"),
     ]
     problems += [f"{name}={value!r}: {why}" for name, value, why in named if value]
     if args.world_size > 1 or args.n_gpu > 1:
