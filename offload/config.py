@@ -14,7 +14,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -462,9 +462,31 @@ class OffloadConfig:
         return self.max_grad_norm is not None or self.dtype == "fp16" or self.skip_nonfinite_steps
 
     def resolved_device(self) -> torch.device:
+        """The compute device, with a CUDA device's index: ``device``'s own, else the local
+        rank's (``LOCAL_RANK``, set by torchrun: several ranks on one node each take their
+        own GPU, whether or not the script called ``torch.cuda.set_device``), else the
+        current device."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device: {self.device!r} was asked for but CUDA is not available")
-        return device
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device: {self.device!r} was asked for but CUDA is not available")
+        if device.type != "cuda" or device.index is not None:
+            return device
+        return torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count(), torch.cuda.current_device))
+
+
+def cuda_index(environ: Mapping[str, str], device_count: int, current: Callable[[], int]) -> int:
+    """The GPU of this process when the config names none: the local rank's with several
+    ranks on the node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` > 1, as torchrun sets them), else
+    ``current()`` (``torch.cuda.current_device``: 0 unless the script set another)."""
+    local_world = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if local_world <= 1 or "LOCAL_RANK" not in environ:
+        return current()
+    local_rank = int(environ["LOCAL_RANK"])
+    if local_rank >= device_count:
+        raise ValueError(f"device: LOCAL_RANK={local_rank} of {local_world} ranks on this node, but this process "
+                         f"sees {device_count} GPU(s); give each rank its own (launch at most one rank per GPU, "
+                         "or set device='cuda:N' in each rank's config)")
+    return local_rank

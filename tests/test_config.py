@@ -205,3 +205,18 @@ def test_a_test_not_marked_gpu_sees_the_cpu_whatever_the_machine_has():
     and the CPU references would not compare; subprocesses see no GPU either."""
     assert offload.OffloadConfig(device="auto").resolved_device() == torch.device("cpu")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_several_ranks_on_a_node_each_take_the_gpu_of_their_local_rank():
+    """Issue 37, finding 7: without an index in ``device``, torchrun's ranks each take
+    cuda:LOCAL_RANK (they all took cuda:0 unless the script called set_device); one rank
+    on the node takes the current device; a rank without a GPU of its own is refused."""
+    from offload.config import cuda_index
+
+    def current():
+        return 0
+    assert cuda_index({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 4, current) == 3
+    assert cuda_index({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 8, lambda: 5) == 5
+    assert cuda_index({}, 8, lambda: 2) == 2
+    with pytest.raises(ValueError, match=r"device: LOCAL_RANK=2 of 4 ranks on this node, but this process sees 2 GPU"):
+        cuda_index({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 2, current)
