@@ -87,9 +87,7 @@ class Engine:
         self.config = config
         self.module = model
         self.optimizer = optimizer
-        self.device = config.resolved_device()
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = config.resolved_device()  # a CUDA device's index included
         # [zero] Several ranks: every rank wraps the same thing, shards sized per unit below.
         self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
         # [Note: layout] every mode resolved once; nothing below reads the config again.
@@ -152,8 +150,10 @@ class Engine:
             # 4. Tiers, and whether the engine may train ([Note: failures inside a step]).
             self._status = FailureState()
             self.stats_counters = Stats()
-            self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget)
-            self._host = HostTier(layout.host_budget)
+            self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget,
+                                      host_addressable=layout.device_is_host)
+            # [Note: pinned buffers] page-locked for a device the host does not address
+            self._host = HostTier(layout.host_budget, pinner=None if layout.device_is_host else self._device)
             # [Note: gradient ownership] the gradients, their pool and the loss scale
             self._gradients = Gradients(
                 self.units, layout=layout, partition=self._partition, device=self._device, host=self._host,
@@ -461,6 +461,8 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def _close_tiers(self) -> None:
+        self._device.close()  # the copies from host buffers are done: they may be unpinned
+        self._host.close()
         if self._nvme is not None:
             self._nvme.close()
             self._nvme = None

@@ -335,6 +335,11 @@ class Hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         if self._root.compute_state == Residency.IN_USE:
             self._root.compute_state.to(Residency.LOADED)
+        # [Note: streams] an update written into a device-homed unit's slot waits for this
+        # forward's reads (an evaluation's, too, before the step)
+        for u in self._units:
+            if u.compute_home is None and u.device_offset is not None:
+                self._device.reads_done(u.device_offset, u.compute_numel, what=f"the forward of unit {u.name!r}")
         self._timeline.span("phase", "forward", self._forward_started, time.perf_counter())
 
     def _unit_pre_forward(self, u: UnitState, module: nn.Module, args: Any) -> Any:

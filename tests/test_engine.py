@@ -178,6 +178,7 @@ def test_device_budget_is_never_exceeded_and_matches_the_analytic_peak():
     engine.close()
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir):
     # [Note: gradient ownership] On a CPU device the host tier takes autograd's gradients
@@ -212,6 +213,7 @@ def test_host_tier_holds_gradients_only_from_backward_to_update(dtype, swap_dir)
 
 @pytest.mark.parametrize("dtype,split", [("fp32", False), ("bf16", True), ("bf16", False)],
                          ids=["fp32", "bf16-split", "bf16-whole"])
+@pytest.mark.host_device
 def test_resident_units_are_updated_through_their_device_copy(dtype, split, swap_dir):
     # [Note: updates through the device copy] With room for every unit, all are resident
     # when Adam runs (the block early, once the pass needs nothing else; the root in the

@@ -154,7 +154,8 @@ REDONE = "redone"
 
 def faulted_step(engine, point, at, error, ckpt):
     """Step 1 with the ``at``-th hit of ``point`` failing: the exception it raised; None
-    when that hit was a swap read ahead of the next pass, which step 1 does not wait for;
+    when that hit was a swap read ahead of the next pass, which step 1 does not wait for,
+    or a fetch that no use waited for, which step 1 landed and counted;
     REDONE when it failed a speculative update, which the step redid ([Note: speculative
     updates]: only its spare homes were written). A
     step's hits can differ by one between runs: in step() the next pass's prefetch reads
@@ -162,7 +163,7 @@ def faulted_step(engine, point, at, error, ckpt):
     reads one more or one fewer. A step that ends before hit ``at`` is taken back by loading
     ``ckpt`` (the state before it) and run again failing at its own last hit."""
     for _ in range(3):
-        redone = engine.stats()["redone_updates"]
+        before = engine.stats()
         with fault(engine, point, at, error) as hits:
             try:
                 train_step(engine, 1)
@@ -170,9 +171,14 @@ def faulted_step(engine, point, at, error, ckpt):
                 assert hits() >= at
                 return raised
         if hits() >= at:
-            if engine.stats()["redone_updates"] > redone:
+            after = engine.stats()
+            if after["redone_updates"] > before["redone_updates"]:
                 return REDONE
-            assert point == "nvme.read", f"hit {at} of {point} was reached and did not fail"
+            # a fetch no use waited for yet, landed by the step ([Note: residency]:
+            # drain_fetches counts and warns); on CUDA and its stand-in, where the step
+            # drops every device copy, a fetch of the pass's last units can be one
+            landed = point == "memory.fetch" and after["failed_prefetches"] > before["failed_prefetches"]
+            assert point == "nvme.read" or landed, f"hit {at} of {point} was reached and did not fail"
             return None
         at = hits()
         engine.load_checkpoint(str(ckpt))

@@ -4,6 +4,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -306,11 +307,23 @@ def test_a_failed_read_ahead_of_the_next_pass_loses_nothing(then, tmp_path):
         unwrap_swap_io(engine)
         assert faulty.failed > 0
         if then == "forward":
+            # a forward raises for a failed read ahead it meets (one here on the CPU device;
+            # on CUDA and its stand-in nothing stays on the device over a step, and each of
+            # the next pass's first units read ahead failed), each abandoned, the next
+            # reading that unit again
+            raised = 0
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the failed pass leaves the recorded trace
-                with pytest.raises(OSError, match="fetching unit .* failed.*the next forward reads the unit again"):
-                    _forward_backward(engine, 3)
-                run(engine, 3, 1)
+                for _ in range(faulty.failed + 1):
+                    try:
+                        _forward_backward(engine, 3)
+                    except OSError as error:
+                        assert re.search("fetching unit .* failed.*the next forward reads the unit again", str(error))
+                        raised += 1
+                    else:
+                        break
+                engine.step()
+            assert 1 <= raised <= faulty.failed
             assert engine.stats()["failed_prefetches"] == 0  # raised to its use instead
             assert_same_state(engine.state_dict(), final)
             return

@@ -57,11 +57,77 @@ def test_cuda_device_budget_bounds_the_gpu_arena():
         assert engine.stats()["device_peak_bytes"] <= budget
 
 
-def test_aligned_empty_is_pinned_with_cuda():
+def test_the_host_tiers_buffers_are_pinned_in_place_at_their_size(tmp_path):
+    """[Note: pinned buffers] cudaHostRegister on the tier's own mappings: pinned, counted
+    at their size, unpinned at close; temporary buffers stay pageable."""
     from offload.io import aligned_empty
 
-    buf = aligned_empty(1 << 20)
-    assert buf.is_pinned() and buf.data_ptr() % 4096 == 0
+    assert not aligned_empty(1 << 20).is_pinned()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()),
+                          config=dict(device="cuda", param_tier="nvme", optimizer_tier="nvme",
+                                      swap_dir=str(tmp_path), device_budget=budget_for(model, 0.6)))
+    host = engine.debug.host
+    with engine:
+        train_offload(engine, cuda_batches(2))
+        assert host.pinned_bytes == host.used_bytes > 0
+    assert host.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_device_homed_compute_copies_with_states_on_nvme(dtype, tmp_path):
+    """Issue 37, finding 1 on the GPU: the commonest setup trains, as the CPU device does."""
+    data = batches(4)
+    runs = {}
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        config = dict(device=device, dtype=dtype, param_tier="device", optimizer_tier="nvme",
+                      swap_dir=str(tmp_path / device))
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            runs[device] = train_offload(engine, [b.to(device) for b in data])
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["cuda"], runs["cpu"])) < (1e-2 if dtype == "bf16" else 1e-4)
+
+
+def test_a_slow_compute_stream_never_reads_a_slot_a_later_fill_overwrites(tmp_path):
+    """Issue 37, finding 2 on the GPU: each unit's forward first queues a long sleep on the
+    compute stream, so its kernels run long after the CPU has moved on and released its
+    slot; a fill of that slot for another unit waits for the release's event. The outputs
+    of evaluation under no_grad with slots reused equal those of a run without the sleeps."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    data = cuda_batches(3)
+    config = dict(device="cuda", param_tier="host", optimizer_tier="host", device_budget=budget_for(model, 0.5))
+
+    def evaluate(slow):
+        outs = []
+        m = copy.deepcopy(model)
+        with offload.wrap(m, make_opt(m.parameters()), config=config) as engine:
+            handles = [block.register_forward_pre_hook(lambda *_: torch.cuda._sleep(20_000_000))
+                       for block in engine.module.blocks] if slow else []
+            with torch.no_grad():
+                for b in data:
+                    outs.append(engine(b[:, :-1], b[:, 1:]).item())
+            for h in handles:
+                h.remove()
+        return outs
+    assert evaluate(slow=True) == evaluate(slow=False)
+
+
+def test_cuda_clipping_with_speculation_and_gradients_copied_out_without_blocking(tmp_path):
+    """[Note: gradients off the device] with clipping and speculative updates on NVMe
+    states: the curve of the CPU device's run."""
+    data = batches(5)
+    runs = {}
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        config = dict(device=device, param_tier="host", optimizer_tier="nvme", max_grad_norm=1.0,
+                      swap_dir=str(tmp_path / device))
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            runs[device] = train_offload(engine, [b.to(device) for b in data])
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs["cuda"], runs["cpu"])) < 1e-4
 
 
 @pytest.mark.parametrize("param_tier", ["host", "nvme"])

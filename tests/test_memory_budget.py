@@ -40,6 +40,7 @@ def layout_of(**config):
     return Layout.resolve(OffloadConfig(device="cpu", **config), torch.device("cpu"), None)
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "nvme"), ("device", "host")])
 def test_budget_of_an_unwrapped_model_is_what_wrap_reports_and_plan_prints(tiers, dtype, tmp_path):

@@ -22,6 +22,9 @@ from support import (CFG, RSS_SLACK_BYTES, assert_same_state, batches, gpt_loss,
                      train_in_fresh_process)
 
 CPU = torch.device("cpu")
+# Budgets and plans here are worked out for the CPU device as users run it, which needs no
+# fetch staging buffers: [Note: streams]
+pytestmark = pytest.mark.host_device
 
 
 def base(tmp_path, dtype="fp32", **extra):

@@ -465,6 +465,7 @@ def test_a_failed_spare_write_of_a_delayed_update_fails_the_engine(tmp_path):
         assert_same_state(engine.state_dict(), whole.state)
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_spilled_gradients_change_nothing_in_a_delayed_run(accumulation, tmp_path):
     """With the smallest host_budget (gradients spilled to NVMe and read back by the delayed

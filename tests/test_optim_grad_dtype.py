@@ -45,6 +45,7 @@ def test_norm_of_a_16bit_gradient_is_that_of_its_fp32_copy(dtype, numel):
     assert ours.view(torch.int32).item() == ref.view(torch.int32).item()
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
 @pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -64,6 +65,7 @@ def test_16bit_gradients_compute_what_fp32_gradients_did(dtype, speculative, tie
     assert ref[2]["gradient_bytes"] == 4 * trainable_numel()
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("speculative", [True, False])
 def test_spilled_16bit_gradients_compute_what_spilled_fp32_gradients_did(speculative, tmp_path, monkeypatch):
     """Each run at the smallest budget it accepts (one unit's gradients in RAM), so both
@@ -94,6 +96,7 @@ def test_spilled_16bit_gradients_compute_what_spilled_fp32_gradients_did(specula
     assert ours[2]["spilled_gradient_bytes"] > 0 and ref[2]["spilled_gradient_bytes"] > 0
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("host_budget", ["none", "planned", "smallest"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_a_second_backward_before_step_sums_in_fp32(dtype, host_budget, tmp_path, monkeypatch):

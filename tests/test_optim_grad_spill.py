@@ -20,6 +20,9 @@ from offload.memory.layout import Layout
 from support import (CFG, RSS_SLACK_BYTES, FailedHandle, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
                      rss_gpt_sizes, train_gpt, train_in_fresh_process, train_offload, wrap_swap_io)
 
+# Gradients spill only where the host tier adopts autograd's tensors: the CPU device
+pytestmark = pytest.mark.host_device
+
 # The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
 MIXED_NORM = 6.0
 NEVER_CLIPS = 1e9

@@ -101,6 +101,7 @@ def test_plain_pytorch_sees_its_own_gradient_after_backward():
         assert model.head.weight is model.wte.weight
 
 
+@pytest.mark.host_device
 def test_a_failed_backward_drops_the_held_head_gradient():
     # The head's gradient is held from the start of backward; a backward that fails later
     # (at the last block's, before any update) drops it with the rest, as zero_grad does:
@@ -169,6 +170,7 @@ def step_growth(mode):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.host_device
 def test_a_step_holds_one_tied_gradient_less_than_when_autograd_sums():
     # A 65536 x 1024 tied embedding (268 MB of fp32 gradient) and one small block: over a
     # steady step the RSS grows by about two of its gradients (the head's, held, and the

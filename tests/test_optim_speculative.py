@@ -146,6 +146,7 @@ def test_step_takes_back_the_speculative_updates_the_worker_has_not_started(tier
     assert on[2]["early_updates"] == on[2]["speculative_updates"]
 
 
+@pytest.mark.host_device
 def test_taken_back_updates_are_deferred_and_the_next_forward_reads_less(tmp_path):
     """With the states on NVMe the updates step() takes back join its deferred ones: they run
     under the next forward and write the device copies still resident ([Note: updates
@@ -326,6 +327,7 @@ def speculated_engine(tmp_path, name, dtype="fp32"):
                         config=config(tmp_path, name, dtype=dtype, max_grad_norm=NEVER_CLIPS))
 
 
+@pytest.mark.host_device
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_committed_speculative_update_keeps_the_device_copy_it_wrote(dtype, tmp_path):
     """A speculative update writes a resident device copy, as an early update does; when
@@ -347,6 +349,7 @@ def test_a_committed_speculative_update_keeps_the_device_copy_it_wrote(dtype, tm
             assert torch.equal(copy, homes.load(u.compute_home, u.compute_numel, copy.dtype)), u.name
 
 
+@pytest.mark.host_device
 def test_a_forward_between_backward_and_step_uses_the_last_steps_weights(tmp_path):
     """A forward before step() (an evaluation, say) computes with the last step's weights,
     as plain PyTorch does: the device copies that speculative updates wrote are dropped
@@ -371,6 +374,7 @@ def test_a_forward_between_backward_and_step_uses_the_last_steps_weights(tmp_pat
         assert_same_state(engine.state_dict(), reference[1])
 
 
+@pytest.mark.host_device
 def test_zero_grad_between_backward_and_step_drops_the_speculation(tmp_path):
     """zero_grad() after a backward whose units were speculated, device copies included:
     nothing of that backward remains, and the run equals one without that batch."""

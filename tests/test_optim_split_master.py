@@ -123,6 +123,7 @@ def test_the_home_holds_low_halves_and_the_compute_copy_is_the_high_half(param_t
     assert max(abs(a - b) / b for a, b in zip(losses, whole_losses)) < BF16_LOSS_REL_TOL
 
 
+@pytest.mark.host_device
 def test_split_master_moves_fewer_bytes_per_step(tmp_path):
     """Per update the master costs 2 B of reads (its low halves; the high ones are the
     compute copy, read as before) and 2 B of writes where a whole master costs 4 and 4, on

@@ -165,6 +165,7 @@ def state_after(engine, x, steps):
     return engine.state_dict()
 
 
+@pytest.mark.host_device
 def test_deferred_updates_fill_the_device_copies_of_the_next_forward(tmp_path):
     """[Note: updates fill the device copy] With slow swap I/O the updates step() leaves
     are still queued when the next forward's prefetcher looks ahead: those units get their
@@ -228,6 +229,7 @@ def test_fetches_behind_deferred_updates_keep_the_prefetch_going_with_compute_co
         assert torch.equal(state[k], state_before[k]), k
 
 
+@pytest.mark.host_device
 def test_fills_with_eval_passes_and_a_scheduler_give_the_numbers_of_updates_inside_step(tmp_path):
     """[Note: updates fill the device copy] Eval forwards between steps (their own trace)
     meet units whose deferred updates are queued: they get filled slots too. With an LR
@@ -283,6 +285,7 @@ def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
         assert torch.equal(resumed[k], expected[k]), k
 
 
+@pytest.mark.host_device
 @pytest.mark.filterwarnings("ignore:offload. execution left the recorded unit trace")  # the failed pass
 def test_a_failed_update_with_a_fill_in_flight_gives_its_slot_back(tmp_path):
     """[Note: updates fill the device copy] An update still queued when step() returned

@@ -251,6 +251,7 @@ def test_soak_at_the_smallest_host_budget_is_flat(kind, tmp_path, shrunk_buffers
     "gradient of the last step while backward holds the head's first-use gradient ([Note: shared parameter "
     "gradients]), which the plan counts inside the root's gradients: AssertionError: host_peak_bytes 178048 "
     "> host_budget 176000"))
+@pytest.mark.host_device
 def test_delayed_updates_stay_within_the_smallest_host_budget_of_a_model_that_cannot_spill(tmp_path):
     """The delayed soak above, on the fault matrix's tiny GPT (vocab 32, d_model 16, 2 layers,
     its head tied to the embedding): its spill floor is more than its gradients, so the

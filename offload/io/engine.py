@@ -52,10 +52,10 @@ TRACKED_REQUESTS = 4096
 
 
 def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialized 1-D tensor of ``nbytes`` bytes whose data starts on a 4 KiB boundary
-    (pinned when CUDA is present, so device copies from it are asynchronous). Without CUDA,
-    buffers of 2 MiB and more are backed by transparent huge pages where the kernel allows it;
-    see [Note: huge-page buffers]."""
+    """An uninitialized 1-D tensor of ``nbytes`` bytes whose data starts on a 4 KiB boundary;
+    buffers of 2 MiB and more are backed by transparent huge pages where the kernel allows it
+    (see [Note: huge-page buffers]). Never pinned: the host tier page-locks its own buffers
+    where a device needs it ([Note: pinned buffers] in offload/tiers/host.py)."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     if not isinstance(dtype, torch.dtype):
@@ -63,9 +63,8 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     itemsize = torch.empty((), dtype=dtype).element_size()
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a multiple of {dtype}'s size {itemsize}")
-    if torch.cuda.is_available() or nbytes < HUGE_PAGE_BYTES:
-        raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8,
-                          pin_memory=torch.cuda.is_available())
+    if nbytes < HUGE_PAGE_BYTES:
+        raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % ALIGN_BYTES
         return raw[skip:skip + nbytes].view(dtype)
     return _huge_page_empty(nbytes).view(dtype)
@@ -80,8 +79,8 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
 # at 1.7-2.2 GB/s. So CPU buffers of 2 MiB and more are anonymous mappings aligned to 2 MiB
 # with MADV_HUGEPAGE on their whole huge pages (the tail stays in 4 KiB pages, so resident
 # memory is never rounded up). The kernel may still decline (THP "never", fragmentation):
-# the buffer is then ordinary pages, only slower. With CUDA, buffers come from the pinned
-# allocator instead, whose layout is the driver's.
+# the buffer is then ordinary pages, only slower. For a CUDA device the host tier page-locks
+# such a buffer in place ([Note: pinned buffers]).
 HUGE_PAGE_BYTES = 2 << 20
 
 

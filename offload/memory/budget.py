@@ -256,7 +256,7 @@ def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
     any_compute_on_nvme = any(layout.compute_tier(i) == "nvme" for i in range(len(units)))
     needs_compute = any_compute_on_nvme and not layout.merged or \
-        (layout.param_tier == "device" and layout.device.type == "cuda")
+        (layout.param_tier == "device" and not layout.device_is_host and layout.compute_dtype != torch.float32)
     # a 16-bit compute prefix is padded to 2048 elements, the fp32 master to 1024
     compute = master + 2048 if needs_compute else 0
     # [Note: split master] low halves: a piece, padded as a 16-bit prefix is
@@ -334,9 +334,9 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     if layout.gathers:
         if layout.param_tier == "nvme":
             fetch += max(u.home_numel for u in units) * home_element_bytes
-        if layout.device.type == "cuda":
+        if not layout.device_is_host:
             fetch += largest * home_element_bytes
-    elif layout.device.type == "cuda" and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
+    elif not layout.device_is_host and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
         fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
     return HostBytes(grads, compute, master, moments, staging, fetch, squares_scratch_bytes(units, layout))
 
@@ -378,7 +378,7 @@ class GradientSpill:
 
 def _can_spill(layout: Layout) -> bool:
     # adopted gradients only: [zero] several ranks and CUDA keep flat pooled buffers
-    return layout.adopts_grads and layout.device.type == "cpu"
+    return layout.adopts_grads and layout.device_is_host
 
 
 # [Note: gradient spill] A unit's gradients are written from a bounce buffer of two pieces

@@ -209,7 +209,7 @@ class Homes:
             self._scratch = {}
             root = self._units[0]
             layout = self._layout
-            if self._device.device.type == "cpu" and layout.param_tier != "device" \
+            if layout.device_is_host and layout.param_tier != "device" \
                     and root.device_offset is not None and self._num_written < len(self._units):
                 element_bytes = layout.compute_element_bytes
                 split = self._splits_per_parameter()

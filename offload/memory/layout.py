@@ -51,6 +51,7 @@ import torch
 from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
 from offload.tiers import HostTier
+from offload.tiers.streams import Event, standin_requested
 from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitUpdate, padded_numel
 from offload.zero.shards import ParamShard, ShardRange
 
@@ -63,6 +64,9 @@ class Layout:
     """The modes of one run, resolved from its config, device and ZeRO partition."""
 
     device: torch.device
+    # [Note: streams] the arena is host RAM the engine and the I/O engine address directly
+    # (a CPU device as users run it); False on CUDA and on the CPU stand-in of CUDA
+    device_is_host: bool
     compute_dtype: torch.dtype
     compute_element_bytes: int
     # Home of the compute copies: "device", "host" or "nvme" when every unit's is there,
@@ -215,8 +219,10 @@ class Layout:
         host_budget = config.host_budget
         if host_budget is None:
             host_budget = default_host_budget_bytes if default_host_budget_bytes is not None else default_host_budget()
+        device_is_host = device.type == "cpu" and not standin_requested()
         return cls(
             device=device,
+            device_is_host=device_is_host,
             compute_dtype=compute_dtype,
             compute_element_bytes=torch.empty(0, dtype=compute_dtype).element_size(),
             param_tier=param_tier,
@@ -231,8 +237,8 @@ class Layout:
             split_master=(config.split_master and config.dtype == "bf16" and on_states == {"nvme"}
                           and len(on_compute) == 1 and param_tier != "device"
                           and "auto" not in (config.param_tier, config.optimizer_tier)),
-            adopts_grads=device.type == "cpu" and partition is None,
-            device_copy_updates=device.type == "cpu" and "nvme" in on_compute and partition is None,
+            adopts_grads=device_is_host and partition is None,
+            device_copy_updates=device_is_host and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
             early_allowed=partition is None and (speculative or not needs_norm_first) and not config.delayed_update,
@@ -306,7 +312,9 @@ def sub_extent(home: Any, offset: int, num_bytes: int) -> ExtentView:
 
 
 def on_nvme(home: Any) -> bool:
-    return not isinstance(home, torch.Tensor)
+    """Whether ``home`` is a swap extent (not a host tensor, nor None: no home, as the
+    compute copy of a unit that lives on the device)."""
+    return home is not None and not isinstance(home, torch.Tensor)
 
 
 class UnitState:
@@ -347,7 +355,7 @@ class UnitState:
         self.steps = [0] * len(self.trainable)
         self.device_offset: Optional[int] = None
         self.compute_state = ResidencyState(f"{spec.name}.compute", Residency.HOME)
-        self.ready_event: Optional[torch.cuda.Event] = None
+        self.ready_event: Optional[Event] = None
         self.pending: Optional[Callable[[], Optional[torch.cuda.Event]]] = None  # fetch in flight
         self.fetch_started = 0.0
         self.compute_started = 0.0

@@ -31,8 +31,8 @@ device slot for the whole run (allocated with the homes); only its state moves.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
-from typing import Any, Callable, ContextManager, List, Optional
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 
@@ -45,8 +45,23 @@ from offload.tiers.nvme import wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.streams import Event
 from offload.units import Residency, padded_numel
 from offload.zero import Partition
+
+
+class UpdateNotLanded(RuntimeError):
+    """A fetch chained behind an update found the update (or its swap writes) failed: the
+    update's ticket reports that, not the fetch ([Note: updates fill the device copy])."""
+
+
+class _Staging:
+    """A pinned buffer that fetches from NVMe pass through on their way to a slot that the
+    host does not address; ``busy``: the last such fetch (its result: the copy's event)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.busy: Optional[Future] = None
 
 
 class DeviceResidency:
@@ -103,10 +118,11 @@ class DeviceResidency:
         # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
         self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
         home_dtype = torch.float32 if layout.merged else layout.compute_dtype
-        self._fetch_staging: List[torch.Tensor] = [
-            host.allocate(max(u.compute_numel for u in units), home_dtype)
+        # used in turn ([Note: streams])
+        self._fetch_staging: List[_Staging] = [
+            _Staging(host.allocate(max(u.compute_numel for u in units), home_dtype))
             for _ in range(layout.prefetch_units + 1)
-        ] if layout.device.type == "cuda" and not layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else []
+        ] if not layout.device_is_host and not layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else []
         # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
         # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
         self._gather_home: Optional[torch.Tensor] = host.allocate(
@@ -114,7 +130,7 @@ class DeviceResidency:
             if layout.gathers and layout.param_tier == "nvme" else None
         self._gather_out: Optional[torch.Tensor] = host.allocate(
             max(u.compute_numel for u in units), home_dtype) \
-            if layout.gathers and layout.device.type == "cuda" else None
+            if layout.gathers and not layout.device_is_host else None
 
     def shutdown(self) -> None:
         """Stop the copy worker (after drain_fetches: nothing may be in flight)."""
@@ -179,22 +195,33 @@ class DeviceResidency:
         """Begin moving u's compute copy into a device slot; False when no slot is free and
         ``evict`` is off. ``after``: the copy worker calls it first and moves the copy once
         it returns ([Note: updates fill the device copy]: a fetch behind an update)."""
-        layout = self._layout
         if u.device_offset is None:
             offset = self._allocate_slot(u) if evict else self._device.allocate(u.compute_numel)
             if offset is None:
                 return False
             u.device_offset = offset
         u.compute_state.to(Residency.LOADING)
+        u.fetch_started = time.perf_counter()
+        try:
+            self._issue_fetch(u, after)
+        except BaseException:
+            self._back_home(u)  # nothing was issued: the home copy is read at the next use
+            raise
+        return True
+
+    def _issue_fetch(self, u: UnitState, after: Optional[Callable[[], None]]) -> None:
+        """Start u's transfer into its slot and set ``u.pending`` (start_fetch)."""
+        layout = self._layout
         dst = self._device.view(u.device_offset, u.compute_numel)
         num_bytes = u.compute_numel * dst.element_size()
-        u.fetch_started = time.perf_counter()
         if after is not None:
             assert not layout.gathers, "no deferred updates at stage 3"
-            move = self._move_home_to_device(u, dst)
-            future = self._copy_worker.submit(lambda: (after(), move()))
-            u.pending = lambda: (future.result(), None)[1]
-            on_cpu_from_nvme = on_nvme(u.compute_home) and layout.device.type == "cpu"
+            move, staging = self._move_home_to_device(u, dst)
+            future = self._copy_worker.submit(lambda: (after(), move())[1])
+            if staging is not None:
+                staging.busy = future
+            u.pending = future.result
+            on_cpu_from_nvme = on_nvme(u.compute_home) and layout.device_is_host
             self._stats.add_bytes("nvme_to_device" if on_cpu_from_nvme else "host_to_device", num_bytes)
         elif layout.gathers:  # [zero] stage 3: [Note: parameter all-gathers]
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
@@ -202,46 +229,72 @@ class DeviceResidency:
             home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
             self._stats.add_bytes("nvme_to_host" if layout.param_tier == "nvme" else "host_to_host", home_bytes)
             self._stats.add_bytes("all_gather", num_bytes)
-        elif on_nvme(u.compute_home) and layout.device.type == "cpu":
+        elif on_nvme(u.compute_home) and layout.device_is_host:
             # The CPU "device" is RAM: read from the swap file straight into the slot.
             handle = self._nvme.read(dst, u.compute_home, unit=u.name)
             u.pending = lambda: (handle.wait(), None)[1]
             self._stats.add_bytes("nvme_to_device", num_bytes)
         elif on_nvme(u.compute_home):
-            future = self._copy_worker.submit(self._nvme_to_device, dst, u.compute_home, u.name)
+            # the read starts now, beside those of other fetches; the copy worker hands the
+            # bytes to the copy stream once they are in ([Note: streams])
+            staging = self._take_staging()
+            view = staging.buffer[:u.compute_numel]
+            handle = self._nvme.read(view, u.compute_home, unit=u.name)
+            future = self._copy_worker.submit(self._staged_to_device, lambda: handle.wait(), view, dst, u.name)
+            staging.busy = future
             u.pending = future.result
             self._stats.add_bytes("host_to_device", num_bytes)
-        elif layout.device.type == "cpu":
+        elif layout.device_is_host:
             future = self._copy_worker.submit(dst.copy_, u.compute_home)
             u.pending = lambda: (future.result(), None)[1]
             self._stats.add_bytes("host_to_device", num_bytes)
         else:
-            event = self._device.copy_in(dst, u.compute_home)
+            event = self._device.copy_in(dst, u.compute_home, what=f"the fill of unit {u.name!r}")
             u.pending = lambda: event
             self._stats.add_bytes("host_to_device", num_bytes)
-        return True
 
-    def _move_home_to_device(self, u: UnitState, dst: torch.Tensor) -> Callable[[], None]:
-        """The transfers of start_fetch done whole in the calling thread (the copy worker)."""
+    def _back_home(self, u: UnitState) -> None:
+        """u's slot holds no valid copy: back to HOME, its slot freed (not the root's)."""
+        u.compute_state.to(Residency.HOME)
+        if u is not self._root:
+            self._device.free(u.device_offset, u.compute_numel)
+            u.device_offset = None
+
+    def _move_home_to_device(self, u: UnitState, dst: torch.Tensor
+                             ) -> Tuple[Callable[[], Optional[Event]], Optional[_Staging]]:
+        """The transfers of start_fetch, to be issued from the copy worker: what returns the
+        event the use waits for (if any), and the fetch staging buffer taken for it."""
         home = u.compute_home
-        if on_nvme(home) and self._layout.device.type == "cpu":
-            return lambda: self._nvme.read(dst, home, unit=u.name).wait()
+        if on_nvme(home) and self._layout.device_is_host:
+            return lambda: (self._nvme.read(dst, home, unit=u.name).wait(), None)[1], None
         if on_nvme(home):
-            return lambda: self._nvme_to_device(dst, home, u.name)
-        if self._layout.device.type == "cpu":
-            return lambda: dst.copy_(home)
-        return lambda: self._device.copy_in(dst, home).synchronize()
+            staging = self._take_staging()
+            view = staging.buffer[:u.compute_numel]
+            return lambda: self._staged_to_device(lambda: self._nvme.read(view, home, unit=u.name).wait(),
+                                                  view, dst, u.name), staging
+        if self._layout.device_is_host:
+            return lambda: (dst.copy_(home), None)[1], None
+        return lambda: self._device.copy_in(dst, home, what=f"the fill of unit {u.name!r}"), None
 
-    def _nvme_to_device(self, dst: torch.Tensor, home: Any, unit: str) -> None:
-        """CUDA: swap file -> pinned staging buffer -> device, on the copy worker."""
-        staging = self._fetch_staging.pop()
-        try:
-            view = staging[:dst.numel()]
-            self._nvme.read(view, home, unit=unit).wait()
-            event = self._device.copy_in(dst, view)
-            event.synchronize()  # the staging buffer is reused as soon as this returns
-        finally:
-            self._fetch_staging.append(staging)
+    def _take_staging(self) -> "_Staging":
+        """The next fetch staging buffer in turn (main thread), once the fetch that last
+        went through it has copied its bytes out ([Note: streams]: a read into it would
+        overwrite them). Fetches take them in the order they are queued on the copy worker,
+        so this waits only for work queued before."""
+        staging = self._fetch_staging.pop(0)
+        self._fetch_staging.append(staging)
+        busy, staging.busy = staging.busy, None
+        if busy is not None:
+            wait_futures([busy])
+            if busy.exception() is None and busy.result() is not None:
+                busy.result().synchronize()
+        return staging
+
+    def _staged_to_device(self, read: Callable[[], Any], view: torch.Tensor, dst: torch.Tensor, unit: str) -> Event:
+        """On the copy worker: wait for ``read`` (swap file -> pinned staging ``view``),
+        then queue the copy into the slot; the copy's event."""
+        read()
+        return self._device.copy_in(dst, view, what=f"the fill of unit {unit!r}")
 
     def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> None:
         """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
@@ -253,12 +306,12 @@ class DeviceResidency:
             self._nvme.read(own, home, unit=u.name).wait()
         else:
             own = home
-        if self._layout.device.type == "cpu":
+        if self._layout.device_is_host:
             self._partition.gather_params(u, own, dst, lane="param")
             return None
         out = self._gather_out[:u.compute_numel]
         self._partition.gather_params(u, own, out, lane="param")
-        self._device.copy_in(dst, out).synchronize()  # out is reused by the next fetch
+        self._device.copy_in(dst, out, what=f"the fill of unit {u.name!r}").synchronize()  # out is reused by the next fetch
         return None
 
     def finish_fetch(self, u: UnitState) -> None:
@@ -268,12 +321,8 @@ class DeviceResidency:
             u.ready_event = pending()
             faults.hit("memory.fetch", unit=u.name)
         except BaseException as error:
-            # The slot holds no valid copy: back to HOME, so that a later use reads it again
-            # (the home copy is untouched; nothing else changed).
-            u.compute_state.to(Residency.HOME)
-            if u is not self._root:
-                self._device.free(u.device_offset, u.compute_numel)
-                u.device_offset = None
+            # A later use reads it again (the home copy is untouched; nothing else changed).
+            self._back_home(u)
             if isinstance(error, OSError):
                 raise OSError(error.errno, f"fetching unit {u.name!r} to the device failed ({error}); "
                               "its home copy is unchanged") from error
@@ -313,6 +362,8 @@ class DeviceResidency:
         u.update.in_device = False
         u.compute_state.to(Residency.HOME)
         self.unbind(u)
+        # [Note: streams] a fill of the slot waits for the compute stream's reads queued so far
+        self._device.reads_done(u.device_offset, u.compute_numel, what=f"the use of unit {u.name!r}")
         if u is not self._root:
             self._device.free(u.device_offset, u.compute_numel)
             u.device_offset = None
@@ -327,17 +378,24 @@ class DeviceResidency:
 
     def drain_fetches(self) -> None:
         """Land every fetch in flight, before device copies are judged, states read or the
-        engine closed: nobody uses these copies yet. So a fetch whose swap read failed is
-        not raised here (its unit is HOME again, nothing changed, and its next use reads it
-        again and raises if the disk still fails): it is counted in
+        engine closed: nobody uses these copies yet. So a fetch that failed (a swap read, a
+        transfer) is not raised here (its unit is HOME again, nothing changed, and its next
+        use reads it again and raises if it fails again): it is counted in
         ``stats()["failed_prefetches"]`` and warned about."""
         for u in self.units:
             if u.compute_state == Residency.LOADING:
                 try:
                     self.finish_fetch(u)
-                except OSError as error:
-                    self._stats.count("failed_prefetches")
-                    warn_at_caller(f"offload: {error}; nothing used it yet, and its next use reads it again")
+                except Exception as error:  # noqa: BLE001 - counted and warned about
+                    self._failed_ahead(u, error)
+
+    def _failed_ahead(self, u: UnitState, error: Exception) -> None:
+        """A fetch that no use waited for failed: its unit is HOME again, nothing changed,
+        and its next use reads it again (and raises if the transfer fails again)."""
+        self._stats.count("failed_prefetches")
+        said = str(error) if isinstance(error, OSError) else \
+            f"fetching unit {u.name!r} to the device failed ({type(error).__name__}: {error})"
+        warn_at_caller(f"offload: {said}; nothing used it yet, and its next use reads it again")
 
     def prefetch(self) -> None:
         """Start the transfers the trace says come next (see offload/prefetch/)."""
@@ -393,13 +451,16 @@ class DeviceResidency:
         def wait_update() -> None:
             wait_futures([ticket])
             if ticket.exception() is not None:
-                raise ticket.exception()
+                raise UpdateNotLanded(f"the update of unit {u.name!r} failed") from ticket.exception()
 
         if not fill:
             def wait_update_and_writes() -> None:
                 wait_update()
-                for handle in u.update.home_writes:  # all issued once the update is done
-                    handle.wait()
+                try:
+                    for handle in u.update.home_writes:  # all issued once the update is done
+                        handle.wait()
+                except BaseException as error:  # noqa: B902 - the step reports its writes' failures
+                    raise UpdateNotLanded(f"a swap write of the update of unit {u.name!r} failed") from error
             if not self.start_fetch(u, evict=False, after=wait_update_and_writes):
                 return False
             u.update.fetch_chained = True
@@ -425,7 +486,8 @@ class DeviceResidency:
 
     def land_fills(self) -> Optional[BaseException]:
         """Finish the fetches that waited for updates now over (prefetch_updating): the
-        slot of a failed one goes back (that error is reported with the update's own). An
+        slot of a failed one goes back (an update's failure is reported with the update's
+        own; a transfer's own is counted and warned about as drain_fetches does). An
         interrupt of this thread meanwhile (a KeyboardInterrupt, not an error) is returned
         once every fill has landed, for the caller to raise ([Note: interrupts while
         waiting])."""
@@ -434,13 +496,16 @@ class DeviceResidency:
             if u.update.fetch_chained and u.compute_state == Residency.LOADING:
                 try:
                     self.finish_fetch(u)
-                except Exception:  # noqa: BLE001 - the update's ticket reports it
-                    pass
+                except UpdateNotLanded:
+                    pass  # the update's ticket (or the step, its writes) reports it
+                except Exception as error:  # noqa: BLE001 - the transfer's own: nothing used it yet
+                    self._failed_ahead(u, error)
                 except BaseException as error:  # noqa: B902 - the unit is back home; raised by the caller
                     interrupt = interrupt or error
         return interrupt
 
     def wait_ready(self, u: UnitState) -> None:
-        if u.ready_event is not None:
-            torch.cuda.current_stream(self._layout.device).wait_event(u.ready_event)
-            u.ready_event = None
+        """u's forward or backward is next on the compute stream: it waits for u's fill
+        ([Note: streams])."""
+        event, u.ready_event = u.ready_event, None
+        self._device.compute_uses(u.device_offset, u.compute_numel, event, what=f"the use of unit {u.name!r}")

@@ -101,14 +101,13 @@ class UnitAdam:
                                                 (exp_avg_sq, out.exp_avg_sq), (out.compute_in, compute_out)])
             master = out.master
         layout = self._layout
-        if copy_to_device and layout.param_tier == "device" and (compute_out is None or layout.device.type == "cuda"):
+        if copy_to_device and layout.param_tier == "device" and (compute_out is None or not layout.device_is_host):
             end = min(hi, u.spec.trainable_numel)
             if end > lo:
                 src = compute_out if compute_out is not None else master
                 dst = self._device.view(u.device_offset + lo, end - lo)
-                event = self._device.copy_in(dst, src[:end - lo])
-                if event is not None:
-                    event.synchronize()
+                # src is reused once this returns ([Note: streams])
+                self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
 
     @staticmethod
     def _carry_over(n: int, updated: List[Tuple[int, int]],
@@ -136,7 +135,7 @@ class UnitAdam:
             return None
         if u.compute_home is not None and isinstance(u.compute_home, torch.Tensor):  # a host home
             return u.compute_home
-        if layout.param_tier == "device" and layout.device.type == "cpu":
+        if layout.param_tier == "device" and layout.device_is_host:
             return self._device.view(u.device_offset, u.compute_numel)
         return None
 

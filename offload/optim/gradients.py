@@ -127,6 +127,7 @@ from offload.optim.failure import wait_through_interrupts
 from offload.optim.squares import grad_squares
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.streams import Event
 from offload.units import PAGE_BYTES, ParamEntry
 from offload.zero import Partition
 
@@ -160,6 +161,10 @@ class Gradients:
         # [Note: gradient pool] free flat buffers by element count
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
+        # [Note: gradients off the device] a device the host does not address, one rank:
+        # the copies out in flight, by unit index (under the pool's lock)
+        self._copies_out = not layout.device_is_host and partition is None
+        self._copies: Dict[int, List[Event]] = {}
         # [Note: gradient spill] the allowance (None: no spill), the bounce buffer, the
         # NVMe tier (spill_through), the gradient bytes held in RAM (under the pool's lock)
         sizes = [UnitSizes.of(u) for u in units]
@@ -266,6 +271,9 @@ class Gradients:
         """u's k-th gradient of this backward into its fp32 home on the host. ``held``: a
         shared parameter's sum, already counted where it lies (see ``on_shared_grad``)."""
         self.take_back(u)  # [Note: delayed updates] the fields are this backward's from here on
+        if u.compute_home is None and u.device_offset is not None:
+            # [Note: streams] an update written into u's slot waits for the reads so far
+            self._device.reads_done(u.device_offset, u.compute_numel, what=f"the backward of unit {u.name!r}")
         num_bytes = grad.numel() * grad.element_size()
         if not held:
             self._device.hold_transient(num_bytes)
@@ -292,13 +300,22 @@ class Gradients:
                     planned = self._allowance_bytes is None and not self._widened and not held
                     self._host.adopt(u.param_grads[k], planned=planned)
                     self._count_ram(u.param_grads[k].nbytes)
+        elif self._copies_out and not u.has_grad[k]:
+            # [Note: gradients off the device] widened where it lies, copied out behind the
+            # compute that made it; the update or the norm waits for it (landed)
+            dst = self.grad_buffer(u)[e.offset:e.offset + e.numel]
+            wide = src if src.dtype == torch.float32 else src.to(torch.float32)
+            event = self._device.streams.copy_out(dst, wide, what=f"the gradient of {e.fqn!r}")
+            with self._grad_pool_lock:
+                self._copies.setdefault(u.index, []).append(event)
         else:
             if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
                 dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
             else:
+                self.landed(u)  # a second gradient is added to the first
                 dst = self.grad_buffer(u)[e.offset:e.offset + e.numel]
             if src.device != dst.device:
-                src = src.to(dst.device)  # slow path on CUDA: synchronous D2H
+                src = src.to(dst.device)  # [zero] several ranks: a synchronous copy
             if u.has_grad[k] and u.grad is not None and u.grad.dtype != torch.float32:
                 dst = self._widen(u, k)  # [Note: 16-bit gradients] a read-back buffer, summed into
             if u.has_grad[k] or sharded_grads:
@@ -527,6 +544,7 @@ class Gradients:
             self._release_held(u.grad)
             u.grad = None
         elif u.grad is not None:
+            self.landed(u)  # no copy still writes the buffer the pool hands out again
             with self._grad_pool_lock:
                 self._grad_pool.setdefault(u.grad_numel, []).append(u.grad)
             u.grad = None
@@ -542,15 +560,32 @@ class Gradients:
         widened = g.dtype == torch.float32 != self._layout.grad_dtype  # [Note: 16-bit gradients]
         self._count_ram(-g.nbytes, widened=-1 if widened else 0)
 
+    # [Note: gradients off the device] On a device the host does not address (CUDA, its
+    # stand-in), with one rank, a gradient's first arrival in a backward is widened to fp32
+    # where it lies and queued on the device-to-host stream into u's pooled buffer (pinned),
+    # behind the compute that made it; autograd's thread goes on at once. Whoever reads the
+    # buffer next waits for those copies (``landed``): an update or the norm (grad_range),
+    # a second gradient added to it, the pool taking the buffer back (release). A second
+    # gradient in the same buffer is added on the host after the first has landed.
+    def landed(self, u: UnitState) -> None:
+        """[Note: gradients off the device] Wait for u's gradients still on their way out."""
+        with self._grad_pool_lock:
+            events = self._copies.pop(u.index, [])
+        for event in events:
+            event.synchronize()
+
     def grad_range(self, u: UnitState, k: int, a: int, b: int) -> torch.Tensor:
         """The gradient (fp32, or 16-bit: [Note: 16-bit gradients]) of elements [a, b) (unit
         coordinates) of u's k-th trainable parameter: in the flat buffer ([zero]: which starts at element ``u.grad_base``) or
         in the parameter's own tensor. A spilled unit is read back first ([Note: gradient
-        spill]: by the thread that updates it)."""
+        spill]: by the thread that updates it); one on its way out is waited for."""
         if u.grad_spilled:
             self._read_back(u)
         if u.grad is not None:
-            return u.grad[a - u.grad_base:b - u.grad_base]
+            self.landed(u)
+            grad = u.grad[a - u.grad_base:b - u.grad_base]
+            self._device.streams.host_access(grad, write=False, what=f"a read of unit {u.name!r}'s gradient")
+            return grad
         e = u.trainable[k]
         return u.param_grads[k][a - e.offset:b - e.offset]
 

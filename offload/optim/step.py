@@ -180,7 +180,9 @@ class PipelinedStep:
         compute_in = None
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
-        elif slot.compute is not None and on_nvme(u.compute_home):  # [Note: placement by budget]
+        elif slot.compute is not None and (on_nvme(u.compute_home) or u.compute_home is None):
+            # [Note: placement by budget] on its way to NVMe, or to a slot the host does not
+            # address (a unit that lives on the device: adam_range copies it there)
             compute_out, staging = slot.compute[:n], True
         else:
             target = self._compute_target(u)

@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from offload.tiers.host import mapped_empty
+from offload.tiers.streams import CudaStreams, Event, HostStreams, StandInStreams, Streams
 
 
 class DeviceTier:
@@ -22,8 +23,14 @@ class DeviceTier:
     runtime (``hold_transient``); ``peak_bytes`` is its maximum, never above ``budget_bytes``.
     """
 
+    #: [Note: streams] a fill waits for the compute stream's last reads of its bytes; False
+    #: only in the test that shows the CPU stand-in catching the fill that does not
+    fills_wait_for_reads = True
+
     def __init__(self, device: torch.device, dtype: torch.dtype, capacity_numel: int,
-                 budget_bytes: int) -> None:
+                 budget_bytes: int, host_addressable: bool = True) -> None:
+        """``host_addressable``: on a CPU device, False makes it the stand-in of CUDA
+        ([Note: streams], ``Layout.device_is_host``)."""
         self.device = device
         self.dtype = dtype
         self.element_bytes = torch.empty(0, dtype=dtype).element_size()
@@ -45,9 +52,19 @@ class DeviceTier:
         self.transient_bytes = 0
         self.peak_bytes = 0
         self._borrowed: Optional[Tuple[int, int]] = None  # see borrow
-        # Copies to the device run on their own stream so that they overlap the compute on
-        # the default stream; every hand-off carries an event (see fetch in engine.py).
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # [Note: streams] the one place that decides how work on the device is ordered
+        self.streams: Streams = CudaStreams(device) if device.type == "cuda" else \
+            HostStreams() if host_addressable else StandInStreams(self.arena)
+        # Element ranges [lo, hi) of the arena with the event of the compute stream's last
+        # reads of them (reads_done); a copy into an overlapping range waits for the latest.
+        self._reads: List[Tuple[int, int, int, Event]] = []
+        self._num_reads = 0
+
+    @property
+    def host_addressable(self) -> bool:
+        """Whether the arena is host RAM the engine and the I/O engine address directly (a
+        CPU device as users run it), not memory reached only through copies."""
+        return self.streams.host_addressable
 
     @property
     def used_bytes(self) -> int:
@@ -96,7 +113,7 @@ class DeviceTier:
         from 57-69 s to 35 s. No slot is handed out while borrowed (``allocate`` asserts it);
         ``give_back`` zeroes the bytes again, as the arena starts."""
         assert self._borrowed is None, "the arena is borrowed already"
-        if self.device.type != "cpu":
+        if not self.host_addressable:
             return None
         numel = -(-nbytes // self.element_bytes)
         start = next((start for start, length in self._free if length >= numel), None)
@@ -138,15 +155,45 @@ class DeviceTier:
     def drop_transient(self, num_bytes: int) -> None:
         self.transient_bytes -= num_bytes
 
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[torch.cuda.Event]:
-        """Copy host ``src`` into device ``dst``. On CUDA the copy runs on the copy stream and
-        the returned event must be waited on by the consumer's stream; on the CPU the copy is
-        done when this returns."""
-        if self.copy_stream is None:
-            dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        return event
+    def reads_done(self, offset: int, numel: int, what: str) -> None:
+        """[Note: streams] The compute stream is done reading elements [offset, offset +
+        numel) once the work queued so far has run (the slot is released, or its unit's
+        update is queued): a later copy into them waits for an event recorded now."""
+        self.streams.compute_access(self.view(offset, numel), write=False, what=what, check=False)
+        if self.streams.host_addressable:
+            return
+        lo, hi = offset, offset + numel
+        self._num_reads += 1
+        self._reads = [r for r in self._reads if not lo <= r[0] < r[1] <= hi]
+        self._reads.append((lo, hi, self._num_reads, self.streams.record_compute()))
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Event:
+        """Queue the copy of ``src`` into ``dst`` (a view of the arena) on the copy stream,
+        after the compute stream's last reads of ``dst`` ([Note: streams]); its event. The
+        caller keeps ``src`` unchanged until the event completes."""
+        offset = self.offset_of(dst)
+        after: List[Event] = []
+        if offset is not None and self._reads and self.fills_wait_for_reads:
+            lo, hi = offset, offset + dst.numel()
+            overlapping = [r for r in self._reads if r[0] < hi and lo < r[1]]
+            if overlapping:  # compute events are ordered: the latest implies the others
+                after.append(max(overlapping, key=lambda r: r[2])[3])
+        return self.streams.copy(dst, src, after=after, what=what)
+
+    def compute_uses(self, offset: int, numel: int, event: Optional[Event], what: str) -> None:
+        """The compute stream is about to read elements [offset, offset + numel): it waits
+        for ``event`` (the fill that brought them) first."""
+        if event is not None:
+            self.streams.compute_wait(event)
+        self.streams.compute_access(self.view(offset, numel), write=False, what=what)
+
+    def pin(self, t: torch.Tensor) -> None:
+        """[Note: pinned buffers] Page-lock host tensor ``t`` in place (CUDA and its stand-in)."""
+        self.streams.pin(t)
+
+    def unpin(self, t: torch.Tensor) -> None:
+        self.streams.unpin(t)
+
+    def close(self) -> None:
+        """Every queued copy has run; the copy stream stops."""
+        self.streams.close()

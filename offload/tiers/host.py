@@ -1,18 +1,26 @@
-"""The host tier: page-aligned (and, with CUDA, pinned) RAM under a byte budget.
+"""The host tier: page-aligned (and, for a CUDA device, pinned) RAM under a byte budget.
 
-[Note: host buffers outside the heap] Without CUDA a buffer of the tier is an anonymous
-mapping of its own, not a malloc block. The tier's buffers live for the whole run, and
-malloc would place the smaller ones (staging pieces of a few MiB) in its heap between
-activations: the heap can only shrink from its top, so every later step's activations and
-gradients would grow it around them, and that free space stays resident. A mapping is page
-aligned by construction and goes back to the kernel when its tensor dies. With CUDA the
-buffers are pinned (``aligned_empty``): the CUDA host allocator keeps them off the heap.
+[Note: host buffers outside the heap] A buffer of the tier is an anonymous mapping of its
+own, not a malloc block. The tier's buffers live for the whole run, and malloc would place
+the smaller ones (staging pieces of a few MiB) in its heap between activations: the heap can
+only shrink from its top, so every later step's activations and gradients would grow it
+around them, and that free space stays resident. A mapping is page aligned by construction
+and goes back to the kernel when its tensor dies.
+
+[Note: pinned buffers] For a device the host does not address (CUDA), the tier page-locks
+each buffer where it lies (``DeviceTier.pin``: cudaHostRegister), so that copies to and from
+the device run without the host, and unlocks it when the buffer is released or the tier
+closes. Not through torch's pinned allocator: it rounds every request up to a power of two
+and keeps freed blocks cached, so a budget of pinned buffers could hold twice its bytes
+for the whole run. Buffers are pinned only when the engine's device needs it (a CPU device
+pins nothing, whatever the machine has), and only the tier's own: temporary buffers (wrap,
+checkpoints) stay pageable. ``pinned_bytes`` is what the tier holds locked, at its size.
 """
 from __future__ import annotations
 
 import mmap
 import threading
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -23,7 +31,7 @@ def mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor on anonymous pages of its own. From 2 MiB up these are
     ``aligned_empty``'s huge-page mappings ([Note: huge-page buffers] in offload/io/engine.py:
     swap I/O into them runs at full speed), below that a page-aligned mapping of 4 KiB pages."""
-    if num_bytes >= HUGE_PAGE_BYTES and not torch.cuda.is_available():
+    if num_bytes >= HUGE_PAGE_BYTES:
         return aligned_empty(num_bytes, dtype)
     if num_bytes == 0:
         return torch.empty(0, dtype=dtype)
@@ -34,22 +42,39 @@ class HostTier:
     """Host bytes the runtime holds, accounted against ``budget_bytes``: buffers it
     allocates (``allocate``) and tensors handed over to it (``adopt``: gradients that
     autograd produced in host RAM). Both end with ``release``; the optimizer worker releases
-    while the main thread allocates, hence the lock."""
+    while the main thread allocates, hence the lock. ``pinner``: what page-locks the buffers
+    it allocates ([Note: pinned buffers]: the DeviceTier of a device the host does not
+    address), or None."""
 
-    def __init__(self, budget_bytes: Optional[int]) -> None:
+    def __init__(self, budget_bytes: Optional[int], pinner: Optional[Any] = None) -> None:
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
+        self._pinner = pinner
+        self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> the buffer, while locked
         self._lock = threading.Lock()
+
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() * t.element_size() for t in self._pinned.values())
 
     def allocate(self, numel: int, dtype: torch.dtype, planned: bool = True) -> torch.Tensor:
         element_bytes = torch.empty(0, dtype=dtype).element_size()
-        if torch.cuda.is_available():
-            tensor = aligned_empty(numel * element_bytes, dtype=dtype)
-        else:  # [Note: host buffers outside the heap]
-            tensor = mapped_empty(numel * element_bytes, dtype)
+        tensor = mapped_empty(numel * element_bytes, dtype)  # [Note: host buffers outside the heap]
         self.adopt(tensor, planned)
+        if self._pinner is not None and tensor.numel():
+            self._pinner.pin(tensor)
+            with self._lock:
+                self._pinned[tensor.data_ptr()] = tensor
         return tensor
+
+    def close(self) -> None:
+        """Unlock every buffer still pinned (the device's copies are done)."""
+        with self._lock:
+            pinned, self._pinned = list(self._pinned.values()), {}
+        for tensor in pinned:
+            self._pinner.unpin(tensor)
 
     def adopt(self, tensor: torch.Tensor, planned: bool = True) -> None:
         """Count ``tensor`` (allocated elsewhere) as held until ``release(tensor)``.
@@ -65,3 +90,6 @@ class HostTier:
     def release(self, tensor: torch.Tensor) -> None:
         with self._lock:
             self.used_bytes -= tensor.numel() * tensor.element_size()
+            pinned = self._pinned.pop(tensor.data_ptr(), None) if tensor.numel() else None
+        if pinned is not None:
+            self._pinner.unpin(pinned)

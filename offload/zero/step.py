@@ -196,8 +196,8 @@ class ShardedStep:
         if layout.merged or layout.compute_dtype != torch.float32:
             full = self._compute_target(u) if not layout.merged else None
             if full is None:
-                if layout.param_tier == "device":  # a CUDA slot: update a host copy
-                    full = self._device.view(u.device_offset, u.compute_numel).to("cpu")
+                if layout.param_tier == "device":  # a slot the host does not address: update a host copy
+                    full = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
                 else:
                     full = views.get("compute", u.compute_home)
         master = full[s.lo:s.lo + s.state_numel] if layout.merged else views.get("master", u.master_home)
@@ -218,7 +218,7 @@ class ShardedStep:
         else:
             gathered = self._partition.all_gather_shards(u, master, in_full_coordinates=False)
             self._device.view(u.device_offset, t).copy_(gathered)
-        if full is not None and layout.param_tier == "device" and layout.device.type == "cuda":
+        if full is not None and layout.param_tier == "device" and not layout.device_is_host:
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
 
     @torch.no_grad()

@@ -1,0 +1,233 @@
+"""[Note: streams] The CPU stand-in of CUDA: a copy stream that runs behind the caller, events,
+and a hazard checker that follows happens-before by logic, not timing. Issue 37 findings 1
+and 2 fail here without their fixes."""
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload.tiers.device import DeviceTier
+from offload.tiers.streams import COMPUTE, COPY, STANDIN_ENV, HazardChecker, StreamHazard
+from support import CFG, batches, gpt_loss, make_opt, max_rel_error, train_gpt, train_offload
+from offload.gpt import GPT
+
+
+@pytest.fixture
+def swap_dir(tmp_path):
+    return str(tmp_path / "swap")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.setenv(STANDIN_ENV, "cuda")
+
+
+# ---------------------------------------------------------------------------- the checker
+def test_a_copy_into_bytes_the_compute_stream_read_must_wait_for_an_event_recorded_after_the_read():
+    c = HazardChecker()
+    c.access(COMPUTE, 0, 100, write=False, what="the use of unit 'a'")
+    with pytest.raises(StreamHazard, match=r"the fill of unit 'b' writes bytes \[40, 100\) on the copy "
+                                           r"stream, not ordered after the use of unit 'a', which read them"):
+        c.access(COPY, 40, 200, write=True, what="the fill of unit 'b'")
+    # an event recorded before the read does not order it
+    early = HazardChecker()
+    before = early.record(COMPUTE)
+    early.access(COMPUTE, 0, 100, write=False, what="a read")
+    early.join(COPY, before)
+    with pytest.raises(StreamHazard):
+        early.access(COPY, 0, 100, write=True, what="a fill")
+    # one recorded after it does, once the copy stream waited for it
+    c.join(COPY, c.record(COMPUTE))
+    c.access(COPY, 40, 200, write=True, what="the fill of unit 'b'")
+    # bytes outside every earlier access conflict with nothing
+    c.access(COPY, 1000, 2000, write=True, what="a fill of fresh bytes")
+
+
+def test_a_read_of_bytes_a_copy_wrote_must_wait_for_the_copy():
+    c = HazardChecker()
+    c.access(COPY, 0, 64, write=True, what="the fill of unit 'a'")
+    with pytest.raises(StreamHazard, match="the use of unit 'a' reads .* which wrote them on the copy stream"):
+        c.access(COMPUTE, 0, 64, write=False, what="the use of unit 'a'")
+    c.join(COMPUTE, c.record(COPY))
+    c.access(COMPUTE, 0, 64, write=False, what="the use of unit 'a'")
+    # reads on one stream after another's read: no conflict
+    c.access(COPY, 0, 64, write=False, what="a read")
+
+
+# ---------------------------------------------------------------------------- the stand-in
+def test_the_standin_copy_stream_runs_behind_the_caller_and_its_events_order_the_fills():
+    tier = DeviceTier(torch.device("cpu"), torch.float32, capacity_numel=4096, budget_bytes=4096 * 4,
+                      host_addressable=False)
+    streams = tier.streams
+    sources = [torch.full((1024,), float(v)) for v in range(4)]
+    for t in sources:
+        tier.pin(t)  # [Note: pinned buffers] copies to the device come from page-locked memory
+    with pytest.raises(StreamHazard, match="from host memory that is not pinned"):
+        tier.copy_in(tier.view(0, 1024), torch.zeros(1024))
+    try:
+        gate = threading.Event()
+        blocker = tier.copy_in(tier.view(3072, 1024), sources[1])  # unrelated bytes, first in line
+        held = streams.hold(gate)  # the copy stream stops here until the gate opens
+        a = tier.allocate(1024)
+        event = tier.copy_in(tier.view(a, 1024), sources[2], what="the fill of unit 'a'")
+        assert not held.done() and tier.view(a, 1024).sum() == 0, "copy_in returned before the copy ran"
+        gate.set()
+        tier.compute_uses(a, 1024, event, what="the use of unit 'a'")
+        assert tier.view(a, 1024).sum() == 2048
+        # a released slot handed out again: the next fill waits for the compute stream's reads
+        tier.reads_done(a, 1024, what="the use of unit 'a'")
+        tier.free(a, 1024)
+        b = tier.allocate(1024)
+        assert b == a
+        tier.copy_in(tier.view(b, 1024), sources[3], what="the fill of unit 'b'").synchronize()
+        # without the wait ([Note: streams]: issue 37, finding 2) the checker says so, deterministically
+        tier.reads_done(b, 1024, what="the use of unit 'b'")
+        tier.free(b, 1024)
+        tier.fills_wait_for_reads = False
+        c = tier.allocate(1024)
+        with pytest.raises(StreamHazard, match="the fill of unit 'c' writes .* not ordered after the use of unit 'b'"):
+            tier.copy_in(tier.view(c, 1024), sources[0], what="the fill of unit 'c'")
+        blocker.synchronize()
+    finally:
+        tier.close()
+
+
+# ---------------------------------------------------------------------------- the engine on it
+def _losses_and_state(config, data):
+    losses, state, stats, _ = train_gpt(config, data)
+    return losses, state, stats
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_device_homed_compute_copies_with_states_on_nvme_train_as_on_the_host_device(dtype, swap_dir, standin,
+                                                                                   monkeypatch):
+    """Issue 37, finding 1: param_tier "device" with optimizer_tier "nvme", the commonest
+    GPU setup. On CUDA (and its stand-in) the staging slots have a compute buffer; an update
+    took a device-homed unit for an NVMe-homed one (``on_nvme(None)`` was True) and crashed
+    at its first step. It trains to the same numbers as the CPU device, bit for bit."""
+    data = batches(4)
+    config = dict(param_tier="device", optimizer_tier="nvme", swap_dir=swap_dir, dtype=dtype, device="cpu")
+    losses, state, stats = _losses_and_state(config, data)
+    monkeypatch.delenv(STANDIN_ENV)
+    ref_losses, ref_state, _ = _losses_and_state(dict(config, swap_dir=swap_dir + "-ref"), data)
+    assert losses == ref_losses
+    assert max_rel_error(state, ref_state) == 0
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "host"), ("device", "host")])
+def test_evaluation_and_training_on_the_standin_raise_no_hazard_and_equal_the_host_device(tiers, swap_dir, standin,
+                                                                                        monkeypatch):
+    """Issue 37, finding 2: a slot released under no_grad evaluation is filled again while
+    the compute stream may still read it, unless the fill waits for the release's event.
+    The stand-in checks every fill and use; the run equals the CPU device's bit for bit."""
+    param_tier, optimizer_tier = tiers
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    budget = None if param_tier == "device" else 200_000  # slots reused within a pass
+    config = dict(param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=swap_dir, device="cpu",
+                  device_budget=budget)
+    data = batches(3)
+
+    def run(model):
+        out = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            checker = getattr(engine.debug.device.streams, "checker", None)
+            for b in data:
+                with torch.no_grad():
+                    out.append(gpt_loss(engine, b).item())
+                loss = gpt_loss(engine, b)
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+            return out, {k: v.clone() for k, v in engine.state_dict().items()}, checker
+
+    losses, state, checker = run(model)
+    assert checker is not None and checker.num_checks > 0
+    monkeypatch.delenv(STANDIN_ENV)
+    torch.manual_seed(0)
+    config["swap_dir"] = swap_dir + "-ref"
+    ref_losses, ref_state, _ = run(GPT(CFG))
+    assert losses == ref_losses
+    assert max_rel_error(state, ref_state) == 0
+
+
+def test_without_the_release_event_the_standin_catches_the_fill_that_overwrites_a_slot_in_use(swap_dir, standin,
+                                                                                             monkeypatch):
+    """The check of the fix: with fills not waiting for the compute stream's reads (the
+    code before issue 37's fix), the first reused slot raises, naming both units."""
+    monkeypatch.setattr(DeviceTier, "fills_wait_for_reads", False)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="host", optimizer_tier="host", device="cpu", device_budget=200_000)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        with pytest.raises(StreamHazard, match=r"the fill of unit '.*' writes bytes .* not ordered after "
+                                               r"the use of unit '.*', which read them on the compute stream"):
+            for b in batches(2):
+                with torch.no_grad():
+                    gpt_loss(engine, b)
+
+
+def test_fills_delayed_on_the_copy_stream_are_waited_for(swap_dir, standin, monkeypatch):
+    """A check of the checker's premise: with every copy held back on the stand-in's copy
+    stream, the numbers are still those of the CPU device, so each use really waits for its
+    fill (a missing wait would read a slot before its bytes arrived)."""
+    monkeypatch.setenv("OFFLOAD_STANDIN_COPY_DELAY_S", "0.002")
+    data = batches(2)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir, device="cpu", device_budget=200_000)
+    losses, state, _ = _losses_and_state(config, data)
+    monkeypatch.delenv(STANDIN_ENV)
+    ref_losses, ref_state, _ = _losses_and_state(dict(config, swap_dir=swap_dir + "-ref"), data)
+    assert losses == ref_losses
+    assert max_rel_error(state, ref_state) == 0
+
+
+@pytest.mark.parametrize("tiers", [("nvme", "nvme"), ("host", "host")])
+def test_pinned_bytes_are_the_host_tiers_own_buffers_at_their_size_and_go_back_at_close(tiers, swap_dir, standin,
+                                                                                      monkeypatch):
+    """Issue 37, finding 4 ([Note: pinned buffers]): for a device the host does not address,
+    the host tier page-locks each buffer it allocates, at its own size (no power-of-two
+    rounding, nothing cached), and unlocks it at close; copies to the device come from
+    pinned memory only (the stand-in raises otherwise). A CPU device pins nothing."""
+    param_tier, optimizer_tier = tiers
+    config = dict(param_tier=param_tier, optimizer_tier=optimizer_tier, swap_dir=swap_dir, device="cpu",
+                  device_budget=200_000)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    host, streams = engine.debug.host, engine.debug.device.streams
+    with engine:
+        for b in batches(2):
+            engine.backward(gpt_loss(engine, b))
+            assert host.pinned_bytes == host.used_bytes > 0  # gradients included: no adopted tensors here
+            engine.step()
+        engine.state_dict()
+        assert host.pinned_bytes == host.used_bytes == sum(streams.pinned.values())
+    assert streams.pinned == {} and host.pinned_bytes == 0
+    monkeypatch.delenv(STANDIN_ENV)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=dict(config, swap_dir=swap_dir + "-cpu")) as engine:
+        train_offload(engine, batches(1))
+        assert engine.debug.host.pinned_bytes == 0
+
+
+def test_gradients_leave_the_device_without_blocking_and_are_waited_for_before_they_are_read(swap_dir, standin,
+                                                                                           monkeypatch):
+    """Issue 37, finding 5 ([Note: gradients off the device]): a gradient is queued on the
+    device-to-host stream into its unit's pinned buffer and autograd goes on; the norm and the
+    update wait for it. Without that wait the stand-in names the read that comes too early,
+    however fast the copy happened to run."""
+    from offload.optim.gradients import Gradients
+
+    config = dict(param_tier="host", optimizer_tier="host", device="cpu", max_grad_norm=1.0)
+    data = batches(3)
+    losses, state, _ = _losses_and_state(config, data)
+    monkeypatch.delenv(STANDIN_ENV)
+    ref_losses, ref_state, _ = _losses_and_state(config, data)
+    assert losses == ref_losses and max_rel_error(state, ref_state) == 0
+    monkeypatch.setenv(STANDIN_ENV, "cuda")
+    monkeypatch.setattr(Gradients, "landed", lambda self, u: None)
+    with pytest.raises(StreamHazard, match=r"a read of unit '.*'s gradient reads bytes .* not ordered after the "
+                                           r"gradient of '.*', which wrote them on the d2h stream"):
+        _losses_and_state(config, data[:1])
