@@ -132,12 +132,18 @@ void parallel_ranges(std::size_t numel, std::size_t grain,
     fn(0, numel);
     return;
   }
-  const std::size_t per_range = numel / (4 * threads);
-  const std::size_t range_numel = std::max(grain, (per_range + grain - 1) / grain * grain);
-  const std::size_t num_ranges = (numel + range_numel - 1) / range_numel;
-  parallel_for(num_ranges, [&](std::size_t r) {
-    const std::size_t begin = r * range_numel;
-    fn(begin, std::min(numel, begin + range_numel));
+  std::atomic<std::size_t> claimed{0};  // ranges below it are taken
+  parallel_for(threads, [&](std::size_t) {
+    std::size_t begin = claimed.load(std::memory_order_relaxed);
+    for (;;) {
+      if (begin >= numel) return;
+      const std::size_t share = (numel - begin) / (2 * threads);
+      const std::size_t range_numel = std::max(grain, (share + grain - 1) / grain * grain);
+      const std::size_t end = std::min(numel, begin + range_numel);
+      if (!claimed.compare_exchange_weak(begin, end, std::memory_order_relaxed)) continue;
+      fn(begin, end);
+      begin = claimed.load(std::memory_order_relaxed);
+    }
   });
 }
 
