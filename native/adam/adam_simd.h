@@ -180,7 +180,12 @@ inline std::size_t phase(const void* p, std::size_t bytes) {
 
 // See [Note: Adam memory traffic] in adam_kernels.h.
 template <class V, DType G, bool kCopyOut, DType C, bool kStream, bool kStreamState>
-void run(const Buffers& b, const Coefficients& k) {
+void run(const Buffers& given_b, const Coefficients& given_k) {
+  // Copies, not the caller's structs: a vector store may alias anything the caller can see
+  // (the intrinsics store through may_alias types), so through the references GCC reloads
+  // every pointer and coefficient and re-tests k.l2 and k.lerp_small after each store.
+  const Buffers b = given_b;
+  const Coefficients k = given_k;
   constexpr std::size_t kWidth = V::kWidth;
   constexpr std::size_t kGradBytes = G == DType::kFloat32 ? 4 : 2;
   // One prefetch per 64-byte line of each fp32 stream, that line's vectors after it.
