@@ -57,7 +57,7 @@ def run_doctor(swap_dir: Optional[str], out: TextIO = sys.stdout) -> int:
         isa = info["adam_isa"]
         detail = f"Adam kernel {isa} (CPU supports: {', '.join(info['adam_isas_available'])})"
         if isa == "scalar" and len(info["adam_isas_available"]) > 1:
-            checks.warn("cpu adam", detail + "; OFFLOAD_ADAM_ISA may be forcing the scalar kernel")
+            checks.warn("cpu adam", detail + "; OFFLOAD_FORCE_ISA may be forcing the scalar kernel")
         else:
             checks.ok("cpu adam", detail)
         crc = info["crc32c_isa"]
