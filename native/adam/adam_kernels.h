@@ -48,8 +48,8 @@ struct Coefficients {
 //    streamed, else param_out), and each other output streams only if that head aligns it
 //    too (torch's allocations and the engine's slices are all equally aligned in practice);
 //    the rest are stored normally.
-//  * Each thread runs long contiguous ranges (offload::parallel_ranges); no cache blocking,
-//    since nothing is reused within a step.
+//  * Each thread runs contiguous ranges, long ones first (offload::parallel_ranges, guided);
+//    no cache blocking, since nothing is reused within a step.
 constexpr std::size_t kPrefetchNumel = 512;
 
 // Which outputs a step may write with streaming stores (see [Note: Adam memory traffic]);
