@@ -1,13 +1,15 @@
 """Smoke tests of the benchmarks: tools/bench_train.py --quick runs every offload row in its
 own subprocess and produces a table and JSON rows with the measurements the lead's benchmark
 reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
-tools/bench_adam.py prints every row, and its native bandwidth yardsticks compute what they
-claim to (their timing is never asserted); tools/bench_io.py runs every writer and its
-aiofiles baseline reads cold; tools/bench_checksum.py times every CRC32C kernel beside its
-read yardstick; bench_train.py's --model and --swap-checksums reach the engine's config."""
+tools/bench_adam.py prints every row and the CPU model, and its native bandwidth yardsticks
+compute what they claim to (their timing is never asserted); tools/bench_io.py runs every
+writer and its aiofiles baseline reads cold; tools/bench_checksum.py times every CRC32C
+kernel beside its read yardstick; bench_train.py's --model and --swap-checksums reach the
+engine's config."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -219,6 +221,7 @@ def test_bench_adam_prints_limits_every_isa_and_the_copy_out_cost():
         assert f"offload {isa} fp32" in table and f"offload {isa} +bf16 copy" in table
     assert "of triad" in table and "of traffic" in table
     assert "bf16 copy-out, time over the fp32 step: " in table
+    assert re.search(r"^0.3M params on \S.*, \d+ native threads", table, re.MULTILINE), table
 
 
 @pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])

@@ -20,6 +20,8 @@ traffic of an Adam step for every implementation: 28 B/param (read param, grad, 
 exp_avg_sq; write param, exp_avg, exp_avg_sq; none of these lines is written without
 being read, so there is no hidden write-allocate traffic), 30 B/param with a 16-bit copy-out
 (streamed past the cache for large steps; without that, +2 B/param of reads go uncounted).
+Each table's title names the CPU model (/proc/cpuinfo): the ratios between rows differ
+between CPU models, AMD's and Intel's above all.
 "vs peer" is the best peer's time over this row's time (> 1: faster than every peer);
 "of triad" and "of traffic" are this row's GB/s over those limits'. Below the table, the
 time the bf16 copy-out adds to each ISA's fp32 step.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import time
@@ -57,6 +60,19 @@ def parse_size(text: str) -> int:
     if text[-1].upper() in scale:
         return int(float(text[:-1]) * scale[text[-1].upper()])
     return int(text)
+
+
+def cpu_model() -> str:
+    """The CPU's "model name" from /proc/cpuinfo (ratios between rows differ between CPU
+    models, AMD and Intel above all), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def interleaved_medians(rows: list[tuple[str, Callable[[], object], int]],
@@ -152,8 +168,8 @@ def print_table(numel: int, rows: list[tuple[str, float, int]]) -> None:
     triad_gbps = max(limits[TORCH_TRIAD], limits[TRIAD])
     peers = [s for name, s, _ in rows if name.startswith(("torch", "deepspeed"))]
     best_peer = min(peers) if peers else float("nan")
-    print(f"\n{numel / 1e6:g}M params, {offload.native_info()['num_threads']} native threads, "
-          f"{torch.get_num_threads()} torch threads")
+    print(f"\n{numel / 1e6:g}M params on {cpu_model()}, {offload.native_info()['num_threads']} "
+          f"native threads, {torch.get_num_threads()} torch threads")
     print(f"{'implementation':30} {'ms':>9} {'Mparam/s':>9} {'GB/s':>7} {'vs peer':>8} "
           f"{'of triad':>8} {'of traffic':>10}")
     for name, seconds, bytes_per in rows:
