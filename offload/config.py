@@ -130,7 +130,8 @@ class OffloadConfig:
     host_budget: Size = None
     """Bytes of host RAM the runtime may hold: gradients, staging buffers and whatever
     state has its home on the host. None: three quarters of the memory available when the
-    engine is wrapped (MemAvailable). With a CPU device, one rank and a tier on NVMe, a
+    engine is wrapped (MemAvailable), divided among the ranks of the node
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it). With a CPU device, one rank and a tier on NVMe, a
     budget below the step's gradients is met by spilling units' gradients to NVMe and
     reading them back for their update ([Note: gradient spill]); wrap refuses a budget
     below the fixed host needs plus two units' gradients, naming the sizes."""
@@ -477,11 +478,16 @@ class OffloadConfig:
         return torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count(), torch.cuda.current_device))
 
 
+def local_world_size(environ: Mapping[str, str]) -> int:
+    """The ranks on this node: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1."""
+    return max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
 def cuda_index(environ: Mapping[str, str], device_count: int, current: Callable[[], int]) -> int:
     """The GPU of this process when the config names none: the local rank's with several
     ranks on the node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` > 1, as torchrun sets them), else
     ``current()`` (``torch.cuda.current_device``: 0 unless the script set another)."""
-    local_world = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local_world = local_world_size(environ)
     if local_world <= 1 or "LOCAL_RANK" not in environ:
         return current()
     local_rank = int(environ["LOCAL_RANK"])

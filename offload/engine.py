@@ -168,7 +168,7 @@ class Engine:
             self._nvme: Optional[NvmeTier] = None
             undo.callback(self._close_tiers)
             if needs_nvme:
-                self._nvme = NvmeTier(config.swap_dir, nvme_bytes, config.io_backend, config.io_block_bytes,
+                self._nvme = NvmeTier(self._rank_swap_dir(config.swap_dir), nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
             self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
             # 5. The device residency of the compute copies ([Note: residency]), the homes
@@ -460,6 +460,14 @@ class Engine:
         self._timeline.export(path, list(self._nvme.recent) if self._nvme is not None else [])
 
     # ------------------------------------------------------------------ lifecycle
+    def _rank_swap_dir(self, swap_dir: str) -> str:
+        """Where this process's swap space lives: ``swap_dir`` itself, or with several ranks
+        its ``rank-<RANK>`` subdirectory, so that one swap_dir serves every rank of a node
+        (each rank's run directory and lock are its own)."""
+        if self._partition is None:
+            return swap_dir
+        return os.path.join(swap_dir, f"rank-{self._partition.rank}")
+
     def _close_tiers(self) -> None:
         self._device.close()  # the copies from host buffers are done: they may be unpinned
         self._host.close()

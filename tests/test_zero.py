@@ -681,3 +681,55 @@ def test_buffers_follow_rank_0_before_each_forward_like_ddp(tmp_path):
         assert max_rel_error(res["offload"], res["ddp"]) < REL_TOL, r
     # the last forward ran on different batches: the ranks' statistics differ, as with DDP
     assert not torch.equal(results[0]["offload"]["1.running_mean"], results[1]["offload"]["1.running_mean"])
+
+
+def test_one_swap_dir_serves_the_ranks_of_a_node(tmp_path):
+    """Issue 38, per-node resources: the config as the README's torchrun example writes it,
+    one swap_dir for every rank, trains (it stopped every rank with "in use by another
+    run"); each rank's swap space is its rank-<RANK> subdirectory, and the run equals the
+    one with a directory per rank."""
+    data = batches(3)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", stage=2)
+    shared, separate = tmp_path / "shared", tmp_path / "separate"
+    shared.mkdir()
+    separate.mkdir()
+    run_ranks(_shared_swap_worker, dict(config, swap_dir=str(tmp_path / "swap")), data, str(shared))
+    run_ranks(_train_worker, dict(config, swap_dir=str(tmp_path / "per-rank")), data, str(separate))
+    a, b = load_results(str(shared)), load_results(str(separate))
+    for rank in range(WORLD):
+        assert a[rank]["losses"] == b[rank]["losses"]
+        assert a[rank]["swap_dirs"] == [f"rank-{rank}"]
+    assert sorted(os.listdir(tmp_path / "swap")) == [f"rank-{r}" for r in range(WORLD)]
+
+
+def _shared_swap_worker(rank, port, config, data, out_dir):
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        per_rank = GLOBAL_BATCH // WORLD
+        losses = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            swap_dirs = sorted(os.listdir(config["swap_dir"]))
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                loss = engine(mine[:, :-1], mine[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        dist.barrier()
+        torch.save({"losses": losses, "swap_dirs": [d for d in swap_dirs if d == f"rank-{rank}"]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_default_host_budget_is_a_share_of_the_node():
+    """Issue 38: without host_budget each of the node's LOCAL_WORLD_SIZE ranks plans for its
+    share of three quarters of the available memory, not for all of it."""
+    from offload.config import local_world_size
+    from offload.memory.layout import host_budget_share
+
+    assert host_budget_share(8 << 30, 1) == 6 << 30
+    assert host_budget_share(8 << 30, 4) == (6 << 30) // 4
+    assert local_world_size({"LOCAL_WORLD_SIZE": "8"}) == 8 and local_world_size({}) == 1

@@ -49,7 +49,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from offload._sizes import FP32_BYTES
-from offload.config import OffloadConfig
+from offload.config import OffloadConfig, local_world_size
 from offload.tiers import HostTier
 from offload.tiers.streams import Event, standin_requested
 from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitUpdate, padded_numel
@@ -291,9 +291,16 @@ def available_memory_bytes() -> Optional[int]:
 
 
 def default_host_budget() -> Optional[int]:
-    """host_budget when none is given: DEFAULT_HOST_FRACTION of the available memory."""
+    """host_budget when none is given: this rank's share of DEFAULT_HOST_FRACTION of the
+    available memory, the node's ranks (LOCAL_WORLD_SIZE) dividing it evenly (each rank reads
+    the memory available when it wraps)."""
     available = available_memory_bytes()
-    return None if available is None else int(available * DEFAULT_HOST_FRACTION)
+    return None if available is None else host_budget_share(available, local_world_size(os.environ))
+
+
+def host_budget_share(available_bytes: int, local_ranks: int) -> int:
+    """One of ``local_ranks`` ranks' share of DEFAULT_HOST_FRACTION of ``available_bytes``."""
+    return int(available_bytes * DEFAULT_HOST_FRACTION) // local_ranks
 
 
 @dataclass(frozen=True)
