@@ -48,6 +48,7 @@ from offload.optim.adam_ranges import UnitAdam
 from offload.optim.cpu_adam import adam_flavour, carried_adam_state
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
+from offload.optim.sharded import ShardedStep
 from offload.optim.step import PipelinedStep
 from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
@@ -56,7 +57,6 @@ from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all
 from offload.units import split_into_units
 from offload.zero import Partition
-from offload.zero.step import ShardedStep
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -30,20 +30,15 @@ LAYERS: List[List[str]] = [
     ["offload.units", "offload.io.__init__", "offload.io.engine", "offload.io.swap",
      "offload.io.safetensors", "offload.io.checksum", "offload.stats"],
     ["offload.tiers"],
-    # ZeRO's shard records and collectives sit below memory: memory.layout keeps each unit's
-    # ParamShard and ShardRange, and they import only units. The sharded optimizer step
-    # (zero.step) runs Adam over shards, so it sits above optim.
-    ["offload.zero.__init__", "offload.zero.shards", "offload.zero.partition"],
-    ["offload.memory"],
+    # One layer per package from here. ZeRO's shard records and collectives sit below
+    # memory: memory.layout keeps each unit's ParamShard and ShardRange (the sharded
+    # optimizer step is optim.sharded). The prefetcher imports nothing of memory's; memory's
+    # residency drives it. The master codec is memory's (memory.master_codec), below the
+    # optimizer that also splits and joins masters.
+    ["offload.zero"],
     ["offload.prefetch"],
-    # Residency drives the prefetcher, so it sits above prefetch, apart from the rest of
-    # memory; nothing below imports it (the steps and checkpoints get its bound methods).
-    ["offload.memory.residency"],
+    ["offload.memory"],
     ["offload.optim"],
-    # The home codec splits and joins masters with optim.cpu_adam's kernels, so it sits
-    # above optim; the steps and checkpoints get its bound methods.
-    ["offload.memory.homes"],
-    ["offload.zero.step"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],
     ["offload.plan", "offload.profile", "offload.doctor", "offload.gpt", "offload.demo",

@@ -2,6 +2,6 @@
 
 layout (the resolved modes of a run and the per-unit record of its buffers), budget (the one
 budget arithmetic), placement (which tier each unit's compute copy and optimizer states
-live on), homes (allocation, the initial state and the split-master codec), materialize (the
-meta stand-ins; moving the model's state home), residency (fetch/evict).
+live on), homes (allocation and the initial state), master_codec (the split master's halves),
+materialize (the meta stand-ins; moving the model's state home), residency (fetch/evict).
 """

@@ -24,7 +24,7 @@ from torch import nn
 from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
                                    unit_gradient_bytes)
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
-from offload.optim import join_master, split_master
+from offload.memory.master_codec import join_master, split_master
 from offload.tiers.nvme import wait_all
 from offload.stats import Stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier

@@ -2,7 +2,7 @@
 param groups, a unit's gradients and the native kernel meet.
 
 Every update path calls it: the staged piece ring (optim/step.py), the [zero] sharded step
-(zero/step.py) and the in-place update of host-homed states (``update_in_place``, which the
+(optim/sharded.py) and the in-place update of host-homed states (``update_in_place``, which the
 update scheduler runs). The kernel's exact order of operations is [Note: Adam numerics] in
 native/adam/adam.h.
 """

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from offload import _native
+from offload.memory.master_codec import check_flat as _check_flat, join_master, split_master
 
 __all__ = ["CPUAdam", "adam_flavour", "adam_step_flat", "carried_adam_state", "join_master", "split_master"]
 
@@ -27,22 +28,6 @@ _COPY_OUT_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 # Fail at import, with the native message, when OFFLOAD_FORCE_ISA names an unknown
 # instruction set or one this CPU lacks; better than failing at the first optimizer step.
 _native.adam_selected_isa()
-
-
-def _check_flat(name: str, tensor: Any, dtypes: Iterable[torch.dtype], numel: int | None) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got device {tensor.device}")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
-    if tensor.dtype not in dtypes:
-        accepted = ", ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {tensor.dtype}; expected one of: {accepted}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"{name} has {tensor.numel()} elements; param has {numel}")
 
 
 def adam_step_flat(
@@ -139,26 +124,6 @@ def _check_disjoint(named: list[tuple[str, torch.Tensor | None]]) -> None:
         for b, b_lo, b_hi in spans[i + 1:]:
             if a_lo < b_hi and b_lo < a_hi:
                 raise ValueError(f"{a} and {b} overlap; an out-of-place step needs separate buffers")
-
-
-def split_master(master: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
-    """[Note: split master] Store fp32 ``master`` as two 16-bit halves: ``high`` (bf16) is
-    the master rounded half away from zero, which makes it the bf16 compute copy; ``low``
-    (int16) holds the master's low 16 bits. ``join_master`` gives the master back bit for
-    bit (a NaN as a NaN). The compute copy differs from rounding to nearest even only at
-    exact ties, by one bf16 ulp. Contiguous CPU tensors of one length."""
-    _check_flat("master", master, (torch.float32,), None)
-    _check_flat("high", high, (torch.bfloat16,), master.numel())
-    _check_flat("low", low, (torch.int16,), master.numel())
-    _native.split_master(master.data_ptr(), high.data_ptr(), low.data_ptr(), master.numel())
-
-
-def join_master(high: torch.Tensor, low: torch.Tensor, master: torch.Tensor) -> None:
-    """The fp32 ``master`` from the halves ``split_master`` made (see there)."""
-    _check_flat("master", master, (torch.float32,), None)
-    _check_flat("high", high, (torch.bfloat16,), master.numel())
-    _check_flat("low", low, (torch.int16,), master.numel())
-    _native.join_master(high.data_ptr(), low.data_ptr(), master.data_ptr(), master.numel())
 
 
 # Group options torch.optim.Adam/AdamW keep that this optimizer cannot honour, with the

@@ -19,7 +19,7 @@ from offload.config import format_size
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes,
                                    on_nvme, sub_extent)
 from offload.optim.adam_ranges import OutOfPlace
-from offload.optim.cpu_adam import join_master, split_master
+from offload.memory.master_codec import join_master, split_master
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all

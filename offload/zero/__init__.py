@@ -1,7 +1,7 @@
 """[zero] ZeRO across ranks: which part of each unit's flat buffers a rank owns
-(``shards``), the collectives that keep the ranks in step (``partition``), and the
-optimizer step over the rank's shards (``step``, imported from there: it builds on
-offload.memory, which itself takes the shard records from here).
+(``shards``) and the collectives that keep the ranks in step (``partition``), below
+offload.memory, which keeps each unit's shard records. The optimizer step over the rank's
+shards is the optimizer's (offload/optim/sharded.py).
 
   stage 0  every rank keeps and updates everything (plain data parallel); gradients are
            all-reduced at the optimizer step.

@@ -15,7 +15,7 @@ import torch
 
 from offload.memory.budget import low_numel
 from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
-from offload.optim import join_master, split_master
+from offload.memory.master_codec import join_master, split_master
 from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.zero.partition import Partition
