@@ -1,114 +1,71 @@
 """Gradients from the moment autograd has accumulated them to the unit's update: who owns
-them ([Note: gradient ownership]), the pool of flat buffers ([Note: gradient pool]), and
-what the optimizer step takes from them (the global norm, the clipping factor, fp16 loss
-scaling and the check for NaN/Inf).
+them ([Note: gradient ownership]), the pool of flat buffers ([Note: gradient pool]), how
+they leave a device the host does not address ([Note: gradients off the device]), and what
+the optimizer step takes from them (the global norm, the clipping factor, fp16 loss
+scaling and the check for NaN/Inf). Measurements behind these designs:
+docs/performance.md, "Gradients".
 
 [Note: gradient ownership] A parameter's gradient leaves the device as soon as autograd has
 accumulated it (``Gradients.on_grad_ready``) and is held on the host tier until the unit's
-Adam has run. With CUDA (and [zero] with several ranks, whose collectives need flat
-buffers) it is copied into the unit's flat fp32 buffer from the gradient pool ([Note:
-gradient pool]). With a CPU device the gradient already lies in host RAM: the host tier
-takes autograd's tensor itself (in its 16-bit dtype: [Note: 16-bit gradients]), one per
-parameter, and drops it when the unit is updated. Nothing then stays allocated for
-gradients between steps, no copy is made, and the memory of the gradients of one backward
-is that of plain PyTorch, given back as units are updated. The tier accounts these tensors
-like its own buffers (``HostTier.adopt``/``release``), and ``bytes_device_to_host`` counts
-them as moved.
+Adam has run. On a device the host does not address (CUDA, its stand-in), and [zero] with
+several ranks (whose collectives need flat buffers), it goes into the unit's flat fp32
+buffer from the gradient pool ([Note: gradient pool]). On the CPU device with one rank the
+gradient already lies in host RAM: the host tier takes autograd's tensor itself (adopts it,
+``HostTier.adopt``/``release``), one per parameter, and drops it when the unit is updated:
+no copy, nothing allocated between steps. ``bytes_device_to_host`` counts either as moved.
 
-[Note: 16-bit gradients] With a bf16 or fp16 compute dtype, where gradients are adopted
-([Note: gradient ownership]: a CPU device, one rank) and a step has one backward
-(gradient_accumulation_steps 1), a gradient is held in the dtype autograd made it in
-(``Layout.grad_dtype``), and so is its spill extent ([Note: gradient spill]). Before, it
-was copied to a new fp32 tensor at hand-off: twice the RAM and the spill bytes, and a
-conversion on the main thread between the units' backward compute, into memory touched for
-the first time where the allocator does not reuse it (the reference GPT in bf16, both
-tiers on NVMe, clipping on: host peak 0.67 -> 0.36 GiB, RSS 1.38-1.43 -> 1.25-1.28 GiB,
-backward 1.14-1.28 -> 1.10-1.23 s in three alternating pairs). The numbers are the same:
-widening bf16 or fp16 to fp32 is exact, and the two readers widen each element before
-using it, the norm's squares (into a reused fp32 chunk: [Note: gradient squares] in
-optim/squares.py) and the Adam kernel (which takes bf16 and fp16 gradients and multiplies
-the widened value by ``grad_scale``); the golden files hold bit for bit. A sum is taken in
-fp32: with micro-steps to accumulate gradients are held in fp32 as before (the budgets
-plan 4 B), and a second gradient for a parameter that holds a 16-bit one (a second
-backward before step()) first replaces it with its fp32 copy (``_widen``), then adds in
-fp32 as before; such a unit is not spilled while its extent is 16-bit, and its widened
-bytes may take the host tier past the budget (planned at 16 bits). With CUDA or [zero]
-several ranks the flat fp32 buffers stay.
+[Note: 16-bit gradients] Where gradients are adopted and a step has one backward
+(gradient_accumulation_steps 1), a bf16 or fp16 gradient is held in the dtype autograd
+made it in (``Layout.grad_dtype``), and so is its spill extent. The numbers are those of
+fp32 gradients: widening is exact, and both readers widen each element first (the norm's
+squares, [Note: gradient squares]; the Adam kernel). A sum is taken in fp32: with
+accumulation gradients are held in fp32, and a second gradient for a parameter holding a
+16-bit one first replaces it with its fp32 copy (``_widen``), which may take the host tier
+past the budget planned at 16 bits; such a unit is not spilled while its extent is 16-bit.
 
-[Note: shared parameter gradients] A parameter the model uses in several places (an output
-head tied to the token embedding) gets one gradient per use. Autograd would add them up
-before the parameter's hook fires, out of place: for a head tied to a 128k-token embedding
-that is three whole gradients at once (the head's, held from the start of backward, the
-embedding's and their sum), 1.6 GB each in fp32 at the Llama-3.2-3B shape, none of them
-counted by any tier. Instead every module slot that holds such a parameter, but its first,
-holds an alias while the module's forward runs under grad mode: a leaf of its own over the
-same memory (``hooks._AliasSlot``). Each use's gradient then arrives by itself
-(``on_shared_grad``): the first is kept, counted by the host tier inside the spill
-allowance (whose floor makes room for it: ``memory.budget.held_shared_bytes``), the next
-are added to it in place, in arrival order; when backward is over (``finish_backward``)
-the sum is handed off as the parameter's gradient. The peak is two whole gradients, not
-three, and the first is within the budgets. Numerics: autograd adds a tensor's gradients
-in the order their backward functions run, which is the order these hooks fire in, so the
-sum is autograd's to the bit (for two uses, exact whatever the order); it can differ in
-rounding only when one slot's module uses the parameter twice in a forward, or the model
-reads it outside any module slot, between other uses. Shared parameters live in the root
-unit ([Note: shared parameters]), which is not updated before step(), so handing off at
-the end of backward delays nothing. zero_grad and a failed backward drop the sums. Only
-with a CPU device and one rank, where gradients are adopted in RAM ([Note: gradient
-ownership]); with CUDA (or [zero] several ranks) the head's gradient would be held on the
-device, for which the device budget keeps no room (one gradient on its way out), so
-autograd sums as before.
+[Note: shared parameter gradients] A parameter the model uses in several places (a head
+tied to the token embedding) gets one gradient per use, which autograd would sum out of
+place (three whole gradients at once, none counted by a tier). Instead every module slot
+that holds it, but its first, holds an alias while its module's forward runs under grad
+mode (``hooks._AliasSlot``), so each use's gradient arrives by itself
+(``on_shared_grad``): the first is kept, counted inside the spill allowance
+(``memory.budget.held_shared_bytes``), the next are added to it in place in arrival order,
+and ``finish_backward`` hands the sum off as the parameter's gradient. The peak is two
+gradients, not three. The sum is autograd's to the bit (autograd adds in the order these
+hooks fire), except where one module uses the parameter twice in a forward or the model
+reads it outside any module slot. Shared parameters live in the root unit, updated only in
+step(), so the hand-off at the end of backward delays nothing; zero_grad and a failed
+backward drop the sums. Only where gradients are adopted: elsewhere the device budget keeps
+no room for a held head gradient, and autograd sums.
 
-[Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's fp32
-gradients do not fit beside the fixed host needs (``memory.budget.gradient_spill``: the
-budget minus everything else, the bounce buffer and the room of the largest unit's
-gradients, which arrive whole before they can be spilled, twice where an update on the
-worker may read a spilled unit back during backward, is the *allowance*; it holds the
-tied gradients of [Note: shared parameter gradients] too), each trainable unit gets a
-gradient extent on NVMe at wrap, and the main thread, after every gradient hook, writes
-whole units' gradients there until those held in RAM are within the allowance.
-Invariants:
-- Only a unit with no update queued or running is spilled (its ticket is None or done, and
-  no delayed update holds its fields: [Note: delayed updates]): the thread that updates a
-  unit owns its gradients, so spill and update never race. A
-  speculative update has run by then ([Note: speculative updates]); a unit that will still
-  be updated early is spilled only if the allowance needs it, and read back by its update.
-  When what is left over the allowance belongs to units whose updates are queued or
-  running, the main thread waits for the first of those updates to finish, then spills
-  again (``gradient_budget_waits``): the worker's backlog does not take the host tier past
-  its budget (it took a 3B run 0.44 GB past it, one run in two). A speculative update that
-  read a unit's gradients back keeps them for a possible redo; they are still on the
-  extent, unchanged, so it lets go of the RAM and marks the unit spilled again (``park``),
-  and a redo reads them back once more.
-- Worth spilling: a unit whose gradients in RAM are less than half its extent is left
-  there (``_worth_spilling``). A spill writes the whole extent and the unit's next gradient
-  reads all of it back: a language model's root unit holding only its final norm's
-  gradient while the tied embedding's sum waits for the end of backward wrote 1.58 GB to
-  free 12 KB at the 3B shape, and read the 1.58 GB back into fresh memory on the main
-  thread when the sum came, 2-4 s a step.
-- A unit is spilled whole: every gradient it holds, copied piece by piece into the two
-  halves of the bounce buffer (``SPILL_PIECE_BYTES`` each, or one unit's when that is
-  less), each piece written while the next is copied in (or written from its flat
-  read-back buffer at once); its RAM is released only once every write succeeded. A failed
-  write keeps the gradients in RAM and the step goes on (``failed_gradient_spills``).
+[Note: gradient spill] ``host_budget`` bounds the gradients too. When the step's gradients
+do not fit beside the fixed host needs, the *allowance* is the budget minus everything else
+(``memory.budget.gradient_spill``: the bounce buffer and room for the largest unit's
+gradients, twice where an update on the worker may read a spilled unit back during
+backward; the tied sums count in it), each trainable unit gets a gradient extent on NVMe at
+wrap, and after every gradient hook the main thread writes whole units' gradients there
+until those in RAM are within the allowance. Invariants:
+- Only a unit with no update queued or running is spilled (its ticket is None or done, no
+  delayed update holds its fields): the thread that updates a unit owns its gradients.
+  When what is over the allowance belongs to units being updated, the main thread waits
+  for the first of those updates, then spills again (``gradient_budget_waits``). A
+  speculative update that read a unit back lets the RAM go and marks it spilled again
+  (``park``): the extent still holds the values for a redo.
+- A unit whose gradients in RAM are less than half its extent stays (``_worth_spilling``):
+  a spill writes the whole extent and the next gradient reads it all back.
+- A unit is spilled whole, through the two halves of the bounce buffer, each piece written
+  while the next is copied in; its RAM is released only once every write succeeded. A
+  failed write keeps the gradients in RAM and the step goes on (``failed_gradient_spills``).
 - The per-parameter squared norms are taken before the write (``spilled_grad_squares``)
-  and ``scale_and_skip`` sums them in the step's own order: the norm, and so the clip
-  coefficient, is the unspilled run's to the bit.
-- Reading back: whoever needs the values calls ``grad_range``, which reads the whole unit
-  into a flat buffer (``UnitState.grad``, released after the update like the adopted
-  tensors) on the thread that runs the update: the staged step, an early, speculative-redo
-  or deferred update. A failed read raises there, inside the update, which the step's
-  failure rules make fatal ([Note: swap I/O failures]): the engine refuses until a
-  checkpoint is loaded. Nothing is half-committed: the unit's homes are not written
-  before its gradients are in RAM.
-- Accumulation (gradient_accumulation_steps > 1): a gradient arriving for a spilled unit
-  first reads the unit back, then adds to the flat buffer (the same fp32 additions in the
-  same order as into autograd's tensors), and the unit may be spilled again.
-- zero_grad forgets the mark (nothing on disk is freed; the next spill overwrites it).
-The allowance is soft: units whose updates are queued or running, the gradients of the
-unit backward is producing and the read-back buffer of a unit being updated may hold RAM
-beyond it for a while, within the room the floor keeps for them, so the host tier stays
-within host_budget. Not with CUDA or [zero] several ranks (flat pooled buffers).
+  and summed in the step's own order: the norm is the unspilled run's to the bit.
+- ``grad_range`` reads a spilled unit back whole (into ``UnitState.grad``) on the thread
+  that updates it; a failed read fails the step ([Note: swap I/O failures]) before any of
+  the unit's homes is written.
+- With accumulation, a gradient arriving for a spilled unit reads it back first, then adds
+  in the same order as into autograd's tensors; zero_grad forgets the mark.
+The allowance is soft (units being updated, the unit backward is producing and a read-back
+buffer may hold RAM beyond it, within the room the floor keeps), so the host tier stays
+within host_budget. Only where gradients are adopted.
 """
 from __future__ import annotations
 

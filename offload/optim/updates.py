@@ -22,6 +22,7 @@ resident device copy as a non-speculative update does, once the pass needs no ot
 ([Note: updates through the device copy]): that copy then holds the speculative result, and
 goes wherever the result does not become the unit's state (a dropped speculation below, a
 forward before step(), zero_grad(), a failed backward: ``release_speculative_copies``).
+
 step() first takes back the speculative updates the worker has not started
 (``_take_back_speculation``, QUEUED -> IDLE in [Note: update states]; counted in
 ``taken_back_updates``, not in ``speculative_updates`` or ``early_updates``):
@@ -37,6 +38,7 @@ the one running, takes the norm, and then (``_resolve_speculation``):
   those units are updated by the step from their untouched homes and kept gradients with
   the true factor, like units never updated (``redone_updates``);
 - a skipped step (fp16 overflow, skip_nonfinite_steps): dropped, nothing else.
+
 Either way every unit's new state is what the serialized path computes, bit for bit: the
 kernel runs on the same inputs with the same factor, and the norm sums the same
 per-parameter squares in the same order (``UnitState.early_grad_squares``). A speculative
@@ -48,12 +50,15 @@ Until step() the homes hold the last step's state, so state_dict() or a checkpoi
 backward and step() is consistent, and a backward that fails after speculative updates
 only is still consistent ([Note: failures inside a step]). The spare homes include the
 compute copy's frozen tail, which no update writes: ``Homes.store_compute`` writes it to
-both copies (wrap, checkpoint load). A backward after
-a step that clipped does not speculate (``UpdateScheduler.speculate``; a skipped step
+both copies (wrap, checkpoint load).
+
+A backward after a step that clipped does not speculate (``UpdateScheduler.speculate``; a skipped step
 changes nothing): clipping tends to go on for a while (a fresh model's norm is far above
 max_grad_norm), and each redo costs the update twice; that step's updates run once the
 norm is known, deferred ([Note: deferred updates]), and speculation resumes after a step
-that did not clip. Cost: every state an early update writes twice on its tier (on by
+that did not clip.
+
+Cost: every state an early update writes twice on its tier (on by
 default only with the states on NVMe: ``speculative_updates``); the root, updated in
 step() only, has no spare homes (``Layout.has_spare``). Left to the engine (None),
 speculation takes only the swap space there is: when the swap directory cannot hold every
