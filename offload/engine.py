@@ -223,19 +223,13 @@ class Engine:
                 self.units, layout=layout, optimizer=optimizer, worker=self._optimizer_worker,
                 step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
+                gradients=self._gradients,
                 mark_stale=self._residency.mark_stale, forget_stale=self._residency.forget_stale,
-                micro_step=lambda: self._micro_step,
-                last_train_key=lambda: self._hooks.last_train_key, check_not_failed=self._status.check,
-                fail_step=self._status.fail_step, grad_squares=self._gradients.squares,
-                grad_scale_and_skip=lambda: self._gradients.scale_and_skip(self._micro_step),
-                clipped=lambda: self._gradients.clipped, take_back=self._gradients.take_back,
-                zero_grad=self.zero_grad, loss_scale=lambda: self._gradients.loss_scale,
-                release_grad=self._gradients.release, park_grad=self._gradients.park,
+                check_not_failed=self._status.check, fail_step=self._status.fail_step,
                 update_in_place=self._adam.update_in_place, release=self._residency.release,
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),
                 start_fetch=self._residency.start_fetch)
-            self._micro_step = 0
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0
             self._last_optimizer_seconds = 0.0
@@ -260,7 +254,7 @@ class Engine:
         # access]); the counters and the failure state stay here, read and set by callables.
         def restore_counters(counters: Dict[str, Any]) -> None:
             gradients = self._gradients
-            self._micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
+            self._updates.micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
             gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
 
         self._checkpoint = CheckpointAccess(
@@ -274,7 +268,7 @@ class Engine:
             state=EngineState(
                 closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
-                counters=lambda: {"micro_step": self._micro_step, "loss_scale": self._gradients.loss_scale,
+                counters=lambda: {"micro_step": self._updates.micro_step, "loss_scale": self._gradients.loss_scale,
                                   "good_steps": self._gradients.good_steps,
                                   "last_grad_norm": self._gradients.last_grad_norm},
                 restore_counters=restore_counters))
@@ -308,7 +302,7 @@ class Engine:
         # The backward before an update may start Adam on units whose gradients are final.
         # Speculative ones only while they pay: not after a step that clipped.
         self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
-            (self._micro_step + 1) % self.layout.accumulation_steps == 0 and \
+            (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0 and \
             (self._updates.speculate or not self.layout.speculative)
         self._hooks.begin_backward()
         updates, root = self._updates, self._root
@@ -334,15 +328,15 @@ class Engine:
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
         self._status.check("step")
-        self._micro_step += 1
-        if self._micro_step % self.layout.accumulation_steps:
+        self._updates.micro_step += 1
+        if self._updates.micro_step % self.layout.accumulation_steps:
             return
         start = time.perf_counter()
         try:
             self._updates.step()
             self._updates.prefetch_next_pass()
         except BaseException as error:  # [Note: failures inside a step] fatal, unless recorded already
-            self._status.fail_step_unless_recorded(error, f"in the optimizer step at micro-step {self._micro_step}")
+            self._status.fail_step_unless_recorded(error, f"in the optimizer step at micro-step {self._updates.micro_step}")
         # The user's optimizer never runs its own step(); tell torch's LR schedulers that a
         # step happened so they do not warn about calling scheduler.step() first.
         self.optimizer._opt_called = True
@@ -355,20 +349,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         self._status.check_open("zero_grad")
-        self._updates.settle_all()
-        self._updates.wait_queued()  # [Note: update states]
-        self._updates.release_speculative_copies()  # [Note: speculative updates] dropped below
-        for u in self.units:
-            for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
-                e.param.grad = None  # never a delayed update's: those took theirs off the parameter
-            if u.delayed_update is not None:  # [Note: delayed updates] its gradients are the update's
-                continue
-            u.has_grad = [False] * len(u.trainable)
-            u.update.reset()
-            self._gradients.release(u)
-        self._gradients.drop_partials()  # [Note: shared parameter gradients]
-        if self._partition is not None:  # [zero]
-            self._partition.zero_grad()
+        self._updates.zero_grad()
 
     # ------------------------------------------------------------------ reading state
     @torch.no_grad()
@@ -437,7 +418,7 @@ class Engine:
         return engine_stats(device=self._device, host=self._host, nvme=self._nvme, counters=self.stats_counters,
                             prefetcher=self._prefetcher, gradients=self._gradients, updates=self._updates,
                             partition=self._partition, homes=self._homes, units=self.units,
-                            micro_step=self._micro_step, step_seconds=self._last_step_seconds,
+                            micro_step=self._updates.micro_step, step_seconds=self._last_step_seconds,
                             optimizer_seconds=self._last_optimizer_seconds,
                             home_bytes=self._placement.bytes_per_tier())
 

@@ -223,8 +223,6 @@ class Hooks:
         self._forward_started = 0.0
         self._backward_unit: Optional[UnitState] = None  # the unit whose backward runs now
         self._backward_started = 0.0
-        # The key of the last training pass with grad mode: the trace the next one replays.
-        self.last_train_key: Optional[Tuple[Hashable, ...]] = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -280,9 +278,7 @@ class Hooks:
             self._partition.broadcast_buffers(self._buffers)
         # 2. A new pass: the trace of its kind is replayed, every unit's calls counted anew.
         key = self._pass_key(args, kwargs)
-        if key[0] and key[1]:
-            self.last_train_key = key
-        self._prefetcher.begin_pass(key)
+        self._prefetcher.begin_pass(key, training=key[0] and key[1])
         for u in self._units:
             u.calls = u.backward_done = 0
         # 3. Saved views of the arena become references ([Note: saved parameters]).

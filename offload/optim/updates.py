@@ -86,6 +86,7 @@ from offload.errors import warn_at_caller
 from offload.memory.layout import Layout, UnitState
 from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import wait_through_interrupts, with_note
+from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
@@ -107,20 +108,11 @@ class UpdateScheduler:
     def __init__(self, units: List[UnitState], *, layout: Layout, optimizer: torch.optim.Optimizer,
                  worker: ThreadPoolExecutor, step_ring: PipelinedStep, sharded_step: Optional[Any],
                  partition: Optional[Any], prefetcher: Prefetcher, stats: Stats, timeline: Timeline,
+                 gradients: Gradients,
                  mark_stale: Callable[[UnitState], None],
                  forget_stale: Callable[[], None],
-                 micro_step: Callable[[], int],
-                 last_train_key: Callable[[], Optional[Tuple[Any, ...]]],
                  check_not_failed: Callable[[str], None],
                  fail_step: Callable[[BaseException, str], NoReturn],
-                 grad_squares: Callable[[UnitState, int], torch.Tensor],
-                 grad_scale_and_skip: Callable[[], Tuple[float, bool]],
-                 clipped: Callable[[], bool],
-                 take_back: Callable[[UnitState], None],
-                 zero_grad: Callable[[], None],
-                 loss_scale: Callable[[], float],
-                 release_grad: Callable[[UnitState], None],
-                 park_grad: Callable[[UnitState], None],
                  update_in_place: Callable[..., None],
                  release: Callable[[UnitState], None],
                  drain_fetches: Callable[[], None],
@@ -130,17 +122,15 @@ class UpdateScheduler:
         """``units``: every unit, the root first. ``worker``: the optimizer worker (one
         thread; the engine shuts it down). ``sharded_step``: [zero] the ShardedStep at
         stage >= 1, else None; ``partition``: [zero] the Partition of several ranks, or
-        None. ``mark_stale(u)``: u's device copy is stale (an early update changes its
-        home), residency drops it on the main thread; ``forget_stale()``: no copy is to be
-        dropped any more (the step released them). The other callables are the engine's: its micro-step counter and
-        last training pass's trace key; its failure state (refuse when failed, stop after
-        a step failed part-way); gradients (one parameter's squared norm, the step's factor
-        and skip decision, whether that norm clipped, zero_grad, the loss scale now, giving one
-        unit's back, letting go of a speculative update's read-back copy of spilled ones,
-        taking one unit's fields back from its delayed update); Adam over a whole host-homed unit
-        (UnitAdam.update_in_place); residency (release a device copy, land the fetches in
-        flight, land those waiting for updates, bring a unit whose update is pending,
-        start a fetch)."""
+        None. ``gradients``: the gradients the updates read, whose norm, factor and skip
+        decision the step takes and which zero_grad drops. ``mark_stale(u)``: u's device
+        copy is stale (an early update changes its home), residency drops it on the main
+        thread; ``forget_stale()``: no copy is to be dropped any more (the step released
+        them). The other callables: the failure state (refuse when failed, stop after a
+        step failed part-way); Adam over a whole host-homed unit (UnitAdam.update_in_place);
+        residency (release a device copy, land the fetches in flight, land those waiting for
+        updates, bring a unit whose update is pending, start a fetch). The scheduler counts
+        the micro-steps (``micro_step``: the engine's step() calls so far)."""
         self._units = units
         self._root = units[0]
         self._layout = layout
@@ -154,17 +144,10 @@ class UpdateScheduler:
         self._timeline = timeline
         self._mark_stale = mark_stale
         self._forget_stale = forget_stale
-        self._micro_step = micro_step
-        self._last_train_key = last_train_key
+        self._gradients = gradients
+        self.micro_step = 0  # step() calls so far; a checkpoint keeps it
         self._check_not_failed = check_not_failed
         self._fail_step = fail_step
-        self._grad_squares = grad_squares
-        self._grad_scale_and_skip = grad_scale_and_skip
-        self._clipped = clipped
-        self._zero_grad = zero_grad
-        self._loss_scale = loss_scale
-        self._release_grad = release_grad
-        self._park_grad = park_grad
         self._update_in_place = update_in_place
         self._release = release
         self._drain_fetches = drain_fetches
@@ -192,10 +175,29 @@ class UpdateScheduler:
         # [Note: delayed updates] None unless delayed_update
         self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
             units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
-            micro_step=micro_step, track=lambda ticket: self._early_futures.append(ticket),
+            micro_step=lambda: self.micro_step, track=lambda ticket: self._early_futures.append(ticket),
             finish_optimizer=self.finish_optimizer,
-            fail_step=fail_step, update_in_place=update_in_place, release_grad=release_grad, take_back=take_back,
-            release=release, drain_fetches=drain_fetches) if layout.delayed_update else None
+            fail_step=fail_step, update_in_place=update_in_place, release_grad=gradients.release,
+            take_back=gradients.take_back, release=release, drain_fetches=drain_fetches) if layout.delayed_update else None
+
+    def zero_grad(self) -> None:
+        """Drop every unit's gradients: the updates still queued run first ([Note: update
+        states]), the device copies speculative updates wrote go ([Note: speculative
+        updates]); a delayed update keeps its unit's ([Note: delayed updates])."""
+        self.settle_all()
+        self.wait_queued()
+        self.release_speculative_copies()
+        for u in self._units:
+            for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
+                e.param.grad = None  # never a delayed update's: those took theirs off the parameter
+            if u.delayed_update is not None:  # [Note: delayed updates] its gradients are the update's
+                continue
+            u.has_grad = [False] * len(u.trainable)
+            u.update.reset()
+            self._gradients.release(u)
+        self._gradients.drop_partials()  # [Note: shared parameter gradients]
+        if self._partition is not None:  # [zero]
+            self._partition.zero_grad()
 
     def wait_queued(self) -> None:
         """Wait for the updates still queued when no step() came since backward (zero_grad
@@ -257,15 +259,15 @@ class UpdateScheduler:
         self.wait_optimizer()
         if self._partition is not None:  # [zero] agree on has_grad; average stage 0/1 grads
             self._partition.finish_gradients(self._units)
-        grad_factor, skip = self._grad_scale_and_skip()
+        grad_factor, skip = self._gradients.scale_and_skip(self.micro_step)
         self._resolve_speculation(keep=not skip and grad_factor == self._speculated_factor, skip=skip)
         if not skip:  # a skip (fp16 overflow) says nothing about the next step's norm
-            self.speculate = not self._clipped()
-        delayed = self.delayed is not None and self.delayed.delays(skip, self._clipped())
+            self.speculate = not self._gradients.clipped
+        delayed = self.delayed is not None and self.delayed.delays(skip, self._gradients.clipped)
         if skip:
             self._stats.count("skipped_steps")
             self._step_ring.wait_root_reads()
-            self._zero_grad()
+            self.zero_grad()
             return
         if self.defers_updates():
             self._defer_updates(grad_factor, norm_pending=False)
@@ -277,14 +279,14 @@ class UpdateScheduler:
         try:
             with self._stats.timed("optimizer"):
                 if self._sharded_step is not None:  # [zero] stage >= 1
-                    self._sharded_step.run(units, grad_factor, self._micro_step())
+                    self._sharded_step.run(units, grad_factor, self.micro_step)
                 elif self._layout.staged_step:
-                    self._step_ring.staged_update(units, grad_factor, self._micro_step())
+                    self._step_ring.staged_update(units, grad_factor, self.micro_step)
                 else:
                     self._update_all_in_place(units, grad_factor)
         finally:  # also after a swap failure: the step is over either way
             self._step_ring.drain_root_reads()  # the root got no gradient this step
-            self._zero_grad()
+            self.zero_grad()
             # Device copies are stale now, except those the update wrote in place.
             self._drain_fetches()
             self._forget_stale()
@@ -293,7 +295,7 @@ class UpdateScheduler:
                     if u.compute_state == Residency.LOADED and not u.update.in_device:
                         self._release(u)
                     u.update.in_device = False
-        self._step_ring.raise_write_errors(self._micro_step())
+        self._step_ring.raise_write_errors(self.micro_step)
 
     def _take_back_speculation(self) -> None:
         """[Note: speculative updates] The speculative updates the worker has not started
@@ -328,7 +330,7 @@ class UpdateScheduler:
             if keep and not u.update.speculation_failed:
                 u.commit_spare()
                 u.update.speculative = False
-                self._release_grad(u)
+                self._gradients.release(u)
             else:
                 if u.update.in_device:
                     self._release(u)  # its device copy holds the dropped update
@@ -362,7 +364,7 @@ class UpdateScheduler:
                 done += 1
         except BaseException as error:
             where = f"unit {units[done].name!r}" if done < len(units) else "a unit"
-            self._fail_step(error, f"in the optimizer step at micro-step {self._micro_step()} while working on {where}")
+            self._fail_step(error, f"in the optimizer step at micro-step {self.micro_step} while working on {where}")
 
     def abort_backward(self, error: BaseException) -> None:
         """[Note: failures inside a step] backward raised ``error``: raise it, the engine
@@ -387,7 +389,7 @@ class UpdateScheduler:
             # an update on the worker failed (wait_optimizer recorded it: fatal, not consistent),
             # e.g. [Note: delayed updates] the last step's, which the gradient hand-off raised
             raise error
-        self._zero_grad()  # with the device copies that speculative updates wrote
+        self.zero_grad()  # with the device copies that speculative updates wrote
         raise with_note(error, "backward failed before any unit was updated: the gradients accumulated "
                                "since the last optimizer step were dropped (as by zero_grad()); weights and "
                                "optimizer states are unchanged, so training can go on with the next batch")
@@ -415,7 +417,7 @@ class UpdateScheduler:
                 factor = 1.0
                 if self._layout.speculative:  # [Note: speculative updates] into the spare homes
                     u.update.speculative = True
-                    factor = self._speculated_factor = 1.0 / self._loss_scale()
+                    factor = self._speculated_factor = 1.0 / self._gradients.loss_scale
                     self._stats.count("speculative_updates")
                 # [Note: updates through the device copy] only once the pass needs no
                 # other unit: until then its slot may be wanted for the next ones (a
@@ -485,7 +487,7 @@ class UpdateScheduler:
         (clipping, fp16 or skips: after speculative updates, or without them, when every
         unit's update is deferred with the clip coefficient, none having run in backward)."""
         first_use: Dict[int, int] = {}
-        key = self._last_train_key()
+        key = self._prefetcher.last_train_key
         for position, index in enumerate(self._prefetcher.first_units(key) if key is not None else ()):
             first_use.setdefault(index, position)
 
@@ -555,9 +557,9 @@ class UpdateScheduler:
                     u.update.forget()
             if self._norm_pending:  # the norm (and a warning for NaN/Inf) from the early squares
                 self._norm_pending = False
-                self._grad_scale_and_skip()
-            self._zero_grad()
-            self._step_ring.raise_write_errors(self._micro_step())
+                self._gradients.scale_and_skip(self.micro_step)
+            self.zero_grad()
+            self._step_ring.raise_write_errors(self.micro_step)
         except BaseException:
             if raise_errors:
                 raise
@@ -573,7 +575,7 @@ class UpdateScheduler:
         u.early_grad_squares, u.early_nonfinite = [], None
         for k, e in enumerate(u.trainable):
             if u.has_grad[k]:
-                square = self._grad_squares(u, k).item()
+                square = self._gradients.squares(u, k).item()
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares.append(square)
@@ -582,7 +584,7 @@ class UpdateScheduler:
         else:
             self._update_in_place(u, grad_factor, groups, speculative=u.update.speculative)
         if u.update.speculative:  # its gradients wait for the norm, on NVMe if they came from there
-            self._park_grad(u)  # ([Note: gradient spill])
+            self._gradients.park(u)  # ([Note: gradient spill])
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
         end = time.perf_counter()
         self._timeline.span("optimizer", f"update {u.name} (early)", start, end)
@@ -648,10 +650,10 @@ class UpdateScheduler:
     def prefetch_next_pass(self) -> None:
         """After an update every device copy is gone: start bringing back the root and the
         first units of the next training pass while the caller prepares its batch."""
-        if not self._prefetcher.enabled or self._last_train_key() is None:
+        if not self._prefetcher.enabled or self._prefetcher.last_train_key is None:
             return
         budget = self._layout.prefetch_units
-        for index in self._prefetcher.first_units(self._last_train_key())[:budget]:
+        for index in self._prefetcher.first_units(self._prefetcher.last_train_key)[:budget]:
             u = self._units[index]
             if self.pending(u):
                 if self._prefetch_updating(u):

@@ -55,6 +55,9 @@ class Prefetcher:
         self._recording: List[int] = []
         self._position = 0
         self._diverged = False
+        # The key of the last training pass (grad mode on): what the step after it brings
+        # back first for the next one (UpdateScheduler.prefetch_next_pass).
+        self.last_train_key: Optional[Hashable] = None
         # [Note: prefetch counters]
         self.hits = 0
         self.late = 0
@@ -62,8 +65,11 @@ class Prefetcher:
         self.unplanned = 0
 
     # -- pass lifecycle ---------------------------------------------------------------
-    def begin_pass(self, key: Hashable) -> None:
+    def begin_pass(self, key: Hashable, training: bool = False) -> None:
+        """A pass of kind ``key`` begins (``training``: a training pass, with grad mode)."""
         self.end_pass()
+        if training:
+            self.last_train_key = key
         self._key = key
         self._trace = self._traces.get(key) if self.enabled else None
         if self._trace is not None:
