@@ -4,10 +4,9 @@ moment in swap files.
 
 Why the default size (d_model 512, 6 layers, seq 128, batch 8: 19.1 M parameters, 73 MiB of
 fp32 weights, 306 MiB of training state in swap files, a device budget of 41 MiB): on two
-idle CPU cores a step through the engine takes about 1 s, so 100 steps (102k tokens) take
-about 110 s including setup and bring the loss from 5.5 (uniform over 256 bytes) to about 3.0
-(measured: mean of the first 10 steps 3.95, of the last 10 steps 3.02). On a busy machine it
-is slower; --d-model/--layers/--steps scale it down or up.
+idle CPU cores its 100 steps (102k tokens) run in a couple of minutes and bring the loss
+well below 5.5 (uniform over 256 bytes); the figures are in docs/performance.md ("Demo").
+On a busy machine it is slower; --d-model/--layers/--steps scale it down or up.
 """
 from __future__ import annotations
 

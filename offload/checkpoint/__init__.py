@@ -30,7 +30,7 @@ pieces, not a unit: the 3B model's embedding unit has 4.7 GB of fp32 master and 
 more than the host budget of a run that size. A unit file is a run of pieces, each
 parameter's elements in the pieces that cover them (format.py), written with O_DIRECT
 through 8 MiB staging buffers, each hashed and written on threads of its own while the next
-fills (save.py's _DirectWriter: the page cache's writeback held a save to 0.33 GB/s). A
+fills (save.py's _DirectWriter: the page cache's writeback throttles buffered writes). A
 load's sha256 check and its reads of the states go through an IOEngine ([Note: checkpoint
 reads] in files.py); export copies in 4 MiB chunks.
 

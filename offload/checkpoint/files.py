@@ -3,13 +3,12 @@
 [Note: checkpoint reads]
 A load reads every byte of a checkpoint twice: once to check each file's sha256 before any
 state changes (read_manifest), then the states themselves (PieceReader). Through the page
-cache, one read at a time, a cold file comes in at 0.76-0.95 GB/s on the machine this was
-measured on, while the disk gives 2 GB/s and more with many requests in flight. So both
-passes read through an IOEngine: O_DIRECT (or buffered where the filesystem refuses it, as
-the swap does), 1 MiB blocks, up to 32 in flight.
+cache, one read at a time, a cold file comes in at well under the disk's speed, which needs
+many requests in flight. So both passes read through an IOEngine: O_DIRECT (or buffered
+where the filesystem refuses it, as the swap does), 1 MiB blocks, up to 32 in flight.
 
 - ``file_digests``: each file is read in DIGEST_STAGE_BYTES stages, DIGEST_STAGES of them
-  in flight, and hashed in order as they land. sha256 runs at about 1.5 GB/s on one core,
+  in flight, and hashed in order as they land. sha256 on one core is slower than the disk,
   so one file is bound by its hash; two files are hashed at once (hashlib lets go of the
   GIL), on two threads with an engine each.
 - ``PieceReader.read``: a range straight into the caller's tensor. The engine moves an
@@ -20,9 +19,9 @@ the swap does), 1 MiB blocks, up to 32 in flight.
 The engine's backend is "threads" (pread on a pool of threads): it works on every
 filesystem, so nothing is probed (an "auto" engine's first probe writes and reads a file in
 the temporary directory, 31 MiB of buffers, and says nothing about the checkpoint's
-filesystem), and it reads these files as fast as io_uring here (1.39 against 1.38-1.40
-GB/s, digest included). It does not warn about a buffered fallback: a checkpoint directory
-on a filesystem without O_DIRECT is a normal place for one.
+filesystem), and it reads these large sequential files as fast as io_uring. It does not
+warn about a buffered fallback: a checkpoint directory on a filesystem without O_DIRECT is
+a normal place for one.
 """
 from __future__ import annotations
 

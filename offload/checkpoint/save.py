@@ -69,16 +69,15 @@ class _HashingWriter:
 class _DirectWriter(_HashingWriter):
     """A _HashingWriter for the large unit files: the bytes go through page-aligned staging
     buffers, written with O_DIRECT a whole buffer at a time, and the tail (less than a
-    buffer) through the page cache at close. Buffered writes of tens of GB are throttled
-    by the kernel's writeback: a 1-layer 3B-shaped save spent 17.9 of its 27.4 s in file
-    writes (0.33 GB/s), against 2-2.5 GB/s for O_DIRECT on the same disk. Where the
+    buffer) through the page cache at close. O_DIRECT, because the kernel's writeback
+    throttles buffered writes of tens of GB to a fraction of the disk's speed. Where the
     filesystem refuses O_DIRECT (tmpfs: at open; some others: EINVAL at the first write)
     the buffers go through the page cache instead.
 
     A full stage is hashed on one thread and written on another while the caller fills the
     next one (STAGES of them in turn): reading the states from their tiers, sha256 and the
-    write each took a third of a save one after the other. A write's OSError comes out of
-    the next ``write`` or of ``close``, naming the file."""
+    write cost about the same, so they overlap rather than run one after the other. A
+    write's OSError comes out of the next ``write`` or of ``close``, naming the file."""
 
     STAGE_BYTES = 8 << 20
     STAGES = 3

@@ -73,10 +73,9 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
 # [Note: huge-page buffers]
 # An O_DIRECT transfer is handed to the device as a list of physically contiguous segments,
 # and a device takes a bounded number per request (virtio-blk: max_segments 254). A buffer of
-# scattered 4 KiB pages therefore splits every block into requests of at most ~1 MiB: on the
-# development VM a 4 MiB block became 5-6 device requests (/sys/block/*/stat) and reads ran
-# at 1.1-1.35 GB/s; from 2 MiB huge pages the same blocks went out whole, 4 MiB per request,
-# at 1.7-2.2 GB/s. So CPU buffers of 2 MiB and more are anonymous mappings aligned to 2 MiB
+# scattered 4 KiB pages therefore splits every block into requests of at most ~1 MiB, and
+# more, smaller requests move fewer bytes a second; from 2 MiB huge pages a block goes out
+# whole, one request. So CPU buffers of 2 MiB and more are anonymous mappings aligned to 2 MiB
 # with MADV_HUGEPAGE on their whole huge pages (the tail stays in 4 KiB pages, so resident
 # memory is never rounded up). The kernel may still decline (THP "never", fragmentation):
 # the buffer is then ordinary pages, only slower. For a CUDA device the host tier page-locks

@@ -26,7 +26,7 @@ _PROBE_BYTES = 8 << 20
 _auto_choice_by_dir: Dict[str, str] = {}
 # Why the kernel refused to start a backend in this process (None: it started), asked once
 # per process: seccomp filters only ever tighten, kernel.io_uring_disabled is rarely changed on
-# a running machine, and libaio's io_destroy alone takes ~40 ms on the development VM. A
+# a running machine, and asking is slow (libaio's io_destroy alone takes tens of ms). A
 # backend refused after the answer was cached still fails where a run starts, with an OSError
 # (NvmeTier checks it in the swap directory).
 _refusal_by_backend: Dict[str, Optional[str]] = {}
@@ -112,13 +112,12 @@ def _check_backend(backend: str, directory: str) -> dict:
 # [Note: auto backend choice]
 # backend="auto" takes the first backend of BACKENDS (io_uring, then libaio, then threads)
 # that this build has and that completes a real aligned write+read in the directory. It does
-# not pick by speed: one probe's time says nothing about the backends. On the development
-# VM the disk's speed drifts 1.5x between seconds, and the three backends move a mixed
-# read/write load of 12 MiB pieces at the same 1.6-1.8 GB/s (block 1-4 MiB, queue depth
-# 16-64, alternated in one process), so a pick by the fastest probe flipped between runs and
-# made them irreproducible. The order: io_uring hands over a batch and reaps completions in
-# one system call; libaio is the kernel's older asynchronous interface (truly asynchronous
-# only with O_DIRECT); threads (pread/pwrite) work everywhere.
+# not pick by speed: one probe's time says nothing about the backends. Under the runtime's
+# load they move data at about the same speed, and a disk's speed drifts between seconds by
+# more than they differ, so a pick by the fastest probe would flip between runs and make
+# them irreproducible. The order: io_uring hands over a batch and reaps completions in one
+# system call; libaio is the kernel's older asynchronous interface (truly asynchronous only
+# with O_DIRECT); threads (pread/pwrite) work everywhere.
 
 
 def _preferred(results: Dict[str, dict]) -> Optional[str]:

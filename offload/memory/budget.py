@@ -167,14 +167,12 @@ def prefetch_room(units: Sequence[UnitSizes], layout: Layout, arena: DeviceBudge
     beside the root unit (there from forward to backward) and the unit in use; the largest
     gradient's reserve is not part of the arena. At the smallest budget wrap accepts the
     arena holds exactly the root and the largest unit, so nothing is fetched ahead: every
-    use waits for its whole transfer. At the Llama-3.2-3B shape in fp32 (tools/bench_scale.py)
-    2% of the uses found their unit there and a step waited 15 s for fetches; with room for
-    two blocks ahead, every use did, the deferred updates wrote the next forward's copies
-    into their slots (12 GB less read a step), and the step took 0.84x. One block ahead gave
-    late hits only, and no gain. Counted in units of the median size of those fetched
-    (transformer blocks are all alike), ``units_ahead`` is how many fit on their way while
-    one is in use. None when nothing is fetched: every compute copy on the device, or fewer
-    than two units besides the root."""
+    use waits for its whole transfer. With room for two blocks ahead a fetch has a whole
+    unit's use to arrive in, and the deferred updates write the next forward's copies into
+    their slots, which saves reading them; with one, fetches arrive late. Counted in units
+    of the median size of those fetched (transformer blocks are all alike), ``units_ahead``
+    is how many fit on their way while one is in use. None when nothing is fetched: every
+    compute copy on the device, or fewer than two units besides the root."""
     element_bytes = layout.compute_element_bytes
     fetched = [i for i in range(1, len(units)) if layout.compute_tier(i) != "device"]
     return _room(units, fetched, element_bytes, arena.capacity_numel * element_bytes)

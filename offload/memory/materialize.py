@@ -67,10 +67,9 @@ class _MaterializeScratch:
     materialized into one CPU buffer per unit, taken from a pool and given back once the
     unit is home (its parameters then hold placeholders: [Note: released parameters]), so a
     model of many equal blocks touches fresh pages for the root and one block, not for every
-    block. Fresh pages are what wrap paid for: a first touch costs 1.5-7 s per GiB on the
-    shared 2-core VM (a write to touched pages 0.2-0.4 s), so materializing a 3B model's
-    12.8 GB of fp32 parameters in fresh allocations cost tens of seconds. A parameter gets
-    no other values than with ``torch.empty``: initialization overwrites all of it.
+    block. Fresh pages are what wrap would pay for: the first touch of a page costs many
+    times a write to a page already touched. A parameter gets no other values than with
+    ``torch.empty``: initialization overwrites all of it.
     A buffer goes back to the pool only when no parameter of the unit still points into it
     (an ``init_fn`` that replaced ``.data`` is fine; one that kept a view keeps it out of
     the pool)."""

@@ -334,23 +334,19 @@ class StepPrediction:
 
 # [Note: step prediction] The share of the smaller of compute and NVMe time that shows in the
 # step anyway: the first fetches of forward, the last units' updates of backward, synchronous
-# gradient spills. A documented constant, measured with tools/bench_train.py
+# gradient spills. A documented constant, fitted with tools/bench_train.py
 # --sweep-host-budget (which prints predicted against measured at every point, the compute
-# time being the same path's step with every state in RAM, measured in the same run). Fitted
-# on the 2-core reference machine (an AVX-512 Xeon; the disk check read 2.3-2.7 GB/s): the
-# exact points with NVMe traffic of two sweeps showed 0.11-0.35 in bf16 (medians 0.18, 0.25)
-# and 0.04-0.45 in fp32 (median 0.25); the 0.5 measured before on an AVX2 EPYC, whose compute
-# was twice as slow, over-predicted every one of them, by 2-25%.
+# time being the same path's step with every state in RAM, measured in the same run) on the
+# 2-core reference machine; the fit is in docs/performance.md ("Placement"). It depends on
+# the machine's ratio of compute to disk speed: rerun the sweep where that differs.
 EXPOSED_IO_FRACTION = 0.25
 # With delayed_update ([Note: delayed updates]) step t's updates, all of its state traffic,
 # run under step t+1's forward and backward: nothing is exposed, but the updates' CPU work
 # (Adam on the staged pieces, split and join, checksums, staging copies) runs beside the
 # forward and backward on the same cores, and grows with the bytes they move. So the step is
 # max(compute + DELAYED_IO_CPU_FRACTION x I/O, I/O), the compute time being a delayed run's
-# with every state in RAM. Fitted with the sweep on the 2-core reference machine (bf16 and
-# fp32, where the disk check read >= 2.1 GB/s): 0 under-predicted the points whose I/O is
-# below compute by up to 20% once host-homed updates stopped copying their states (which
-# the all-RAM compute time had included); 0.25 puts them within 0.90-1.04.
+# with every state in RAM. Fitted with the same sweep on the same machine (the fit: in
+# docs/performance.md, "Placement").
 DELAYED_IO_CPU_FRACTION = 0.25
 
 

@@ -40,13 +40,11 @@ this order:
 Only the compute copy is doubled because only it is read while the update runs: master and
 moments are read by the update alone, and by readers that wait for it first (step(),
 checkpoints, state_dict). A failed update is fatal either way, so a second master and
-moments would keep nothing a run can use; they doubled the states' RAM, and auto placement
-kept fewer of them off the disk (bf16 reference GPT, tools/bench_train.py
---sweep-host-budget --delayed-update, at 0.6x the plain run's RSS: 6 units' states in RAM
-against 2, 1.00 GB a step each way on NVMe against 1.60). The merged fp32 master is a
-compute copy (its spare is a second master); the split master's high halves are the compute
-copy, its low halves are written in place with the moments. The warm-up and fallback steps
-run the exact step on the same buffers, bit for bit.
+moments would keep nothing a run can use, and would double the states' RAM, so that auto
+placement keeps fewer of them off the disk. The merged fp32 master is a compute copy (its
+spare is a second master); the split master's high halves are the compute copy, its low
+halves are written in place with the moments. The warm-up and fallback steps run the exact
+step on the same buffers, bit for bit.
 
 Gradients. A delayed update reads u's gradient fields (has_grad, grad or param_grads, a
 spilled copy) while the next backward produces new ones. It owns them from step() on

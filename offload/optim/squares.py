@@ -10,14 +10,11 @@ of the chunks' norms are added in float64, in order, whatever its dtype. A 16-bi
 one chunk first: the same fp32 values as its fp32 copy, in the same order, so the same bits
 as if it had been held in fp32. Why:
 - Speed and memory. ``vector_norm`` of a 16-bit tensor with ``dtype=float32`` widens the
-  whole tensor into memory it allocates and touches for the first time: 0.51-0.58 Gelem/s
-  on this machine's core, against 2.1-2.4 through a warm chunk and 3.1-3.6 on an fp32
-  tensor (16-25 M elements, one thread). At the Llama-3.2-3B shape, gradients held in bf16,
-  that was 2.9 s of step() and about as much in backward's spills, and the tied
-  embedding's 394 M elements took a 1.6 GB fp32 temporary: peak RSS 7.93-7.97 GiB against
-  6.88 with fp32 gradients.
-- Accuracy. One ``vector_norm`` accumulates in fp32: at 25 M elements (a random bf16
-  gradient) its square was 2.5e-3 off the float64 sum of squares, chunked 1.1e-4. So a
+  whole tensor into memory it allocates and touches for the first time: several times
+  slower than through a warm chunk, and a whole fp32 temporary of the largest gradient (a
+  tied embedding's) on top of the host budget.
+- Accuracy. One ``vector_norm`` accumulates in fp32, whose error grows with the length; the
+  chunks' float64 sum is an order of magnitude closer to the float64 sum of squares. So a
   gradient longer than a chunk gets a norm whose last bits (or more) differ from one
   ``vector_norm`` over it, and from torch's ``clip_grad_norm_``, which takes one per
   parameter: ours is the more exact. The golden models' parameters and the reference

@@ -379,9 +379,8 @@ class PipelinedStep:
         With three slots or more they are started after update(i): the reads of i+1.. keep
         the disk busy during it, and the writes of i-1 get that time to drain. With two
         slots (the early updates' ring) nothing else would be read during update(i), so
-        piece i+1's reads are started first (bf16 GPT bench, alternating steps in one
-        process: 2.43 s a step against 2.71 s; with three slots, after against first: 3.05
-        against 3.16 s). With one slot, the next piece's reads wait for piece i's writes.
+        piece i+1's reads are started first, or the disk would idle through the update.
+        With one slot, the next piece's reads wait for piece i's writes.
         Whatever way the loop ends, no read is left in flight into a slot (errors are
         reported by the caller)."""
         ahead = max(1, len(slots) - 1)

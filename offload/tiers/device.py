@@ -105,13 +105,12 @@ class DeviceTier:
         """[Note: wrap scratch in the arena] ``nbytes`` of a CPU arena's free bytes, page
         aligned, as uint8, or None (CUDA: the arena is not host memory; no free run that
         long). Wrap writes every unit home through buffers the size of the largest unit's
-        compute copy and master (or, split, its low halves); on a CPU device the arena is RAM
-        already touched, idle until the first fetch (offload/memory/homes.py takes the
-        compute copy's in the root unit's slot, the rest here). With the per-parameter split
-        of [Note: split master], that took the 3B shape's wrap peak (bf16, a 3 GiB device
-        budget) from 8.18 to 4.51 GiB, what the process held before its first unit, and wrap
-        from 57-69 s to 35 s. No slot is handed out while borrowed (``allocate`` asserts it);
-        ``give_back`` zeroes the bytes again, as the arena starts."""
+        compute copy and master (or, split, its low halves: [Note: split master]); on a CPU
+        device the arena is RAM already touched, idle until the first fetch
+        (offload/memory/homes.py takes the compute copy's in the root unit's slot, the rest
+        here): the scratch adds nothing to wrap's peak host memory, and wrap pays no first
+        touch of fresh pages for it. No slot is handed out while borrowed (``allocate``
+        asserts it); ``give_back`` zeroes the bytes again, as the arena starts."""
         assert self._borrowed is None, "the arena is borrowed already"
         if not self.host_addressable:
             return None
