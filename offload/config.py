@@ -213,9 +213,8 @@ class OffloadConfig:
     swap) and check every page read against it: swap data changed behind the run's back
     (a disk or filesystem fault, another process) is then an OSError (errno EIO) naming the
     unit, the swap file and the offset, never trained on. Changes no result. The pages are
-    summed on the CPU (the SSE4.2 crc32 instruction, a table kernel elsewhere, ~16 GB/s
-    from DRAM): 2% of a step on the README's benchmark, 3.4% of its CPU time (README:
-    "Swap integrity"). False skips it."""
+    summed on the CPU (the SSE4.2 crc32 instruction, a table kernel elsewhere), at a few
+    percent of a step (the figures: README, "Swap integrity"). False skips it."""
 
     prefetch: bool = True
     """Replay the recorded unit order to fetch ahead of use. False: prefetch_units and
