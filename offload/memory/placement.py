@@ -337,7 +337,7 @@ class StepPrediction:
 # gradient spills. A documented constant, fitted with tools/bench_train.py
 # --sweep-host-budget (which prints predicted against measured at every point, the compute
 # time being the same path's step with every state in RAM, measured in the same run) on the
-# 2-core reference machine; the fit is in docs/performance.md ("Placement"). It depends on
+# 2-core reference machine; the fit is in docs/performance.md ("Memory"). It depends on
 # the machine's ratio of compute to disk speed: rerun the sweep where that differs.
 EXPOSED_IO_FRACTION = 0.25
 # With delayed_update ([Note: delayed updates]) step t's updates, all of its state traffic,
@@ -346,7 +346,7 @@ EXPOSED_IO_FRACTION = 0.25
 # forward and backward on the same cores, and grows with the bytes they move. So the step is
 # max(compute + DELAYED_IO_CPU_FRACTION x I/O, I/O), the compute time being a delayed run's
 # with every state in RAM. Fitted with the same sweep on the same machine (the fit: in
-# docs/performance.md, "Placement").
+# docs/performance.md, "Memory").
 DELAYED_IO_CPU_FRACTION = 0.25
 
 
