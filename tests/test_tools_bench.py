@@ -21,13 +21,20 @@ import torch
 from offload import _native
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TOOL = REPO_ROOT / "tools" / "bench_train.py"
+TOOLS_DIR = REPO_ROOT / "tools"
+TOOL = TOOLS_DIR / "bench_train.py"
+ROWS_TOOL = TOOLS_DIR / "train_rows.py"
+REPLAY_TOOL = TOOLS_DIR / "train_replay.py"
 ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
 SUMMARY_TOOL = REPO_ROOT / "tools" / "trace_summary.py"
 CHECKSUM_TOOL = REPO_ROOT / "tools" / "bench_checksum.py"
 
 
 def load_tool(path: Path):
+    """A module of tools/, loaded from its file; tools/ goes on sys.path, as for a script
+    run from there, since the modules of tools/bench_train.py import each other by name."""
+    if str(TOOLS_DIR) not in sys.path:
+        sys.path.insert(0, str(TOOLS_DIR))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -288,7 +295,7 @@ def test_bench_io_small_run_has_every_writer_and_the_summary(tmp_path):
 
 
 def test_overlap_is_paired_step_by_step_when_the_row_has_its_own_replays():
-    bench = load_tool(TOOL)
+    bench = load_tool(ROWS_TOOL)
     compute = {"row": "compute-only", "dtype": "bf16", "step_seconds": 1.0}
     io_row = {"row": "io-only", "dtype": "bf16", "step_seconds": 3.0}
     row = {"row": "nvme-prefetch", "dtype": "bf16", "step_seconds": 2.0}
@@ -316,12 +323,12 @@ def test_bench_checksum_times_every_kernel_and_restores_the_choice(tmp_path):
 
 
 def test_bench_train_model_and_swap_checksums_reach_the_config():
-    bench = load_tool(TOOL)
+    bench, rows = load_tool(TOOL), load_tool(ROWS_TOOL)
     args = bench.parse_args(["--model", "small", "--swap-checksums", "off"])
     assert args.model == "small" and args.swap_checksums == "off"
     spec = {"row": "nvme-prefetch", "dtype": "fp32", "swap_dir": "/tmp/x", "swap_checksums": False}
-    assert bench.offload_config(spec, 1 << 20)["swap_checksums"] is False
-    assert bench.offload_config(dict(spec, swap_checksums=True), 1 << 20)["swap_checksums"] is True
+    assert rows.offload_config(spec, 1 << 20)["swap_checksums"] is False
+    assert rows.offload_config(dict(spec, swap_checksums=True), 1 << 20)["swap_checksums"] is True
 
 
 SCALE_TOOL = REPO_ROOT / "tools" / "bench_scale.py"
@@ -521,3 +528,127 @@ def test_bench_train_compares_the_new_default_tiers_with_the_old(tmp_path):
     assert "host_budget" in rows[(tight, "old-defaults")]["error"]
     assert rows[(tight, "defaults")]["tiers"][1]["nvme"] > 0 and rows[(tight, "defaults")]["nvme_read_per_step"] > 0
     assert list((tmp_path / "swap").iterdir()) == []
+
+
+# The imports between the modules of tools/ (module -> the tools modules it imports), as
+# tools/bench_train.py's docstring draws them: split by what each measures, no circle.
+TOOLS_IMPORTS = {
+    "bench_train": {"bench_defaults", "bench_sweep", "train_deepspeed", "train_harness", "train_ranks",
+                    "train_replay", "train_rows"},
+    "train_rows": {"train_deepspeed", "train_harness", "train_replay", "trace_summary"},
+    "train_ranks": {"train_harness"},
+    "train_deepspeed": {"train_harness"},
+    "train_replay": {"train_harness"},
+    "bench_sweep": {"train_harness"},
+    "bench_defaults": {"train_harness"},
+    "bench_scale": {"train_replay"},
+}
+
+
+def tools_import_graph() -> dict:
+    """Each tools/*.py module -> the tools modules it imports anywhere (lazy imports too)."""
+    import ast
+
+    names = {p.stem for p in TOOLS_DIR.glob("*.py")}
+    graph = {}
+    for path in TOOLS_DIR.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+        graph[path.stem] = imported & names
+    return graph
+
+
+def test_tools_import_each_other_one_way_as_bench_train_draws_it():
+    graph = tools_import_graph()
+    assert {k: v for k, v in graph.items() if v} == TOOLS_IMPORTS
+    assert graph["train_harness"] == set()
+
+    def reach(start):  # every module start imports, directly or not
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    circles = [m for m in graph if m in reach(m)]
+    assert circles == [], f"import circles through {circles}"
+
+
+def test_importing_bench_train_imports_no_offload():
+    """A worker sets torch's thread count before offload is imported: offload sizes its
+    native thread pool from it at import (offload/__init__.py)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_train, bench_scale; "
+            "print(sorted(m for m in sys.modules if m == 'offload' or m.startswith('offload.')))")
+    proc = subprocess.run([sys.executable, "-c", code, str(TOOLS_DIR)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_pieces", [0, 1, 2, 3, 7])
+def test_replay_ring_issues_the_calls_of_the_package_piece_ring(num_slots, num_pieces):
+    """The replayer's ring (train_replay.piece_ring) reads, waits and updates in the order of
+    offload.optim.step.PipelinedStep._piece_ring ([Note: the piece ring]), which the package
+    does not expose: called here on a stand-in that has only its Stats."""
+    from types import SimpleNamespace
+
+    from offload.optim.step import PipelinedStep
+    from offload.stats import Stats
+
+    replay = load_tool(REPLAY_TOOL)
+
+    def calls_of(ring):
+        calls = []
+
+        class Handle:
+            def __init__(self, i):
+                self.i = i
+
+            def wait(self):
+                calls.append(("wait", self.i))
+
+        def start_reads(i, slot):
+            calls.append(("read", i, slot))
+            return [Handle(i)]
+
+        def update(i, slot):
+            calls.append(("update", i, slot))
+
+        ring(num_pieces, [10 + s for s in range(num_slots)], start_reads, update)
+        return calls
+
+    package = SimpleNamespace(_stats=Stats())
+    expected = calls_of(lambda *args: PipelinedStep._piece_ring(package, *args))
+    assert calls_of(replay.piece_ring) == expected
+    assert [c[1] for c in expected if c[0] == "update"] == list(range(num_pieces))
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_io_only_row_replays_the_pattern_bytes_and_leaves_no_file(tmp_path, depth):
+    replay = load_tool(REPLAY_TOOL)
+    mib = 1 << 20
+    phases = dict(forward_read=6 * mib, backward_read=3 * mib, optimizer_read=12 * mib,  # whole pages a unit
+                  forward_written=0, backward_written=3 * mib, optimizer_written=9 * mib)
+    spec = dict(swap_dir=str(tmp_path), pipeline_depth=depth, warmup=0, steps=2,
+                pattern={"units": [{"compute_bytes": 2 * mib, "master_bytes": 4 * mib}] * 3, "phases": phases,
+                         "source": "nvme-prefetch fp32"})
+    row = replay.run_io_only(spec)
+    assert row["nvme_read_per_step"] == (6 + 3 + 12) * mib and row["nvme_written_per_step"] == 12 * mib
+    assert len(row["step_seconds_all"]) == 2 and "replay of nvme-prefetch fp32" in row["note"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_and_defaults_start_from_the_harness_spec():
+    """--sweep-host-budget and --compare-defaults build their rows from one spec (no copy of
+    the model and step defaults in either): the device budget at its floor."""
+    bench, harness = load_tool(TOOL), load_tool(TOOLS_DIR / "train_harness.py")
+    args = bench.parse_args(["--quick", "--model", "small", "--sweep-host-budget"])
+    base = harness.floor_rows_base(args)
+    assert base["model"] == harness.SMALL_MODEL and base["batch"] == harness.QUICK_BATCH
+    assert base["budget_fraction"] == 0.01 and base["threads"] == 1

@@ -24,8 +24,7 @@ import shutil
 import sys
 import tempfile
 
-import bench_train as bt
-from bench_sweep import floor_rows_base
+from train_harness import GB, GiB, floor_rows_base, run_row
 
 SCENARIOS = (
     ("nothing set", dict(no_device_budget=True)),
@@ -58,7 +57,7 @@ def main(args) -> int:
                         continue
                     spec["host_budget"] = int(args.tight_fraction * last_old_rss)
                 for row in ("old-defaults", "defaults"):
-                    result = bt.run_row(dict(spec, row=row), args.row_timeout)
+                    result = run_row(dict(spec, row=row), args.row_timeout)
                     result.update(row=row, dtype=dtype, scenario=name, host_budget=spec["host_budget"])
                     results.append(result)
                     status = result.get("error") or f"{result['step_seconds']:.3f} s/step"
@@ -102,7 +101,7 @@ def print_comparison(results: list, out=sys.stdout) -> None:
             o = old[(r["dtype"], r["scenario"])]
             ratios = (f"{r['step_seconds'] / o['step_seconds']:12.2f} "
                       f"{r['peak_rss_bytes'] / o['peak_rss_bytes']:11.2f}")
-        print(f"{lead} {_where(r):>18s} {r['step_seconds']:7.3f} {r['peak_rss_bytes'] / bt.GiB:7.2f} "
-              f"{r['nvme_read_per_step'] / bt.GB:6.2f} {r['nvme_written_per_step'] / bt.GB:6.2f} {ratios}", file=out)
+        print(f"{lead} {_where(r):>18s} {r['step_seconds']:7.3f} {r['peak_rss_bytes'] / GiB:7.2f} "
+              f"{r['nvme_read_per_step'] / GB:6.2f} {r['nvme_written_per_step'] / GB:6.2f} {ratios}", file=out)
     print("compute/states: how many units have their compute copy / their master + moments on "
           "the device (d), the host (h) or NVMe (n)", file=out)

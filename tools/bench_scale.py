@@ -201,7 +201,9 @@ def run_offload(spec: dict) -> dict:
             checkpoint = timed_checkpoint(engine, os.path.join(spec["swap_dir"], "checkpoint"))
     finally:
         engine.close()
-    phases = bench_train_module().median_phases(probes)  # bytes per phase from one step
+    from train_replay import median_phases  # tools/, beside this file
+
+    phases = median_phases(probes)  # bytes per phase from one step
     return dict(row="offload", wrap_seconds=wrap_seconds, wrap_peak_rss_bytes=wrap_rss, peak_rss_bytes=rss,
                 step_seconds_all=seconds, probes=probes, phases=phases, units=units, checkpoint=checkpoint,
                 num_params=sum(p.numel() for p in model.parameters()),
@@ -276,19 +278,8 @@ def run_compute_only(spec: dict) -> dict:
                      f"scaled to {num_params / 1e9:.2f} B)")
 
 
-def bench_train_module():
-    """tools/bench_train.py, loaded from beside this file."""
-    import importlib.util
-
-    where = Path(__file__).with_name("bench_train.py")
-    module_spec = importlib.util.spec_from_file_location("bench_train", where)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
 def piece_replayer(spec: dict):
-    """(step, backend, bytes read, bytes written per step) in a context: tools/bench_train.py's
+    """(step, backend, bytes read, bytes written per step) in a context: tools/train_replay.py's
     replay of the offload row's median step (spec["pattern"]: its units and bytes per phase),
     with no compute, through offload.io.IOEngine on a file of its own in spec["swap_dir"]
     (removed when the context ends), at the engine's request sizes:
@@ -302,10 +293,12 @@ def piece_replayer(spec: dict):
 
     The byte counts are the engine's; how they split between units follows the units'
     sizes (compute copies for fetches, masters for the optimizer)."""
+    from offload._sizes import FP32_BYTES
     from offload.units import OPTIMIZER_PIECE_NUMEL
+    from train_replay import replayer  # tools/, beside this file
 
-    return bench_train_module().replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * 4,
-                                         file_bytes=spec["pattern"].get("nvme_bytes"))
+    return replayer(spec["pattern"], spec, piece_bytes=OPTIMIZER_PIECE_NUMEL * FP32_BYTES,
+                    file_bytes=spec["pattern"].get("nvme_bytes"))
 
 
 def run_io_only(spec: dict) -> dict:

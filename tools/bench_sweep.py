@@ -28,25 +28,9 @@ import statistics
 import sys
 import tempfile
 
-import bench_train as bt
+from train_harness import GB, GiB, floor_rows_base, pipeline_depth, run_row
 
 DEFAULT_FRACTIONS = (0.3, 0.45, 0.5, 0.6, 0.75, 0.9, 1.05, 1.2)  # 0.5 and 0.75: issue #19's targets
-
-
-def floor_rows_base(args) -> dict:
-    """The spec every row of a sweep (and of tools/bench_defaults.py) starts from: the
-    model, batch and steps of the arguments, and the device budget at its floor."""
-    return {
-        "model": {"full": bt.FULL_MODEL, "small": bt.SMALL_MODEL, "quick": bt.QUICK_MODEL}[
-            args.model or ("quick" if args.quick else "full")],
-        "swap_checksums": args.swap_checksums == "on",
-        "batch": args.batch or (bt.QUICK_BATCH if args.quick else bt.FULL_BATCH),
-        "steps": args.steps or (2 if args.quick else 3),
-        "warmup": args.warmup if args.warmup is not None else 1,
-        # the device budget floor: bench_train raises a budget below the minimum to it + 2 blocks
-        "budget_fraction": min(args.budget_fraction, 0.01),
-        "threads": args.threads or (1 if args.quick else None),
-    }
 
 
 def main(args) -> int:
@@ -54,7 +38,7 @@ def main(args) -> int:
     if any(not 0 < f for f in fractions):
         print("--fractions: every fraction must be > 0", file=sys.stderr)
         return 2
-    base = dict(floor_rows_base(args), pipeline_depth=3,
+    base = dict(floor_rows_base(args), pipeline_depth=pipeline_depth(),
                 machine_profile=os.path.abspath(args.machine_profile) if args.machine_profile else None)
     model = base["model"]
     own_swap = args.swap_dir is None
@@ -87,7 +71,7 @@ def main(args) -> int:
                                 host_budget=int(fraction * plain["peak_rss_bytes"]),
                                 compute_seconds=compute_seconds)
                     disk = disk_check(swap_root)
-                    result = bt.run_row(spec, args.row_timeout)
+                    result = run_row(spec, args.row_timeout)
                     result.update(fraction=fraction, delayed=delayed, dtype=dtype, disk=disk)
                     if "error" not in result:
                         result["predicted_at_disk_seconds"] = predicted_at_disk(result, disk, compute_seconds)
@@ -124,13 +108,13 @@ PLAIN_RUNS_FIRST = 2
 
 def plain_run(base: dict, dtype: str, timeout: float) -> dict:
     """One plain PyTorch row ("plain-run"); the sweep's baseline is their median."""
-    run = bt.run_row(dict(base, row="plain", dtype=dtype), timeout)
+    run = run_row(dict(base, row="plain", dtype=dtype), timeout)
     run["row"] = "plain-run"
     if "error" in run:
         print(f"  plain {dtype}: FAILED {run['error']}", file=sys.stderr, flush=True)
     else:
         print(f"  plain {dtype:5s} {run['step_seconds']:.3f} s/step, "
-              f"{run['peak_rss_bytes'] / bt.GiB:.2f} GiB", file=sys.stderr, flush=True)
+              f"{run['peak_rss_bytes'] / GiB:.2f} GiB", file=sys.stderr, flush=True)
     return run
 
 
@@ -176,10 +160,10 @@ def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:
     with placement "auto" and no host budget given (the default, which holds every state
     of this model in RAM: checked), delayed or not as the path, measured before its points.
     A failed one leaves the plain step as the compute time (and the row says why)."""
-    run = bt.run_row(dict(base, row="auto", dtype=dtype, delayed_update=delayed, host_budget=None), timeout)
+    run = run_row(dict(base, row="auto", dtype=dtype, delayed_update=delayed, host_budget=None), timeout)
     run.update(row="compute", delayed=delayed, dtype=dtype)
     if "error" not in run and run["home_bytes"].get("nvme", 0):
-        run["error"] = (f"the default host budget left {run['home_bytes']['nvme'] / bt.GB:.2f} GB on NVMe: "
+        run["error"] = (f"the default host budget left {run['home_bytes']['nvme'] / GB:.2f} GB on NVMe: "
                         "not a compute time; the plain step is used instead")
     what = f"{dtype:5s}{' delayed' if delayed else ''}"
     status = run.get("error") or f"{run['step_seconds']:.3f} s/step"
@@ -188,13 +172,13 @@ def compute_run(base: dict, dtype: str, delayed: bool, timeout: float) -> dict:
 
 
 def _gb(value) -> str:
-    return "-" if value is None else f"{value / bt.GB:.2f}"
+    return "-" if value is None else f"{value / GB:.2f}"
 
 
 def _disk(disk) -> str:
     if not disk:
         return "-"
-    return f"{disk['read_bytes_per_second'] / bt.GB:.2f}/{disk['write_bytes_per_second'] / bt.GB:.2f}"
+    return f"{disk['read_bytes_per_second'] / GB:.2f}/{disk['write_bytes_per_second'] / GB:.2f}"
 
 
 def _at_disk(row: dict, step: float) -> str:
@@ -218,7 +202,7 @@ def print_sweep(results: list, out=sys.stdout) -> None:
         if r["row"] == "plain":
             runs = ", ".join(f"{x:.3f}" for x in r["plain_runs"])
             print(f"{r['dtype']:5s} {'plain':7s} {'':>5s} {'':>10s} {'':>8s} {r['step_seconds']:7.3f} "
-                  f"{1.0:7.2f} {'':>7s} {'':>9s} {r['peak_rss_bytes'] / bt.GiB:7.2f} {1.0:6.2f}   "
+                  f"{1.0:7.2f} {'':>7s} {'':>9s} {r['peak_rss_bytes'] / GiB:7.2f} {1.0:6.2f}   "
                   f"(median of {len(r['plain_runs'])} runs: {runs})", file=out)
             continue
         base = plain.get(r["dtype"])
@@ -228,7 +212,7 @@ def print_sweep(results: list, out=sys.stdout) -> None:
                 print(f"{lead} FAILED: {r['error']}", file=out)
             else:
                 print(f"{lead} {r['step_seconds']:7.3f} s, {r['step_seconds'] / base['step_seconds']:.2f} x plain, "
-                      f"RSS {r['peak_rss_bytes'] / bt.GiB:.2f} GiB: the compute time of this path's predictions",
+                      f"RSS {r['peak_rss_bytes'] / GiB:.2f} GiB: the compute time of this path's predictions",
                       file=out)
             continue
         lead = f"{r['dtype']:5s} {'yes' if r['delayed'] else 'no':7s} {r['fraction']:5.2f}"
@@ -236,11 +220,11 @@ def print_sweep(results: list, out=sys.stdout) -> None:
             print(f"{lead} FAILED: {r['error']}", file=out)
             continue
         step, predicted = r["step_seconds"], r.get("predicted_seconds")
-        print(f"{lead} {r['host_budget'] / bt.GiB:10.2f} {r['units_on_host']:>3d}/{r['states_on_host']:<4d} "
+        print(f"{lead} {r['host_budget'] / GiB:10.2f} {r['units_on_host']:>3d}/{r['states_on_host']:<4d} "
               f"{step:7.3f} {step / base['step_seconds']:7.2f} "
               f"{'-' if predicted is None else f'{predicted:7.3f}':>7s} "
               f"{'-' if predicted is None else f'{predicted / step:9.2f}':>9s} "
-              f"{r['peak_rss_bytes'] / bt.GiB:7.2f} {r['peak_rss_bytes'] / base['peak_rss_bytes']:6.2f} "
+              f"{r['peak_rss_bytes'] / GiB:7.2f} {r['peak_rss_bytes'] / base['peak_rss_bytes']:6.2f} "
               f"{_gb(r.get('nvme_read_per_step')):>6s} {_gb(r.get('predicted_read')):>7s} "
               f"{_gb(r.get('nvme_written_per_step')):>6s} {_gb(r.get('predicted_written')):>7s} "
               f"{_disk(r.get('disk')):>13s} {_at_disk(r, step)}", file=out)
