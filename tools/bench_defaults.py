@@ -16,6 +16,8 @@ Columns: where the compute copies and the states are (units on device/host/NVMe)
 time, peak RSS, NVMe bytes per step, and new / old for step and RSS.
 
     python tools/bench_train.py --compare-defaults --dtypes fp32
+
+Imports train_harness only (see the graph in tools/bench_train.py).
 """
 from __future__ import annotations
 

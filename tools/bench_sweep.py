@@ -18,6 +18,8 @@ measured and predicted. --plot writes step time against host budget (matplotlib)
 step as a horizontal line.
 
     python tools/bench_train.py --sweep-host-budget --dtypes fp32 --plot sweep.png
+
+Imports train_harness only (see the graph in tools/bench_train.py).
 """
 from __future__ import annotations
 
