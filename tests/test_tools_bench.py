@@ -592,41 +592,41 @@ def test_importing_bench_train_imports_no_offload():
 
 @pytest.mark.parametrize("num_slots", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_pieces", [0, 1, 2, 3, 7])
-def test_replay_ring_issues_the_calls_of_the_package_piece_ring(num_slots, num_pieces):
-    """The replayer's ring (train_replay.piece_ring) reads, waits and updates in the order of
-    offload.optim.step.PipelinedStep._piece_ring ([Note: the piece ring]), which the package
-    does not expose: called here on a stand-in that has only its Stats."""
-    from types import SimpleNamespace
-
-    from offload.optim.step import PipelinedStep
+def test_the_piece_ring_reads_ahead_and_updates_in_order(num_slots, num_pieces):
+    """offload.optim.step.piece_ring ([Note: the piece ring]), which the engine's staged step
+    and the I/O-only replayer (tools/train_replay.py) both run: every piece is read, then
+    updated, in order; the reads run len(slots) - 1 pieces ahead (one with a single slot),
+    before the update with two slots, after it otherwise; nothing is left in flight."""
+    from offload.optim.step import piece_ring
     from offload.stats import Stats
 
-    replay = load_tool(REPLAY_TOOL)
+    calls = []
 
-    def calls_of(ring):
-        calls = []
+    class Handle:
+        def __init__(self, i):
+            self.i = i
 
-        class Handle:
-            def __init__(self, i):
-                self.i = i
+        def wait(self):
+            calls.append(("wait", self.i))
 
-            def wait(self):
-                calls.append(("wait", self.i))
+    def start_reads(i, slot):
+        calls.append(("read", i, slot))
+        return [Handle(i)]
 
-        def start_reads(i, slot):
-            calls.append(("read", i, slot))
-            return [Handle(i)]
+    def update(i, slot):
+        calls.append(("update", i, slot))
 
-        def update(i, slot):
-            calls.append(("update", i, slot))
-
-        ring(num_pieces, [10 + s for s in range(num_slots)], start_reads, update)
-        return calls
-
-    package = SimpleNamespace(_stats=Stats())
-    expected = calls_of(lambda *args: PipelinedStep._piece_ring(package, *args))
-    assert calls_of(replay.piece_ring) == expected
-    assert [c[1] for c in expected if c[0] == "update"] == list(range(num_pieces))
+    slots = [10 + s for s in range(num_slots)]
+    piece_ring(num_pieces, slots, start_reads, update, Stats())
+    assert [c[1] for c in calls if c[0] == "update"] == list(range(num_pieces))
+    ahead = max(1, num_slots - 1)
+    for i in range(num_pieces):
+        update_at = calls.index(("update", i, slots[i % num_slots]))
+        assert calls.index(("wait", i)) < update_at  # its reads are in first
+        if i + ahead < num_pieces:  # the reads ahead are started around this update
+            read_at = calls.index(("read", i + ahead, slots[(i + ahead) % num_slots]))
+            assert (read_at < update_at) == (num_slots == 2)
+    assert sum(1 for c in calls if c[0] == "read") == sum(1 for c in calls if c[0] == "wait") == num_pieces
 
 
 @pytest.mark.parametrize("depth", [2, 3])

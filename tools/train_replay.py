@@ -44,45 +44,6 @@ def split_pages(total: int, weights) -> list:
     return [-(-int(total * w / weight_sum) // PAGE_BYTES) * PAGE_BYTES for w in weights]
 
 
-def piece_ring(num_pieces: int, slots: list, start_reads, update) -> None:
-    """Pieces 0..num_pieces-1 through the staging ``slots``, piece i in slots[i % len(slots)],
-    in the order of the engine's ring (offload.optim.step.PipelinedStep._piece_ring, [Note:
-    the piece ring]): ``update(i, slot)`` runs once the handles ``start_reads(i, slot)``
-    returned are waited for, and starts the piece's writes; ``start_reads`` first waits for
-    the slot's previous writes. The reads run len(slots) - 1 pieces ahead (one with a single
-    slot), started after update(i), or before it with two slots. Whatever way the loop ends,
-    no read is left in flight into a slot.
-
-    The package keeps its ring a private method of PipelinedStep, tied to the engine's
-    Stats, so the replay follows it here; tests/test_tools_bench.py checks that both issue
-    the same calls in the same order."""
-    ahead = max(1, len(slots) - 1)
-    reads_first = len(slots) == 2
-    reads = {}
-
-    def start(i: int) -> None:
-        reads[i] = start_reads(i, slots[i % len(slots)])
-
-    def wait(handles) -> None:
-        while handles:
-            handles.pop().wait()
-
-    try:
-        for i in range(min(ahead, num_pieces)):
-            start(i)
-        for i in range(num_pieces):
-            wait(reads.pop(i))
-            if reads_first and i + ahead < num_pieces:
-                start(i + ahead)
-            update(i, slots[i % len(slots)])
-            if not reads_first and i + ahead < num_pieces:
-                start(i + ahead)
-    finally:
-        for handles in reads.values():
-            with contextlib.suppress(OSError):
-                wait(handles)
-
-
 @contextlib.contextmanager
 def replayer(pattern: dict, spec: dict, piece_bytes=None, file_bytes=None):
     """Yields (step, backend, bytes read, bytes written per step): step() replays one NVMe
@@ -91,11 +52,13 @@ def replayer(pattern: dict, spec: dict, piece_bytes=None, file_bytes=None):
     ends. The optimizer moves each unit's states in one request per unit, or, with
     ``piece_bytes``, in requests of at most that many bytes (the staged step's pieces: one
     request per fp32 state piece, as tools/bench_scale.py replays them), through
-    spec["pipeline_depth"] staging slots (piece_ring). ``file_bytes``: the file's size at
+    spec["pipeline_depth"] staging slots (the engine's piece_ring). ``file_bytes``: the file's size at
     most (the row's swap size, which fit on its disk): the per-unit regions fold into it, so
     the same bytes move in the same requests through a smaller file."""
     from offload._sizes import PAGE_BYTES
     from offload.io import IOEngine, aligned_empty
+    from offload.optim.step import piece_ring  # the engine's own ring ([Note: the piece ring])
+    from offload.stats import Stats
 
     units = pattern["units"]
     phases = pattern["phases"]
@@ -161,7 +124,7 @@ def replayer(pattern: dict, spec: dict, piece_bytes=None, file_bytes=None):
                 for i in reversed(range(len(units))):
                     if backward[i]:
                         io.read_into(io_buf[:backward[i]], path, offsets[i][0]).wait()
-                piece_ring(len(requests), list(range(depth)), start_reads, update)
+                piece_ring(len(requests), list(range(depth)), start_reads, update, Stats())
                 io.wait_all()
                 for writes in slot_writes:
                     writes.clear()

@@ -25,7 +25,44 @@ from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.nvme import drain, wait_all
 from offload.units import Residency, padded_numel
 
-__all__ = ["PipelinedStep"]
+__all__ = ["PipelinedStep", "piece_ring"]
+
+
+def piece_ring(num_pieces: int, slots: List[int], start_reads: Callable[[int, int], List[Any]],
+               update: Callable[[int, int], None], stats: Stats) -> None:
+    """[Note: the piece ring] Pieces 0..num_pieces-1 of the optimizer step through the
+    staging ``slots``, piece i in slots[i % len(slots)]: ``update(i, slot)`` runs once
+    piece i's reads (``start_reads(i, slot)``, which first waits for the slot's previous
+    writes) are done, and starts its writes. With S slots the reads run S-1 pieces
+    ahead: piece i+S-1's go into the slot of piece i-1, whose writes update(i-1) started.
+    With three slots or more they are started after update(i): the reads of i+1.. keep
+    the disk busy during it, and the writes of i-1 get that time to drain. With two
+    slots (the early updates' ring) nothing else would be read during update(i), so
+    piece i+1's reads are started first, or the disk would idle through the update.
+    With one slot, the next piece's reads wait for piece i's writes.
+    Whatever way the loop ends, no read is left in flight into a slot (errors are
+    reported by the caller). ``stats`` counts the waits. tools/train_replay.py replays a
+    step's I/O through this same ring."""
+    ahead = max(1, len(slots) - 1)
+    reads_first = len(slots) == 2
+    reads: Dict[int, List[Any]] = {}
+
+    def start(i: int) -> None:
+        reads[i] = start_reads(i, slots[i % len(slots)])
+
+    try:
+        for i in range(min(ahead, num_pieces)):
+            start(i)
+        for i in range(num_pieces):
+            wait_all(reads.pop(i), stats)
+            if reads_first and i + ahead < num_pieces:
+                start(i + ahead)
+            update(i, slots[i % len(slots)])
+            if not reads_first and i + ahead < num_pieces:
+                start(i + ahead)
+    finally:
+        for handles in reads.values():
+            drain(handles, stats)
 
 
 class PipelinedStep:
@@ -371,38 +408,7 @@ class PipelinedStep:
 
     def _piece_ring(self, num_pieces: int, slots: List[int], start_reads: Callable[[int, int], List[Any]],
                     update: Callable[[int, int], None]) -> None:
-        """[Note: the piece ring] Pieces 0..num_pieces-1 of the optimizer step through the
-        staging ``slots``, piece i in slots[i % len(slots)]: ``update(i, slot)`` runs once
-        piece i's reads (``start_reads(i, slot)``, which first waits for the slot's previous
-        writes) are done, and starts its writes. With S slots the reads run S-1 pieces
-        ahead: piece i+S-1's go into the slot of piece i-1, whose writes update(i-1) started.
-        With three slots or more they are started after update(i): the reads of i+1.. keep
-        the disk busy during it, and the writes of i-1 get that time to drain. With two
-        slots (the early updates' ring) nothing else would be read during update(i), so
-        piece i+1's reads are started first, or the disk would idle through the update.
-        With one slot, the next piece's reads wait for piece i's writes.
-        Whatever way the loop ends, no read is left in flight into a slot (errors are
-        reported by the caller)."""
-        ahead = max(1, len(slots) - 1)
-        reads_first = len(slots) == 2
-        reads: Dict[int, List[Any]] = {}
-
-        def start(i: int) -> None:
-            reads[i] = start_reads(i, slots[i % len(slots)])
-
-        try:
-            for i in range(min(ahead, num_pieces)):
-                start(i)
-            for i in range(num_pieces):
-                wait_all(reads.pop(i), self._stats)
-                if reads_first and i + ahead < num_pieces:
-                    start(i + ahead)
-                update(i, slots[i % len(slots)])
-                if not reads_first and i + ahead < num_pieces:
-                    start(i + ahead)
-        finally:
-            for handles in reads.values():
-                drain(handles, self._stats)
+        piece_ring(num_pieces, slots, start_reads, update, self._stats)
 
     def finish_slot_writes(self, s: int) -> None:
         """Wait for slot s's write-back; a failed write keeps the piece in host RAM."""
