@@ -26,7 +26,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from offload.config import OffloadConfig
 from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
+    UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
@@ -230,6 +230,7 @@ class Engine:
                 drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
                 prefetch_updating=lambda u: self._residency.prefetch_updating(u),
                 start_fetch=self._residency.start_fetch)
+            self._backward_running = False  # engine.gathered() refuses then
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0
             self._last_optimizer_seconds = 0.0
@@ -262,7 +263,8 @@ class Engine:
             homes=HomeIO(read_master_range=self._homes.read_master_range, load_range=self._homes.load_range,
                          store_range=self._homes.store_range, store_master_range=self._homes.store_master_range,
                          forget_contents=self._homes.forget_contents, zero_master_padding=self._homes.zero_master_padding,
-                         store_compute_range=self._homes.store_compute_range, buffer=self._homes.buffer,
+                         store_compute_range=self._homes.store_compute_range, round_master=self._homes.round_master,
+                         buffer=self._homes.buffer,
                          drop_buffers=self._homes.drop_buffers,
                          release=self._residency.release),
             state=EngineState(
@@ -276,6 +278,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._status.check("forward")
+        self._residency.refuse_while_held("a forward")  # before any hook runs
         try:
             return self.module(*args, **kwargs)
         except BaseException as error:
@@ -295,6 +298,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale with fp16)."""
         self._status.check("backward")
+        self._residency.refuse_while_held("backward()")
         self._updates.settle_all()  # [Note: deferred updates] the last step's updates are done
         scaled = loss / self.layout.accumulation_steps
         if self._gradients.loss_scale != 1.0:
@@ -313,6 +317,7 @@ class Engine:
             # PipelinedStep.staged_update gives the first unit, the root (early updates use the others).
             self._step_ring.prestage_root()
         start = time.perf_counter()
+        self._backward_running = True
         try:
             with self.stats_counters.timed("backward"):
                 scaled.backward()
@@ -322,12 +327,14 @@ class Engine:
             updates.abort_backward(error)  # [Note: failures inside a step]
         finally:
             self._updates.early_updates = False
+            self._backward_running = False
         self._hooks.end_backward()
         self._timeline.span("phase", "backward", start, time.perf_counter())
 
     def step(self) -> None:
         """Call after every micro-batch; every gradient_accumulation_steps-th call updates."""
         self._status.check("step")
+        self._residency.refuse_while_held("step()")
         self._updates.micro_step += 1
         if self._updates.micro_step % self.layout.accumulation_steps:
             return
@@ -388,6 +395,122 @@ class Engine:
         return lambda u: self._updates.read_committed(
             u, lambda: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {})))
 
+    @contextlib.contextmanager
+    def gathered(self, params_or_modules: "nn.Parameter | nn.Module | Iterable[nn.Parameter | nn.Module] | None" = None,
+                 modify: bool = False) -> Iterator[None]:
+        """A block in which the given parameters (every parameter of the given modules; None:
+        the whole model) hold their real values, on ``engine.device`` in the compute dtype
+        (``dtype='bf16'``: the fp32 master rounded to bfloat16). With ``modify=True`` what
+        the block writes into them in place (``p.mul_(2)``, ``p.zero_()``, ``p.copy_(t)``)
+        goes home at its end, to every tier that holds it: the compute copy's home and, for
+        a trainable parameter, the fp32 master, so that training and ``state_dict()`` go on
+        from the edited values; Adam's moments and step counts are left alone. Units are
+        whole: every parameter of a unit that holds one asked for comes too, and goes home
+        (unchanged) too. Refused (ValueError, before anything moves) during a forward or
+        backward, with gradients of un-stepped micro-batches pending, when the device
+        budget cannot hold what is asked at once (it names the bytes needed: gather one
+        module after another), with ``modify=True`` while a delayed update is pending
+        ([Note: delayed updates]), and with several ranks. No forward, backward or step
+        inside the block. [Note: gathered parameters]"""
+        held = self._begin_gathered(params_or_modules, modify)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            self._end_gathered(held, modify and not failed)
+
+    def _begin_gathered(self, params_or_modules: Any, modify: bool) -> List[UnitState]:
+        """[Note: gathered parameters] Check, settle, and hold the units asked for."""
+        what = "engine.gathered()"
+        self._check_weights_access(what, modify)
+        wanted = self._units_of(params_or_modules, what)
+        if self.layout.param_tier != "device":
+            check_gathered_fits(self._root.compute_numel, [(u.name, u.compute_numel) for u in wanted if u is not self._root],
+                                self.layout.compute_element_bytes, self._device.arena.numel(), self._device.budget_bytes)
+        self._residency.hold(wanted)
+        return wanted
+
+    def _end_gathered(self, wanted: List[UnitState], write_back: bool) -> None:
+        """Let go of the held units; write back the edits (``write_back``); release them."""
+        held = self._residency.let_go()
+        if not write_back:
+            for u in held:
+                self._residency.release(u)
+            return
+        # A failure part-way leaves some units edited and others not: the engine refuses to
+        # train until a checkpoint is loaded ([Note: failures inside a step]).
+        self._checkpoint.begin_state_load("engine.gathered(modify=True) did not finish writing the edits back, so "
+                                          "some units hold them and others not; load a checkpoint before training")
+        try:
+            for u in held:
+                edited = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
+                self._checkpoint.write_edited_weights(u, edited)
+        finally:
+            self._checkpoint.release_buffers()
+        self._checkpoint.finish_state_load()
+
+    def _check_weights_access(self, what: str, writes: bool) -> None:
+        """Raise unless weights may be gathered (or written: ``writes``) now: the engine open
+        and not failed, one rank, no pass running, no gradients pending; the last step's
+        deferred updates are settled here, as state_dict() settles them."""
+        self._status.check(what)
+        if self._partition is not None:
+            raise ValueError(f"{what}: not with several ranks (this run has {self._partition.world_size}): "
+                             "each rank holds a part of the states; use engine.state_dict() to read the "
+                             "weights and wrap(..., weights=PATH) or load_checkpoint to set them")
+        if self._hooks.in_forward or self._backward_running:
+            raise ValueError(f"{what}: a {'forward' if self._hooks.in_forward else 'backward'} pass is running; "
+                             "call it between steps")
+        if self._residency.held:
+            raise ValueError(f"{what}: inside an engine.gathered() block; they do not nest")
+        self._updates.settle_for_reading()  # [Note: deferred updates] the last step's updates are done
+        micro_step = self._updates.micro_step
+        pending = micro_step % self.layout.accumulation_steps
+        if pending or any(any(u.has_grad) for u in self.units) or any(u.update.updated for u in self.units):
+            raise ValueError(
+                f"{what}: a step is pending: gradients of {pending or 'un-stepped'} micro-batch(es) are held "
+                f"(micro-step {micro_step}, gradient_accumulation_steps={self.layout.accumulation_steps}); "
+                "call it after the engine.step() that updates the parameters, or after zero_grad()")
+        if writes and any(u.delayed_pending for u in self.units):
+            raise ValueError(f"{what}: a delayed update is pending (delayed_update=True: the compute copy "
+                             "lags the master by one step), so an edit would be overwritten by it; set "
+                             "weights before the first step, or with wrap(..., weights=PATH)")
+
+    def _units_of(self, params_or_modules: Any, what: str) -> List[UnitState]:
+        """The units (index order) that hold the given parameters or modules' parameters."""
+        if params_or_modules is None:
+            return list(self.units)
+        items = [params_or_modules] if isinstance(params_or_modules, (nn.Parameter, nn.Module)) \
+            else list(params_or_modules)
+        unit_of = {e.param: u for u in self.units for e in u.spec.entries}
+        indices = set()
+        for item in items:
+            params = list(item.parameters()) if isinstance(item, nn.Module) else [item]
+            for p in params:
+                if p not in unit_of:
+                    raise ValueError(f"{what}: {type(p).__name__} of shape {tuple(p.shape)} is not a parameter "
+                                     "of the wrapped model")
+                indices.add(unit_of[p].index)
+        return [self.units[i] for i in sorted(indices)]
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load weights (parameters and buffers, keyed as ``model.state_dict()``) into the
+        tiers, as ``wrap(..., weights=PATH)`` does: every key, shape and dtype checked
+        before anything is written (a ValueError naming the offending keys); a parameter
+        tied to others needs one of its names. ``strict=False``: missing parameters keep
+        their values and unexpected keys are ignored, as torch's load_state_dict. Trainable
+        parameters get the values as their fp32 master (the compute copy its rounding),
+        frozen ones in the compute copy's dtype. Optimizer states, step counts and every
+        counter are left alone. Refused when engine.gathered(modify=True) would be.
+        Returns torch's ``(missing_keys, unexpected_keys)`` named tuple."""
+        what = "engine.load_state_dict()"
+        self._check_weights_access(what, True)
+        self._updates.quiesce()  # nothing in flight: fetches landed
+        unfinished = (f"{what} did not finish, so some units hold the new weights and others not; "
+                      "load the weights again before training")
+        return checkpoint.load_weights(self._checkpoint, state_dict, strict, unfinished)
+
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one piece of a unit at a time; with several ranks every rank calls
@@ -404,6 +527,7 @@ class Engine:
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
         offload/checkpoint/."""
+        self._residency.refuse_while_held("load_checkpoint()")
         self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
         checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()

@@ -14,7 +14,8 @@ backward unpacks it, fetches the unit again if it has left the device. So correc
 depends on what is resident when; residency only decides speed.
 
 [Note: released parameters] (memory/released.py): a parameter whose unit is not on the
-device keeps its shape; read weights with ``engine.state_dict()``.
+device keeps its shape; read weights with ``engine.state_dict()`` or inside
+``engine.gathered()`` ([Note: gathered parameters] in memory/residency.py).
 """
 from __future__ import annotations
 
@@ -158,8 +159,9 @@ class _StateDicts:
 
     def _refuse_load(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         raise ValueError("load_state_dict() into a model wrapped by offload would be lost (its values live "
-                         "in the engine's tiers): load weights with wrap(..., weights=PATH) or "
-                         "engine.load_checkpoint(DIR)")
+                         "in the engine's tiers): load weights with engine.load_state_dict(state_dict), "
+                         "wrap(..., weights=PATH) or engine.load_checkpoint(DIR), or edit them inside "
+                         "`with engine.gathered(params, modify=True):`")
 
 
 class Hooks:
@@ -291,6 +293,11 @@ class Hooks:
         self._wait_ready(self._root)
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a forward pass of the model is running (engine.gathered() refuses then)."""
+        return self._forward_depth > 0 and self._pass_on_stack()
 
     def _pass_on_stack(self) -> bool:
         """Whether the root call that began the open pass is still running on this thread's

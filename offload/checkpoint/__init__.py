@@ -42,6 +42,7 @@ from offload.checkpoint.export import export_checkpoint, export_pretrained
 from offload.checkpoint.format import FORMAT, MANIFEST, VERSION, read_manifest
 from offload.checkpoint.load import load_checkpoint
 from offload.checkpoint.save import save_checkpoint
+from offload.checkpoint.state_dict import load_weights
 
 __all__ = ["CheckpointAccess", "EngineState", "HomeIO", "FORMAT", "MANIFEST", "VERSION",
-           "export_checkpoint", "export_pretrained", "load_checkpoint", "read_manifest", "save_checkpoint"]
+           "export_checkpoint", "export_pretrained", "load_checkpoint", "load_weights", "read_manifest", "save_checkpoint"]

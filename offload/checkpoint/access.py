@@ -61,6 +61,9 @@ class HomeIO:
     """``store_compute_range(u, start, compute)``: overwrite elements from ``start`` of u's
     compute copy at home (and past the frozen start, of its spare one: [Note: speculative
     updates])."""
+    round_master: Callable[[torch.Tensor], torch.Tensor]
+    """``round_master(master)``: the compute copy's values of fp32 ``master`` (a new tensor),
+    as ``store_master_range`` derives them."""
     buffer: Callable[[str, int], torch.Tensor]
     """``buffer(name, nbytes)``: a page-aligned uint8 buffer reused under ``name``."""
     drop_buffers: Callable[[], None]
@@ -194,6 +197,11 @@ class CheckpointAccess:
         return (master, load(u.moments_home, lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg"),
                 load(u.moments_home, s.state_numel + lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg_sq"))
 
+    def read_master(self, u: "UnitState", lo: int, hi: int) -> torch.Tensor:
+        """fp32 master of elements [lo, hi) of u's trainable prefix as its homes hold it (one
+        of ``chunks`` at a time; valid until the next call)."""
+        return self._homes.read_master_range(u, lo, hi)
+
     def read_lagging(self, u: "UnitState", lo: int, hi: int) -> Optional[torch.Tensor]:
         """[Note: delayed updates] fp32 values of elements [lo, hi) of u's trainable prefix in
         the compute copy the forward reads, one update behind the state a save writes; None
@@ -224,15 +232,38 @@ class CheckpointAccess:
         gradients. ``read(section, lo, hi, out)`` fills ``out`` with elements [lo, hi) of the
         trainable prefix ("master", "exp_avg", "exp_avg_sq") or of the frozen tail ("value",
         counted from the tail's start); ``steps``: Adam's step count of each trainable
-        parameter. Trainable compute values are derived from the master (rounded as the Adam
-        kernel rounds it). [Note: bounded checkpoint memory] One piece (``chunks``) of the
-        compute copy, the master or a moment at a time; every home is written whole, its
-        padding with zeros, as the wrap wrote it."""
+        parameter. The weights go as ``write_unit_weights`` writes them. [Note: bounded
+        checkpoint memory] One piece (``chunks``) of the compute copy, the master or a moment
+        at a time; every home is written whole, its padding with zeros, as the wrap wrote it."""
+        s = u.shard
+        self._homes.forget_contents(u)
+        self.write_unit_weights(u, read)
+        if u.trainable:
+            for half, section in ((0, "exp_avg"), (s.state_numel, "exp_avg_sq")):
+                for a, b in self.chunks(0, s.state_numel):
+                    moment = self._homes.buffer("ckpt.moment", (b - a) * 4).view(torch.float32).zero_()
+                    if a < s.numel:
+                        read(section, s.lo + a, s.lo + min(b, s.numel), moment[:min(b, s.numel) - a])
+                    self._homes.store_range(u.moments_home, half + a, moment, "ckpt.bounce")
+        u.steps = list(steps)
+        u.has_grad = [False] * len(u.trainable)
+        u.delayed_pending = False  # [Note: delayed updates] unless restore_lagging says otherwise
+
+    @torch.no_grad()
+    def write_unit_weights(self, u: "UnitState", read: Callable[[str, int, int, torch.Tensor], None]) -> None:
+        """Replace u's weights this rank keeps: its compute copy at home (param_tier
+        "device": in its device slot) and, for the trainable elements, the fp32 master
+        (merged: the compute copy itself; split: its low halves, [Note: split master]). u's
+        device copy is released first (stale from now on). ``read(section, lo, hi, out)``
+        fills ``out`` with fp32 elements [lo, hi) of the trainable prefix ("master") or
+        compute-dtype elements of the frozen tail ("value", counted from the tail's start).
+        Trainable compute values are derived from the master (rounded as the Adam kernel
+        rounds it). Adam's moments, step counts and u's gradients are left alone. One piece
+        (``chunks``) at a time; the compute home is written whole, its padding zeros."""
         s, p = u.shard, u.param_shard
         on_device = self._layout.param_tier == "device"
         if not on_device:
             self._homes.release(u)  # a device copy of this unit is stale from now on
-        self._homes.forget_contents(u)
         # The compute copy as its home holds it: (home start, section, first element, count)
         # of its trainable and frozen parts; the rest of the home is zeros.
         if p is None:
@@ -265,15 +296,26 @@ class CheckpointAccess:
                 self._homes.store_range(u.compute_home, a, compute, "ckpt.bounce")
         if u.trainable:
             self._homes.zero_master_padding(u)
-            for half, section in ((0, "exp_avg"), (s.state_numel, "exp_avg_sq")):
-                for a, b in self.chunks(0, s.state_numel):
-                    moment = self._homes.buffer("ckpt.moment", (b - a) * 4).view(torch.float32).zero_()
-                    if a < s.numel:
-                        read(section, s.lo + a, s.lo + min(b, s.numel), moment[:min(b, s.numel) - a])
-                    self._homes.store_range(u.moments_home, half + a, moment, "ckpt.bounce")
-        u.steps = list(steps)
-        u.has_grad = [False] * len(u.trainable)
-        u.delayed_pending = False  # [Note: delayed updates] unless restore_lagging says otherwise
+
+    @torch.no_grad()
+    def write_edited_weights(self, u: "UnitState", edited: torch.Tensor) -> None:
+        """[Note: gathered parameters] Write home u's compute copy as edited in place
+        (``edited``: the whole copy, compute dtype, on the CPU): the frozen elements as they
+        are; a trainable element whose compute value changed gets that value as its fp32
+        master, one that did not keeps its master (with bf16/fp16 compute, finer than the
+        compute copy shows), both compared bit for bit with the master's rounding."""
+        tail = u.spec.frozen_start
+        compare = {4: torch.int32, 2: torch.int16}[edited.element_size()]
+
+        def read(section: str, lo: int, hi: int, out: torch.Tensor) -> None:
+            if section == "value":
+                out.copy_(edited[tail + lo:tail + hi])
+                return
+            new = edited[lo:hi]
+            master = self._homes.read_master_range(u, lo, hi)  # valid until the next read
+            kept = self._homes.round_master(master).view(compare) == new.view(compare)
+            torch.where(kept, master, new.to(torch.float32), out=out)
+        self.write_unit_weights(u, read)
 
     @torch.no_grad()
     def restore_lagging(self, u: "UnitState", read: Callable[[int, int, torch.Tensor], None]) -> bool:

@@ -137,6 +137,27 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
     return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed)
 
 
+def check_gathered_fits(root_numel: int, wanted: Sequence[Tuple[str, int]], element_bytes: int,
+                        capacity_numel: int, budget_bytes: int) -> None:
+    """[Note: gathered parameters] A ValueError naming device_budget and the bytes needed
+    unless the compute copies of ``wanted`` ((name, numel) of units other than the root)
+    fit in the device arena (``capacity_numel`` elements) at once, beside the root unit's
+    slot (``root_numel``; 0 when the root is not kept there)."""
+    needed_numel = root_numel + sum(numel for _, numel in wanted)
+    if needed_numel <= capacity_numel:
+        return
+    reserve = budget_bytes - capacity_numel * element_bytes
+    needed = needed_numel * element_bytes + reserve
+    raise ValueError(
+        f"engine.gathered(): device_budget {format_size(budget_bytes)} ({budget_bytes} bytes) cannot hold the "
+        f"{len(wanted)} unit(s) asked for at once ({', '.join(name for name, _ in wanted[:4])}"
+        f"{', ...' if len(wanted) > 4 else ''}): their compute copies take "
+        f"{format_size(needed_numel * element_bytes - root_numel * element_bytes)}, beside the root unit's "
+        f"{format_size(root_numel * element_bytes)} and the {format_size(reserve)} kept for the largest gradient; "
+        f"{needed} bytes ({format_size(needed)}) are needed. Gather fewer parameters at a time (one module "
+        "after another) or raise device_budget")
+
+
 @dataclass(frozen=True)
 class PrefetchRoom:
     """[Note: prefetch room] What the device arena leaves the prefetcher."""

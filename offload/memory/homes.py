@@ -473,6 +473,18 @@ class Homes:
         if not layout.merged and a < b:
             self.store_range(u.master_home, a - s.lo, master[a - start:b - start], "bounce")
 
+    def round_master(self, master: torch.Tensor) -> torch.Tensor:
+        """The compute copy's values of fp32 ``master`` (a new tensor), as
+        ``store_master_range`` derives them: the master itself (fp32), rounded to nearest
+        even (bf16, fp16, as the Adam kernel narrows), or split's high halves ([Note: split
+        master]: ties rounded away from zero)."""
+        dtype = self._layout.compute_dtype
+        if not self._layout.split_master:
+            return master.to(dtype, copy=True)
+        high = torch.empty(master.numel(), dtype=dtype)
+        split_master(master.contiguous(), high, torch.empty(master.numel(), dtype=torch.int16))
+        return high
+
     def forget_contents(self, u: UnitState) -> None:
         """u's own homes (compute copy, master, moments) are about to be written whole (a
         checkpoint load): their swap checksums are dropped, the pages unknown until written,

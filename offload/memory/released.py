@@ -8,7 +8,8 @@ element per parameter, filled with NaN, one scratch tensor per dtype the paramet
 before wrap. So ``sum(p.numel() for p in model.parameters())``, a Trainer's "trainable
 parameters" line and code that reads ``p.shape`` or ``p.dtype`` see the real model, as
 before wrap, meta-built or not, while the values are elsewhere: read them with
-``engine.state_dict()``.
+``engine.state_dict()``, or inside ``with engine.gathered(params):``, where the units
+holding them are on the device ([Note: gathered parameters] in memory/residency.py).
 
 While its unit is on the device a parameter holds the unit's compute copy, in the compute
 dtype (``dtype='bf16'``: bfloat16 for a parameter that was float32): that is what forward
@@ -21,13 +22,21 @@ parameter that was not floating point keeps a compute-dtype placeholder (NaN mar
 unwritten element).
 
 Writes into a released parameter cannot reach its values, so they must not pass
-silently. An in-place write into a view whose elements share one memory location raises
-at once in torch ("more than one element of the written-to tensor refers to a single
-memory location") for every parameter of two elements or more; ``fill_`` and ``zero_``
-(which torch lets through) and any write into a one-element parameter land in the
-parameter's scratch element and are found by ``check_unwritten`` at the start of the next
-forward, with the parameter named. The scratch is not in the device arena, so
-[Note: saved parameters] never mistakes a placeholder for a unit's slot.
+silently; the ways to change weights after wrap are ``engine.gathered(..., modify=True)``,
+``engine.load_state_dict``, ``wrap(..., weights=)`` and ``load_checkpoint``. An in-place
+write into a view whose elements share one memory location (``copy_``, ``mul_``,
+``add_``) raises at once in torch ("more than one element of the written-to tensor refers
+to a single memory location") for every parameter of two elements or more: torch checks
+that before any kernel runs, and only a placeholder with memory of its own (the model's
+size) or a tensor subclass on every parameter could turn it into the engine's message, so
+that error stays, loud but torch's. ``fill_`` and ``zero_`` (which torch lets through) and
+any write into a one-element parameter land in the parameter's scratch element; and
+``p.data = t`` makes the parameter hold something else than its placeholder (or, while
+its unit is on the device, its slot). ``check_unwritten`` finds both at the start of the
+next forward (DeviceResidency.begin_pass compares each parameter's ``data_ptr()`` with
+what the engine gave it and gives it that back), a RuntimeError naming the parameters.
+The scratch is not in the device arena, so [Note: saved parameters] never mistakes a
+placeholder for a unit's slot.
 """
 from __future__ import annotations
 
@@ -64,18 +73,30 @@ class ReleasedParameters:
         own, element = self._index[id(e.param)]
         e.param.data = self._scratch[own][element].expand(e.shape)
 
-    def check_unwritten(self) -> None:
-        """A RuntimeError naming the parameters written while released (the writes are
-        lost; their scratch elements are reset so the next pass starts clean)."""
+    def address(self, e: ParamEntry) -> int:
+        """The ``data_ptr()`` of ``e.param`` while it holds its placeholder."""
+        own, element = self._index[id(e.param)]
+        scratch = self._scratch[own]
+        return scratch.data_ptr() + element * scratch.element_size()
+
+    def check_unwritten(self, replaced: List[str]) -> None:
+        """A RuntimeError naming the parameters written while released and those whose
+        ``.data`` was replaced (``replaced``, their names; the caller has pointed them back):
+        the writes are lost. The scratch elements are reset so the next pass starts clean."""
         names = []
         for own, scratch in self._scratch.items():
             written = ~torch.isnan(scratch)
             if bool(written.any()):
                 names += [self._names[own][i] for i in written.nonzero().flatten().tolist()]
                 scratch.fill_(float("nan"))
+        what = []
         if names:
+            what.append(f"parameter(s) {names} were written in place while their unit was not on the device")
+        if replaced:
+            what.append(f"parameter(s) {replaced} had their .data replaced (p.data = ...)")
+        if what:
             raise RuntimeError(
-                f"parameter(s) {names} were written in place while their unit was not on the device "
-                "(after offload.wrap, a parameter's values live in the engine's tiers, not in the "
-                "parameter): the write was lost. Change weights before wrap, or load them with "
-                "engine.load_checkpoint / wrap(..., weights=PATH); read them with engine.state_dict()")
+                f"{'; '.join(what)}, after offload.wrap: the write was lost (a parameter's values live in "
+                "the engine's tiers, not in the parameter). Change weights with `with engine.gathered(params, "
+                "modify=True):`, engine.load_state_dict(state_dict), wrap(..., weights=PATH) or "
+                "engine.load_checkpoint(DIR); read them with engine.gathered(params) or engine.state_dict()")

@@ -20,9 +20,29 @@ changes the state.
     LOADED   IN_USE   the engine's forward hooks, while the unit's forward runs (the root's:
                       the whole forward); an IN_USE unit is never evicted
     IN_USE   LOADED   the engine's forward hooks, when that forward ends
+    LOADED   IN_USE   DeviceResidency.hold, for engine.gathered() ([Note: gathered
+                      parameters]); no pass runs while units are held (begin_pass refuses)
+    IN_USE   LOADED   DeviceResidency.let_go, when the gathered block ends
     LOADED   HOME     DeviceResidency.release: evicted for another unit (allocate_slot) or by
                       the prefetch plan, stale after an optimizer update, or let go by a
                       checkpoint load; the parameters point at the placeholder again
+
+[Note: gathered parameters] ``engine.gathered(params, modify)`` lets user code read and
+edit weights between steps. Before anything moves the engine refuses (ValueError) inside a
+pass, with a step pending (un-stepped gradients, units updated early), with several ranks
+and, when editing, with a delayed update pending; it settles the last step's deferred
+updates as state_dict() does, and ``budget.check_gathered_fits`` checks that every unit
+asked for fits in the arena at once beside the root's slot. ``hold`` then lands the
+fetches in flight, sends every other unit home (so the held ones pack after the root's
+slot: no fragmentation), fetches the units asked for and marks them IN_USE, the forward's
+protection from eviction; ``begin_pass`` (and the engine's forward, backward, step and
+loads) refuse while units are held, so nothing but the block's code touches them. At the
+end ``let_go`` makes them LOADED; with ``modify`` each unit's slot is copied to the host
+and written home by CheckpointAccess.write_edited_weights (the compute copy's home and,
+for trainable elements, the fp32 master: an element whose compute value changed takes it
+as its master, one left as it was keeps its finer master); then every unit is released,
+its parameters back on their placeholders. Adam's moments, step counts and gradients are
+not touched.
 
 Units whose compute copies live on the device (param_tier "device") go HOME -> LOADING ->
 LOADED once at wrap and stay LOADED: release leaves them alone. The root unit keeps its
@@ -110,6 +130,7 @@ class DeviceResidency:
         self.released = ReleasedParameters([u.spec for u in units], layout.compute_dtype, layout.device)
         self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
         self._last_needed: Optional[UnitState] = None
+        self.held: List[UnitState] = []  # [Note: gathered parameters] IN_USE until let_go
         self._tick = 0  # the use clock: u.last_use orders eviction among units the trace does not know
         # Device copies an early optimizer update made stale: dropped at the next new use
         # of a unit (release_stale), not where the update is queued.
@@ -138,9 +159,69 @@ class DeviceResidency:
 
     def begin_pass(self) -> None:
         """A forward pass starts: its first unit is a new use, whatever the last pass used.
-        First, a RuntimeError if a released parameter was written ([Note: released parameters])."""
-        self.released.check_unwritten()
+        First, a ValueError inside engine.gathered() ([Note: gathered parameters]), and a
+        RuntimeError if a released parameter was written or a parameter's ``.data``
+        replaced ([Note: released parameters])."""
+        self.refuse_while_held("a forward")
+        self.released.check_unwritten(self._point_back_replaced())
         self._last_needed = None
+
+    def hold(self, units: List[UnitState]) -> None:
+        """[Note: gathered parameters] Bring ``units`` (index order) to the device and keep
+        them there, IN_USE, until ``let_go``. Fetches in flight land first and every other
+        unit but the root leaves the device, so the held ones are packed after the root's
+        slot: ``check_gathered_fits`` has checked that they fit. A failed fetch lets go of
+        those held so far and raises."""
+        assert not self.held, "engine.gathered() blocks do not nest"
+        self.drain_fetches()
+        self.release_stale()
+        for u in self.units[1:]:
+            self.release(u)  # a no-op with param_tier "device" and for units not LOADED
+        try:
+            for u in units:
+                self.fetch(u)
+                self.wait_ready(u)  # [Note: streams] the caller's reads come after the fill
+                u.compute_state.to(Residency.IN_USE)
+                self.held.append(u)
+        except BaseException:
+            self.let_go()
+            raise
+
+    def let_go(self) -> List[UnitState]:
+        """The units ``hold`` kept, LOADED again (evictable); returned. (The forward hooks
+        may have made one LOADED already: a forward refused by ``begin_pass`` still runs
+        the root's always-called post-forward hook.)"""
+        held, self.held = self.held, []
+        for u in held:
+            if u.compute_state == Residency.IN_USE:
+                u.compute_state.to(Residency.LOADED)
+        return held
+
+    def refuse_while_held(self, what: str) -> None:
+        """[Note: gathered parameters] A ValueError when units are held: ``what`` (a
+        forward, backward or step) would move or change them."""
+        if self.held:
+            raise ValueError(f"{what} inside engine.gathered() (it holds unit(s) "
+                             f"{[u.name for u in self.held][:4]} on the device): run it after the block")
+
+    def _point_back_replaced(self) -> List[str]:
+        """[Note: released parameters] The names of the parameters whose ``.data`` no longer
+        holds what the engine gave them (user code set ``p.data = t``): their placeholder,
+        or while their unit is on the device a view of its slot. Each is given it back."""
+        replaced = []
+        element_bytes = self._device.element_bytes
+        for u in self.units:
+            bound = u.compute_state.value in (Residency.LOADED, Residency.IN_USE)
+            base = self._device.view(u.device_offset, u.compute_numel).data_ptr() if bound else 0
+            here = [e.fqn for e in u.spec.entries
+                    if e.param.data_ptr() != (base + e.offset * element_bytes if bound else self.released.address(e))]
+            if here:
+                if bound:
+                    self.bind(u)
+                else:
+                    self.unbind(u)
+                replaced += here
+        return replaced
 
     def mark_stale(self, u: UnitState) -> None:
         """u's device copy is stale (an early update is changing its home): drop it at the

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -31,7 +32,76 @@ from torch import nn
 from offload.io.safetensors import WeightFiles
 from offload.memory.layout import UnitState
 
-__all__ = ["PretrainedWeights", "open_weights", "close_weights", "iter_weights"]
+__all__ = ["PretrainedWeights", "WeightMatch", "match_weights", "open_weights", "close_weights", "iter_weights"]
+
+
+@dataclass(frozen=True)
+class WeightMatch:
+    """Which tensor of a source each parameter and buffer of a model takes (``match_weights``)."""
+
+    key_of: Dict[str, str]
+    """The source's key for each parameter, by the parameter's first name."""
+    buffer_keys: Dict[str, str]
+    """The source's key for each buffer it holds, by the buffer's name."""
+    missing: List[str]
+    """Parameters with no tensor (``" = "``-joined names of a tied one); empty when strict."""
+    unexpected: List[str]
+    """Keys that match no parameter or buffer; empty when strict."""
+
+
+def match_weights(model: nn.Module, shapes: Dict[str, Tuple[int, ...]], source: str,
+                  check_conversion: Callable[[str, torch.dtype, str], None], strict: bool = True) -> WeightMatch:
+    """[Note: weights into the tiers] Match the tensors of a source (``shapes``: its keys and
+    their shapes) to ``model``'s parameters and buffers, before anything changes. A
+    parameter tied to others needs one of its names. Mis-shaped tensors always, and with
+    ``strict`` missing parameters and unexpected keys too, are one ValueError that begins
+    with ``source`` and lists them all. ``check_conversion(key, dtype, what)`` raises where
+    the key's values cannot become a ``dtype`` parameter or buffer."""
+    names_of: Dict[int, List[str]] = {}
+    shape_of: Dict[int, Tuple[int, ...]] = {}
+    dtype_of: Dict[int, torch.dtype] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        shape_of[id(p)] = tuple(p.shape)
+        dtype_of[id(p)] = p.dtype
+    key_of: Dict[str, str] = {}
+    missing: List[str] = []
+    mis_shaped: List[str] = []
+    for pid, names in names_of.items():
+        present = [n for n in names if n in shapes]
+        if not present:
+            missing.append(" = ".join(names))
+            continue
+        for n in present:
+            if tuple(shapes[n]) != shape_of[pid]:
+                mis_shaped.append(f"{n}: file {tuple(shapes[n])}, model {shape_of[pid]}")
+        key_of[names[0]] = present[0]
+    buffer_keys: Dict[str, str] = {}
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name, b in buffers.items():
+        if name in shapes:
+            if tuple(shapes[name]) != tuple(b.shape):
+                mis_shaped.append(f"{name}: file {tuple(shapes[name])}, model {tuple(b.shape)}")
+            buffer_keys[name] = name
+    known = {n for names in names_of.values() for n in names} | set(buffer_keys)
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = [k for k in shapes if k not in known and not any(p.search(k) for p in ignored)]
+    problems = []
+    if missing and strict:
+        problems.append(f"missing (no tensor for the parameter): {missing}")
+    if unexpected and strict:
+        problems.append(f"unexpected (no parameter or buffer of that name): {sorted(unexpected)}")
+    if mis_shaped:
+        problems.append(f"mis-shaped: {mis_shaped}")
+    if problems:
+        raise ValueError(f"{source} does not match the model; " + "; ".join(problems))
+    first_name = {pid: names[0] for pid, names in names_of.items()}
+    for pid, name in first_name.items():  # integers into weights refused, fp8 warned about
+        if name in key_of:
+            check_conversion(key_of[name], dtype_of[pid], "parameter")
+    for name, key in buffer_keys.items():
+        check_conversion(key, buffers[name].dtype, "buffer")
+    return WeightMatch(key_of, buffer_keys, [] if strict else missing, [] if strict else sorted(unexpected))
 
 
 class PretrainedWeights:
@@ -47,50 +117,10 @@ class PretrainedWeights:
             raise
 
     def _match(self, model: nn.Module) -> Tuple[Dict[str, str], Dict[str, str]]:
-        shapes = self.files.shapes
-        names_of: Dict[int, List[str]] = {}
-        shape_of: Dict[int, Tuple[int, ...]] = {}
-        dtype_of: Dict[int, torch.dtype] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(name)
-            shape_of[id(p)] = tuple(p.shape)
-            dtype_of[id(p)] = p.dtype
-        key_of: Dict[str, str] = {}
-        missing: List[str] = []
-        mis_shaped: List[str] = []
-        for pid, names in names_of.items():
-            present = [n for n in names if n in shapes]
-            if not present:
-                missing.append(" = ".join(names))
-                continue
-            for n in present:
-                if tuple(shapes[n][1]) != shape_of[pid]:
-                    mis_shaped.append(f"{n}: file {tuple(shapes[n][1])}, model {shape_of[pid]}")
-            key_of[names[0]] = present[0]
-        buffer_keys: Dict[str, str] = {}
-        for name, b in model.named_buffers(remove_duplicate=False):
-            if name in shapes:
-                if tuple(shapes[name][1]) != tuple(b.shape):
-                    mis_shaped.append(f"{name}: file {tuple(shapes[name][1])}, model {tuple(b.shape)}")
-                buffer_keys[name] = name
-        known = {n for names in names_of.values() for n in names} | set(buffer_keys)
-        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-        unexpected = [k for k in shapes if k not in known and not any(p.search(k) for p in ignored)]
-        problems = []
-        if missing:
-            problems.append(f"missing (no tensor for the parameter): {missing}")
-        if unexpected:
-            problems.append(f"unexpected (no parameter or buffer of that name): {sorted(unexpected)}")
-        if mis_shaped:
-            problems.append(f"mis-shaped: {mis_shaped}")
-        if problems:
-            raise ValueError(f"weights: {self.files.path!r} does not match the model; " + "; ".join(problems))
-        for pid, names in names_of.items():  # integers into weights refused, fp8 warned about
-            self.files.check_conversion(key_of[names[0]], dtype_of[pid])
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        for name, key in buffer_keys.items():
-            self.files.check_conversion(key, buffers[name].dtype, "buffer")
-        return key_of, buffer_keys
+        files = self.files
+        match = match_weights(model, {name: tuple(shape) for name, (_, shape) in files.shapes.items()},
+                              f"weights: {files.path!r}", files.check_conversion)
+        return match.key_of, match.buffer_keys
 
     def parameter(self, fqn: str, dtype: torch.dtype) -> torch.Tensor:
         """The values of the parameter first named ``fqn``, as ``dtype``."""
