@@ -223,13 +223,7 @@ class Engine:
                 self.units, layout=layout, optimizer=optimizer, worker=self._optimizer_worker,
                 step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
-                gradients=self._gradients,
-                mark_stale=self._residency.mark_stale, forget_stale=self._residency.forget_stale,
-                check_not_failed=self._status.check, fail_step=self._status.fail_step,
-                update_in_place=self._adam.update_in_place, release=self._residency.release,
-                drain_fetches=self._residency.drain_fetches, land_fills=self._residency.land_fills,
-                prefetch_updating=lambda u: self._residency.prefetch_updating(u),
-                start_fetch=self._residency.start_fetch)
+                gradients=self._gradients, residency=self._residency, status=self._status, adam=self._adam)
             self._backward_running = False  # engine.gathered() refuses then
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0

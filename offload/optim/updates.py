@@ -77,15 +77,17 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from offload import faults
 from offload.errors import warn_at_caller
 from offload.memory.layout import Layout, UnitState
+from offload.memory.residency import DeviceResidency
+from offload.optim.adam_ranges import UnitAdam
 from offload.optim.delayed import DelayedUpdates
-from offload.optim.failure import wait_through_interrupts, with_note
+from offload.optim.failure import FailureState, wait_through_interrupts, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
@@ -108,29 +110,17 @@ class UpdateScheduler:
     def __init__(self, units: List[UnitState], *, layout: Layout, optimizer: torch.optim.Optimizer,
                  worker: ThreadPoolExecutor, step_ring: PipelinedStep, sharded_step: Optional[Any],
                  partition: Optional[Any], prefetcher: Prefetcher, stats: Stats, timeline: Timeline,
-                 gradients: Gradients,
-                 mark_stale: Callable[[UnitState], None],
-                 forget_stale: Callable[[], None],
-                 check_not_failed: Callable[[str], None],
-                 fail_step: Callable[[BaseException, str], NoReturn],
-                 update_in_place: Callable[..., None],
-                 release: Callable[[UnitState], None],
-                 drain_fetches: Callable[[], None],
-                 land_fills: Callable[[], Optional[BaseException]],
-                 prefetch_updating: Callable[[UnitState], bool],
-                 start_fetch: Callable[..., bool]) -> None:
+                 gradients: Gradients, residency: DeviceResidency, status: FailureState, adam: UnitAdam) -> None:
         """``units``: every unit, the root first. ``worker``: the optimizer worker (one
         thread; the engine shuts it down). ``sharded_step``: [zero] the ShardedStep at
         stage >= 1, else None; ``partition``: [zero] the Partition of several ranks, or
         None. ``gradients``: the gradients the updates read, whose norm, factor and skip
-        decision the step takes and which zero_grad drops. ``mark_stale(u)``: u's device
-        copy is stale (an early update changes its home), residency drops it on the main
-        thread; ``forget_stale()``: no copy is to be dropped any more (the step released
-        them). The other callables: the failure state (refuse when failed, stop after a
-        step failed part-way); Adam over a whole host-homed unit (UnitAdam.update_in_place);
-        residency (release a device copy, land the fetches in flight, land those waiting for
-        updates, bring a unit whose update is pending, start a fetch). The scheduler counts
-        the micro-steps (``micro_step``: the engine's step() calls so far)."""
+        decision the step takes and which zero_grad drops. ``residency``: the device copies
+        an update makes stale (dropped on the main thread), releases, the fetches it lands
+        and those it brings behind updates. ``status``: the engine's failure state (refuse
+        when failed, stop after a step failed part-way). ``adam``: Adam over a whole
+        host-homed unit. The scheduler counts the micro-steps (``micro_step``: the engine's
+        step() calls so far)."""
         self._units = units
         self._root = units[0]
         self._layout = layout
@@ -142,18 +132,18 @@ class UpdateScheduler:
         self._prefetcher = prefetcher
         self._stats = stats
         self._timeline = timeline
-        self._mark_stale = mark_stale
-        self._forget_stale = forget_stale
+        self._mark_stale = residency.mark_stale
+        self._forget_stale = residency.forget_stale
         self._gradients = gradients
         self.micro_step = 0  # step() calls so far; a checkpoint keeps it
-        self._check_not_failed = check_not_failed
-        self._fail_step = fail_step
-        self._update_in_place = update_in_place
-        self._release = release
-        self._drain_fetches = drain_fetches
-        self._land_fills = land_fills
-        self._prefetch_updating = prefetch_updating
-        self._start_fetch = start_fetch
+        self._check_not_failed = status.check
+        self._fail_step = status.fail_step
+        self._update_in_place = adam.update_in_place
+        self._release = residency.release
+        self._drain_fetches = residency.drain_fetches
+        self._land_fills = residency.land_fills
+        self._prefetch_updating = residency.prefetch_updating
+        self._start_fetch = residency.start_fetch
         # Set by the engine for the backward before an update (when, see
         # Layout.early_allowed): units may then be updated as soon as they are done.
         self.early_updates = False
@@ -177,8 +167,9 @@ class UpdateScheduler:
             units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
             micro_step=lambda: self.micro_step, track=lambda ticket: self._early_futures.append(ticket),
             finish_optimizer=self.finish_optimizer,
-            fail_step=fail_step, update_in_place=update_in_place, release_grad=gradients.release,
-            take_back=gradients.take_back, release=release, drain_fetches=drain_fetches) if layout.delayed_update else None
+            fail_step=status.fail_step, update_in_place=adam.update_in_place, release_grad=gradients.release,
+            take_back=gradients.take_back, release=residency.release,
+            drain_fetches=residency.drain_fetches) if layout.delayed_update else None
 
     def zero_grad(self) -> None:
         """Drop every unit's gradients: the updates still queued run first ([Note: update
