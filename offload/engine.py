@@ -157,8 +157,7 @@ class Engine:
             # [Note: gradient ownership] the gradients, their pool and the loss scale
             self._gradients = Gradients(
                 self.units, layout=layout, partition=self._partition, device=self._device, host=self._host,
-                stats=self.stats_counters, early_updates=lambda: self._updates.early_updates,
-                maybe_update_early=lambda: self._updates.maybe_update_early())
+                stats=self.stats_counters)
             if self._partition is not None:
                 self._partition.bind_gradient_buffers(self._gradients.grad_buffer)
             # Adam over ranges of a unit: every update path calls it.
@@ -177,8 +176,7 @@ class Engine:
             self._residency = DeviceResidency(
                 layout=layout, units=self.units, device=self._device, host=self._host, nvme=self._nvme,
                 partition=self._partition, stats=self.stats_counters, timeline=self._timeline,
-                prefetcher=self._prefetcher, settle_unit=lambda u: self._updates.settle_unit(u),
-                pending_update=lambda u: self._updates.pending(u), update_lock=lambda: self._updates.lock)
+                prefetcher=self._prefetcher)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, release_param=self._residency.released.release,
                                 stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
@@ -224,6 +222,8 @@ class Engine:
                 step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
                 gradients=self._gradients, residency=self._residency, status=self._status, adam=self._adam)
+            self._residency.connect(self._updates)
+            self._gradients.connect(self._updates)
             self._backward_running = False  # engine.gathered() refuses then
             self._last_step_end: Optional[float] = None
             self._last_step_seconds = 0.0

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -84,6 +84,23 @@ class _Staging:
         self.busy: Optional[Future] = None
 
 
+class PendingUpdates(Protocol):
+    """What residency needs of the update scheduler ([Note: deferred updates])."""
+
+    #: the lock under which the optimizer worker takes an update off its queue and marks it
+    #: started (``u.update.started``); a fill is attached under it, so the update either
+    #: sees the fill or starts before it is attached
+    lock: Any
+
+    def settle_unit(self, u: UnitState) -> None:
+        """Wait for u's queued update and its swap writes (a failed one raises); a fetch
+        calls it before it reads u's home."""
+
+    def pending(self, u: UnitState) -> bool:
+        """Whether u's queued update or its swap writes are not done: such a unit is not
+        evicted while another will do, and its prefetch waits for the update."""
+
+
 class DeviceResidency:
     """Moves units' compute copies between their homes and device slots ([Note: residency]).
 
@@ -94,23 +111,14 @@ class DeviceResidency:
     Collaborators, given at construction: ``layout``; ``units`` (``units[0]`` is the root);
     the ``device``, ``host`` and ``nvme`` tiers (``nvme`` None without swap); ``partition``
     ([zero] None with one rank); ``stats``; ``timeline``; ``prefetcher`` (the engine's: it
-    also starts passes and reads the trace). What still belongs to the update scheduler
-    comes as three callables ([Note: deferred updates]):
-
-    - ``settle_unit(u)``: wait for u's queued update and its swap writes (a failed one
-      raises); a fetch calls it before it reads u's home.
-    - ``pending_update(u)``: whether u's queued update or its swap writes are not done: such
-      a unit is not evicted while another will do, and its prefetch waits for the update.
-    - ``update_lock()``: the lock under which the optimizer worker takes an update off its
-      queue and marks it started (``u.update.started``); a fill is attached under it, so the
-      update either sees the fill or starts before it is attached.
+    also starts passes and reads the trace). The update scheduler, which is built after it
+    and drives it, is connected once built (``connect``: a PendingUpdates, [Note: deferred
+    updates]).
     """
 
     def __init__(self, *, layout: Layout, units: List[UnitState], device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], partition: Optional[Partition], stats: Stats, timeline: Timeline,
-                 prefetcher: Prefetcher, settle_unit: Callable[[UnitState], None],
-                 pending_update: Callable[[UnitState], bool],
-                 update_lock: Callable[[], ContextManager[Any]]) -> None:
+                 prefetcher: Prefetcher) -> None:
         self._layout = layout
         self.units = units
         self._root = units[0]
@@ -120,9 +128,7 @@ class DeviceResidency:
         self._stats = stats
         self._timeline = timeline
         self._prefetcher = prefetcher
-        self._settle_unit = settle_unit
-        self._pending_update = pending_update
-        self._update_lock = update_lock
+        self._updates: Optional[PendingUpdates] = None  # connect
         # [Note: updates fill the device copy] False: a unit whose update is pending is left
         # to an on-demand fetch, as before fills existed (tests compare the two).
         self.fill_behind_updates = True
@@ -152,6 +158,10 @@ class DeviceResidency:
         self._gather_out: Optional[torch.Tensor] = host.allocate(
             max(u.compute_numel for u in units), home_dtype) \
             if layout.gathers and not layout.device_is_host else None
+
+    def connect(self, updates: PendingUpdates) -> None:
+        """The update scheduler, once it is built (it is built with this residency)."""
+        self._updates = updates
 
     def shutdown(self) -> None:
         """Stop the copy worker (after drain_fetches: nothing may be in flight)."""
@@ -263,7 +273,7 @@ class DeviceResidency:
         else move it now."""
         self._tick += 1
         u.last_use = self._tick
-        self._settle_unit(u)  # [Note: deferred updates]
+        self._updates.settle_unit(u)  # [Note: deferred updates]
         state = u.compute_state.value
         if state in (Residency.LOADED, Residency.IN_USE):
             return
@@ -429,7 +439,7 @@ class DeviceResidency:
                     f"flight {busy}; raise device_budget")
             # not one still being updated in place when another will do: it would have to
             # wait for that update ([Note: deferred updates])
-            self.release(max(victims, key=lambda v: (not self._pending_update(v),
+            self.release(max(victims, key=lambda v: (not self._updates.pending(v),
                                                      self._prefetcher.next_use(v.index), -v.last_use)))
 
     @profiled("release")
@@ -490,13 +500,13 @@ class DeviceResidency:
                                if u.compute_state.value in (Residency.LOADED, Residency.IN_USE)),
             in_flight=frozenset(u.index for u in others if u.compute_state == Residency.LOADING),
             pinned=frozenset(u.index for u in others
-                             if u.compute_state == Residency.IN_USE or self._pending_update(u)) | {current},
+                             if u.compute_state == Residency.IN_USE or self._updates.pending(u)) | {current},
             free_bytes=self._device.free_bytes)
         for v in plan.evict:
             self.release(self.units[v])
         for f in plan.fetch:
             u = self.units[f]
-            if self._pending_update(u):
+            if self._updates.pending(u):
                 if self.prefetch_updating(u):
                     continue
                 break  # [Note: deferred updates] not before its update; the later ones after it
@@ -514,7 +524,7 @@ class DeviceResidency:
         caller then stops, so that the units after u do not take the room u needs."""
         if not self.fill_behind_updates or self._layout.param_tier == "device" or u.compute_state != Residency.HOME:
             return False
-        with self._update_lock():
+        with self._updates.lock:
             if u.update.ticket is None:
                 return False
             # [Note: speculative updates] never fill from an update that may not be kept:

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import FIRST_COMPLETED
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -91,6 +91,16 @@ from offload.zero import Partition
 __all__ = ["Gradients"]
 
 
+class EarlyUpdates(Protocol):
+    """What the gradients need of the update scheduler ([Note: early updates])."""
+
+    #: whether this backward may update units as soon as their gradients are final
+    early_updates: bool
+
+    def maybe_update_early(self) -> None:
+        """Start the updates of the units now done."""
+
+
 class Gradients:
     """Owns the gradients between backward and each unit's update, and the loss-scale
     state of the step that consumes them.
@@ -102,19 +112,16 @@ class Gradients:
     """
 
     def __init__(self, units: List[UnitState], *, layout: Layout, partition: Optional[Partition],
-                 device: DeviceTier, host: HostTier, stats: Stats,
-                 early_updates: Callable[[], bool], maybe_update_early: Callable[[], None]) -> None:
-        """``partition``: [zero] the ranks' partition, or None with one rank. The callables
-        are the engine's: whether this backward may update units early ([Note: early
-        updates]), and the check that starts the updates of units now done."""
+                 device: DeviceTier, host: HostTier, stats: Stats) -> None:
+        """``partition``: [zero] the ranks' partition, or None with one rank. The update
+        scheduler, built after it, is connected once built (``connect``)."""
         self._units = units
         self._layout = layout
         self._partition = partition
         self._device = device
         self._host = host
         self._stats = stats
-        self._early_updates = early_updates
-        self._maybe_update_early = maybe_update_early
+        self._updates: Optional[EarlyUpdates] = None  # connect
         # [Note: gradient pool] free flat buffers by element count
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
@@ -153,6 +160,10 @@ class Gradients:
         self.last_grad_norm: Optional[float] = None
         # Whether the last norm clipped (torch's coefficient < 1): [Note: delayed updates] fall back
         self.clipped = False
+
+    def connect(self, updates: EarlyUpdates) -> None:
+        """The update scheduler, once it is built (it is built with these gradients)."""
+        self._updates = updates
 
     @property
     def element_bytes(self) -> int:
@@ -288,8 +299,8 @@ class Gradients:
         if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
             self._partition.gradient_arrived(u)
         u.grads_since_use += 1
-        if self._early_updates() and u.grads_since_use >= len(u.trainable):
-            self._maybe_update_early()
+        if self._updates.early_updates and u.grads_since_use >= len(u.trainable):
+            self._updates.maybe_update_early()
         if self._allowance_bytes is not None and self._ram_bytes > self._allowance_bytes:
             self._spill_over_allowance(u)
 
