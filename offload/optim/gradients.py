@@ -537,6 +537,8 @@ class Gradients:
     # gradient in the same buffer is added on the host after the first has landed.
     def landed(self, u: UnitState) -> None:
         """[Note: gradients off the device] Wait for u's gradients still on their way out."""
+        if not self._copies_out:  # nothing is ever in flight: no lock on the update's path
+            return
         with self._grad_pool_lock:
             events = self._copies.pop(u.index, [])
         for event in events:
