@@ -231,3 +231,40 @@ def test_gradients_leave_the_device_without_blocking_and_are_waited_for_before_t
     with pytest.raises(StreamHazard, match=r"a read of unit '.*'s gradient reads bytes .* not ordered after the "
                                            r"gradient of '.*', which wrote them on the d2h stream"):
         _losses_and_state(config, data[:1])
+
+
+@pytest.mark.parametrize("standin_device", [True, False])
+def test_a_write_into_a_released_parameter_is_found_without_the_forward_waiting_for_the_device(
+        standin_device, standin, monkeypatch):
+    """Issue 37, finding 8 ([Note: released parameters]): where the host does not address
+    the device, the check of the placeholders is queued at a forward's start and its answer
+    comes back on the device-to-host stream, read at the next forward's start: so a write is
+    reported one forward later than on the CPU device, naming the parameter, and the
+    engine's values are untouched either way."""
+    if not standin_device:
+        monkeypatch.delenv(STANDIN_ENV)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(param_tier="host", optimizer_tier="host", device="cpu", device_budget=200_000)
+    data = batches(3)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        engine.backward(gpt_loss(engine, data[0]))
+        engine.step()
+        before = engine.state_dict()
+        copies_out = []
+        streams = engine.debug.device.streams
+        monkeypatch.setattr(streams, "copy_out", lambda dst, src, what="", f=streams.copy_out:
+                            copies_out.append(what) or f(dst, src, what=what))
+        model.blocks[1].fc.weight.data.zero_()
+        written = pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*written in place while their unit")
+        if standin_device:
+            with torch.no_grad():
+                gpt_loss(engine, data[1])  # its start queued the check that finds the write
+            assert "the check of released parameters" in copies_out
+        with written, torch.no_grad():
+            gpt_loss(engine, data[2])
+        assert copies_out == (["the check of released parameters"] if standin_device else [])
+        assert max_rel_error(engine.state_dict(), before) == 0
+        with torch.no_grad():  # the scratch was reset: the next passes run clean
+            gpt_loss(engine, data[1])
+            gpt_loss(engine, data[2])

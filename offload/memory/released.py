@@ -32,18 +32,25 @@ size) or a tensor subclass on every parameter could turn it into the engine's me
 that error stays, loud but torch's. ``fill_`` and ``zero_`` (which torch lets through) and
 any write into a one-element parameter land in the parameter's scratch element; and
 ``p.data = t`` makes the parameter hold something else than its placeholder (or, while
-its unit is on the device, its slot). ``check_unwritten`` finds both at the start of the
-next forward (DeviceResidency.begin_pass compares each parameter's ``data_ptr()`` with
-what the engine gave it and gives it that back), a RuntimeError naming the parameters.
+its unit is on the device, its slot). ``check_unwritten`` finds both at the start of a
+forward (DeviceResidency.begin_pass compares each parameter's ``data_ptr()`` with what the
+engine gave it and gives it that back), a RuntimeError naming the parameters: a replaced
+``.data`` at the next forward; a write into the scratch at the next forward where the host
+addresses the device's memory, and on a device it does not (CUDA) at the forward after
+next: the scratch is checked on the device and its answer comes back on the
+device-to-host stream while a pass runs, so that no forward waits for the device
+(reading it at once would hold the host until every kernel queued so far had run).
 The scratch is not in the device arena, so [Note: saved parameters] never mistakes a
 placeholder for a unit's slot.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from offload.tiers.host import HostTier
+from offload.tiers.streams import Event, Streams
 from offload.units import ParamEntry, UnitSpec
 
 __all__ = ["ReleasedParameters"]
@@ -53,9 +60,11 @@ class ReleasedParameters:
     """The placeholders of the parameters of ``specs``, on ``device``, each in the dtype its
     parameter has now (built before wrap changes any parameter: the dtype from before wrap;
     ``dtype``, the compute dtype, for one that is not floating point). Main thread only,
-    like the binding of parameters to slots."""
+    like the binding of parameters to slots. ``streams``: the device's; ``host``: the host
+    tier, which holds the pinned bytes the device's answers come back into."""
 
-    def __init__(self, specs: List[UnitSpec], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, specs: List[UnitSpec], dtype: torch.dtype, device: torch.device, streams: Streams,
+                 host: HostTier) -> None:
         self._index: Dict[int, Tuple[torch.dtype, int]] = {}  # id(param) -> (scratch, element)
         self._names: Dict[torch.dtype, List[str]] = {}  # per scratch, the names by element
         for spec in specs:
@@ -67,6 +76,12 @@ class ReleasedParameters:
                     names.append(e.fqn)
         self._scratch = {own: torch.full((len(names),), float("nan"), dtype=own, device=device)
                          for own, names in self._names.items()}
+        self._streams = streams
+        # one byte per scratch tensor where the host does not address the device's memory
+        # (a few bytes outside the planned budget, like a spilled gradient's)
+        self._flags: Optional[torch.Tensor] = None if streams.host_addressable else \
+            host.allocate(len(self._scratch), torch.uint8, planned=False)
+        self._answer: Optional[Event] = None  # the copy of the last check's answer into _flags
 
     def release(self, e: ParamEntry) -> None:
         """Point ``e.param`` at its placeholder."""
@@ -82,12 +97,27 @@ class ReleasedParameters:
     def check_unwritten(self, replaced: List[str]) -> None:
         """A RuntimeError naming the parameters written while released and those whose
         ``.data`` was replaced (``replaced``, their names; the caller has pointed them back):
-        the writes are lost. The scratch elements are reset so the next pass starts clean."""
+        the writes are lost. Where the host does not address the device, the writes are
+        those the previous call's check found, and this call queues the next check
+        ([Note: released parameters]). The scratch elements are reset so the next pass
+        starts clean."""
+        if self._flags is None:
+            written = [bool((~torch.isnan(scratch)).any()) for scratch in self._scratch.values()]
+        else:
+            answer, self._answer = self._answer, None
+            written = []
+            if answer is not None:
+                answer.synchronize()  # queued a whole pass ago: done long since
+                self._streams.host_access(self._flags, write=False, what="a read of the released parameters' check")
+                written = [bool(flag) for flag in self._flags.tolist()]
+            if not any(written):  # the next check; a failed one starts again at the next pass
+                self._answer = self._streams.copy_out(
+                    self._flags, torch.stack([(~torch.isnan(s)).any() for s in self._scratch.values()]).to(torch.uint8),
+                    what="the check of released parameters")
         names = []
-        for own, scratch in self._scratch.items():
-            written = ~torch.isnan(scratch)
-            if bool(written.any()):
-                names += [self._names[own][i] for i in written.nonzero().flatten().tolist()]
+        for (own, scratch), was_written in zip(self._scratch.items(), written):
+            if was_written:
+                names += [self._names[own][i] for i in (~torch.isnan(scratch)).nonzero().flatten().tolist()]
                 scratch.fill_(float("nan"))
         what = []
         if names:

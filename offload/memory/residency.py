@@ -133,7 +133,8 @@ class DeviceResidency:
         # to an on-demand fetch, as before fills existed (tests compare the two).
         self.fill_behind_updates = True
         # [Note: released parameters] what a parameter holds while its unit is not on the device
-        self.released = ReleasedParameters([u.spec for u in units], layout.compute_dtype, layout.device)
+        self.released = ReleasedParameters([u.spec for u in units], layout.compute_dtype, layout.device,
+                                           device.streams, host)
         self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
         self._last_needed: Optional[UnitState] = None
         self.held: List[UnitState] = []  # [Note: gathered parameters] IN_USE until let_go
