@@ -171,6 +171,14 @@ class OffloadConfig:
     all-gathered onto the device just before use and dropped after). Ignored, with a
     warning, on a single process."""
 
+    shard_group_size: Optional[int] = None
+    """Several ranks: how many ranks shard each state among themselves (a sharding group;
+    ranks 0..N-1 form the first group, N..2N-1 the next, as torchrun numbers a node's ranks
+    together). Groups hold replicas of each other's shards: their gradients are all-reduced
+    across groups once per optimizer step (FSDP2's HSDP, ZeRO++'s hpZ). None: the ranks of
+    one node (torchrun's LOCAL_WORLD_SIZE), or every rank where that is not set; the
+    world size must be a multiple of it."""
+
     collective_timeout_seconds: float = 300.0
     """Several ranks: a collective that waits longer than this for another rank raises an
     error naming the rank that did not arrive (instead of hanging). Finite, > 0."""
@@ -309,6 +317,8 @@ class OffloadConfig:
             object.__setattr__(self, "machine_profile", os.fspath(self.machine_profile))
         _one_of("dtype", self.dtype, ("fp32", "bf16", "fp16"))
         _one_of("stage", self.stage, (0, 1, 2, 3))
+        if self.shard_group_size is not None:
+            _check_int("shard_group_size", self.shard_group_size, 1)
         if self.stage == 3 and self.param_tier == "device":
             raise ValueError(
                 "stage: 3 shards the compute copies at their home tier, but param_tier='device' "

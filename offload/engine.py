@@ -89,7 +89,8 @@ class Engine:
         self.optimizer = optimizer
         self.device = config.resolved_device()  # a CUDA device's index included
         # [zero] Several ranks: every rank wraps the same thing, shards sized per unit below.
-        self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds)
+        self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds,
+                                                     config.shard_group_size)
         # [Note: layout] every mode resolved once; nothing below reads the config again.
         self.layout = layout = Layout.resolve(config, self.device, self._partition)
         self.compute_dtype = layout.compute_dtype

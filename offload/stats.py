@@ -192,6 +192,9 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         # fills them lazily)
         "world_size": partition.world_size if partition is not None else 1,
         "rank": partition.rank if partition is not None else 0,
+        # [Note: sharding groups] ranks per group, and all-reduces of gradient shards across groups
+        "shard_group_size": partition.shard_size if partition is not None else 1,
+        "cross_group_reduces": partition.num_cross_group_reduces if partition is not None else 0,
         "optimizer_state_bytes": homes.optimizer_state_bytes(),
         "parameter_bytes": homes.parameter_bytes(),
         # [Note: 16-bit gradients] in the dtype they are held in

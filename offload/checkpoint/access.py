@@ -157,6 +157,8 @@ class CheckpointAccess:
         nothing = ((0, 0), (0, 0))
         if stage == 0:  # every rank holds everything: rank 0 writes it
             return whole if rank == 0 else nothing
+        if self._partition.replica_index > 0:  # [Note: sharding groups] the first group's copy
+            return nothing
         trainable = (u.shard.lo, u.shard.hi)
         if u.param_shard is not None:
             f = u.param_shard.frozen

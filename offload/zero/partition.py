@@ -23,6 +23,16 @@ per-unit reduce-scatters of stage 2 run in the order units complete in backward,
 rank must use the same parameters in each backward (the usual data-parallel contract).
 Units not complete when backward ends are reduced then, in unit order.
 
+[Note: sharding groups] Ranks form groups of ``shard_size`` consecutive ranks (a node's
+ranks, as torchrun numbers them): what a stage shards, it shards inside a group, and the
+groups hold replicas. A rank's shard is its place in its group (``shard_rank``); the
+groups' copies of one shard are all-reduced across groups (``replica_group``: the ranks
+with the same shard_rank) once per optimizer step, in ``finish_gradients``, after the
+in-group reduce-scatters of every micro-step. Flags, broadcasts and checks stay on the
+whole world; the norm's squares are summed inside a group (every group holds them all).
+Only the first group writes a checkpoint's states. With one group (the default on one
+node) the groups are the world and nothing else changes.
+
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
 connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
@@ -35,7 +45,7 @@ import json
 import os
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,13 +72,24 @@ class Partition:
     ``zero_grad``.
     """
 
-    def __init__(self, group: Any, store: Any, rank: int, world_size: int, stage: int) -> None:
+    def __init__(self, group: Any, store: Any, rank: int, world_size: int, stage: int,
+                 shard_size: Optional[int] = None) -> None:
         assert stage in (0, 1, 2, 3)
         self.group = group
         self.param_group: Any = None  # [Note: parameter all-gathers]
         self.rank = rank
         self.world_size = world_size
         self.stage = stage
+        # [Note: sharding groups] this rank's group (all ranks by default) and its replicas
+        self.shard_size = shard_size or world_size
+        assert world_size % self.shard_size == 0
+        self.shard_rank = rank % self.shard_size
+        self.replica_index = rank // self.shard_size
+        self.num_replicas = world_size // self.shard_size
+        self.shard_group: Any = group
+        self.param_shard_group: Any = None  # the param lane's, set with param_group
+        self.replica_group: Any = None  # None with one group
+        self.num_cross_group_reduces = 0  # all-reduces across groups (one per unit and step)
         self._store = store
         self._seq: Dict[str, int] = {"main": 0, "param": 0}
         self._units: List[Any] = []
@@ -89,11 +110,13 @@ class Partition:
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def from_environment(cls, stage: int, timeout_seconds: float) -> Optional["Partition"]:
+    def from_environment(cls, stage: int, timeout_seconds: float,
+                         shard_group_size: Optional[int] = None) -> Optional["Partition"]:
         """The Partition of this process, or None on a single process. Uses the initialized
         default process group, or initializes one from torchrun's environment (RANK,
         WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collectives run on a gloo group of our own
-        (the states they move are on the host) with ``timeout_seconds``."""
+        (the states they move are on the host) with ``timeout_seconds``. ``shard_group_size``:
+        the config's ([Note: sharding groups]; None: LOCAL_WORLD_SIZE, else every rank)."""
         timeout = timedelta(seconds=timeout_seconds)
         if not (dist.is_available() and dist.is_initialized()):
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
@@ -108,12 +131,20 @@ class Partition:
         # stage 3 parameter all-gathers ([Note: parameter all-gathers]); made whatever the
         # stage, since making a group is itself collective and the stages may disagree
         # until check_consistent has run.
+        world_size = dist.get_world_size()
+        shard_size = resolve_shard_group_size(shard_group_size, world_size, os.environ)
         group = dist.new_group(backend="gloo", timeout=timeout)
         param_group = dist.new_group(backend="gloo", timeout=timeout)
         store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
-        partition = cls(group, store, dist.get_rank(), dist.get_world_size(), stage)
-        partition.param_group = param_group
+        partition = cls(group, store, dist.get_rank(), world_size, stage, shard_size)
+        partition.param_group = partition.param_shard_group = param_group
         partition.timeout_seconds = timeout_seconds
+        if shard_size < world_size:  # every rank creates every group, in one order
+            groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world_size // shard_size)]
+            replicas = [list(range(r, world_size, shard_size)) for r in range(shard_size)]
+            partition.shard_group = _subgroup(groups, timeout)
+            partition.param_shard_group = _subgroup(groups, timeout)
+            partition.replica_group = _subgroup(replicas, timeout)
         return partition
 
     @property
@@ -138,7 +169,7 @@ class Partition:
         compute copy's home buffer."""
         self._units.append(u)
         return UnitShards.of(u.spec.trainable_numel, u.spec.frozen_start, u.spec.total_numel,
-                             self.rank, self.world_size, self.stage, home_element_bytes)
+                             self.shard_rank, self.shard_size, self.stage, home_element_bytes)
 
     def bind_gradient_buffers(self, grad_buffer: Callable[[Any], torch.Tensor]) -> None:
         """``grad_buffer(u)``: u's fp32 gradient buffer (``grad_numel`` elements), taken
@@ -148,7 +179,7 @@ class Partition:
     def check_consistent(self, config: Any, units: Sequence[Any], optimizer: Any) -> None:
         """All-gather a digest of the config and unit layout; a ValueError on every rank
         naming the first rank and field that differ from rank 0."""
-        summary = self._layout_summary(config, units, optimizer)
+        summary = dict(self._layout_summary(config, units, optimizer), shard_group_size=self.shard_size)
         digest = hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).digest()
         mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.uint8)
@@ -255,7 +286,8 @@ class Partition:
     def finish_gradients(self, units: Sequence[Any]) -> None:
         """At the optimizer step: agree on which parameters have a gradient ([Note: no
         gradient across ranks]), then average the gradients of stage 0/1 (all-reduce /
-        reduce-scatter per unit; stage 2 did its reduce-scatters in backward)."""
+        reduce-scatter per unit; stage 2 did its reduce-scatters in backward), and with
+        several groups all-reduce each shard across them ([Note: sharding groups])."""
         trainable = [u for u in units if u.trainable]
         local = [list(u.has_grad) for u in trainable]
         flags = torch.tensor([int(f) for row in local for f in row], dtype=torch.int32)
@@ -266,7 +298,10 @@ class Partition:
         for u, row in zip(trainable, local):
             u.has_grad = [bool(f) for f in flags[i:i + len(row)].tolist()]
             i += len(row)
-            if self.shards_gradients or not any(u.has_grad):
+            if not any(u.has_grad):
+                continue
+            if self.shards_gradients:  # reduce-scattered in each backward; the groups' sum now
+                self._sum_replicas(u, self._grad_buffer(u)[:u.shard.numel])
                 continue
             grad = self._grad_buffer(u)  # none yet where this rank got no gradient of u
             for k, e in enumerate(u.trainable):
@@ -283,18 +318,28 @@ class Partition:
                 out = self._scratch_of(torch.float32, s.shard_numel)
                 self._collective(f"gradient reduce-scatter of unit {u.name!r}",
                                  lambda grad=grad, out=out: _reduce_scatter_into(
-                                     out, grad, group=self.group))
+                                     out, grad, group=self.shard_group))
+                self._sum_replicas(u, out[:s.numel])
                 grad[s.lo:s.hi].copy_(out[:s.numel])
+
+    def _sum_replicas(self, u: Any, shard: torch.Tensor) -> None:
+        """[Note: sharding groups] ``shard`` (this rank's part of u's gradient, summed inside
+        its group) summed across the groups, in place; nothing with one group."""
+        if self.replica_group is not None:
+            self.num_cross_group_reduces += 1
+            self._collective(f"gradient all-reduce across groups of unit {u.name!r}",
+                             lambda: dist.all_reduce(shard, group=self.replica_group))
 
     @torch.no_grad()
     def global_grad_squares(self, units: Sequence[Any]) -> torch.Tensor:
         """Sum of squares of the averaged gradients of all ranks: each rank adds its own
-        even part of every unit; one all-reduce per step."""
+        even part of every unit, summed inside its group (which holds all of them); one
+        all-reduce per step."""
         local = torch.zeros((), dtype=torch.float64)
         for u in units:
             if not u.trainable:
                 continue
-            own = even_range(u.spec.trainable_numel, self.rank, self.world_size)
+            own = even_range(u.spec.trainable_numel, self.shard_rank, self.shard_size)
             for k, e in enumerate(u.trainable):
                 a, b = max(e.offset, own.lo), min(e.offset + e.numel, own.hi)
                 if u.has_grad[k] and a < b:
@@ -302,7 +347,7 @@ class Partition:
                     local += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
         squares = local.reshape(1)
         self._collective("gradient norm all-reduce",
-                         lambda: dist.all_reduce(squares, group=self.group))
+                         lambda: dist.all_reduce(squares, group=self.shard_group))
         return squares[0]
 
     def gradient_bucket(self, u: Any) -> torch.Tensor:
@@ -312,7 +357,7 @@ class Partition:
             if not self._flush_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
                 self._flush_queued = True
-            bucket = self._take_bucket(u.shard.shard_numel * self.world_size)
+            bucket = self._take_bucket(u.shard.shard_numel * self.shard_size)
             bucket.zero_()
             self._buckets[u.index] = bucket
             self._arrived[u.index] = 0
@@ -337,13 +382,13 @@ class Partition:
         bucket = self._buckets.pop(u.index, None)
         self._arrived.pop(u.index, None)
         if bucket is None:  # no gradient of u on this rank in this backward: contribute zeros
-            bucket = self._take_bucket(u.shard.shard_numel * self.world_size)
+            bucket = self._take_bucket(u.shard.shard_numel * self.shard_size)
             bucket.zero_()
         bucket.mul_(1.0 / self.world_size)  # [Note: gradient averaging]
         s = u.shard
         out = self._scratch_of(torch.float32, s.shard_numel)
         self._collective(f"gradient reduce-scatter of unit {u.name!r}",
-                         lambda: _reduce_scatter_into(out, bucket, group=self.group))
+                         lambda: _reduce_scatter_into(out, bucket, group=self.shard_group))
         grad = self._grad_buffer(u)
         if u.index in self._reduced_this_window:
             grad.add_(out[:s.numel])
@@ -380,12 +425,12 @@ class Partition:
         s = u.shard
         t = u.spec.trainable_numel
         base = 0 if in_full_coordinates else s.lo
-        chunk = self._scratch_of(buf.dtype, s.shard_numel * (self.world_size + 1))
+        chunk = self._scratch_of(buf.dtype, s.shard_numel * (self.shard_size + 1))
         mine, everyone = chunk[:s.shard_numel], chunk[s.shard_numel:]
         mine[:s.numel].copy_(buf[s.lo - base:s.hi - base])
         mine[s.numel:].zero_()
         self._collective(f"parameter all-gather of unit {u.name!r}",
-                         lambda: _all_gather_into(everyone, mine, group=self.group))
+                         lambda: _all_gather_into(everyone, mine, group=self.shard_group))
         if in_full_coordinates:
             buf[:t].copy_(everyone[:t])
             return buf
@@ -398,8 +443,8 @@ class Partition:
         "param" on the copy worker ([Note: parameter all-gathers]), "main" on the main
         thread (state_dict, checkpoints)."""
         p = u.param_shard
-        group = self.param_group if lane == "param" else self.group
-        w = self.world_size
+        group = self.param_shard_group if lane == "param" else self.shard_group
+        w = self.shard_size
         regions = ((0, p.trainable, 0, "trainable"),
                    (p.frozen_start, p.frozen, p.trainable_chunk_numel, "frozen"))
         for start, shard, home_offset, which in regions:  # trainable first (see ParamShard)
@@ -410,6 +455,25 @@ class Partition:
                 f"parameter all-gather of unit {u.name!r} ({which})",
                 lambda: _all_gather_into(out[start:start + w * n], home[home_offset:home_offset + n],
                                          group=group), lane)
+
+
+def resolve_shard_group_size(configured: Optional[int], world_size: int, environ: Mapping[str, str]) -> int:
+    """[Note: sharding groups] The ranks per sharding group: ``configured``, else the ranks
+    of one node (``LOCAL_WORLD_SIZE``, as torchrun sets it), else every rank. A ValueError
+    naming shard_group_size where it does not divide ``world_size``."""
+    size = configured if configured is not None else \
+        int(environ["LOCAL_WORLD_SIZE"]) if environ.get("LOCAL_WORLD_SIZE") else world_size
+    if size > world_size or world_size % size:
+        where = "" if configured is not None else f" (LOCAL_WORLD_SIZE={size}, the default)"
+        raise ValueError(f"shard_group_size: {size}{where} does not divide the world size {world_size}; groups of "
+                         "that many ranks cannot cover every rank once (set it to a divisor of the world size)")
+    return size
+
+
+def _subgroup(members: List[List[int]], timeout: timedelta) -> Any:
+    """This rank's gloo group among ``members`` (each rank in exactly one list)."""
+    mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout, backend="gloo")
+    return mine
 
 
 def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:

@@ -1,0 +1,144 @@
+"""[Note: sharding groups] Issue 38, ranks in groups: 4 ranks in 2 groups of 2 (the shape of
+2 nodes x 2 GPUs) shard inside a group and replicate across groups; they equal one process
+on the whole batch, each rank keeps 1/2 of the sharded state, and the all-reduce across
+groups runs once per unit and optimizer step, however many micro-steps accumulate."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+from offload.gpt import GPT
+from offload.zero import even_range
+from offload.zero.partition import resolve_shard_group_size
+
+from support import CFG, REL_TOL, free_port, make_opt, max_rel_error
+from support import batches as _batches
+
+WORLD = 4
+GLOBAL_BATCH = 4
+STEPS = 4
+
+
+def batches(n):
+    return _batches(n, batch=GLOBAL_BATCH)
+
+
+def reference(data, accumulation=1, max_grad_norm=None):
+    """Plain PyTorch on the whole batch."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    for i, b in enumerate(data):
+        (model(b[:, :-1], b[:, 1:]) / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            opt.zero_grad()
+    return model.state_dict()
+
+
+def _worker(rank, port, config, data, out_dir, environ, checkpoint):
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        per_rank = GLOBAL_BATCH // WORLD
+        losses = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                loss = engine(mine[:, :-1], mine[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            result = {"state": engine.state_dict(), "stats": engine.stats(), "losses": losses}
+            if checkpoint:
+                engine.save_checkpoint(checkpoint)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_four(config, data, out_dir, environ=None, checkpoint=None):
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_worker, args=(free_port(), config, data, str(out_dir), environ or {}, checkpoint),
+                       nprocs=WORLD,
+                       join=True, start_method="forkserver")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def trainable_numels():
+    model = GPT(CFG)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return [sum(p.numel() for p in model.parameters()) - sum(blocks)] + blocks
+
+
+@pytest.mark.parametrize("stage,tier,accumulation,max_grad_norm", [
+    (1, "host", 2, 0.5), (2, "nvme", 2, 0.5), (3, "host", 1, None)])
+def test_four_ranks_in_two_groups_equal_one_process_and_shard_inside_a_group(
+        stage, tier, accumulation, max_grad_norm, tmp_path):
+    config = dict(stage=stage, param_tier=tier, optimizer_tier=tier, shard_group_size=2,
+                  swap_dir=str(tmp_path / "swap") if tier == "nvme" else None,
+                  gradient_accumulation_steps=accumulation, max_grad_norm=max_grad_norm)
+    data = batches(STEPS * accumulation)
+    results = run_four(config, data, tmp_path)
+    ref = reference(data, accumulation, max_grad_norm)
+    trainable = trainable_numels()
+    for r, res in enumerate(results):
+        stats = res["stats"]
+        assert stats["world_size"] == WORLD and stats["shard_group_size"] == 2
+        assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
+        # the shard of rank r is its place in its group: ranks r and r + 2 hold the same one
+        assert stats["optimizer_state_bytes"] == sum(2 * 4 * even_range(t, r % 2, 2).state_numel for t in trainable)
+        # one all-reduce across the groups per unit and optimizer step, not per micro-step
+        assert stats["cross_group_reduces"] == STEPS * len(trainable)
+        if stage >= 2:
+            assert stats["gradient_bytes"] == 4 * sum(even_range(t, r % 2, 2).numel for t in trainable)
+    if max_grad_norm is not None:
+        assert all(res["stats"]["grad_norm"] > max_grad_norm for res in results), "clipping must be exercised"
+    # the ranks of a group see different data, the groups replicate: every rank ends equal
+    for res in results[1:]:
+        assert all(torch.equal(v, results[0]["state"][k]) for k, v in res["state"].items())
+
+
+def test_one_group_per_node_is_the_default_and_a_checkpoint_of_two_groups_loads_on_one_process(tmp_path):
+    """Without shard_group_size the group is a node's ranks (LOCAL_WORLD_SIZE, set here as
+    torchrun sets it for 2 nodes x 2); only the first group writes the states, and the
+    checkpoint loads into one process, equal to what every rank holds."""
+    config = dict(stage=2, param_tier="host", optimizer_tier="host")
+    data = batches(STEPS)
+    (tmp_path / "four").mkdir()
+    results = run_four(config, data, tmp_path / "four", environ={"LOCAL_WORLD_SIZE": "2"},
+                       checkpoint=str(tmp_path / "ckpt"))
+    assert all(res["stats"]["shard_group_size"] == 2 for res in results)
+    ref = reference(data)
+    assert all(max_rel_error(res["state"], ref) < REL_TOL for res in results)
+    units_written = [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("unit-")]
+    assert any(name.endswith("-rank-00001.bin") for name in units_written)
+    assert not any(name.endswith(("-rank-00002.bin", "-rank-00003.bin")) for name in units_written)
+    # the states load into one process too: equal to what the four ranks hold
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=dict(param_tier="host", optimizer_tier="host")) \
+            as engine:
+        with pytest.warns(RuntimeWarning, match="written by 4 rank.*re-partitioned"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert max_rel_error(engine.state_dict(), results[0]["state"]) == 0
+
+
+def test_a_group_size_that_does_not_divide_the_world_is_refused_naming_the_field():
+    assert resolve_shard_group_size(None, 4, {"LOCAL_WORLD_SIZE": "2"}) == 2
+    assert resolve_shard_group_size(None, 4, {}) == 4
+    assert resolve_shard_group_size(4, 8, {"LOCAL_WORLD_SIZE": "2"}) == 4
+    with pytest.raises(ValueError, match=r"shard_group_size: 3 does not divide the world size 4"):
+        resolve_shard_group_size(3, 4, {})
+    with pytest.raises(ValueError, match=r"shard_group_size: 8 .*LOCAL_WORLD_SIZE=8.* world size 4"):
+        resolve_shard_group_size(None, 4, {"LOCAL_WORLD_SIZE": "8"})
+    with pytest.raises(ValueError, match="shard_group_size: expected an int >= 1"):
+        offload.OffloadConfig(shard_group_size=0)
