@@ -142,3 +142,45 @@ def test_a_group_size_that_does_not_divide_the_world_is_refused_naming_the_field
         resolve_shard_group_size(None, 4, {"LOCAL_WORLD_SIZE": "8"})
     with pytest.raises(ValueError, match="shard_group_size: expected an int >= 1"):
         offload.OffloadConfig(shard_group_size=0)
+
+
+@pytest.mark.slow
+def test_two_torchrun_launchers_as_two_nodes_train_in_two_groups(tmp_path):
+    """Launched as users launch across nodes: two `torchrun --nnodes 2 --nproc-per-node 2`
+    launchers on this machine, c10d rendezvous on 127.0.0.1, each rank on the CPU device with
+    its own arena and one swap_dir per node. Each node's ranks form a sharding group by
+    default; the run equals one process on the whole batch."""
+    import json
+    import subprocess
+    import sys
+
+    data = batches(STEPS)
+    torch.save(data, tmp_path / "data.pt")
+    model = dict(vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, d_model=CFG.d_model, num_heads=CFG.num_heads,
+                 num_layers=CFG.num_layers)
+    port = free_port()
+    # the ranks import this checkout's package, installed or not
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(offload.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    launchers = []
+    for node in range(2):
+        spec = {"model": model, "config": dict(stage=2, param_tier="nvme", optimizer_tier="nvme",
+                                               swap_dir=str(tmp_path / f"node{node}-swap"))}
+        (tmp_path / f"node{node}.json").write_text(json.dumps(spec))
+        launchers.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "offload-test", os.path.join(os.path.dirname(__file__), "scripts", "torchrun_train.py"),
+             str(tmp_path / f"node{node}.json"), str(tmp_path / "data.pt"), str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outputs = [p.communicate(timeout=600)[0] for p in launchers]
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(outputs)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    ref = reference(data)
+    trainable = trainable_numels()
+    for r, res in enumerate(results):
+        assert res["env"]["LOCAL_WORLD_SIZE"] == "2" and res["stats"]["shard_group_size"] == 2
+        assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
+        assert res["stats"]["gradient_bytes"] == 4 * sum(even_range(t, r % 2, 2).numel for t in trainable)
+    for node in range(2):  # one swap_dir per node serves both of its ranks
+        assert sorted(os.listdir(tmp_path / f"node{node}-swap")) == [f"rank-{2 * node}", f"rank-{2 * node + 1}"]
