@@ -90,7 +90,7 @@ class Engine:
         self.device = config.resolved_device()  # a CUDA device's index included
         # [zero] Several ranks: every rank wraps the same thing, shards sized per unit below.
         self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds,
-                                                     config.shard_group_size)
+                                                     config.shard_group_size, self.device)
         # [Note: layout] every mode resolved once; nothing below reads the config again.
         self.layout = layout = Layout.resolve(config, self.device, self._partition)
         self.compute_dtype = layout.compute_dtype
@@ -160,7 +160,7 @@ class Engine:
                 self.units, layout=layout, partition=self._partition, device=self._device, host=self._host,
                 stats=self.stats_counters)
             if self._partition is not None:
-                self._partition.bind_gradient_buffers(self._gradients.grad_buffer)
+                self._partition.bind_gradients(self._gradients)
             # Adam over ranges of a unit: every update path calls it.
             self._adam = UnitAdam(optimizer, adamw=adamw, layout=layout, device=self._device,
                                   gradients=self._gradients, timeline=self._timeline,

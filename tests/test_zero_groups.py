@@ -1,7 +1,9 @@
 """[Note: sharding groups] Issue 38, ranks in groups: 4 ranks in 2 groups of 2 (the shape of
 2 nodes x 2 GPUs) shard inside a group and replicate across groups; they equal one process
-on the whole batch, each rank keeps 1/2 of the sharded state, and the all-reduce across
-groups runs once per unit and optimizer step, however many micro-steps accumulate."""
+on the whole batch, each rank keeps 1/2 of the sharded state, the all-reduce across groups
+runs once per unit and optimizer step, however many micro-steps accumulate, and at stage
+>= 2 only a rank's shard of each gradient leaves the device ([Note: collectives on the
+device]). Also run on the CUDA stand-in by tests/test_device_standin.py."""
 import os
 
 import pytest
@@ -98,8 +100,15 @@ def test_four_ranks_in_two_groups_equal_one_process_and_shard_inside_a_group(
         assert stats["optimizer_state_bytes"] == sum(2 * 4 * even_range(t, r % 2, 2).state_numel for t in trainable)
         # one all-reduce across the groups per unit and optimizer step, not per micro-step
         assert stats["cross_group_reduces"] == STEPS * len(trainable)
+        micro_steps = STEPS * accumulation
         if stage >= 2:
             assert stats["gradient_bytes"] == 4 * sum(even_range(t, r % 2, 2).numel for t in trainable)
+            # [Note: collectives on the device] reduce-scattered on the device: only the
+            # rank's shard of each unit's gradient leaves it, every micro-step
+            assert stats["bytes_device_to_host"] == micro_steps * 4 * sum(even_range(t, r % 2, 2).numel
+                                                                           for t in trainable)
+        else:  # stage 1 reduces on the host: every gradient leaves the device whole
+            assert stats["bytes_device_to_host"] == micro_steps * 4 * sum(trainable)
     if max_grad_norm is not None:
         assert all(res["stats"]["grad_norm"] > max_grad_norm for res in results), "clipping must be exercised"
     # the ranks of a group see different data, the groups replicate: every rank ends equal

@@ -125,9 +125,9 @@ class Gradients:
         # [Note: gradient pool] free flat buffers by element count
         self._grad_pool: Dict[int, List[torch.Tensor]] = {}
         self._grad_pool_lock = threading.Lock()
-        # [Note: gradients off the device] a device the host does not address, one rank:
-        # the copies out in flight, by unit index (under the pool's lock)
-        self._copies_out = not layout.device_is_host and partition is None
+        # [Note: gradients off the device] a device the host does not address: the copies
+        # out in flight, by unit index (under the pool's lock)
+        self._copies_out = not layout.device_is_host
         self._copies: Dict[int, List[Event]] = {}
         # [Note: gradient spill] the allowance (None: no spill), the bounce buffer, the
         # NVMe tier (spill_through), the gradient bytes held in RAM (under the pool's lock)
@@ -268,7 +268,7 @@ class Gradients:
                     planned = self._allowance_bytes is None and not self._widened and not held
                     self._host.adopt(u.param_grads[k], planned=planned)
                     self._count_ram(u.param_grads[k].nbytes)
-        elif self._copies_out and not u.has_grad[k]:
+        elif self._copies_out and not u.has_grad[k] and not sharded_grads:
             # [Note: gradients off the device] widened where it lies, copied out behind the
             # compute that made it; the update or the norm waits for it (landed)
             dst = self.grad_buffer(u)[e.offset:e.offset + e.numel]
@@ -277,13 +277,14 @@ class Gradients:
             with self._grad_pool_lock:
                 self._copies.setdefault(u.index, []).append(event)
         else:
-            if sharded_grads:  # [zero] stage 2: into u's bucket for this backward (zeroed)
+            if sharded_grads:  # [zero] stage >= 2: into u's bucket on the device (zeroed), [Note:
+                # collectives on the device]
                 dst = self._partition.gradient_bucket(u)[e.offset:e.offset + e.numel]
             else:
                 self.landed(u)  # a second gradient is added to the first
                 dst = self.grad_buffer(u)[e.offset:e.offset + e.numel]
             if src.device != dst.device:
-                src = src.to(dst.device)  # [zero] several ranks: a synchronous copy
+                src = src.to(dst.device)  # a second gradient, added on the host: a synchronous copy
             if u.has_grad[k] and u.grad is not None and u.grad.dtype != torch.float32:
                 dst = self._widen(u, k)  # [Note: 16-bit gradients] a read-back buffer, summed into
             if u.has_grad[k] or sharded_grads:
@@ -295,7 +296,8 @@ class Gradients:
         u.has_grad[k] = True
         if not held:
             self._device.drop_transient(num_bytes)
-        self._stats.add_bytes("device_to_host", num_bytes)
+        if not sharded_grads:  # else only its shard leaves the device (land_shard)
+            self._stats.add_bytes("device_to_host", num_bytes)
         if sharded_grads:  # [zero] reduce-scatter u once its last gradient is in
             self._partition.gradient_arrived(u)
         u.grads_since_use += 1
@@ -529,12 +531,46 @@ class Gradients:
         self._count_ram(-g.nbytes, widened=-1 if widened else 0)
 
     # [Note: gradients off the device] On a device the host does not address (CUDA, its
-    # stand-in), with one rank, a gradient's first arrival in a backward is widened to fp32
-    # where it lies and queued on the device-to-host stream into u's pooled buffer (pinned),
-    # behind the compute that made it; autograd's thread goes on at once. Whoever reads the
-    # buffer next waits for those copies (``landed``): an update or the norm (grad_range),
-    # a second gradient added to it, the pool taking the buffer back (release). A second
-    # gradient in the same buffer is added on the host after the first has landed.
+    # stand-in), a gradient's first arrival in a backward is widened to fp32 where it lies
+    # and queued on the device-to-host stream into u's pooled buffer (pinned), behind the
+    # compute that made it; autograd's thread goes on at once ([zero] at stage >= 2 the
+    # unit's reduce-scattered shard is, [Note: collectives on the device]). Whoever reads
+    # the buffer next waits for those copies (``landed``): an update or the norm
+    # (grad_range), a second gradient added to it, the pool taking the buffer back
+    # (release), the collectives of the step (``host_buffer``). A second gradient in the
+    # same buffer is added on the host after the first has landed.
+    # ------------------------------------------------------------------ [zero] the partition's port
+    # (offload.zero.partition.GradientShards)
+    @property
+    def copies_behind(self) -> bool:
+        """Whether a shard handed to ``land_shard`` may still be read after it returns."""
+        return self._copies_out
+
+    def host_buffer(self, u: UnitState) -> torch.Tensor:
+        """u's host gradient buffer once every copy into it has landed."""
+        self.landed(u)
+        return self.grad_buffer(u)
+
+    def land_shard(self, u: UnitState, shard: torch.Tensor, add: bool) -> None:
+        """[Note: collectives on the device] u's reduce-scattered shard (fp32, on the device)
+        into u's host buffer, or added to what the earlier micro-steps left there (``add``).
+        On a device the host does not address, the first is queued on the device-to-host
+        stream (``shard`` must not be written again until it has run: the partition gives
+        a fresh tensor each time); an added one is copied synchronously, then added."""
+        self._stats.add_bytes("device_to_host", shard.numel() * shard.element_size())
+        dst = self.host_buffer(u)[:shard.numel()]
+        if not self._copies_out:
+            if add:
+                dst.add_(shard)
+            else:
+                dst.copy_(shard)
+        elif add:
+            dst.add_(shard.to(dst.device))
+        else:
+            event = self._device.streams.copy_out(dst, shard, what=f"the gradient shard of unit {u.name!r}")
+            with self._grad_pool_lock:
+                self._copies.setdefault(u.index, []).append(event)
+
     def landed(self, u: UnitState) -> None:
         """[Note: gradients off the device] Wait for u's gradients still on their way out."""
         if not self._copies_out:  # nothing is ever in flight: no lock on the update's path

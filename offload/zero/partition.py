@@ -33,6 +33,17 @@ whole world; the norm's squares are summed inside a group (every group holds the
 Only the first group writes a checkpoint's states. With one group (the default on one
 node) the groups are the world and nothing else changes.
 
+[Note: collectives on the device] At stage >= 2 a unit's gradients are summed into a
+bucket on the compute device as autograd makes them (``gradient_bucket``), reduce-scattered
+there inside the group (``device_group``: NCCL on CUDA, gloo on a CPU device) into a fresh
+shard-sized tensor, and only that shard leaves the device, into the unit's host buffer
+(``GradientShards.land_shard``: queued on the device-to-host stream where the host does not
+address the device). So a rank moves 1/shard_size of each gradient device -> host. The
+buckets (fp32, the size of a unit's trainable prefix: one per unit whose gradients are
+arriving, at most two spare) are outside ``device_budget``, as activations are; their
+peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags,
+norm squares, stage 0/1 gradients, across groups, parameter all-gathers) stay on gloo.
+
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
 connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
@@ -45,7 +56,7 @@ import json
 import os
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +72,18 @@ _RANK_LOCAL_FIELDS = ("device", "swap_dir", "io_backend", "io_block_bytes", "io_
                       "host_budget")
 
 
+class GradientShards(Protocol):
+    """What the partition needs of the gradients (offload.optim.gradients.Gradients)."""
+
+    copies_behind: bool  # a shard given to land_shard may be read after it returns
+
+    def host_buffer(self, u: Any) -> torch.Tensor:
+        """u's host gradient buffer (``grad_numel`` elements), every copy into it landed."""
+
+    def land_shard(self, u: Any, shard: torch.Tensor, add: bool) -> None:
+        """u's reduce-scattered shard, on the device, into (or added to) its host buffer."""
+
+
 class Partition:
     """This rank's place among ``world_size`` ranks and the collectives of one engine.
 
@@ -73,7 +96,7 @@ class Partition:
     """
 
     def __init__(self, group: Any, store: Any, rank: int, world_size: int, stage: int,
-                 shard_size: Optional[int] = None) -> None:
+                 shard_size: Optional[int] = None, device: torch.device = torch.device("cpu")) -> None:
         assert stage in (0, 1, 2, 3)
         self.group = group
         self.param_group: Any = None  # [Note: parameter all-gathers]
@@ -89,6 +112,9 @@ class Partition:
         self.shard_group: Any = group
         self.param_shard_group: Any = None  # the param lane's, set with param_group
         self.replica_group: Any = None  # None with one group
+        # [Note: collectives on the device] where the gradient buckets live, and their group
+        self.device = device
+        self.device_group: Any = group
         self.num_cross_group_reduces = 0  # all-reduces across groups (one per unit and step)
         self._store = store
         self._seq: Dict[str, int] = {"main": 0, "param": 0}
@@ -105,18 +131,19 @@ class Partition:
         self.timeout_seconds: Optional[float] = None
         self.bucket_bytes = 0
         self.bucket_peak_bytes = 0
-        self._grad_buffer: Optional[Callable[[Any], torch.Tensor]] = None
+        self._gradients: Optional[GradientShards] = None  # bind_gradients
         self._mark("wrap")
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def from_environment(cls, stage: int, timeout_seconds: float,
-                         shard_group_size: Optional[int] = None) -> Optional["Partition"]:
+    def from_environment(cls, stage: int, timeout_seconds: float, shard_group_size: Optional[int] = None,
+                         device: torch.device = torch.device("cpu")) -> Optional["Partition"]:
         """The Partition of this process, or None on a single process. Uses the initialized
         default process group, or initializes one from torchrun's environment (RANK,
         WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collectives run on a gloo group of our own
         (the states they move are on the host) with ``timeout_seconds``. ``shard_group_size``:
-        the config's ([Note: sharding groups]; None: LOCAL_WORLD_SIZE, else every rank)."""
+        the config's ([Note: sharding groups]; None: LOCAL_WORLD_SIZE, else every rank);
+        ``device``: the compute device ([Note: collectives on the device])."""
         timeout = timedelta(seconds=timeout_seconds)
         if not (dist.is_available() and dist.is_initialized()):
             if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
@@ -136,15 +163,18 @@ class Partition:
         group = dist.new_group(backend="gloo", timeout=timeout)
         param_group = dist.new_group(backend="gloo", timeout=timeout)
         store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
-        partition = cls(group, store, dist.get_rank(), world_size, stage, shard_size)
+        partition = cls(group, store, dist.get_rank(), world_size, stage, shard_size, device)
         partition.param_group = partition.param_shard_group = param_group
         partition.timeout_seconds = timeout_seconds
+        groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world_size // shard_size)]
         if shard_size < world_size:  # every rank creates every group, in one order
-            groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world_size // shard_size)]
             replicas = [list(range(r, world_size, shard_size)) for r in range(shard_size)]
             partition.shard_group = _subgroup(groups, timeout)
             partition.param_shard_group = _subgroup(groups, timeout)
             partition.replica_group = _subgroup(replicas, timeout)
+        partition.device_group = partition.shard_group
+        if device.type == "cuda":  # the device's own backend for device buffers
+            partition.device_group = _subgroup(groups, timeout, backend="nccl")
         return partition
 
     @property
@@ -171,10 +201,11 @@ class Partition:
         return UnitShards.of(u.spec.trainable_numel, u.spec.frozen_start, u.spec.total_numel,
                              self.shard_rank, self.shard_size, self.stage, home_element_bytes)
 
-    def bind_gradient_buffers(self, grad_buffer: Callable[[Any], torch.Tensor]) -> None:
-        """``grad_buffer(u)``: u's fp32 gradient buffer (``grad_numel`` elements), taken
-        from the engine's pool when u has none (buffers are lazy, released after updates)."""
-        self._grad_buffer = grad_buffer
+    def bind_gradients(self, gradients: GradientShards) -> None:
+        """The gradients, once they are built: u's host buffers (taken from the engine's
+        pool when u has none: buffers are lazy, released after updates) and where a
+        reduce-scattered shard lands."""
+        self._gradients = gradients
 
     def check_consistent(self, config: Any, units: Sequence[Any], optimizer: Any) -> None:
         """All-gather a digest of the config and unit layout; a ValueError on every rank
@@ -301,9 +332,9 @@ class Partition:
             if not any(u.has_grad):
                 continue
             if self.shards_gradients:  # reduce-scattered in each backward; the groups' sum now
-                self._sum_replicas(u, self._grad_buffer(u)[:u.shard.numel])
+                self._sum_replicas(u, self._gradients.host_buffer(u)[:u.shard.numel])
                 continue
-            grad = self._grad_buffer(u)  # none yet where this rank got no gradient of u
+            grad = self._gradients.host_buffer(u)  # none yet where this rank got no gradient of u
             for k, e in enumerate(u.trainable):
                 if u.has_grad[k] and not row[k]:
                     grad[e.offset:e.offset + e.numel].zero_()
@@ -351,7 +382,8 @@ class Partition:
         return squares[0]
 
     def gradient_bucket(self, u: Any) -> torch.Tensor:
-        """Stage 2: the full-size fp32 buffer u's gradients of this backward go into."""
+        """Stage >= 2: the full-size fp32 buffer on the device that u's gradients of this
+        backward go into ([Note: collectives on the device])."""
         bucket = self._buckets.get(u.index)
         if bucket is None:
             if not self._flush_queued:
@@ -375,7 +407,7 @@ class Partition:
                 return self._free_buckets.pop(i)
         self.bucket_bytes += numel * FP32_BYTES
         self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
-        return torch.empty(numel, dtype=torch.float32)
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _reduce_bucket(self, u: Any) -> None:
@@ -386,15 +418,13 @@ class Partition:
             bucket.zero_()
         bucket.mul_(1.0 / self.world_size)  # [Note: gradient averaging]
         s = u.shard
-        out = self._scratch_of(torch.float32, s.shard_numel)
+        # [Note: collectives on the device] a fresh shard where its copy out runs behind
+        out = torch.empty(s.shard_numel, dtype=torch.float32, device=self.device) \
+            if self._gradients.copies_behind else self._scratch_of(torch.float32, s.shard_numel)
         self._collective(f"gradient reduce-scatter of unit {u.name!r}",
-                         lambda: _reduce_scatter_into(out, bucket, group=self.shard_group))
-        grad = self._grad_buffer(u)
-        if u.index in self._reduced_this_window:
-            grad.add_(out[:s.numel])
-        else:
-            grad.copy_(out[:s.numel])
-            self._reduced_this_window.add(u.index)
+                         lambda: _reduce_scatter_into(out, bucket, group=self.device_group))
+        self._gradients.land_shard(u, out[:s.numel], add=u.index in self._reduced_this_window)
+        self._reduced_this_window.add(u.index)
         self._reduced_this_backward.add(u.index)
         self._free_buckets.append(bucket)
         # Free buckets beyond the ones a unit may still need: keep at most two spare.
@@ -470,9 +500,11 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, environ
     return size
 
 
-def _subgroup(members: List[List[int]], timeout: timedelta) -> Any:
-    """This rank's gloo group among ``members`` (each rank in exactly one list)."""
-    mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout, backend="gloo")
+def _subgroup(members: List[List[int]], timeout: timedelta, backend: str = "gloo") -> Any:
+    """This rank's group among ``members`` (each rank in exactly one list)."""
+    if len(members) == 1:
+        return dist.new_group(backend=backend, timeout=timeout)
+    mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout, backend=backend)
     return mine
 
 
