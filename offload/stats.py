@@ -162,6 +162,7 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         "bytes_host_to_device": s.bytes["host_to_device"],
         "bytes_nvme_to_device": s.bytes["nvme_to_device"],
         "bytes_device_to_host": s.bytes["device_to_host"],
+        "bytes_all_gather": s.bytes["all_gather"],  # [zero] stage 3: the gathered units' slots
         "step_seconds": step_seconds,
         "optimizer_seconds": optimizer_seconds,
         "io_wait_seconds": s.seconds["io_wait"] + s.seconds["fetch_wait"],

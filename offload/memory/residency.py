@@ -152,13 +152,10 @@ class DeviceResidency:
             for _ in range(layout.prefetch_units + 1)
         ] if not layout.device_is_host and not layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else []
         # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
-        # rank's chunks read from NVMe, one for the gathered unit on its way to a CUDA device.
+        # rank's chunks read from NVMe (gathered on the device: [Note: collectives on the device]).
         self._gather_home: Optional[torch.Tensor] = host.allocate(
             max(compute_home_numel(u.compute_numel, u.param_shard) for u in units), home_dtype) \
             if layout.gathers and layout.param_tier == "nvme" else None
-        self._gather_out: Optional[torch.Tensor] = host.allocate(
-            max(u.compute_numel for u in units), home_dtype) \
-            if layout.gathers and not layout.device_is_host else None
 
     def connect(self, updates: PendingUpdates) -> None:
         """The update scheduler, once it is built (it is built with this residency)."""
@@ -321,6 +318,8 @@ class DeviceResidency:
             home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
             self._stats.add_bytes("nvme_to_host" if layout.param_tier == "nvme" else "host_to_host", home_bytes)
             self._stats.add_bytes("all_gather", num_bytes)
+            if not layout.device_is_host:  # only the rank's own chunks cross to the device
+                self._stats.add_bytes("host_to_device", self._partition.own_chunk_numel(u) * dst.element_size())
         elif on_nvme(u.compute_home) and layout.device_is_host:
             # The CPU "device" is RAM: read from the swap file straight into the slot.
             handle = self._nvme.read(dst, u.compute_home, unit=u.name)
@@ -388,10 +387,12 @@ class DeviceResidency:
         read()
         return self._device.copy_in(dst, view, what=f"the fill of unit {unit!r}")
 
-    def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> None:
+    def _gather_to_device(self, u: UnitState, dst: torch.Tensor) -> Optional[Event]:
         """[zero] Stage 3, on the copy worker: read this rank's chunks of u (from NVMe into
-        a staging buffer, or the host home as is), all-gather them into the device slot (on
-        CUDA through a host buffer)."""
+        a staging buffer, or the host home as is) and all-gather them into the device slot:
+        where the host does not address the device, the chunks are copied to their place in
+        the slot and gathered there ([Note: collectives on the device]); the returned event
+        orders u's use after it."""
         home = u.compute_home
         if on_nvme(home):
             own = self._gather_home[:compute_home_numel(u.compute_numel, u.param_shard)]
@@ -401,10 +402,10 @@ class DeviceResidency:
         if self._layout.device_is_host:
             self._partition.gather_params(u, own, dst, lane="param")
             return None
-        out = self._gather_out[:u.compute_numel]
-        self._partition.gather_params(u, own, out, lane="param")
-        self._device.copy_in(dst, out, what=f"the fill of unit {u.name!r}").synchronize()  # out is reused by the next fetch
-        return None
+        self._device.wait_for_reads(dst)  # the gather writes the whole slot
+        copied = self._partition.gather_params_on_device(
+            u, own, dst, lambda slot, chunk: self._device.copy_in(slot, chunk, what=f"the fill of unit {u.name!r}"))
+        return self._device.streams.after_collective(copied)
 
     def finish_fetch(self, u: UnitState) -> None:
         pending, u.pending = u.pending, None

@@ -179,6 +179,17 @@ class DeviceTier:
                 after.append(max(overlapping, key=lambda r: r[2])[3])
         return self.streams.copy(dst, src, after=after, what=what)
 
+    def wait_for_reads(self, dst: torch.Tensor) -> None:
+        """Block the calling thread until the compute stream's last reads of ``dst`` (a view
+        of the arena) have run: before bytes are written there other than by ``copy_in``
+        (a collective into a slot, [Note: collectives on the device])."""
+        offset = self.offset_of(dst)
+        if offset is not None and self._reads and self.fills_wait_for_reads:
+            lo, hi = offset, offset + dst.numel()
+            overlapping = [r for r in self._reads if r[0] < hi and lo < r[1]]
+            if overlapping:
+                max(overlapping, key=lambda r: r[2])[3].synchronize()
+
     def compute_uses(self, offset: int, numel: int, event: Optional[Event], what: str) -> None:
         """The compute stream is about to read elements [offset, offset + numel): it waits
         for ``event`` (the fill that brought them) first."""

@@ -141,6 +141,13 @@ class Streams:
         """The compute stream reads (or writes) ``t`` from now on: checked by the stand-in
         (``check`` False: only remembered, as the last access)."""
 
+    def after_collective(self, copied: Event) -> Event:
+        """An event that completes once a collective the calling thread just ran on device
+        memory has (it was issued after ``copied`` completed): on CUDA recorded on the
+        thread's current stream, which the collective's stream made wait; elsewhere the
+        collective ran on the calling thread, and ``copied`` orders what came before it."""
+        return copied
+
     def pin(self, t: torch.Tensor) -> None:
         """[Note: pinned buffers] Page-lock host tensor ``t`` where it lies, so that copies
         between it and the device run without the host; ``unpin`` before it is freed."""
@@ -212,6 +219,9 @@ class CudaStreams(Streams):
     def compute_wait(self, event: Event) -> None:
         if isinstance(event, _CudaEvent):
             torch.cuda.current_stream(self._device).wait_event(event.event)
+
+    def after_collective(self, copied: Event) -> Event:
+        return self.record_compute()  # the calling thread's current stream
 
     def pin(self, t: torch.Tensor) -> None:
         # registered at its own size: torch's pinned allocator would round it up to a power

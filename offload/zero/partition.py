@@ -38,7 +38,10 @@ bucket on the compute device as autograd makes them (``gradient_bucket``), reduc
 there inside the group (``device_group``: NCCL on CUDA, gloo on a CPU device) into a fresh
 shard-sized tensor, and only that shard leaves the device, into the unit's host buffer
 (``GradientShards.land_shard``: queued on the device-to-host stream where the host does not
-address the device). So a rank moves 1/shard_size of each gradient device -> host. The
+address the device). So a rank moves 1/shard_size of each gradient device -> host. At
+stage 3 a fetch copies only this rank's chunks of the unit into their place in its device
+slot and all-gathers the rest there (``gather_params_on_device``, on the copy worker, over
+``device_param_group``). The
 buckets (fp32, the size of a unit's trainable prefix: one per unit whose gradients are
 arriving, at most two spare) are outside ``device_budget``, as activations are; their
 peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags,
@@ -56,7 +59,7 @@ import json
 import os
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -115,6 +118,7 @@ class Partition:
         # [Note: collectives on the device] where the gradient buckets live, and their group
         self.device = device
         self.device_group: Any = group
+        self.device_param_group: Any = None  # the param lane's ([Note: parameter all-gathers])
         self.num_cross_group_reduces = 0  # all-reduces across groups (one per unit and step)
         self._store = store
         self._seq: Dict[str, int] = {"main": 0, "param": 0}
@@ -172,9 +176,10 @@ class Partition:
             partition.shard_group = _subgroup(groups, timeout)
             partition.param_shard_group = _subgroup(groups, timeout)
             partition.replica_group = _subgroup(replicas, timeout)
-        partition.device_group = partition.shard_group
+        partition.device_group, partition.device_param_group = partition.shard_group, partition.param_shard_group
         if device.type == "cuda":  # the device's own backend for device buffers
             partition.device_group = _subgroup(groups, timeout, backend="nccl")
+            partition.device_param_group = _subgroup(groups, timeout, backend="nccl")
         return partition
 
     @property
@@ -472,19 +477,41 @@ class Partition:
         elements in the unit's flat layout) from this rank's home chunks ``home``. Lane
         "param" on the copy worker ([Note: parameter all-gathers]), "main" on the main
         thread (state_dict, checkpoints)."""
-        p = u.param_shard
         group = self.param_shard_group if lane == "param" else self.shard_group
         w = self.shard_size
-        regions = ((0, p.trainable, 0, "trainable"),
-                   (p.frozen_start, p.frozen, p.trainable_chunk_numel, "frozen"))
-        for start, shard, home_offset, which in regions:  # trainable first (see ParamShard)
+        for start, shard, home_offset, which in _regions(u.param_shard):
             n = shard.shard_numel
-            if n == 0:
-                continue
             self._collective(
                 f"parameter all-gather of unit {u.name!r} ({which})",
                 lambda: _all_gather_into(out[start:start + w * n], home[home_offset:home_offset + n],
                                          group=group), lane)
+
+    def own_chunk_numel(self, u: Any) -> int:
+        """Stage 3: elements of u's compute copy this rank keeps (its chunks, unpadded)."""
+        return sum(shard.shard_numel for _, shard, _, _ in _regions(u.param_shard))
+
+    @torch.no_grad()
+    def gather_params_on_device(self, u: Any, home: torch.Tensor, slot: torch.Tensor,
+                                copy_in: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        """Stage 3, on the copy worker ([Note: collectives on the device]): this rank's home
+        chunks ``home`` to their place in u's device ``slot`` (``copy_in(dst, src)``: the
+        device's copy, returning its event), then every rank's chunks gathered in place
+        there over the device's backend. Returns the last copy's event (waited for here)."""
+        w, r = self.shard_size, self.shard_rank
+        regions = _regions(u.param_shard)
+        copied = None
+        for start, shard, home_offset, _ in regions:
+            n = shard.shard_numel
+            copied = copy_in(slot[start + r * n:start + (r + 1) * n], home[home_offset:home_offset + n])
+        if copied is not None:
+            copied.synchronize()
+        for start, shard, _, which in regions:
+            n = shard.shard_numel
+            self._collective(
+                f"parameter all-gather of unit {u.name!r} ({which})",
+                lambda: _all_gather_into(slot[start:start + w * n], slot[start + r * n:start + (r + 1) * n],
+                                         group=self.device_param_group), "param")
+        return copied
 
 
 def resolve_shard_group_size(configured: Optional[int], world_size: int, environ: Mapping[str, str]) -> int:
@@ -506,6 +533,13 @@ def _subgroup(members: List[List[int]], timeout: timedelta, backend: str = "gloo
         return dist.new_group(backend=backend, timeout=timeout)
     mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout, backend=backend)
     return mine
+
+
+def _regions(p: Any) -> List[Tuple[int, Any, int, str]]:
+    """Stage 3: (slot start, shard range, home offset, name) of a unit's trainable prefix and
+    frozen tail, trainable first (see ParamShard); the regions without elements left out."""
+    regions = ((0, p.trainable, 0, "trainable"), (p.frozen_start, p.frozen, p.trainable_chunk_numel, "frozen"))
+    return [r for r in regions if r[1].shard_numel]
 
 
 def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:
