@@ -350,11 +350,9 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     staging += 2 * sum(update_buffer_bytes(units, layout).values())  # two buffer sets
     largest = max(u.compute_numel for u in units)
     fetch = 0
-    if layout.gathers:
+    if layout.gathers:  # [zero] gathered on the device: only the NVMe reads' buffer
         if layout.param_tier == "nvme":
             fetch += max(u.home_numel for u in units) * home_element_bytes
-        if not layout.device_is_host:
-            fetch += largest * home_element_bytes
     elif not layout.device_is_host and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
         fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
     return HostBytes(grads, compute, master, moments, staging, fetch, squares_scratch_bytes(units, layout))
