@@ -69,7 +69,8 @@ def _worker(rank, port, world, config, data, out_dir, environ, checkpoint, resum
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-            result = {"state": engine.state_dict(), "stats": engine.stats(), "losses": losses}
+            result = {"state": engine.state_dict(), "stats": engine.stats(), "losses": losses,
+                      "placement": [(u.compute_tier, u.state_tier) for u in engine.placement().units]}
             if checkpoint:
                 engine.save_checkpoint(checkpoint)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -252,3 +253,22 @@ def test_a_checkpoint_of_two_groups_resumes_on_other_worlds_as_the_uninterrupted
                 assert abs(got - want) <= LOSS_TOL_3_RANKS * abs(want), (step, got, want)
         else:
             assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r} of {world}"
+
+
+@pytest.mark.host_device  # the budgets are the CPU device's (CUDA's host also holds fetch buffers)
+@pytest.mark.parametrize("stage,host_budget,device_budget", [(1, 500_000, None), (2, 350_000, 150_000),
+                                                              (3, 350_000, 150_000)])
+def test_auto_tiers_place_each_ranks_shards_under_its_budget(stage, host_budget, device_budget, tmp_path):
+    """Issue 38: "auto" placement works per rank, on what the rank keeps (its shards) under
+    its host budget, instead of putting every auto role on the host: with these budgets
+    each rank's units are split between RAM and NVMe, and 2 ranks equal one process."""
+    data = batches(STEPS)
+    config = dict(stage=stage, param_tier="auto", optimizer_tier="auto", swap_dir=str(tmp_path / "swap"),
+                  host_budget=host_budget, device_budget=device_budget)
+    results = run_ranks(2, config, data, tmp_path / "out")
+    ref = reference(data)
+    for r, res in enumerate(results):
+        tiers = {t for pair in res["placement"] for t in pair if t}
+        assert {"host", "nvme"} <= tiers, res["placement"]
+        assert res["stats"]["host_peak_bytes"] <= host_budget
+        assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"

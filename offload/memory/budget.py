@@ -296,11 +296,13 @@ def update_buffer_bytes(units: Sequence[UnitSizes], layout: Layout) -> Dict[str,
     largest = max((u.state_numel for u in units if u.trainable), default=0)
     if layout.gathers:
         largest = min(largest, unit_split.OPTIMIZER_PIECE_NUMEL)
-    if layout.param_tier == "nvme" and (layout.merged or layout.compute_dtype != torch.float32):
+    # per unit where "auto" placed them ([Note: placement by budget])
+    indices = range(len(units))
+    if any(layout.compute_tier(i) == "nvme" for i in indices) and (layout.merged or layout.compute_dtype != torch.float32):
         home_element_bytes = FP32_BYTES if layout.merged else layout.compute_element_bytes
         compute = largest if layout.gathers else max(u.compute_numel for u in units)
         sizes["compute"] = home_element_bytes * compute
-    if layout.optimizer_tier == "nvme":
+    if any(layout.state_tier(i) == "nvme" for i in indices):
         if not layout.merged:  # split: where the master is joined, updated and split again
             sizes["master"] = largest * FP32_BYTES
         if layout.split_master:
@@ -351,7 +353,7 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     largest = max(u.compute_numel for u in units)
     fetch = 0
     if layout.gathers:  # [zero] gathered on the device: only the NVMe reads' buffer
-        if layout.param_tier == "nvme":
+        if any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
             fetch += max(u.home_numel for u in units) * home_element_bytes
     elif not layout.device_is_host and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
         fetch = (layout.prefetch_units + 1) * largest * home_element_bytes

@@ -207,7 +207,6 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     bandwidth = profile["bandwidth_bytes_per_second"]
     read, write = 1.0 / bandwidth["nvme_read"], 1.0 / bandwidth["nvme_write"]
     gradient_worth = read + write  # a spilled gradient byte is written and read back once a step
-    gradient_floor = spill_floor_bytes(units, layout)
     candidates: List[Tuple[float, int, str]] = []  # (worth: seconds saved per RAM byte, unit, role)
     for i, u in enumerate(units):
         # [Note: speculative updates], [Note: delayed updates] (a compute copy only) spares
@@ -225,10 +224,9 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
         trial_compute, trial_states = list(compute), list(states)
         (trial_compute if role == "compute" else trial_states)[i] = "host"
         trial = layout_for(tuple(trial_compute), tuple(trial_states))
-        planned = host_bytes(units, trial)
         # worth more than a spilled gradient: only the spill's floor of gradients stays in RAM
-        need = planned.total - planned.gradients + gradient_floor if worth > gradient_worth \
-            else planned.total
+        # (where gradients can spill: [zero] several ranks keep them all)
+        need = minimum_host_budget(units, trial) if worth > gradient_worth else host_bytes(units, trial).total
         if need <= host_budget:
             compute, states, layout = trial_compute, trial_states, trial
     return tuple(compute), tuple(states)
@@ -240,12 +238,9 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     wrap calls it once its units are cut, before any budget is checked or anything
     allocated. ValueErrors name the config field (machine_profile, host_budget, the tiers)."""
     auto = "auto" in (config.param_tier, config.optimizer_tier)
-    if auto and partition is not None:
-        # per-unit placement is for one process: with several ranks an "auto" role is on the
-        # host, every unit, as the tiers' defaults were before they became "auto"
-        config = dataclasses.replace(config, **{f"{role}_tier": "host" for role in ("param", "optimizer")
-                                                if getattr(config, f"{role}_tier") == "auto"})
-        return Layout.resolve(config, device, partition)
+    # [zero] with several ranks each rank places what it keeps (``units``: its shards) under
+    # its own host budget (by default its share of the node's); the collectives do not care
+    # which tier a rank reads its part from
     profile = load_profile(config.machine_profile, "machine_profile") if auto else DEFAULT_PROFILE
 
     base = Layout.resolve(config, device, partition)
@@ -261,7 +256,7 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     # Not with delayed updates, which keep a lagging compute copy at home, nor where the run
     # may update speculatively (clipping, fp16 or skips), which a device-homed compute copy
     # rules out: there the compute copies stay at home, as with param_tier "host".
-    if param_tier == "auto" and not config.delayed_update \
+    if param_tier == "auto" and not config.delayed_update and not (partition is not None and partition.shards_params) \
             and not (config.needs_norm_first() and config.speculative_updates is not False) and (
             config.device_budget is None
             or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):

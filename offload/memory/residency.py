@@ -155,7 +155,7 @@ class DeviceResidency:
         # rank's chunks read from NVMe (gathered on the device: [Note: collectives on the device]).
         self._gather_home: Optional[torch.Tensor] = host.allocate(
             max(compute_home_numel(u.compute_numel, u.param_shard) for u in units), home_dtype) \
-            if layout.gathers and layout.param_tier == "nvme" else None
+            if layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else None
 
     def connect(self, updates: PendingUpdates) -> None:
         """The update scheduler, once it is built (it is built with this residency)."""
@@ -316,7 +316,7 @@ class DeviceResidency:
             future = self._copy_worker.submit(self._gather_to_device, u, dst)
             u.pending = future.result
             home_bytes = compute_home_numel(u.compute_numel, u.param_shard) * dst.element_size()
-            self._stats.add_bytes("nvme_to_host" if layout.param_tier == "nvme" else "host_to_host", home_bytes)
+            self._stats.add_bytes("nvme_to_host" if on_nvme(u.compute_home) else "host_to_host", home_bytes)
             self._stats.add_bytes("all_gather", num_bytes)
             if not layout.device_is_host:  # only the rank's own chunks cross to the device
                 self._stats.add_bytes("host_to_device", self._partition.own_chunk_numel(u) * dst.element_size())
