@@ -45,7 +45,8 @@ from offload.memory.placement import Placement, describe_units, resolve_placemen
 from offload.memory.residency import DeviceResidency
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
-from offload.optim.cpu_adam import adam_flavour, carried_adam_state
+from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
+from offload.optim.generic import probe as probe_elementwise
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.sharded import ShardedStep
@@ -101,7 +102,10 @@ class Engine:
         compute_element_bytes = layout.compute_element_bytes
 
         # 2. Units, from the model and the optimizer's param groups.
-        adamw = adam_flavour(optimizer)  # checks what the optimizer asks that we cannot honor
+        # Adam/AdamW/CPUAdam run on the native kernel; any other optimizer must be elementwise
+        # ([Note: elementwise optimizers]), probed here on a dummy parameter.
+        rule = None if isinstance(optimizer, (torch.optim.Adam, CPUAdam)) else probe_elementwise(optimizer)
+        adamw = adam_flavour(optimizer) if rule is None else False  # checks what we cannot honor
         group_of: Dict[nn.Parameter, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -109,8 +113,8 @@ class Engine:
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
         # What an optimizer that has taken steps holds goes into the homes (checked here).
-        adam_state = carried_adam_state(optimizer, [(e.fqn, e.param) for spec in specs for e in spec.entries
-                                                    if e.trainable])
+        trainable = [(e.fqn, e.param) for spec in specs for e in spec.entries if e.trainable]
+        adam_state = carried_adam_state(optimizer, trainable) if rule is None else rule.carried_state(trainable)
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
@@ -162,7 +166,7 @@ class Engine:
             if self._partition is not None:
                 self._partition.bind_gradients(self._gradients)
             # Adam over ranges of a unit: every update path calls it.
-            self._adam = UnitAdam(optimizer, adamw=adamw, layout=layout, device=self._device,
+            self._adam = UnitAdam(optimizer, adamw=adamw, rule=rule, layout=layout, device=self._device,
                                   gradients=self._gradients, timeline=self._timeline,
                                   piece_numel=units.OPTIMIZER_PIECE_NUMEL)
             self._nvme: Optional[NvmeTier] = None
@@ -268,7 +272,8 @@ class Engine:
                 counters=lambda: {"micro_step": self._updates.micro_step, "loss_scale": self._gradients.loss_scale,
                                   "good_steps": self._gradients.good_steps,
                                   "last_grad_norm": self._gradients.last_grad_norm},
-                restore_counters=restore_counters))
+                restore_counters=restore_counters),
+            optimizer_state=None if rule is None else rule.layout())
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

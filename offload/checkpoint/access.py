@@ -99,10 +99,14 @@ class CheckpointAccess:
 
     def __init__(self, units: List["UnitState"], layout: "Layout", partition: Optional["Partition"],
                  device: "DeviceTier", module: nn.Module, optimizer: torch.optim.Optimizer,
-                 config: "OffloadConfig", homes: HomeIO, state: EngineState) -> None:
+                 config: "OffloadConfig", homes: HomeIO, state: EngineState,
+                 optimizer_state: Optional[Dict[str, Any]] = None) -> None:
+        """``optimizer_state``: an elementwise optimizer's state layout (what sections
+        exp_avg and exp_avg_sq hold, [Note: elementwise optimizers]); None for Adam's."""
         self.units = units
         self.module = module
         self.optimizer = optimizer
+        self.optimizer_state = optimizer_state
         self.config = config  # of the run: recorded in the manifest, compared on load
         self.compute_dtype = layout.compute_dtype
         self._layout = layout

@@ -269,6 +269,9 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
             if trainable:
                 f.an_int(r, "group_index", f"{field}.group_index", lo=0, hi=len(groups) - 1)
                 f.an_int(r, "step", f"{field}.step")
+                if "optimizer_scalars" in r:  # [Note: elementwise optimizers] name -> [dtype, number]
+                    f.get(r, "optimizer_scalars", f"{field}.optimizer_scalars", _scalars_record,
+                          'an object of [dtype, number] pairs')
             if version >= 2:
                 pieces = f.a_list(r, "pieces", f"{field}.pieces", lambda v: isinstance(v, dict), "a list of objects")
                 for k, piece in enumerate(pieces):
@@ -295,6 +298,13 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
         f.an_int(b, "offset", f"buffers[{i}].offset")
     if buffers and "buffers.bin" not in files:
         f.fail("files", "does not list 'buffers.bin', which the buffers are in")
+
+
+def _scalars_record(value: Any) -> bool:
+    scalar_dtypes = ("python", "float32", "float64", "int64", "int32", "bool")
+    return isinstance(value, dict) and all(
+        isinstance(v, list) and len(v) == 2 and v[0] in scalar_dtypes and isinstance(v[1], (int, float, bool))
+        for v in value.values())
 
 
 def _check_rng(f: _Fields, record: Dict[str, Any], field: str, files: Dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
     DTYPES, MANIFEST, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
 from offload.errors import CheckpointError, warn_at_caller
+from offload.optim.generic import step_from_json
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess
@@ -55,6 +56,13 @@ def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir:
         if not isinstance(offset, int) or offset < 0 or offset + nbytes > size:
             raise CheckpointError(f"checkpoint file 'buffers.bin': a manifest entry points at bytes "
                                   f"[{offset}, {offset}+{nbytes}) outside the file ({size} bytes)")
+    saved_state = manifest.get("optimizer_state")  # [Note: elementwise optimizers] absent: Adam's
+    if saved_state != access.optimizer_state:
+        def what(layout: Optional[Dict[str, Any]]) -> str:
+            return "Adam's (exp_avg, exp_avg_sq)" if layout is None else \
+                f"{layout.get('class')}'s ({', '.join(map(str, layout.get('slots', [])))})"
+        raise CheckpointError(f"checkpoint {ckpt_dir!r}: its optimizer state is {what(saved_state)}, this "
+                              f"engine's optimizer keeps {what(access.optimizer_state)}")
     groups = manifest["param_groups"]
     if len(groups) != len(access.optimizer.param_groups):
         raise CheckpointError(f"checkpoint {ckpt_dir!r}: {len(groups)} optimizer param groups in the "
@@ -192,7 +200,8 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
         try:
             for u in access.units:               # 2. unit by unit into the tiers
                 read = _unit_reader(u, saved, reader)
-                access.write_unit_state(u, read, [saved[e.fqn]["step"] for e in u.trainable])
+                access.write_unit_state(u, read, [step_from_json(saved[e.fqn]["step"], saved[e.fqn].get("optimizer_scalars"))
+                                                  for e in u.trainable])
                 if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
                     access.restore_lagging(u, lambda lo, hi, out, read=read: read("lagging", lo, hi, out))
         finally:

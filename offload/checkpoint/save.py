@@ -22,6 +22,7 @@ from offload.checkpoint.directory import (
 from offload.checkpoint.format import (
     FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
 from offload.errors import warn_at_caller
+from offload.optim.generic import scalars_to_json
 
 if TYPE_CHECKING:
     from offload.checkpoint.access import CheckpointAccess
@@ -369,7 +370,10 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
                       "numel": e.numel, "dtype": dtype_name(compute_dtype), "trainable": e.trainable,
                       "pieces": sorted(pieces.get(e.fqn, []), key=lambda p: p["start"])}
             if e.trainable:
-                record.update(group_index=e.group_index, step=u.steps[k])
+                record.update(group_index=e.group_index, step=int(u.steps[k]))
+                scalars = scalars_to_json(u.steps[k])  # [Note: elementwise optimizers]
+                if scalars is not None:
+                    record["optimizer_scalars"] = scalars
             entries.append(record)
         record = {"name": u.name, "entries": entries}
         if u.delayed_pending:  # [Note: delayed updates] its pieces have a "lagging" section
@@ -389,6 +393,8 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
         "buffers": everyone[0]["buffers"],
         "files": files,
     }
+    if access.optimizer_state is not None:  # [Note: elementwise optimizers] Adam's layout is the default
+        manifest["optimizer_state"] = access.optimizer_state
     manifest["checksum"] = manifest_checksum(manifest)
     return manifest
 

@@ -256,7 +256,8 @@ class Homes:
 
     def _store_initial_moments(self, u: UnitState) -> None:
         """u's moments and step counts: zeros, or those the optimizer had (``adam_state``:
-        its exp_avg and exp_avg_sq laid out like the master, this rank's [zero] shard)."""
+        its exp_avg and exp_avg_sq laid out like the master, this rank's [zero] shard; an
+        elementwise optimizer's state slots 0 and 1, [Note: elementwise optimizers])."""
         carried = [self._adam_state.get(e.param) for e in u.trainable]
         if not any(carried):
             self.store_zeros(u.moments_home)
@@ -264,9 +265,9 @@ class Homes:
         t, s = u.spec.trainable_numel, u.shard
         exp_avg, exp_avg_sq = torch.zeros(t, dtype=torch.float32), torch.zeros(t, dtype=torch.float32)
         for e, state in zip(u.trainable, carried):
-            if state is not None:
-                exp_avg[e.offset:e.offset + e.numel].copy_(state[1].detach().reshape(-1))
-                exp_avg_sq[e.offset:e.offset + e.numel].copy_(state[2].detach().reshape(-1))
+            for moment, carried_moment in zip((exp_avg, exp_avg_sq), state[1:] if state is not None else ()):
+                if carried_moment is not None:  # None: a slot this parameter's optimizer does not use
+                    moment[e.offset:e.offset + e.numel].copy_(carried_moment.detach().reshape(-1))
         moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
         moments[:s.numel].copy_(exp_avg[s.lo:s.hi])
         moments[s.state_numel:s.state_numel + s.numel].copy_(exp_avg_sq[s.lo:s.hi])

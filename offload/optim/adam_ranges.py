@@ -16,6 +16,7 @@ import torch
 from offload import faults
 from offload.memory.layout import Layout, UnitState
 from offload.optim.cpu_adam import adam_step_flat
+from offload.optim.generic import ElementwiseRule, ParamStep
 from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
@@ -44,12 +45,16 @@ class UnitAdam:
     own between calls; any thread may call it for a unit that thread owns ([Note: threads]
     in memory/layout.py)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, adamw: bool, layout: Layout, device: DeviceTier,
-                 gradients: Gradients, timeline: Timeline, piece_numel: int) -> None:
-        """``adamw``: decoupled weight decay. ``piece_numel``: the staged step's piece size
-        (offload.units.OPTIMIZER_PIECE_NUMEL, passed by the engine)."""
+    def __init__(self, optimizer: torch.optim.Optimizer, *, adamw: bool, rule: Optional[ElementwiseRule],
+                 layout: Layout, device: DeviceTier, gradients: Gradients, timeline: Timeline,
+                 piece_numel: int) -> None:
+        """``adamw``: decoupled weight decay. ``rule``: another elementwise optimizer, run
+        instead of the Adam kernel ([Note: elementwise optimizers] in optim/generic.py); its
+        state slots 0 and 1 are where Adam's exp_avg and exp_avg_sq are. ``piece_numel``: the
+        staged step's piece size (offload.units.OPTIMIZER_PIECE_NUMEL, passed by the engine)."""
         self._optimizer = optimizer
         self._adamw = adamw
+        self._rule = rule
         self._layout = layout
         self._device = device
         self._gradients = gradients
@@ -57,7 +62,10 @@ class UnitAdam:
         self._piece_numel = piece_numel
 
     def next_steps(self, u: UnitState) -> List[int]:
-        """Step counts after this update: +1 where the parameter has a gradient."""
+        """Step counts after this update: +1 where the parameter has a gradient (with an
+        elementwise rule, ParamSteps whose scalars the update's first range settles)."""
+        if self._rule is not None:
+            return [ParamStep.after(s) if g else s for s, g in zip(u.steps, u.has_grad)]
         return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
 
     def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
@@ -76,6 +84,9 @@ class UnitAdam:
         as they are and writes there instead (see OutOfPlace)."""
         faults.hit("optim.adam_range", unit=u.name, lo=lo, hi=hi)
         groups = self._optimizer.param_groups if groups is None else groups
+        rule = self._rule
+        if rule is not None:  # [Note: elementwise optimizers] once per parameter, whichever range comes first
+            rule.settle_scalars(steps, [e.group_index for e in u.trainable], groups)
         updated: List[Tuple[int, int]] = []  # what the kernel wrote, relative to lo
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
@@ -87,8 +98,15 @@ class UnitAdam:
                     compute_out[r].copy_(master[r])
                 continue
             group = groups[e.group_index]
-            beta1, beta2 = group["betas"]
             faults.hit("optim.adam", unit=u.name, lo=a, hi=b)
+            if rule is not None:
+                self._elementwise_range(e.group_index, group, steps[k], self._gradients.grad_range(u, k, a, b),
+                                        grad_factor, master[r], (exp_avg[r], exp_avg_sq[r]),
+                                        None if compute_out is None else compute_out[r],
+                                        None if out is None else (out.master[r], out.exp_avg[r], out.exp_avg_sq[r]))
+                updated.append((r.start, r.stop))
+                continue
+            beta1, beta2 = group["betas"]
             adam_step_flat(
                 master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -108,6 +126,27 @@ class UnitAdam:
                 dst = self._device.view(u.device_offset + lo, end - lo)
                 # src is reused once this returns ([Note: streams])
                 self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
+
+    def _elementwise_range(self, group_index: int, group: Dict[str, Any], step: int, grad: torch.Tensor,
+                           grad_factor: float, master: torch.Tensor, slots: Tuple[torch.Tensor, torch.Tensor],
+                           compute_out: Optional[torch.Tensor],
+                           out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """One parameter's elements through the elementwise rule, with what the Adam kernel
+        does around its update: the gradient times ``grad_factor`` in fp32 (as the kernel, and
+        as clip_grad_norm_'s in-place multiply), out-of-place writes ([Note: out-of-place
+        Adam]: the inputs are copied to ``out`` and stepped there), and the new compute copy
+        rounded to nearest even into ``compute_out``."""
+        # A copy always: the engine's gradient may be read again (a speculative update taken
+        # back), and a user's step() may write p.grad.
+        grad = grad.float() * grad_factor if grad_factor != 1.0 else grad.to(torch.float32, copy=True)
+        if out is not None:
+            for src, dst in zip((master,) + slots, out):
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+            master, slots = out[0], (out[1], out[2])
+        self._rule.step_range(group_index, group, step, master, grad, slots)
+        if compute_out is not None:
+            compute_out.copy_(master)
 
     @staticmethod
     def _carry_over(n: int, updated: List[Tuple[int, int]],

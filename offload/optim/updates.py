@@ -420,8 +420,9 @@ class UpdateScheduler:
 
     def _hyperparameters(self) -> List[Dict[str, Any]]:
         """The optimizer's per-group settings now, for an update that runs later (an LR
-        scheduler may change the groups meanwhile)."""
-        return [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self._optimizer.param_groups]
+        scheduler may change the groups meanwhile): every key but the parameters, which an
+        elementwise optimizer's step reads ([Note: elementwise optimizers])."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
 
     def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float, priority: float,
                      point: str) -> None:
