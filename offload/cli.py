@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", metavar="PATH", default=None,
                       help="profile JSON from `offload profile --json` (default: documented round numbers)")
     plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
+    plan.add_argument("--optimizer-state-tensors", type=int, choices=(0, 1, 2), default=2,
+                      help="fp32 optimizer state tensors per parameter: 2 Adam/AdamW/NAdam (default), "
+                           "1 SGD with momentum/Adagrad, 0 plain SGD")
     plan.add_argument("--pipeline-depth", type=_positive_int, default=3, help="optimizer_pipeline_depth (default 3)")
     plan.add_argument("--flops-per-second", type=float, default=None, help="model compute as 6 x params x tokens / this")
     plan.add_argument("--tokens-per-step", type=_positive_int, default=2048, help="with --flops-per-second (default 2048)")
@@ -209,7 +212,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         nvme_budget = shutil.disk_usage(args.swap_dir).free
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step,
-                                 host_budget_default=host_budget_default)
+                                 host_budget_default=host_budget_default, state_slots=args.optimizer_state_tensors)
     compute = args.compute_seconds
     if compute is None and args.flops_per_second:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
@@ -217,7 +220,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        host_budget=host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth))
-    auto = plan.auto_plan(shape, auto_config, profile, compute)
+    auto = plan.auto_plan(shape, auto_config, profile, compute, args.optimizer_state_tensors)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     print(text)
     if args.json:
@@ -225,7 +228,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                    args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
-                                   host_budget_default=host_budget_default),
+                                   host_budget_default=host_budget_default,
+                                   state_slots=args.optimizer_state_tensors),
                       f, indent=2)
         print(f"plan written to {args.json}")
     return 0 if any_fits else 1

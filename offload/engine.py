@@ -106,6 +106,11 @@ class Engine:
         # ([Note: elementwise optimizers]), probed here on a dummy parameter.
         rule = None if isinstance(optimizer, (torch.optim.Adam, CPUAdam)) else probe_elementwise(optimizer)
         adamw = adam_flavour(optimizer) if rule is None else False  # checks what we cannot honor
+        if rule is not None and self._partition is not None and config.stage >= 1:
+            # the sharded step (optim/sharded.py) moves Adam's two moments and settles no scalars
+            raise ValueError(f"stage: ZeRO stage {config.stage} shards Adam's states only; {rule.name} runs with "
+                             "stage=0 (every rank keeps its whole state) or one process")
+        state_slots = 2 if rule is None else len(rule.slots)
         group_of: Dict[nn.Parameter, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -119,7 +124,7 @@ class Engine:
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
         meta_replacements = meta_stand_ins(specs)
-        self.units = [UnitState(spec, compute_element_bytes) for spec in specs]
+        self.units = [UnitState(spec, compute_element_bytes, state_slots) for spec in specs]
         self._root = self.units[0]
         if self._partition is not None:
             home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes

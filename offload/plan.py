@@ -9,7 +9,8 @@ Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for 
                           compute copy *is* the fp32 master ("merged"): 4 B, no master.
   fp32 master    4 B      home: optimizer_tier (0 when merged; 2 B, its low half, when
                           split: bf16, optimizer_tier "nvme", param_tier not "device")
-  Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32)
+  Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32; another elementwise
+                          optimizer: 4 B per state tensor, --optimizer-state-tensors)
   gradients      e B      home: host, as autograd made them ([Note: 16-bit gradients]);
                           4 B with fp32 compute or micro-steps to accumulate
 
@@ -203,15 +204,23 @@ def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: in
                                host_budget_default=False)
 
 
+def optimizer_state_name(state_slots: int) -> str:
+    """The plan's name for the optimizer's per-parameter state: Adam's moments, or another
+    elementwise optimizer's ``state_slots`` fp32 tensors ([Note: elementwise optimizers])."""
+    return "Adam moments" if state_slots == 2 else f"optimizer state ({state_slots} x fp32)"
+
+
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
-          pipeline_depth: int = 3, split_master: bool = True) -> Placement:
+          pipeline_depth: int = 3, split_master: bool = True, state_slots: int = 2) -> Placement:
+    """``state_slots``: fp32 optimizer state tensors per parameter (Adam's 2; an elementwise
+    optimizer's own, 0 for plain SGD: [Note: elementwise optimizers])."""
     e = _ELEMENT_BYTES[dtype]
     layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master)
     merged = layout.merged
     # [Note: split master] (Config.split_master): the master at home is its low half
     split = layout.split_master
     units = shape.units
-    sizes = [u.sizes(e) for u in units]
+    sizes = [dataclasses.replace(u.sizes(e), state_slots=state_slots) for u in units]
     compute_numel = [u.compute_numel for u in sizes]
     master_numel = [u.master_numel for u in sizes]
     home_element = FP32_BYTES if merged else e
@@ -222,7 +231,7 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     prefix_bytes = sum(u.low_numel * 2 for u in sizes if u.trainable)
     if split:
         master_bytes = prefix_bytes
-    moments_bytes = sum(2 * m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    moments_bytes = sum(state_slots * m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
     grad_bytes = sum(u.trainable_numel for u in units) * layout.grad_element_bytes
     grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"  # [Note: 16-bit gradients]
 
@@ -234,13 +243,14 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     del host_parts["fetch staging buffers"]
     nvme_bytes = swap_bytes(sizes, layout)
 
+    moments = optimizer_state_name(state_slots)
     state_tier = {"compute copy": param_tier, grads: "host",
                   "fp32 master": "merged with compute copy" if merged else
                   f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier,
-                  "Adam moments": optimizer_tier}
+                  moments: optimizer_tier}
     state_bytes = {"compute copy": compute_bytes if param_tier != "device" else sum(device_compute),
                    grads: grad_bytes, "fp32 master": master_bytes,
-                   "Adam moments": moments_bytes}
+                   moments: moments_bytes}
 
     # Traffic per optimizer step ([Note: step time model]).
     traffic = {link: 0 for link in LINKS}
@@ -251,7 +261,7 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
     trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
     optimizer_io = (trainable_master * FP32_BYTES if master_on_nvme and not split else 0) + \
-        (2 * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
+        (state_slots * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
     if split:  # the low halves, and the high ones: the compute copy, read from its home
         optimizer_io += prefix_bytes
         if param_tier == "nvme":
@@ -266,15 +276,15 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
                      state_tier, state_bytes, traffic)
 
 
-def auto_placement(shape: ModelShape, config: "OffloadConfig | dict") -> Tuple[unit_placement.Placement,
-                                                                              Layout, List[UnitSizes]]:
+def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slots: int = 2
+                   ) -> Tuple[unit_placement.Placement, Layout, List[UnitSizes]]:
     """The placement wrap makes under ``config`` (param_tier/optimizer_tier "auto") for a
     model of ``shape``, every parameter trainable, on one process with a CPU device: the
     same function as wrap's ([Note: placement by budget]); with it the Layout and the unit
     sizes (for ``unit_placement.predict_step``). ValueError as wrap raises it."""
     config = OffloadConfig.from_any(config)
     e = _ELEMENT_BYTES[config.dtype]
-    sizes = [u.sizes(e) for u in shape.units]
+    sizes = [dataclasses.replace(u.sizes(e), state_slots=state_slots) for u in shape.units]
     layout = unit_placement.resolve_placement(config, torch.device("cpu"), None, sizes)
     return unit_placement.describe_units(sizes, layout), layout, sizes
 
@@ -283,7 +293,7 @@ _HOST_DEFAULT_NOTE = "default: 3/4 of the memory available now, as wrap's"
 
 
 def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
-              compute_seconds: Optional[float]) -> dict:
+              compute_seconds: Optional[float], state_slots: int = 2) -> dict:
     """What `offload plan` reports for "auto" (its text and its --json both come from this):
     each unit's tiers, bytes per tier, NVMe bytes per step and the predicted step ([Note:
     step prediction]); ``possible`` False with ``error`` where wrap would refuse the config."""
@@ -291,7 +301,7 @@ def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
     settings = {"host_budget": config.host_budget, "host_budget_default": False, "max_grad_norm": config.max_grad_norm,
                 "delayed_update": config.delayed_update}
     try:
-        placement, layout, sizes = auto_placement(shape, config)
+        placement, layout, sizes = auto_placement(shape, config, state_slots)
     except ValueError as error:
         return {"possible": False, "error": str(error), **settings}
     prediction = unit_placement.predict_step(sizes, layout, profile, compute_seconds)
@@ -405,12 +415,12 @@ def _prefetch_room(shape: ModelShape, dtype: str) -> Optional[dict]:
 def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
             host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
             flops_per_second: Optional[float], tokens_per_step: int, auto: dict,
-            host_budget_default: bool = False) -> dict:
+            host_budget_default: bool = False, state_slots: int = 2) -> dict:
     """What `offload plan --json` writes: every number of the text report (``auto``:
     ``auto_plan``'s answer, made under the same host budget)."""
     configurations = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
         pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
         configurations.append({
             "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
@@ -432,7 +442,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
             "host_budget_default": host_budget_default,
             "bytes_per_param": {"compute copy": e, "gradients": e, "fp32 master": FP32_BYTES,
-                                "Adam moments": 2 * FP32_BYTES},
+                                optimizer_state_name(state_slots): state_slots * FP32_BYTES},
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
             "prefetch": _prefetch_room(shape, dtype),
@@ -442,7 +452,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
 def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
            flops_per_second: Optional[float], tokens_per_step: int,
-           host_budget_default: bool = False) -> Tuple[str, bool]:
+           host_budget_default: bool = False, state_slots: int = 2) -> Tuple[str, bool]:
     """The text `offload plan` prints (the auto placement's lines come from auto_report),
     and whether any configuration fits."""
     from offload.config import format_size
@@ -463,7 +473,8 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
              f"  gradients       {e} B/param   {format_size(n * e):>12}   (host; 4 B summed over micro-steps)",
              f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
              ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
-             f"  Adam moments    8 B/param   {format_size(n * 8):>12}",
+             f"  {optimizer_state_name(state_slots) if state_slots == 2 else 'optimizer state':<15} "
+             f"{state_slots * 4} B/param   {format_size(n * state_slots * 4):>12}",
              ""]
     header = (f"{'param_tier':<11}{'opt_tier':<9}{'device':>12}{'host':>12}{'nvme':>12}  "
               f"{'fits':<5}{'step (serial)':>14}{'(overlap)':>11}  placement")
@@ -472,7 +483,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
     any_fits = False
     missing: List[str] = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
         short = shortfalls(p, device_budget, host_budget, nvme_budget)
         fits = not short
         any_fits = any_fits or fits
@@ -494,7 +505,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                       + f" (units of the median size, {format_size(room['unit_bytes'])})"]
     lines += ["", "bytes moved per optimizer step (one micro-batch):"]
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
         moved = ", ".join(f"{link} {format_size(b)}" for link, b in p.traffic.items() if b)
         lines.append(f"  {param_tier}/{optimizer_tier}: {moved}")
     bw = profile["bandwidth_bytes_per_second"]

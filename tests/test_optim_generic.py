@@ -385,3 +385,229 @@ def test_what_cannot_be_offloaded_is_refused_before_anything_is_touched(make, ma
     assert not opt.state or all(not isinstance(p, torch.Tensor) or p.numel() for p in opt.state)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+@pytest.mark.parametrize("name", ["sgd", "sgd-momentum-nesterov-wd", "nadam"])
+def test_state_bytes_on_each_tier_are_what_the_planner_predicts(name, tiers, tmp_path):
+    """Each optimizer's state takes its own bytes per parameter at home (0 for plain SGD, 4
+    with momentum, 8 for NAdam as for Adam), and wrap's tiers hold what the planner
+    (offload.plan.place, the budget arithmetic) predicts for that many state tensors."""
+    import dataclasses
+
+    from offload.memory.budget import host_bytes, model_unit_sizes, swap_bytes
+    from offload.memory.layout import Layout
+    from offload.config import OffloadConfig
+    from offload.plan import optimizer_state_name, place, shape_from_module
+
+    slots = STATE_SLOTS[name]
+    config = dict(TIERS[tiers], swap_dir=str(tmp_path / "swap"), device_budget=None)
+    _, model = gpt_pair()
+    with torch.device("meta"):
+        sizes = [dataclasses.replace(s, state_slots=slots) for s in model_unit_sizes(GPT(CFG), 4)]
+        planned = place(shape_from_module(GPT(CFG), "gpt"), "fp32", *tiers.split() * 2, state_slots=slots)
+    layout = Layout.resolve(OffloadConfig(device="cpu", **config), torch.device("cpu"), None)
+    trainable_numel = sum(s.state_numel for s in sizes if s.trainable)
+    with offload.wrap(model, OPTIMIZERS[name](model.parameters()), config=config) as engine:
+        train_offload(engine, batches(1))
+        stats = engine.stats()
+    # fp32: the compute copy is the master, so the optimizer's own state is all there is
+    assert stats["optimizer_state_bytes"] == slots * 4 * trainable_numel == planned.state_bytes[optimizer_state_name(slots)]
+    assert stats["nvme_bytes"] == swap_bytes(sizes, layout) == planned.nvme_bytes
+    assert stats["host_bytes"] <= host_bytes(sizes, layout).total == planned.host_bytes
+    on_tier = stats[f"home_bytes_{tiers}"]
+    assert on_tier == planned.state_bytes["compute copy"] + slots * 4 * trainable_numel
+
+
+# ---------------------------------------------------------------------------- modes
+# The small GPT's norms over six steps: 9.6, 9.6, 7.7, 5.9, 5.0, 3.9 (test_optim_speculative)
+MIXED_NORM = 6.0
+NEVER_CLIPS = 1e9
+
+
+def run_modes(tmp_path, label, name, data, settle_backward=False, **kw):
+    """The small GPT with ``OPTIMIZERS[name]`` and the config's tiers on NVMe plus ``kw``:
+    (state_dict, stats). ``settle_backward``: every speculative update runs before step()."""
+    _, model = gpt_pair()
+    config = dict(TIERS["nvme"], swap_dir=str(tmp_path / label), **kw)
+    with offload.wrap(model, OPTIMIZERS[name](model.parameters()), config=config) as engine:
+        for b in data:
+            engine.backward(gpt_loss(engine, b))
+            if settle_backward:
+                engine.debug.updates.wait_optimizer()
+            engine.step()
+        return engine.state_dict(), engine.stats()
+
+
+def assert_same_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("clip", ["never", "mixed"])
+@pytest.mark.parametrize("name", ["sgd-momentum-nesterov-wd", "nadam"])
+def test_speculative_updates_equal_the_serialized_step_bit_for_bit(name, clip, tmp_path):
+    """Speculative updates write the spare homes out of place (the slots copied, then
+    stepped there) and carry the scalars in the spare step counts; clipped steps redo their
+    units. The numbers are the serialized run's."""
+    data = batches(6)
+    max_norm = NEVER_CLIPS if clip == "never" else MIXED_NORM
+    with correctly_rounded_sqrt():
+        on, on_stats = run_modes(tmp_path, "on", name, data, settle_backward=True, max_grad_norm=max_norm,
+                                 speculative_updates=True)
+        off, off_stats = run_modes(tmp_path, "off", name, data, max_grad_norm=max_norm, speculative_updates=False)
+    assert_same_states(on, off)
+    assert on_stats["speculative_updates"] > 0 and off_stats["speculative_updates"] == 0
+    assert (on_stats["redone_updates"] > 0) == (clip == "mixed")
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-nesterov-wd", "nadam"])
+def test_early_and_deferred_updates_equal_updates_inside_step_bit_for_bit(name, tmp_path):
+    """Early updates (in backward, no clipping) and deferred ones (past step(), with
+    clipping) give the numbers of updates run inside step()."""
+    data = batches(5)
+    with correctly_rounded_sqrt():
+        early, early_stats = run_modes(tmp_path, "early", name, data)
+        inside, inside_stats = run_modes(tmp_path, "inside", name, data, max_grad_norm=NEVER_CLIPS,
+                                         speculative_updates=False, overlap_step_with_forward=False)
+        deferred, deferred_stats = run_modes(tmp_path, "deferred", name, data, max_grad_norm=NEVER_CLIPS,
+                                             speculative_updates=False)
+    assert early_stats["early_updates"] > 0
+    assert deferred_stats["deferred_updates"] > 0
+    assert inside_stats["early_updates"] == inside_stats["deferred_updates"] == 0
+    assert_same_states(early, inside)
+    assert_same_states(deferred, inside)
+
+
+def test_gradient_spill_equals_the_unspilled_run_bit_for_bit(tmp_path):
+    from offload.memory.budget import UnitSizes, minimum_host_budget
+
+    name = "nadam"
+    _, model = gpt_pair()
+    with offload.wrap(model, OPTIMIZERS[name](model.parameters()),
+                      config=dict(TIERS["nvme"], swap_dir=str(tmp_path / "probe"))) as engine:
+        budget = minimum_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout)
+    data = batches(4)
+    with correctly_rounded_sqrt():
+        spilled, spilled_stats = run_modes(tmp_path, "spilled", name, data, host_budget=budget)
+        plain, plain_stats = run_modes(tmp_path, "plain", name, data)
+    assert spilled_stats["spilled_gradient_bytes"] > 0 and plain_stats["spilled_gradient_bytes"] == 0
+    assert_same_states(spilled, plain)
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme"])
+def test_delayed_updates_follow_a_plain_pytorch_reference_of_the_rule(tiers, tmp_path):
+    """delayed_update: step k's update runs while step k+1's forward and backward use the
+    weights from before it (after the warm-up). The reference applies that rule by hand to
+    plain PyTorch with the same optimizer (tests/test_optim_delayed.py's, with SGD)."""
+    name, warmup = "sgd-momentum-nesterov-wd", 1
+    data = batches(5)
+    master, lagging = gpt_pair()
+    opt = OPTIMIZERS[name](master.parameters())
+    for k, b in enumerate(data, start=1):
+        gpt_loss(lagging, b).backward()
+        before = {n: p.detach().clone() for n, p in master.named_parameters()}
+        for p, q in zip(master.parameters(), lagging.parameters()):
+            p.grad = q.grad
+        opt.step()
+        opt.zero_grad()
+        lagging.zero_grad()
+        with torch.no_grad():
+            for n, q in lagging.named_parameters():
+                q.copy_(before[n] if k > warmup else master.get_parameter(n))
+    _, model = gpt_pair()
+    config = dict(TIERS[tiers], swap_dir=str(tmp_path / "swap"), delayed_update=True,
+                  delayed_update_warmup_steps=warmup)
+    with offload.wrap(model, OPTIMIZERS[name](model.parameters()), config=config) as engine:
+        for b in data:
+            engine.backward(gpt_loss(engine, b))
+            engine.step()
+        got, stats = engine.state_dict(), engine.stats()
+    assert stats["delayed_updates"] == len(data) - warmup
+    assert_same(got, master)
+
+
+# ---------------------------------------------------------------------------- ZeRO
+def _zero_worker(rank, port, config, data, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        result = {}
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        try:
+            refused = offload.wrap(model, OPTIMIZERS["nadam"](model.parameters()), config=dict(config, stage=1))
+            refused.close()
+            result["stage1"] = None
+        except ValueError as error:
+            result["stage1"] = str(error)
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        per_rank = data[0].shape[0] // 2
+        with correctly_rounded_sqrt(), \
+                offload.wrap(model, OPTIMIZERS["nadam"](model.parameters()), config=dict(config, stage=0)) as engine:
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                engine.backward(gpt_loss(engine, mine))
+                engine.step()
+            result["state"] = engine.state_dict()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_stage_0_train_as_one_process_and_sharded_stages_are_refused(tmp_path):
+    """ZeRO stage 0 (every rank keeps its whole state) runs the generic path: two gloo ranks
+    on half batches agree with each other bit for bit and with plain PyTorch on the whole
+    batch within REL_TOL (the all-reduced mean rounds otherwise than one backward). Stages
+    1-3 shard Adam's two moments only: refused naming the stage and the optimizer."""
+    import torch.multiprocessing as mp
+
+    from support import REL_TOL, free_port
+
+    data = batches(4, batch=4)
+    reference, _ = gpt_pair()
+    opt = OPTIMIZERS["nadam"](reference.parameters())
+    with correctly_rounded_sqrt():
+        for b in data:
+            gpt_loss(reference, b).backward()
+            opt.step()
+            opt.zero_grad()
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_zero_worker, args=(free_port(), dict(TIERS["host"]), data, str(tmp_path)), nprocs=2,
+                       join=True, start_method="forkserver")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in results:
+        assert r["stage1"] is not None and "stage: ZeRO stage 1" in r["stage1"] and "NAdam" in r["stage1"]
+    assert_same_states(results[0]["state"], results[1]["state"])
+    for k, v in reference.state_dict().items():
+        got = results[0]["state"][k]
+        assert ((got - v).abs().max() / v.abs().max().clamp_min(1e-12)).item() < REL_TOL, k
+
+
+def test_offload_plan_counts_the_optimizers_state_tensors(tmp_path, capsys):
+    """`offload plan --optimizer-state-tensors K`: K x 4 bytes per parameter on the
+    optimizer's tier, in the table, the JSON and the auto placement."""
+    import json
+
+    from offload.cli import main
+
+    plans = {}
+    for k in (0, 1, 2):
+        out = tmp_path / f"plan{k}.json"
+        main(["plan", "--params", "1e8", "--dtype", "fp32", "--optimizer-state-tensors", str(k), "--json", str(out)])
+        text = capsys.readouterr().out
+        assert f"{4 * k} B/param" in text
+        plans[k] = json.loads(out.read_text())
+    n = plans[2]["num_trainable"]
+    for k, p in plans.items():
+        by_tier = {(c["param_tier"], c["optimizer_tier"]): c for c in p["configurations"]}
+        nvme = by_tier[("nvme", "nvme")]
+        name = "Adam moments" if k == 2 else f"optimizer state ({k} x fp32)"  # the names users read
+        assert p["bytes_per_param"][name] == 4 * k
+        assert n * 4 * k <= nvme["state_bytes"][name] <= n * 4 * k + 4096 * k * 64  # page padding per unit
+        assert nvme["nvme_bytes"] - plans[0]["configurations"][list(by_tier).index(("nvme", "nvme"))]["nvme_bytes"] \
+            == nvme["state_bytes"][name]

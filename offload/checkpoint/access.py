@@ -184,7 +184,9 @@ class CheckpointAccess:
                              hi: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 master, exp_avg and exp_avg_sq of elements [lo, hi) of u's trainable prefix,
         which this rank keeps (its shard, or everything), from wherever they are current;
-        at most one of ``chunks`` at a time. Valid until the next call."""
+        at most one of ``chunks`` at a time. Valid until the next call. A state slot u does
+        not have (an optimizer with fewer than two, [Note: elementwise optimizers]) reads as
+        zeros."""
         s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
         # [Note: swap I/O failures] after a failed write the host copy is current (the staged
         # step that keeps one runs only where the shard is whole)
@@ -195,13 +197,16 @@ class CheckpointAccess:
             master = dirty["master"][lo - base:hi - base]
         else:
             master = self._homes.read_master_range(u, lo, hi)
-        if "moments" in dirty:
-            moments = dirty["moments"]
-            return (master, moments[lo - s.lo:hi - s.lo],
-                    moments[s.state_numel + lo - s.lo:s.state_numel + hi - s.lo])
-        load = self._homes.load_range
-        return (master, load(u.moments_home, lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg"),
-                load(u.moments_home, s.state_numel + lo - s.lo, hi - lo, torch.float32, "ckpt.exp_avg_sq"))
+        moments = []
+        for i, name in enumerate(("exp_avg", "exp_avg_sq")):
+            start = i * s.state_numel + lo - s.lo
+            if i >= u.state_slots:
+                moments.append(torch.zeros(hi - lo, dtype=torch.float32))
+            elif "moments" in dirty:
+                moments.append(dirty["moments"][start:start + hi - lo])
+            else:
+                moments.append(self._homes.load_range(u.moments_home, start, hi - lo, torch.float32, f"ckpt.{name}"))
+        return (master, moments[0], moments[1])
 
     def read_master(self, u: "UnitState", lo: int, hi: int) -> torch.Tensor:
         """fp32 master of elements [lo, hi) of u's trainable prefix as its homes hold it (one
@@ -245,7 +250,7 @@ class CheckpointAccess:
         self._homes.forget_contents(u)
         self.write_unit_weights(u, read)
         if u.trainable:
-            for half, section in ((0, "exp_avg"), (s.state_numel, "exp_avg_sq")):
+            for half, section in ((0, "exp_avg"), (s.state_numel, "exp_avg_sq"))[:u.state_slots]:
                 for a, b in self.chunks(0, s.state_numel):
                     moment = self._homes.buffer("ckpt.moment", (b - a) * 4).view(torch.float32).zero_()
                     if a < s.numel:

@@ -49,6 +49,7 @@ class UnitSizes:
     largest_param_numel: int    # its largest trainable parameter (0: none)
     trainable: bool             # it has trainable parameters
     shared_numel: int = 0       # of trainable parameters held by several module attributes (tied)
+    state_slots: int = 2        # fp32 optimizer state tensors per element (Adam's two moments)
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -57,7 +58,7 @@ class UnitSizes:
                    compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
-                   u.spec.shared_numel)
+                   u.spec.shared_numel, u.state_slots)
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -226,7 +227,7 @@ class HomeBytes:
 
     compute: int   # the compute copy (the master too when merged), if it is not on the device
     master: int    # the fp32 master apart from the compute copy (split: its low halves)
-    moments: int   # exp_avg and exp_avg_sq
+    moments: int   # exp_avg and exp_avg_sq (an elementwise optimizer's state_slots tensors)
 
 
 def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
@@ -238,7 +239,7 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
     if not u.trainable:
         return HomeBytes(compute, 0, 0)
     master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
-    return HomeBytes(compute, state_copies * master, state_copies * 2 * u.state_numel * FP32_BYTES)
+    return HomeBytes(compute, state_copies * master, state_copies * u.state_slots * u.state_numel * FP32_BYTES)
 
 
 # ---------------------------------------------------------------------------- NVMe

@@ -89,7 +89,8 @@ class Homes:
                     u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)
                 elif not layout.merged:
                     u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
-                u.moments_home = self._allocate_home(state_tier, 2 * state_numel, torch.float32)
+                if u.state_slots:  # none for an optimizer without per-element state (plain SGD)
+                    u.moments_home = self._allocate_home(state_tier, u.state_slots * state_numel, torch.float32)
                 # [Note: speculative updates] a second set, same sizes and tiers; [Note: delayed
                 # updates] a second compute copy, master and moments shared (written in place)
                 if layout.has_spare(u.index, True):
@@ -260,7 +261,8 @@ class Homes:
         elementwise optimizer's state slots 0 and 1, [Note: elementwise optimizers])."""
         carried = [self._adam_state.get(e.param) for e in u.trainable]
         if not any(carried):
-            self.store_zeros(u.moments_home)
+            if u.moments_home is not None:
+                self.store_zeros(u.moments_home)
             return
         t, s = u.spec.trainable_numel, u.shard
         exp_avg, exp_avg_sq = torch.zeros(t, dtype=torch.float32), torch.zeros(t, dtype=torch.float32)
@@ -268,10 +270,11 @@ class Homes:
             for moment, carried_moment in zip((exp_avg, exp_avg_sq), state[1:] if state is not None else ()):
                 if carried_moment is not None:  # None: a slot this parameter's optimizer does not use
                     moment[e.offset:e.offset + e.numel].copy_(carried_moment.detach().reshape(-1))
-        moments = torch.zeros(2 * s.state_numel, dtype=torch.float32)
-        moments[:s.numel].copy_(exp_avg[s.lo:s.hi])
-        moments[s.state_numel:s.state_numel + s.numel].copy_(exp_avg_sq[s.lo:s.hi])
-        self.store(u.moments_home, moments)
+        if u.state_slots:
+            moments = torch.zeros(u.state_slots * s.state_numel, dtype=torch.float32)
+            for i, moment in enumerate((exp_avg, exp_avg_sq)[:u.state_slots]):
+                moments[i * s.state_numel:i * s.state_numel + s.numel].copy_(moment[s.lo:s.hi])
+            self.store(u.moments_home, moments)
         u.steps = [state[0] if state is not None else 0 for state in carried]
 
     # ------------------------------------------------------------------ the master codec

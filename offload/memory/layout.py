@@ -318,6 +318,14 @@ def sub_extent(home: Any, offset: int, num_bytes: int) -> ExtentView:
     return ExtentView(home.path, home.offset + offset, num_bytes)
 
 
+def slot_views(buffer: torch.Tensor, slots: int, stride: int, lo: int, hi: int
+               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Elements [lo, hi) of state slots 0 and 1 of ``buffer``, which holds ``slots`` of them
+    ``stride`` elements apart (a moments home: Adam's exp_avg then exp_avg_sq; an elementwise
+    optimizer's own, [Note: elementwise optimizers]); None for a slot it does not have."""
+    return tuple(buffer[i * stride + lo:i * stride + hi] if i < slots else None for i in range(2))
+
+
 def on_nvme(home: Any) -> bool:
     """Whether ``home`` is a swap extent (not a host tensor, nor None: no home, as the
     compute copy of a unit that lives on the device)."""
@@ -327,17 +335,20 @@ def on_nvme(home: Any) -> bool:
 class UnitState:
     """Runtime state of one unit: where each of its buffers lives and what is on the device."""
 
-    def __init__(self, spec: UnitSpec, compute_element_bytes: int) -> None:
+    def __init__(self, spec: UnitSpec, compute_element_bytes: int, state_slots: int = 2) -> None:
+        """``state_slots``: fp32 state tensors per trainable element, 0 to 2 (Adam's two
+        moments; an elementwise optimizer's own, [Note: elementwise optimizers])."""
         self.spec = spec
         self.index = spec.index
         self.name = spec.name
+        self.state_slots = state_slots
         self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
         self.master_numel = padded_numel(spec.trainable_numel, FP32_BYTES)
         self.trainable = spec.trainable_entries
         # Homes: a host tensor or a swap extent, whichever the tier gives.
         self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
         self.master_home: Any = None        # None when merged with the compute copy
-        self.moments_home: Any = None       # exp_avg then exp_avg_sq, master_numel each
+        self.moments_home: Any = None       # state_slots slots (exp_avg then exp_avg_sq), master_numel each; None with none
         # The fp32 gradient: one flat pooled buffer (grad), or one tensor per trainable
         # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
         self.grad: Optional[torch.Tensor] = None

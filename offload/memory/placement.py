@@ -373,7 +373,7 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
                     read += trainable
                 write += trainable
         if u.trainable and layout.state_tier(i) == "nvme":
-            state = 2 * u.state_numel * FP32_BYTES
+            state = u.state_slots * u.state_numel * FP32_BYTES
             if layout.split_master:
                 state += u.low_numel * 2
                 if layout.compute_tier(i) == "nvme":

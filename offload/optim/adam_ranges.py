@@ -14,7 +14,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from offload import faults
-from offload.memory.layout import Layout, UnitState
+from offload.memory.layout import Layout, UnitState, slot_views
 from offload.optim.cpu_adam import adam_step_flat
 from offload.optim.generic import ElementwiseRule, ParamStep
 from offload.optim.gradients import Gradients
@@ -34,9 +34,13 @@ class OutOfPlace(NamedTuple):
     update (a parameter without a gradient, padding) is copied over, so that the outputs
     hold the whole range."""
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: Optional[torch.Tensor]     # None: a state slot the optimizer does not have
+    exp_avg_sq: Optional[torch.Tensor]
     compute_in: Optional[torch.Tensor] = None
+
+
+def _sliced(tensors: Tuple[Optional[torch.Tensor], ...], r: slice) -> Tuple[Optional[torch.Tensor], ...]:
+    return tuple(None if t is None else t[r] for t in tensors)
 
 
 class UnitAdam:
@@ -101,9 +105,9 @@ class UnitAdam:
             faults.hit("optim.adam", unit=u.name, lo=a, hi=b)
             if rule is not None:
                 self._elementwise_range(e.group_index, group, steps[k], self._gradients.grad_range(u, k, a, b),
-                                        grad_factor, master[r], (exp_avg[r], exp_avg_sq[r]),
+                                        grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
                                         None if compute_out is None else compute_out[r],
-                                        None if out is None else (out.master[r], out.exp_avg[r], out.exp_avg_sq[r]))
+                                        None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
                 updated.append((r.start, r.stop))
                 continue
             beta1, beta2 = group["betas"]
@@ -128,9 +132,9 @@ class UnitAdam:
                 self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
 
     def _elementwise_range(self, group_index: int, group: Dict[str, Any], step: int, grad: torch.Tensor,
-                           grad_factor: float, master: torch.Tensor, slots: Tuple[torch.Tensor, torch.Tensor],
+                           grad_factor: float, master: torch.Tensor, slots: Tuple[Optional[torch.Tensor], ...],
                            compute_out: Optional[torch.Tensor],
-                           out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+                           out: Optional[Tuple[Optional[torch.Tensor], ...]]) -> None:
         """One parameter's elements through the elementwise rule, with what the Adam kernel
         does around its update: the gradient times ``grad_factor`` in fp32 (as the kernel, and
         as clip_grad_norm_'s in-place multiply), out-of-place writes ([Note: out-of-place
@@ -141,7 +145,7 @@ class UnitAdam:
         grad = grad.float() * grad_factor if grad_factor != 1.0 else grad.to(torch.float32, copy=True)
         if out is not None:
             for src, dst in zip((master,) + slots, out):
-                if src.data_ptr() != dst.data_ptr():
+                if src is not None and src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
             master, slots = out[0], (out[1], out[2])
         self._rule.step_range(group_index, group, step, master, grad, slots)
@@ -193,12 +197,12 @@ class UnitAdam:
             spare = u.spare
             assert target is None or target is u.compute_home, "a speculative update never writes the device copy"
             spare_master = spare.compute_home if self._layout.merged else spare.master_home
-            out = OutOfPlace(spare_master[:n], spare.moments_home[:n], spare.moments_home[n:2 * n],
+            out = OutOfPlace(spare_master[:n], *slot_views(spare.moments_home, u.state_slots, n, 0, n),
                              None if target is None else target[:n])
             target = None if target is None else spare.compute_home
         start = time.perf_counter()
-        self.adam_range(u, 0, n, steps, master[:n], moments[:n], moments[n:2 * n], target, False, grad_factor,
-                        groups=groups, out=out)
+        self.adam_range(u, 0, n, steps, master[:n], *slot_views(moments, u.state_slots, n, 0, n), target, False,
+                        grad_factor, groups=groups, out=out)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         (u.spare if speculative else u).steps = steps
         if not speculative:

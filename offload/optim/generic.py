@@ -10,10 +10,11 @@ NAdam, RAdam, ASGD's tensors, and a user's subclass written the same way. For su
 optimizer a slice of a parameter stepped as a 1-D parameter gives the same numbers as the
 whole parameter, so every update path (the piece ring's pieces, a host unit at once) steps
 ranges of the flat buffers. ``probe`` checks this at wrap on a dummy parameter (whole against
-two slices, two steps, bit for bit) and learns the state's layout from the optimizer itself:
-per-element tensors shaped like the parameter (float32) become *slots*, stored in the unit's
-state home where Adam keeps exp_avg (slot 0) and exp_avg_sq (slot 1); everything else must be
-a scalar (a 0-dim tensor or a Python number) or the optimizer is refused.
+two slices, two steps) and learns the state's layout from the optimizer itself: per-element
+tensors shaped like the parameter (float32) become *slots*, and a unit's moments home holds
+``UnitState.state_slots`` of them (0 to 2: none for plain SGD, Adam's exp_avg and exp_avg_sq
+are its slots 0 and 1), which the budgets and the planner count; everything else must be a
+scalar (a 0-dim tensor or a Python number) or the optimizer is refused.
 
 Scalar state advances once per parameter per step, not once per range: ``ParamStep`` is the
 step count the engine keeps per parameter (``UnitState.steps``) carrying the scalars after
@@ -220,12 +221,11 @@ def probe(optimizer: torch.optim.Optimizer) -> ElementwiseRule:
                       "offloaded step (a unit at a time) cannot call")
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise _refuse(optimizer, "it needs sparse gradients; the engine's gradients are dense flat buffers")
-    rule = ElementwiseRule(optimizer, (), [], ())
     slots: List[str] = []
     group_slots: List[Tuple[str, ...]] = []
     scalar_names: List[str] = []
     for gi, group in enumerate(optimizer.param_groups):
-        names, scalars = _probe_group(optimizer, rule, gi, group)
+        names, scalars = _probe_group(optimizer, gi, group)
         group_slots.append(names)
         slots += [n for n in names if n not in slots]
         scalar_names += [n for n in scalars if n not in scalar_names]
@@ -258,7 +258,7 @@ def _initial_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], shap
     return None
 
 
-def _probe_group(optimizer: torch.optim.Optimizer, rule: ElementwiseRule, gi: int, group: Dict[str, Any]
+def _probe_group(optimizer: torch.optim.Optimizer, gi: int, group: Dict[str, Any]
                  ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """(slot names, scalar names) of group ``gi``, after checking that two steps of a whole
     dummy parameter equal two steps of its two slices bit for bit."""
@@ -280,7 +280,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, rule: ElementwiseRule, gi: in
         with torch.no_grad():
             for grad in grads:
                 whole.grad = grad.clone()
-                rule._step(runner)
+                inspect.unwrap(type(optimizer).step)(runner)
     except Exception as e:  # what the optimizer raises on a plain fp32 parameter
         raise _refuse(optimizer, f"its step() failed on a float32 parameter of shape {_PROBE_SHAPE} "
                       f"(param_groups[{gi}]): {type(e).__name__}: {e}") from e
@@ -298,8 +298,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, rule: ElementwiseRule, gi: in
                           "only float32 tensors shaped like the parameter and scalars can live in the offloaded "
                           "state homes")
     # The same two steps on two 1-D slices, through the engine's own runner.
-    rule.group_slots = [tuple(slots)] * (gi + 1)
-    rule.slots = tuple(slots)
+    rule = ElementwiseRule(optimizer, tuple(slots), [tuple(slots)] * (gi + 1), tuple(scalars))
     flat = start.clone().reshape(-1)
     slot_flat = {}
     for name in slots:

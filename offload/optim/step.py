@@ -16,7 +16,7 @@ import torch
 
 from offload import faults
 from offload.config import format_size
-from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes,
+from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
 from offload.optim.adam_ranges import OutOfPlace
 from offload.memory.master_codec import join_master, split_master
@@ -179,13 +179,13 @@ class PipelinedStep:
     def _moment_parts(u: UnitState, lo: int, hi: int, slot: StagingSlot,
                       home: Any) -> List[Tuple[torch.Tensor, Any]]:
         """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]
-        of u's moments ``home`` (its own or its spare): one request when the piece is the
-        whole unit (the two are adjacent on disk)."""
-        n = hi - lo
+        (each of u's state_slots) of u's moments ``home`` (its own or its spare): one request
+        when the piece is the whole unit (the slots are adjacent on disk)."""
+        n, k = hi - lo, u.state_slots
         if n == u.master_numel:
-            return [(slot.moments[:2 * n], home)]
-        return [(slot.moments[:n], sub_extent(home, lo * FP32_BYTES, n * FP32_BYTES)),
-                (slot.moments[n:2 * n], sub_extent(home, (u.master_numel + lo) * FP32_BYTES, n * FP32_BYTES))]
+            return [(slot.moments[:k * n], home)]
+        return [(slot.moments[i * n:(i + 1) * n], sub_extent(home, (i * u.master_numel + lo) * FP32_BYTES,
+                                                              n * FP32_BYTES)) for i in range(k)]
 
     def _update_staged(self, u: UnitState, lo: int, hi: int, steps: List[int], slot: StagingSlot,
                        grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
@@ -206,14 +206,15 @@ class PipelinedStep:
                 high = u.compute_home[lo:hi]
                 high_out = high if spare is None else spare.compute_home[lo:hi]
             join_master(high, slot.low[:n], master)
-        if on_nvme(u.moments_home):
-            exp_avg, exp_avg_sq = slot.moments[:n], slot.moments[n:2 * n]
+        k = u.state_slots
+        if on_nvme(u.moments_home) or k == 0:
+            exp_avg, exp_avg_sq = slot_views(slot.moments, k, n, 0, n)
             exp_avg_out, exp_avg_sq_out = exp_avg, exp_avg_sq
         else:
             m = u.master_numel
-            exp_avg, exp_avg_sq = u.moments_home[lo:hi], u.moments_home[m + lo:m + hi]
+            exp_avg, exp_avg_sq = slot_views(u.moments_home, k, m, lo, hi)
             exp_avg_out, exp_avg_sq_out = (exp_avg, exp_avg_sq) if spare is None else \
-                (spare.moments_home[lo:hi], spare.moments_home[m + lo:m + hi])
+                slot_views(spare.moments_home, k, m, lo, hi)
         compute_in = None
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
@@ -480,7 +481,7 @@ class PipelinedStep:
         dirty = self.dirty.get(u.index)
         if dirty is None:
             held = sum(t.numel() * t.element_size() for d in self.dirty.values() for t in d.values())
-            need = (master_on_nvme + 2 * moments_on_nvme) * u.master_numel * FP32_BYTES
+            need = (master_on_nvme + u.state_slots * moments_on_nvme) * u.master_numel * FP32_BYTES
             if held + need > self._dirty_limit_bytes():
                 raise OSError(error.errno, f"{error}; holding the states of unit {u.name!r} in host "
                               f"RAM would take {format_size(held + need)}, more than the host can spare")
@@ -488,11 +489,11 @@ class PipelinedStep:
             if master_on_nvme:
                 dirty["master"] = self._read_master(u)
             if moments_on_nvme:
-                dirty["moments"] = self._load(u.moments_home, 2 * u.master_numel, torch.float32)
+                dirty["moments"] = self._load(u.moments_home, u.state_slots * u.master_numel, torch.float32)
             self.dirty[u.index] = dirty
         n = hi - lo
         if "master" in dirty:
             dirty["master"][lo:hi].copy_(slot.master[:n])
         if "moments" in dirty:
-            dirty["moments"][lo:hi].copy_(slot.moments[:n])
-            dirty["moments"][u.master_numel + lo:u.master_numel + hi].copy_(slot.moments[n:2 * n])
+            for i in range(u.state_slots):
+                dirty["moments"][i * u.master_numel + lo:i * u.master_numel + hi].copy_(slot.moments[i * n:(i + 1) * n])
