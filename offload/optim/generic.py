@@ -23,7 +23,12 @@ unit's update settles their scalars by stepping an empty (0-element) slice of ea
 from the scalars before (``settle_scalars``), and every range steps from the scalars before,
 so every range of a parameter sees the same ``step``. The new counts are committed where
 Adam's are (the steps lists are assigned whole), so speculative and delayed updates, which
-keep a spare steps list, carry the scalars with them.
+keep a spare steps list, carry the scalars with them. (The ZeRO sharded step, which moves
+Adam's two moments and may skip a unit on a rank, is refused for these optimizers at wrap.)
+
+torch's CPU sqrt (MKL) is not correctly rounded, and may round a slice of a tensor otherwise
+than the whole: an optimizer that takes a square root equals plain PyTorch to the last bit
+where sqrt is correctly rounded (tests/support.correctly_rounded_sqrt), as Adam's tests say.
 
 The runner is a shallow copy of the user's optimizer (its attributes, without its hooks or
 an LR scheduler's patch of ``step``) whose class ``step`` is called unwrapped under
@@ -40,9 +45,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ElementwiseRule", "MAX_STATE_SLOTS", "ParamStep", "probe"]
+__all__ = ["ElementwiseRule", "MAX_STATE_SLOTS", "ParamStep", "probe", "scalars_to_json", "step_from_json"]
 
-# The state home holds two fp32 slots per element (Adam's exp_avg and exp_avg_sq).
+# At most two fp32 slots per element, Adam's exp_avg and exp_avg_sq: the staging slots, the
+# sharded update buffers and the checkpoint format have room for two.
 MAX_STATE_SLOTS = 2
 
 _PROBE_SHAPE = (2, 3)
