@@ -382,7 +382,7 @@ def test_what_cannot_be_offloaded_is_refused_before_anything_is_touched(make, ma
     with pytest.raises(ValueError, match=match):
         offload.wrap(model, opt, config=dict(TIERS["nvme"], swap_dir=swap_dir))
     assert os.listdir(swap_dir) == []
-    assert not opt.state or all(not isinstance(p, torch.Tensor) or p.numel() for p in opt.state)
+    assert len(opt.state) == 0  # the probe stepped copies, never the user's optimizer
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
