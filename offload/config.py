@@ -123,7 +123,8 @@ class OffloadConfig:
     device_budget: Size = None
     """Bytes of managed state (compute copies and gradients of units in flight) allowed on
     the device at once. None: no limit beyond the model's own size. Activations are not
-    counted. The smallest budget wrap accepts (the root unit, the largest other unit and the
+    counted, unless activation_offload is set: then the saved tensors the engine keeps on
+    the device count too ([Note: saved activations] in memory/activations.py). The smallest budget wrap accepts (the root unit, the largest other unit and the
     largest gradient) leaves the prefetcher no room: wrap warns then and names the budget
     that keeps prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
 
@@ -153,6 +154,16 @@ class OffloadConfig:
     """Directory for swap files; required when a tier is "nvme". With an "auto" tier and no
     swap_dir everything stays on the host. A private run directory is created inside it and
     removed on close."""
+
+    activation_offload: Optional[str] = None
+    """Where the tensors autograd saves in forward (activations) wait for backward: None
+    (the default) leaves them to the model, on the device and outside device_budget;
+    "host" moves each unit's saved tensors to host RAM once the next unit's forward starts
+    and brings them back before that unit's backward, every unit's but the last of a
+    forward's; "nvme" does the same through host buffers into swap files under swap_dir
+    (required then). Either way device_budget counts the saved tensors kept on the device.
+    Results do not change (the bytes are copied, not converted). What moves, when, and
+    what does not: [Note: saved activations] in offload/memory/activations.py."""
 
     machine_profile: Optional[str] = None
     """Path of an ``offload profile --json`` file: the bandwidths "auto" placement weighs
@@ -331,6 +342,10 @@ class OffloadConfig:
                 raise ValueError(
                     "swap_dir: required when param_tier or optimizer_tier is 'nvme' "
                     f"(param_tier={self.param_tier!r}, optimizer_tier={self.optimizer_tier!r})")
+        _one_of("activation_offload", self.activation_offload, (None, "host", "nvme"))
+        if self.activation_offload == "nvme" and not self.swap_dir:
+            raise ValueError("swap_dir: required when activation_offload is 'nvme' (the saved tensors "
+                             "are written to swap files there)")
         if self.swap_dir is not None:
             if not isinstance(self.swap_dir, (str, os.PathLike)) or \
                     not isinstance(os.fspath(self.swap_dir), str) or "\0" in os.fspath(self.swap_dir):

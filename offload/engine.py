@@ -38,6 +38,7 @@ from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
     UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
+from offload.memory.activations import ActivationStore
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
@@ -161,7 +162,8 @@ class Engine:
             self._status = FailureState()
             self.stats_counters = Stats()
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget,
-                                      host_addressable=layout.device_is_host)
+                                      host_addressable=layout.device_is_host,
+                                      bounds_activations=layout.device_budget is not None)
             # [Note: pinned buffers] page-locked for a device the host does not address
             self._host = HostTier(layout.host_budget, pinner=None if layout.device_is_host else self._device)
             # [Note: gradient ownership] the gradients, their pool and the loss scale
@@ -180,6 +182,12 @@ class Engine:
                 self._nvme = NvmeTier(self._rank_swap_dir(config.swap_dir), nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
             self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
+            # [Note: saved activations] "nvme": swap space of their own under swap_dir
+            self._activations = ActivationStore(
+                layout.activation_offload, device=self._device, host=self._host,
+                nvme=NvmeTier(self._rank_swap_dir(config.swap_dir), 0, config.io_backend,
+                              config.io_block_bytes, config.io_queue_depth, checksums=config.swap_checksums)
+                if layout.activation_offload == "nvme" else None)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
@@ -242,7 +250,8 @@ class Engine:
             # gradient hooks hand gradients to self._gradients ([Note: gradient ownership]).
             self._hooks = Hooks(
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
-                prefetcher=self._prefetcher, timeline=self._timeline, need=self._residency.need,
+                prefetcher=self._prefetcher, timeline=self._timeline, activations=self._activations,
+                need=self._residency.need,
                 wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
                 step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_before_forward,
                 early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
@@ -549,7 +558,7 @@ class Engine:
                             partition=self._partition, homes=self._homes, units=self.units,
                             micro_step=self._updates.micro_step, step_seconds=self._last_step_seconds,
                             optimizer_seconds=self._last_optimizer_seconds,
-                            home_bytes=self._placement.bytes_per_tier())
+                            home_bytes=self._placement.bytes_per_tier(), activations=self._activations)
 
     # ------------------------------------------------------------------ timeline
     def export_trace(self, path: str) -> None:
@@ -579,6 +588,9 @@ class Engine:
         return os.path.join(swap_dir, f"rank-{self._partition.rank}")
 
     def _close_tiers(self) -> None:
+        activations = vars(self).get("_activations")
+        if activations is not None:
+            activations.close()
         self._device.close()  # the copies from host buffers are done: they may be unpinned
         self._host.close()
         if self._nvme is not None:
@@ -610,8 +622,10 @@ class Engine:
     @property
     def debug(self) -> SimpleNamespace:
         """For tests and tools only, not a stable API: the tiers (``device``, ``host``,
-        ``nvme``: None without swap), ``homes``, ``residency`` and ``updates``, so that a test
+        ``nvme``: None without swap), ``homes``, ``residency``, ``updates`` and
+        ``activations`` (the ActivationStore, with its own ``nvme`` tier), so that a test
         reads a counter or swaps in a wrapper without the engine's private fields
         (docs/architecture.md, "Seams"). Failures are injected through offload.faults."""
         return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme, homes=self._homes, residency=self._residency,
-                               updates=self._updates, timeline=self._timeline, prefetcher=self._prefetcher)
+                               updates=self._updates, timeline=self._timeline, prefetcher=self._prefetcher,
+                               activations=self._activations)

@@ -13,6 +13,10 @@ replaces every saved view of the arena by a reference (unit, offset, size, strid
 backward unpacks it, fetches the unit again if it has left the device. So correctness never
 depends on what is resident when; residency only decides speed.
 
+With activation_offload set, every other saved tensor goes to the ActivationStore, which
+moves a unit's saved tensors off the device between its forward and its backward ([Note:
+saved activations] in memory/activations.py).
+
 [Note: released parameters] (memory/released.py): a parameter whose unit is not on the
 device keeps its shape; read weights with ``engine.state_dict()`` or inside
 ``engine.gathered()`` ([Note: gathered parameters] in memory/residency.py).
@@ -31,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from offload import faults
+from offload.memory.activations import ActivationStore, SavedActivation
 from offload.memory.layout import UnitState
 from offload.optim.gradients import Gradients
 from offload.prefetch import Prefetcher
@@ -173,7 +178,7 @@ class Hooks:
 
     def __init__(self, module: nn.Module, units: List[UnitState], *, gradients: Gradients,
                  device: DeviceTier, partition: Optional[Partition], prefetcher: Prefetcher,
-                 timeline: Timeline,
+                 timeline: Timeline, activations: ActivationStore,
                  need: Callable[[UnitState], None],
                  wait_ready: Callable[[UnitState], None],
                  forget_last_needed: Callable[[], None],
@@ -184,6 +189,8 @@ class Hooks:
                  settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
         """``units``: the root first. ``gradients`` takes each parameter's gradient once
         autograd has accumulated it. ``partition``: [zero] the ranks' partition, or None.
+        ``activations``: where saved tensors other than parameters go ([Note: saved
+        activations]; a store with no mode hands them back as they are).
         The callables are the engine's, for residency and the optimizer step:
         - ``need(u)``: u is about to be used; have it on the device (or its transfer in
           flight) and start the transfers the prefetch plan says come next;
@@ -206,6 +213,7 @@ class Hooks:
         self._partition = partition
         self._prefetcher = prefetcher
         self._timeline = timeline
+        self._activations = activations
         self._need = need
         self._wait_ready = wait_ready
         self._forget_last_needed = forget_last_needed
@@ -283,11 +291,13 @@ class Hooks:
         self._prefetcher.begin_pass(key, training=key[0] and key[1])
         for u in self._units:
             u.calls = u.backward_done = 0
-        # 3. Saved views of the arena become references ([Note: saved parameters]).
+        # 3. Saved views of the arena become references ([Note: saved parameters]), other
+        #    saved tensors go to the activation store ([Note: saved activations]).
         if torch.is_grad_enabled():
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
             ctx.__enter__()
             self._saved_hooks.append(ctx)
+            self._activations.begin_pass()
         # 4. The root on the device, in use until the whole forward is over.
         self._need(self._root)
         self._wait_ready(self._root)
@@ -317,6 +327,10 @@ class Hooks:
         self._pass_frame = None
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        try:
+            self._activations.end_pass()
+        except OSError:
+            pass  # a failed swap write of this abandoned pass: nothing will read it
         for alias in self._aliases:
             alias.restore()
         for u in self._units:
@@ -336,6 +350,7 @@ class Hooks:
         self._pass_frame = None
         if self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        self._activations.end_pass()  # [Note: saved activations] the last group stays
         if self._root.compute_state == Residency.IN_USE:
             self._root.compute_state.to(Residency.LOADED)
         # [Note: streams] an update written into a device-homed unit's slot waits for this
@@ -349,6 +364,8 @@ class Hooks:
         start = time.perf_counter()
         faults.hit("hooks.forward", unit=u.name)
         u.calls += 1
+        # 0. The saved tensors before this unit leave the device ([Note: saved activations]).
+        self._activations.begin_unit(u.name)
         # 1. u on the device (its prefetch waited for, or fetched now), the next ones issued.
         self._need(u)
         self._wait_ready(u)
@@ -404,7 +421,10 @@ class Hooks:
         self._need(u)
         self._wait_ready(u)
         self._backward_started = self._timeline.wait(f"backward {u.name}", now)
-        # 3. Units whose gradients are final may be updated now ([Note: early updates]).
+        # 3. Its saved tensors, and the next ones backward needs, on their way back ([Note:
+        #    saved activations]).
+        self._activations.before_backward(u.name)
+        # 4. Units whose gradients are final may be updated now ([Note: early updates]).
         self._maybe_update_early()
 
     def _on_unit_backward_done(self, u: UnitState) -> None:
@@ -414,7 +434,8 @@ class Hooks:
 
     # ------------------------------------------------------------------ saved tensors
     def _pack_saved(self, t: torch.Tensor) -> Any:
-        """[Note: saved parameters] A view of a resident unit's slot becomes a reference."""
+        """[Note: saved parameters] A view of a resident unit's slot becomes a reference;
+        [Note: saved activations] any other tensor goes to the activation store."""
         device = self._device
         offset = device.offset_of(t) if t.device == device.device and t.dtype == device.dtype else None
         if offset is not None:
@@ -423,7 +444,7 @@ class Hooks:
                         and u.device_offset <= offset < u.device_offset + u.compute_numel:
                     return _SavedParamRef(u.index, offset - u.device_offset, t.size(), t.stride())
             raise AssertionError("a saved view of the device arena belongs to no resident unit")
-        return t
+        return self._activations.pack(t)
 
     def _unpack_saved(self, saved: Any) -> torch.Tensor:
         """[Note: saved parameters] A reference becomes a view again, its unit fetched."""
@@ -432,4 +453,6 @@ class Hooks:
             self._need(u)
             self._wait_ready(u)
             return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
+        if isinstance(saved, SavedActivation):
+            return self._activations.unpack(saved)
         return saved

@@ -145,7 +145,8 @@ def request_spans(requests: List[Tuple[bool, int, Any]]) -> List[Tuple[str, str,
 
 def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetcher: Any, gradients: Any,
                  updates: Any, partition: Any, homes: Any, units: List[Any], micro_step: int,
-                 step_seconds: float, optimizer_seconds: float, home_bytes: Dict[str, int]) -> Dict[str, Any]:
+                 step_seconds: float, optimizer_seconds: float, home_bytes: Dict[str, int],
+                 activations: Any) -> Dict[str, Any]:
     """What ``Engine.stats()`` returns: counters of one engine (bytes, seconds, peaks).
     ``*_seconds`` are cumulative except ``step_seconds`` and ``optimizer_seconds``: those of
     the last optimizer step (step_seconds: wall time between the last two optimizer steps).
@@ -209,4 +210,6 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         **{f"home_bytes_{tier}": n for tier, n in home_bytes.items()},
         "gradient_bucket_peak_bytes":
             partition.bucket_peak_bytes if partition is not None else 0,
+        # [Note: saved activations] ActivationStore.stats: kept, moved, peaks per tier
+        "activations": activations.stats(),
     }

@@ -124,6 +124,8 @@ class Layout:
     # on the worker while the next forward reads the copy from before them
     delayed_update: bool
     delayed_update_warmup_steps: int
+    # [Note: saved activations] None, "host" or "nvme"
+    activation_offload: Optional[str] = None
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -261,6 +263,7 @@ class Layout:
             overlap_step_with_forward=config.overlap_step_with_forward,
             delayed_update=config.delayed_update,
             delayed_update_warmup_steps=config.delayed_update_warmup_steps,
+            activation_offload=config.activation_offload,
         )
 
 

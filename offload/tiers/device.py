@@ -19,8 +19,14 @@ from offload.tiers.streams import CudaStreams, Event, HostStreams, StandInStream
 class DeviceTier:
     """Byte-accounted slots inside one preallocated arena of the compute dtype.
 
-    ``used_bytes`` counts slots handed out plus gradient bytes passing through the
-    runtime (``hold_transient``); ``peak_bytes`` is its maximum, never above ``budget_bytes``.
+    ``used_bytes`` counts slots handed out, gradient bytes passing through the runtime
+    (``hold_transient``) and the saved activations the engine keeps on the device
+    (``hold_activations``: only with activation_offload set, [Note: saved activations] in
+    memory/activations.py); ``peak_bytes`` is its maximum, never above ``budget_bytes``.
+    Slots and activations share the arena's capacity (the budget less the reserve for
+    gradients on their way out): a slot is refused while activations fill it, and the
+    other way round; unless ``bounds_activations`` is False (device_budget None: no limit
+    beyond the model's own size), when activations are counted but bound nothing.
     """
 
     #: [Note: streams] a fill waits for the compute stream's last reads of its bytes; False
@@ -28,9 +34,10 @@ class DeviceTier:
     fills_wait_for_reads = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, capacity_numel: int,
-                 budget_bytes: int, host_addressable: bool = True) -> None:
+                 budget_bytes: int, host_addressable: bool = True, bounds_activations: bool = True) -> None:
         """``host_addressable``: on a CPU device, False makes it the stand-in of CUDA
         ([Note: streams], ``Layout.device_is_host``)."""
+        self.bounds_activations = bounds_activations
         self.device = device
         self.dtype = dtype
         self.element_bytes = torch.empty(0, dtype=dtype).element_size()
@@ -48,8 +55,11 @@ class DeviceTier:
         self._storage_ptr = self.arena.untyped_storage().data_ptr()
         self._storage_offset = self.arena.storage_offset()
         self._free: List[Tuple[int, int]] = [(0, capacity_numel)] if capacity_numel else []
+        self.capacity_bytes = capacity_numel * self.element_bytes
         self.slot_bytes = 0
         self.transient_bytes = 0
+        self.activation_bytes = 0  # [Note: saved activations]
+        self.activation_peak_bytes = 0
         self.peak_bytes = 0
         self._borrowed: Optional[Tuple[int, int]] = None  # see borrow
         # [Note: streams] the one place that decides how work on the device is ordered
@@ -68,16 +78,19 @@ class DeviceTier:
 
     @property
     def used_bytes(self) -> int:
-        return self.slot_bytes + self.transient_bytes
+        return self.slot_bytes + self.transient_bytes + self.activation_bytes
 
     def _note_peak(self) -> None:
-        assert self.used_bytes <= self.budget_bytes, \
+        assert self.used_bytes - (0 if self.bounds_activations else self.activation_bytes) <= self.budget_bytes, \
             f"device budget exceeded: {self.used_bytes} > {self.budget_bytes} bytes"
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def allocate(self, numel: int) -> Optional[int]:
         """Element offset of a free slot of ``numel`` elements (first fit), or None."""
         assert self._borrowed is None, "a slot handed out while wrap borrows the arena (see borrow)"
+        if self.activation_bytes and self.bounds_activations and self.slot_bytes + self.activation_bytes + numel * self.element_bytes \
+                > self.capacity_bytes:
+            return None  # [Note: saved activations] they hold the rest of the capacity
         for i, (start, length) in enumerate(self._free):
             if length >= numel:
                 if length == numel:
@@ -153,6 +166,22 @@ class DeviceTier:
 
     def drop_transient(self, num_bytes: int) -> None:
         self.transient_bytes -= num_bytes
+
+    def activations_fit(self, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` more of saved activations fit beside the slots handed out."""
+        return not self.bounds_activations or \
+            self.slot_bytes + self.activation_bytes + num_bytes <= self.capacity_bytes
+
+    def hold_activations(self, num_bytes: int) -> None:
+        """[Note: saved activations] Count saved tensors the engine keeps on the device (the
+        caller checked ``activations_fit``)."""
+        assert self.activations_fit(num_bytes), "saved activations past the device's capacity"
+        self.activation_bytes += num_bytes
+        self.activation_peak_bytes = max(self.activation_peak_bytes, self.activation_bytes)
+        self._note_peak()
+
+    def drop_activations(self, num_bytes: int) -> None:
+        self.activation_bytes -= num_bytes
 
     def reads_done(self, offset: int, numel: int, what: str) -> None:
         """[Note: streams] The compute stream is done reading elements [offset, offset +

@@ -1,0 +1,457 @@
+"""The tensors autograd saves in forward (activations), moved off the device between a unit's
+forward and its backward (``OffloadConfig(activation_offload=...)``).
+
+[Note: saved activations] With activation_offload set, the saved-tensor hooks of a forward
+(hooks.py; parameters are references already, [Note: saved parameters]) hand every other
+saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it in a record
+(``SavedActivation``) that autograd holds in its place:
+
+- Groups. A forward's saved tensors fall into groups in the order they are saved: the
+  root's (before the first unit's forward starts), then one per unit call, holding what
+  that unit saves and what the model saves after it until the next unit's forward starts
+  (a reentrant checkpoint's inputs, which torch saves once the checkpointed unit has run,
+  fall into that unit's group). When a unit's forward starts, the group before it is
+  complete and leaves the device: "host" copies it into one host buffer (page-locked on
+  CUDA, through the device-to-host stream), "nvme" copies it into a host buffer and
+  writes that to a swap extent (the host buffer is let go once the write is done, at the
+  latest when the next group leaves: at most two groups are staged on the host). The last
+  group of a forward stays on the device: its backward comes first.
+- What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
+  their bytes), tensors that are not dense (a view with gaps, an expanded tensor: only the
+  bytes a dense tensor spans are copied, as they lie, so that the tensor comes back with
+  its strides and every backward kernel sees the same layout, bit for bit), tensors of a
+  subclass or another device, and the last group. They are counted as kept.
+- Once. A tensor saved twice (by two ops, or by one unit and again by the next) is one
+  record while it lives: found again by its storage, offset, shape, strides and version
+  and checked to be the same tensor (a weak reference), never by ``id``. Distinct views of
+  one storage are copied each.
+- Back. When a unit's backward starts (``Hooks._pre_backward``), its own group and the one
+  before it in this forward's order come back (the next one backward needs, one group
+  ahead, as the parameter prefetcher does from the recorded trace): host buffers copied
+  into fresh device tensors on the copy stream, swap extents read first. A record unpacked
+  before its group came back brings the whole group back then (the ops between two units
+  run their backward before the next unit's hook fires; a recompute of a checkpoint). The
+  bytes come back exactly as they left.
+- Accounting. ``DeviceTier.activation_bytes`` counts every saved tensor a record holds on
+  the device, from its pack to its leaving or to the record's end (autograd drops a record
+  once the backward that used it has run, or with the graph); slots and activations share
+  the arena's capacity (``DeviceTier.allocate``). A saved tensor that does not fit, after
+  the groups before it have left, is a RuntimeError naming device_budget, the unit and the
+  bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled gradients
+  are): with "host" the activations are an allowance beyond host_budget, not checked at
+  wrap (their size is known only once a forward has run); with "nvme" the host holds the
+  staging of at most two groups. Swap extents come from an NVMe tier of the store's own
+  (``ActivationStore.nvme``: its I/O counters are the activations' alone), reused across
+  steps by size.
+- Failures. A swap read that fails raises an OSError naming the unit and the swap file
+  from the unpack, inside backward: the engine's rule for a failed backward applies
+  (``Engine.backward``, [Note: failures inside a step]).
+
+What is not seen: tensors saved under other saved-tensor hooks (torch's non-reentrant
+checkpoint keeps its inputs in its own closure and recomputes the rest) stay where the
+model put them, uncounted; tensors a backward recomputes are not packed (the forward's
+hooks are gone by then).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.io.swap import Extent
+from offload.tiers import DeviceTier, HostTier, NvmeTier
+
+__all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES"]
+
+# Saved tensors below this stay on the device: a page, less than what a record and a copy cost.
+ACTIVATION_MIN_BYTES = 4096
+# Each tensor's offset in its group's host buffer is a multiple of this (any dtype's alignment).
+_TENSOR_ALIGN_BYTES = 64
+# A group's host buffer and swap extent are whole pages (O_DIRECT).
+_PAGE_BYTES = 4096
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill [storage_offset, storage_offset + numel) exactly."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Group:
+    """The saved tensors of one unit call (or the root's), moved together. States: "open"
+    (on the device, still filling or the last), "host", "nvme" (left the device), "back"."""
+
+    def __init__(self, store: "ActivationStore", unit_name: str) -> None:
+        self.store = store
+        self.unit_name = unit_name
+        self.records: List["weakref.ref[SavedActivation]"] = []
+        self.state = "open"
+        self.host_buffer: Optional[torch.Tensor] = None
+        self.extent: Optional[Extent] = None
+        self.num_bytes = 0       # host buffer and extent size
+        self.read: Any = None    # the swap read in flight ("nvme", coming back)
+        self.event: Any = None   # the last copy of its way back
+
+    def live(self) -> List["SavedActivation"]:
+        return [r for r in (ref() for ref in self.records) if r is not None]
+
+    def __del__(self) -> None:
+        # Every record is gone (the graph was dropped, or backward used them all); a group
+        # whose write is in flight is held by the store until the write is done.
+        self.store._let_go(self)
+
+
+class SavedActivation:
+    """What autograd holds for one saved tensor ([Note: saved activations])."""
+
+    __slots__ = ("store", "group", "size", "stride", "dtype", "numel", "num_bytes", "offset", "tensor",
+                 "source", "version", "__weakref__")
+
+    def __init__(self, store: "ActivationStore", t: torch.Tensor, group: Optional[_Group]) -> None:
+        self.store = store
+        self.group = group       # None: kept on the device whatever happens
+        self.size, self.stride, self.dtype = t.size(), t.stride(), t.dtype
+        self.numel = t.numel()
+        self.num_bytes = t.numel() * t.element_size()
+        self.offset = 0          # in its group's host buffer
+        self.tensor: Optional[torch.Tensor] = t  # on the device (as saved, or back), None while away
+        self.source = weakref.ref(t)
+        self.version = t._version
+
+    def __del__(self) -> None:
+        if self.tensor is not None:
+            self.store._dropped(self.num_bytes)
+
+
+class ActivationStore:
+    """[Note: saved activations] The saved tensors of forward passes under grad mode, for
+    activation_offload "host" or "nvme" (``mode``; None: ``pack`` returns every tensor as it
+    is). Main thread, except that a record may end on the thread where autograd drops it."""
+
+    def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
+                 nvme: Optional[NvmeTier]) -> None:
+        assert mode in (None, "host", "nvme") and (nvme is not None) == (mode == "nvme")
+        self.mode = mode
+        self._device = device
+        self.host = host
+        self.nvme = nvme  # the store's own: its counters are the activations' bytes
+        self._lock = threading.RLock()  # records end on whichever thread drops them
+        self._extents: Dict[int, List[Extent]] = {}  # free swap extents by size, reused
+        # the forward open now
+        self._open = False
+        self._current: Optional[_Group] = None
+        self._groups: List["weakref.ref[_Group]"] = []  # this forward's, in order
+        self._unit_groups: Dict[str, List[int]] = {}    # unit name -> its groups' indices, backward pops
+        self._seen: Dict[Tuple[Any, ...], "weakref.ref[SavedActivation]"] = {}
+        self._staged: List[Tuple[_Group, Any]] = []     # "nvme": groups whose write is in flight
+        # [Note: streams] the last copy out of the device: copies back wait for it, so that
+        # they read a host buffer after the copies that filled it (or an earlier one there)
+        self._last_sent: Any = None
+        # counters ([Note: saved activations]; Engine.stats()["activations"])
+        self._pass_packed = 0
+        self._pass_moved = {"host": 0, "nvme": 0}
+        self.last_pass = {"kept_bytes": 0, "to_host_bytes": 0, "to_nvme_bytes": 0}
+        self.moved_bytes = {"host": 0, "nvme": 0}
+        self.returned_bytes = 0
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
+        self.nvme_bytes = 0
+        self.nvme_peak_bytes = 0
+        self.closed = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not None
+
+    # ------------------------------------------------------------------ forward
+    def begin_pass(self) -> None:
+        """A forward under grad mode starts: the root's group opens."""
+        if not self.enabled:
+            return
+        self._open = True
+        self._groups, self._unit_groups, self._seen = [], {}, {}
+        self._pass_packed, self._pass_moved = 0, {"host": 0, "nvme": 0}
+        self._current = self._new_group("root")
+
+    def begin_unit(self, unit_name: str) -> None:
+        """A unit's forward starts: the group before it is complete and leaves the device."""
+        if not self._open:
+            return
+        previous, self._current = self._current, self._new_group(unit_name)
+        self._send_away(previous)
+
+    def end_pass(self) -> None:
+        """The forward is over (or abandoned): its last group stays on the device."""
+        if not self._open:
+            return
+        self._open = False
+        self._current = None
+        self._seen = {}
+        self._finish_writes()
+        moved = self._pass_moved
+        self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
+                          "to_host_bytes": moved["host"], "to_nvme_bytes": moved["nvme"]}
+
+    def _new_group(self, unit_name: str) -> _Group:
+        group = _Group(self, unit_name)
+        self._unit_groups.setdefault(unit_name, []).append(len(self._groups))
+        self._groups.append(weakref.ref(group))
+        return group
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """A saved tensor of the open forward: its record (or ``t`` itself, where the store
+        is off or ``t`` is not on the device)."""
+        if not self._open or t.device != self._device.device:
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
+        found = self._seen.get(key)
+        record = found() if found is not None else None
+        if record is not None and record.source() is t and record.version == t._version:
+            return record
+        movable = (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
+                   and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES and _dense(t))
+        group = self._current if movable else None
+        self._hold(t.numel() * t.element_size(), self._current.unit_name)
+        record = SavedActivation(self, t, group)
+        if group is not None:
+            group.records.append(weakref.ref(record))
+        self._pass_packed += record.num_bytes
+        self._seen[key] = weakref.ref(record)
+        return record
+
+    def _hold(self, num_bytes: int, unit_name: str) -> None:
+        if not self._device.activations_fit(num_bytes):
+            device = self._device
+            raise RuntimeError(
+                f"device_budget: the saved activations of unit {unit_name!r} do not fit: {num_bytes} bytes "
+                f"more beside {device.activation_bytes} bytes of activations and {device.slot_bytes} bytes of "
+                f"compute copies, within {device.capacity_bytes} bytes (device_budget "
+                f"{device.budget_bytes} less the reserve for gradients); raise device_budget, lower "
+                "prefetch_bytes, or make the units smaller")
+        with self._lock:
+            self._device.hold_activations(num_bytes)
+
+    def _dropped(self, num_bytes: int) -> None:
+        """A record on the device ended (or left): its bytes are free."""
+        with self._lock:
+            self._device.drop_activations(num_bytes)
+
+    def _send_away(self, group: _Group) -> None:
+        """[Note: saved activations] Copy ``group`` off the device ("host", "nvme")."""
+        records = [r for r in group.live() if r.tensor is not None]
+        if not records:
+            group.state = "back"
+            return
+        offset = 0
+        for r in records:
+            r.offset = offset
+            offset = _round_up(offset + r.num_bytes, _TENSOR_ALIGN_BYTES)
+        group.num_bytes = _round_up(offset, _PAGE_BYTES)
+        buffer = self._host_buffer(group.num_bytes)
+        event = None
+        for r in records:
+            src = r.tensor.as_strided((r.numel,), (1,))  # the bytes it spans, as they lie
+            event = self._device.streams.copy_out(self._view(buffer, r), src, what=f"activations of {group.unit_name}")
+            r.tensor = None
+            self._dropped(r.num_bytes)
+        moved = sum(r.num_bytes for r in records)
+        self._pass_moved[self.mode] += moved
+        self.moved_bytes[self.mode] += moved
+        group.host_buffer, group.event = buffer, event
+        self._last_sent = event
+        group.state = self.mode
+        if self.mode == "nvme":
+            self._finish_writes()  # at most two groups staged: the one before and this one
+            group.extent = self._take_extent(group.num_bytes)
+            event.synchronize()  # the host buffer holds the bytes
+            self._staged.append((group, self.nvme.write(buffer, group.extent, unit=group.unit_name)))
+            self._count_nvme(group.num_bytes)
+
+    def _finish_writes(self) -> None:
+        """Wait for the swap writes in flight and let go of their host buffers."""
+        staged, self._staged = self._staged, []
+        first_error: Optional[BaseException] = None
+        for group, handle in staged:
+            try:
+                handle.wait()
+            except OSError as error:
+                first_error = first_error or OSError(
+                    error.errno, f"writing the saved activations of unit {group.unit_name!r} to "
+                                 f"{group.extent.path}: {error}")
+                group.state = "failed"
+            self._release_host(group)
+        if first_error is not None:
+            raise first_error
+
+    # ------------------------------------------------------------------ backward
+    def before_backward(self, unit_name: str) -> None:
+        """[Note: saved activations] A unit's backward starts: its group, and the one before
+        it in this forward's order (needed next), come back."""
+        if not self.enabled:
+            return
+        indices = self._unit_groups.get(unit_name)
+        if not indices:
+            return
+        index = indices.pop()
+        for i, needed in ((index, True), (index - 1, False)):
+            group = self._groups[i]() if i >= 0 else None
+            if group is not None and group.state in ("host", "nvme"):
+                self._start_return(group, needed)
+
+    def unpack(self, record: SavedActivation) -> torch.Tensor:
+        """The tensor of ``record`` on the device, its group brought back first if away."""
+        group = record.group
+        if group is not None and group.state == "failed":
+            raise OSError(f"the saved activations of unit {group.unit_name!r} were not written to "
+                          f"{group.extent.path}: this graph cannot run its backward")
+        if group is not None and group.state in ("host", "nvme"):
+            self._start_return(group, needed=True)
+        if group is not None and group.state == "returning":
+            self._finish_return(group)
+        assert record.tensor is not None
+        return record.tensor
+
+    def _start_return(self, group: _Group, needed: bool) -> None:
+        """Start bringing ``group`` back: its swap read, or its copies to the device. Not
+        ``needed`` (ahead of need): only where its bytes fit, else at its first unpack."""
+        records = [r for r in group.live() if r.tensor is None]
+        num_bytes = sum(r.num_bytes for r in records)
+        if not needed and not self._device.activations_fit(num_bytes):
+            return
+        group.event = None  # the copies out: those back wait for them on the device ([Note: streams])
+        if group.state == "nvme":
+            self._finish_writes()
+            group.host_buffer = self._host_buffer(group.num_bytes)
+            group.read = self.nvme.read(group.host_buffer, group.extent, unit=group.unit_name)
+        group.state = "returning"
+        if group.read is None:
+            self._copies_in(group, records)
+
+    def _copies_in(self, group: _Group, records: List[SavedActivation]) -> None:
+        streams = self._device.streams
+        for r in records:
+            self._hold(r.num_bytes, group.unit_name)
+            flat = torch.empty(r.numel, dtype=r.dtype, device=self._device.device)
+            # [Note: streams] the copy stream writes memory the compute stream's allocator
+            # just handed out (after its last use there: the stand-in is told so), and reads
+            # a host buffer the copies out filled
+            streams.compute_access(flat, write=True, what="an allocation", check=False)
+            after = [streams.record_compute()] + ([self._last_sent] if self._last_sent is not None else [])
+            group.event = streams.copy(flat, self._view(group.host_buffer, r), after=after,
+                                       what=f"activations of {group.unit_name}")
+            r.tensor = flat.as_strided(r.size, r.stride, 0)  # as it was saved, strides included
+            self.returned_bytes += r.num_bytes
+
+    def _finish_return(self, group: _Group) -> None:
+        """``group`` is back: its copies landed, its host buffer and extent let go."""
+        if group.read is not None:
+            read, group.read = group.read, None
+            try:
+                read.wait()
+            except OSError as error:
+                group.state = "nvme"  # still there; a later unpack tries again
+                self._release_host(group)
+                raise OSError(error.errno, f"reading the saved activations of unit {group.unit_name!r} from "
+                                           f"{group.extent.path} (offset {group.extent.offset}): {error}") from error
+            self._copies_in(group, [r for r in group.live() if r.tensor is None])
+        if group.event is not None:
+            self._device.streams.compute_wait(group.event)
+            group.event.synchronize()  # before the host buffer is let go
+            group.event = None
+        self._release_host(group)
+        self._give_back_extent(group)
+        group.state = "back"
+
+    # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _view(buffer: torch.Tensor, r: SavedActivation) -> torch.Tensor:
+        return buffer[r.offset:r.offset + r.num_bytes].view(r.dtype)
+
+    def _host_buffer(self, num_bytes: int) -> torch.Tensor:
+        buffer = self.host.allocate(num_bytes, torch.uint8, planned=False)
+        with self._lock:
+            self.host_bytes += num_bytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        return buffer
+
+    def _release_host(self, group: _Group) -> None:
+        buffer, group.host_buffer = group.host_buffer, None
+        if buffer is not None:
+            if group.event is not None and group.read is None:
+                group.event.synchronize()  # no copy still reads or writes it
+                group.event = None
+            self.host.release(buffer)
+            with self._lock:
+                self.host_bytes -= buffer.numel()
+
+    def _take_extent(self, num_bytes: int) -> Extent:
+        with self._lock:
+            free = self._extents.get(num_bytes)
+            if free:
+                return free.pop()
+        return self.nvme.allocate(num_bytes)
+
+    def _give_back_extent(self, group: _Group) -> None:
+        extent, group.extent = group.extent, None
+        if extent is not None:
+            with self._lock:
+                self._extents.setdefault(extent.nbytes, []).append(extent)
+                self.nvme_bytes -= extent.nbytes
+
+    def _count_nvme(self, num_bytes: int) -> None:
+        with self._lock:
+            self.nvme_bytes += num_bytes
+            self.nvme_peak_bytes = max(self.nvme_peak_bytes, self.nvme_bytes)
+
+    def _let_go(self, group: _Group) -> None:
+        """Every record of ``group`` ended: its host buffer and extent are free."""
+        if group.read is not None:
+            try:
+                group.read.wait()
+            except OSError:
+                pass  # nothing will read these bytes
+            group.read = None
+        self._release_host(group)
+        self._give_back_extent(group)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> Dict[str, Any]:
+        """Engine.stats()["activations"]: bytes of the last forward under grad mode (kept on
+        the device, moved to host, written to NVMe), totals since wrap, and peaks per tier."""
+        return {
+            "mode": self.mode,
+            **self.last_pass,
+            "moved_to_host_bytes": self.moved_bytes["host"],
+            "moved_to_nvme_bytes": self.moved_bytes["nvme"],
+            "returned_bytes": self.returned_bytes,
+            "device_bytes": self._device.activation_bytes,
+            "device_peak_bytes": self._device.activation_peak_bytes,
+            "host_bytes": self.host_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "nvme_peak_bytes": self.nvme_peak_bytes,
+            "nvme_bytes_written": self.nvme.bytes_written if self.nvme is not None else 0,
+            "nvme_bytes_read": self.nvme.bytes_read if self.nvme is not None else 0,
+        }
+
+    def close(self) -> None:
+        """The engine closes: swap writes finish, the NVMe tier goes. Records that outlive
+        it (a graph the user keeps) let go of host buffers as they end."""
+        try:
+            self._finish_writes()
+        except OSError:
+            pass
+        finally:
+            self.closed = True
+            if self.nvme is not None:
+                self.nvme.close()

@@ -1,0 +1,213 @@
+"""activation_offload ([Note: saved activations] in offload/memory/activations.py): the
+tensors autograd saves leave the device between a unit's forward and its backward, come back
+unchanged (the run equals the one without, bit for bit), and every byte is where the
+counters say: the device tier counts what stays, the host tier what waits in RAM, the
+store's own NVMe tier what was written to swap."""
+import errno
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload.gpt import GPT, GPTConfig
+from offload.memory.activations import ACTIVATION_MIN_BYTES
+
+from support import FaultyIO, assert_same_state, make_opt
+
+# Activations of a block: 2 x 32 x 64 fp32 = 16 KiB per (batch, seq, d_model) tensor, above
+# ACTIVATION_MIN_BYTES, so that most saved tensors move.
+ACT_CFG = GPTConfig(vocab_size=64, seq_len=32, d_model=64, num_heads=2, num_layers=5)
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with every block under torch.utils.checkpoint."""
+
+    def __init__(self, cfg, use_reentrant):
+        super().__init__(cfg)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def data(n, cfg=ACT_CFG, batch=2):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g) for _ in range(n)]
+
+
+def train(config, steps=4, checkpointed=None, cfg=ACT_CFG, inspect=None):
+    """(losses, state_dict after every optimizer step, stats) of the GPT trained with
+    ``config``; ``inspect(engine)`` runs between each forward and its backward."""
+    torch.manual_seed(0)
+    model = GPT(cfg) if checkpointed is None else CheckpointedGPT(cfg, checkpointed)
+    losses, states = [], []
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        for i, b in enumerate(data(steps, cfg)):
+            loss = engine(b[:, :-1], b[:, 1:])
+            if inspect is not None:
+                inspect(engine)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if (i + 1) % accumulation == 0:
+                states.append(engine.state_dict())
+        return losses, states, engine.stats()
+
+
+def assert_same_run(a, b):
+    assert a[0] == b[0], "losses differ"
+    assert len(a[1]) == len(b[1])
+    for sa, sb in zip(a[1], b[1]):
+        assert_same_state(sa, sb)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_host_offload_trains_bit_for_bit_as_without(dtype, accumulation):
+    config = dict(dtype=dtype, gradient_accumulation_steps=accumulation)
+    plain = train(config)
+    offloaded = train(dict(config, activation_offload="host"))
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    # every unit's saved tensors but the last's left the device, and came back
+    assert act["to_host_bytes"] > act["kept_bytes"] > 0
+    assert act["moved_to_host_bytes"] == act["returned_bytes"] == 4 * act["to_host_bytes"]
+    assert act["to_nvme_bytes"] == act["nvme_bytes_written"] == 0
+    assert plain[2]["activations"]["moved_to_host_bytes"] == 0
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_host_offload_with_activation_checkpointing(use_reentrant):
+    plain = train({}, steps=3, checkpointed=use_reentrant)
+    offloaded = train(dict(activation_offload="host"), steps=3, checkpointed=use_reentrant)
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    if use_reentrant:
+        # the checkpointed inputs, saved by torch after each block ran, leave with its group
+        assert act["to_host_bytes"] >= (ACT_CFG.num_layers - 1) * 2 * ACT_CFG.seq_len * ACT_CFG.d_model * 4
+    assert act["moved_to_host_bytes"] == act["returned_bytes"]
+
+
+def test_nvme_offload_writes_the_moved_bytes_to_swap_and_stages_few(tmp_path):
+    swap = tmp_path / "swap"
+    plain = train({}, steps=3)
+    offloaded = train(dict(activation_offload="nvme", swap_dir=str(swap)), steps=3)
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    assert act["to_host_bytes"] == 0 and act["to_nvme_bytes"] > 0
+    # the store's own I/O engine wrote exactly the groups that left (whole pages), and read them back
+    assert act["nvme_bytes_written"] == act["moved_to_nvme_bytes"] == act["nvme_bytes_read"] == 3 * act["to_nvme_bytes"]
+    # the host staged at most two groups at a time, never the whole forward's
+    assert 0 < act["host_peak_bytes"] < act["to_nvme_bytes"]
+    assert act["nvme_peak_bytes"] == act["to_nvme_bytes"]
+    assert act["host_bytes"] == act["nvme_bytes"] == 0
+    assert not any(swap.iterdir()), "the swap files are removed on close"
+
+
+def test_host_offload_writes_nothing_to_disk(tmp_path):
+    offloaded = train(dict(activation_offload="host", param_tier="nvme", optimizer_tier="nvme",
+                           swap_dir=str(tmp_path / "swap")), steps=2)
+    plain = train(dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap")), steps=2)
+    assert_same_run(plain, offloaded)
+    assert offloaded[2]["bytes_written_nvme"] == plain[2]["bytes_written_nvme"]
+    assert offloaded[2]["activations"]["nvme_bytes_written"] == 0
+
+
+def test_the_device_tier_counts_what_stays_and_not_what_left():
+    """Between forward and backward the device tier holds exactly the kept bytes; every
+    moved group's tensors are gone from it; after backward nothing is held."""
+    seen = []
+
+    def inspect(engine):
+        device, act = engine.debug.device, engine.stats()["activations"]
+        seen.append((device.activation_bytes, act["kept_bytes"], act["to_host_bytes"], engine.debug.host.used_bytes))
+
+    plain_host = []
+    train(dict(activation_offload="host"), steps=2, inspect=inspect)
+    train({}, steps=1, inspect=lambda e: plain_host.append(e.debug.host.used_bytes))
+    for held, kept, moved, host_used in seen:
+        assert held == kept > 0
+        assert moved > 0
+        assert host_used >= plain_host[0] + moved  # the moved bytes wait in the host tier
+
+
+def test_kept_activations_count_against_device_budget():
+    """With a budget set, the device tier's peak (compute copies, gradients, activations)
+    stays within it; a budget the kept activations cannot fit in is an error naming it."""
+    unbounded = train(dict(activation_offload="host", param_tier="host"), steps=1)
+    budget = unbounded[2]["device_peak_bytes"]
+    bounded = train(dict(activation_offload="host", param_tier="host", device_budget=budget), steps=2)
+    assert bounded[2]["activations"]["device_peak_bytes"] > 0
+    assert bounded[2]["device_peak_bytes"] <= budget
+    with pytest.raises(RuntimeError, match="device_budget.*saved activations of unit"):
+        train(dict(activation_offload="host", param_tier="host",
+                   device_budget=budget - bounded[2]["activations"]["device_peak_bytes"] // 2), steps=1)
+
+
+def test_activation_offload_config_is_checked():
+    with pytest.raises(ValueError, match="activation_offload"):
+        offload.OffloadConfig(activation_offload="disk")
+    with pytest.raises(ValueError, match="swap_dir"):
+        offload.OffloadConfig(activation_offload="nvme")
+    assert offload.OffloadConfig(activation_offload="host").activation_offload == "host"
+
+
+def test_small_tensors_stay():
+    """A model whose saved tensors are all under ACTIVATION_MIN_BYTES moves nothing."""
+    tiny = GPTConfig(vocab_size=16, seq_len=4, d_model=16, num_heads=2, num_layers=2)
+    assert 2 * tiny.seq_len * tiny.d_model * 4 < ACTIVATION_MIN_BYTES
+    act = train(dict(activation_offload="host"), steps=1, cfg=tiny)[2]["activations"]
+    assert act["moved_to_host_bytes"] == 0 and act["kept_bytes"] > 0
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["no-early-updates", "early-updates"])
+def test_a_failed_activation_read_fails_that_backward_by_the_engines_rule(early, tmp_path):
+    """The swap read of a group fails in backward: the OSError names the unit and the swap
+    file. The engine's rule for a failed backward ([Note: failures inside a step]) applies:
+    with no unit updated yet (max_grad_norm: no early updates on host states) the gradients
+    are dropped, no step is taken, and the next batch trains as if the failed one never ran;
+    where a unit was updated early during that backward the engine stops until a
+    checkpoint is loaded."""
+    config = dict(activation_offload="nvme", swap_dir=str(tmp_path / "swap"))
+    if not early:
+        config["max_grad_norm"] = 1.0
+    batches = data(3)
+    torch.manual_seed(0)
+    reference_model = GPT(ACT_CFG)
+    with offload.wrap(reference_model, make_opt(reference_model.parameters()), config=config) as engine:
+        for b in (batches[0], batches[2]):
+            engine.backward(engine(b[:, :-1], b[:, 1:]))
+            engine.step()
+        expected = engine.state_dict()
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        b = batches[0]
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+        store = engine.debug.activations
+        store.nvme.io = FaultyIO(store.nvme.io, errno.EIO, fail_read=1)
+        b = batches[1]
+        loss = engine(b[:, :-1], b[:, 1:])
+        named = r"saved activations of unit 'blocks\.\d' from .*swap-\d+\.bin"
+        with pytest.raises(OSError, match=named):
+            engine.backward(loss)
+        store.nvme.io = store.nvme.io.inner
+        del loss
+        if early:
+            with pytest.raises(offload.EngineFailedError, match=named + ".*load_checkpoint"):
+                engine.step()
+            return
+        engine.step()  # a no-op: the gradients were dropped
+        b = batches[2]
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+        assert_same_state(engine.state_dict(), expected)
