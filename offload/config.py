@@ -161,7 +161,10 @@ class OffloadConfig:
     "host" moves each unit's saved tensors to host RAM once the next unit's forward starts
     and brings them back before that unit's backward, every unit's but the last of a
     forward's; "nvme" does the same through host buffers into swap files under swap_dir
-    (required then). Either way device_budget counts the saved tensors kept on the device.
+    (required then); "auto" keeps them on the device while they fit in device_budget
+    beside the compute copies (nothing moves with device_budget None) and moves the
+    earliest units' to host RAM only as a saved tensor would not fit. Where it is set,
+    device_budget counts the saved tensors kept on the device.
     Results do not change (the bytes are copied, not converted). What moves, when, and
     what does not: [Note: saved activations] in offload/memory/activations.py."""
 
@@ -342,7 +345,7 @@ class OffloadConfig:
                 raise ValueError(
                     "swap_dir: required when param_tier or optimizer_tier is 'nvme' "
                     f"(param_tier={self.param_tier!r}, optimizer_tier={self.optimizer_tier!r})")
-        _one_of("activation_offload", self.activation_offload, (None, "host", "nvme"))
+        _one_of("activation_offload", self.activation_offload, (None, "host", "nvme", "auto"))
         if self.activation_offload == "nvme" and not self.swap_dir:
             raise ValueError("swap_dir: required when activation_offload is 'nvme' (the saved tensors "
                              "are written to swap files there)")

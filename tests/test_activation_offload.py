@@ -152,6 +152,33 @@ def test_kept_activations_count_against_device_budget():
                    device_budget=budget - bounded[2]["activations"]["device_peak_bytes"] // 2), steps=1)
 
 
+def test_auto_moves_nothing_when_everything_fits():
+    plain = train({}, steps=2)
+    for budget in (None, 64 << 20):
+        auto = train(dict(activation_offload="auto", device_budget=budget), steps=2)
+        assert_same_run(plain, auto)
+        act = auto[2]["activations"]
+        assert act["moved_to_host_bytes"] == act["moved_to_nvme_bytes"] == act["returned_bytes"] == 0
+        assert act["kept_bytes"] == act["device_peak_bytes"] > 0
+
+
+def test_auto_moves_the_earliest_units_only_as_needed():
+    """Under a budget between what keeping everything and moving every unit but the last
+    need, "auto" moves some groups, fewer bytes than "host", stays within the budget, and
+    computes the same numbers."""
+    base = dict(param_tier="host")
+    keep_all = train(dict(base, activation_offload="auto"), steps=1)[2]["device_peak_bytes"]
+    move_all = train(dict(base, activation_offload="host"), steps=1)
+    budget = (keep_all + move_all[2]["device_peak_bytes"]) // 2
+    plain = train(base, steps=3)
+    auto = train(dict(base, activation_offload="auto", device_budget=budget), steps=3)
+    assert_same_run(plain, auto)
+    act = auto[2]["activations"]
+    assert 0 < act["to_host_bytes"] < move_all[2]["activations"]["to_host_bytes"]
+    assert act["moved_to_host_bytes"] == act["returned_bytes"]
+    assert auto[2]["device_peak_bytes"] <= budget
+
+
 def test_activation_offload_config_is_checked():
     with pytest.raises(ValueError, match="activation_offload"):
         offload.OffloadConfig(activation_offload="disk")

@@ -16,6 +16,10 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   writes that to a swap extent (the host buffer is let go once the write is done, at the
   latest when the next group leaves: at most two groups are staged on the host). The last
   group of a forward stays on the device: its backward comes first.
+- "auto": a complete group leaves only when a saved tensor would not fit in device_budget
+  beside the compute copies and the activations kept: the earliest groups of the forward
+  first (backward needs them last), to host RAM. With device_budget None (no limit)
+  nothing moves; with a budget that holds everything, nothing moves either.
 - What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
   their bytes), tensors that are not dense (a view with gaps, an expanded tensor: only the
   bytes a dense tensor spans are copied, as they lie, so that the tensor comes back with
@@ -135,13 +139,15 @@ class SavedActivation:
 
 class ActivationStore:
     """[Note: saved activations] The saved tensors of forward passes under grad mode, for
-    activation_offload "host" or "nvme" (``mode``; None: ``pack`` returns every tensor as it
-    is). Main thread, except that a record may end on the thread where autograd drops it."""
+    activation_offload "host", "nvme" or "auto" (``mode``; None: ``pack`` returns every
+    tensor as it is). Main thread, except that a record may end on the thread where autograd drops it."""
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier]) -> None:
-        assert mode in (None, "host", "nvme") and (nvme is not None) == (mode == "nvme")
+        assert mode in (None, "host", "nvme", "auto") and (nvme is not None) == (mode == "nvme")
         self.mode = mode
+        # where a group that leaves goes: "auto" moves groups to the host only as needed
+        self._destination = "nvme" if mode == "nvme" else "host"
         self._device = device
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
@@ -154,6 +160,7 @@ class ActivationStore:
         self._unit_groups: Dict[str, List[int]] = {}    # unit name -> its groups' indices, backward pops
         self._seen: Dict[Tuple[Any, ...], "weakref.ref[SavedActivation]"] = {}
         self._staged: List[Tuple[_Group, Any]] = []     # "nvme": groups whose write is in flight
+        self._resident: List[_Group] = []  # "auto": this forward's complete groups still on the device, in order
         # [Note: streams] the last copy out of the device: copies back wait for it, so that
         # they read a host buffer after the copies that filled it (or an earlier one there)
         self._last_sent: Any = None
@@ -179,7 +186,7 @@ class ActivationStore:
         if not self.enabled:
             return
         self._open = True
-        self._groups, self._unit_groups, self._seen = [], {}, {}
+        self._groups, self._unit_groups, self._seen, self._resident = [], {}, {}, []
         self._pass_packed, self._pass_moved = 0, {"host": 0, "nvme": 0}
         self._current = self._new_group("root")
 
@@ -188,7 +195,10 @@ class ActivationStore:
         if not self._open:
             return
         previous, self._current = self._current, self._new_group(unit_name)
-        self._send_away(previous)
+        if self.mode == "auto":
+            self._resident.append(previous)  # leaves only when room is needed
+        else:
+            self._send_away(previous)
 
     def end_pass(self) -> None:
         """The forward is over (or abandoned): its last group stays on the device."""
@@ -196,7 +206,7 @@ class ActivationStore:
             return
         self._open = False
         self._current = None
-        self._seen = {}
+        self._seen, self._resident = {}, []
         self._finish_writes()
         moved = self._pass_moved
         self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
@@ -230,6 +240,9 @@ class ActivationStore:
         return record
 
     def _hold(self, num_bytes: int, unit_name: str) -> None:
+        # "auto": the earliest complete groups leave first (backward needs them last)
+        while self._resident and not self._device.activations_fit(num_bytes):
+            self._send_away(self._resident.pop(0))
         if not self._device.activations_fit(num_bytes):
             device = self._device
             raise RuntimeError(
@@ -265,12 +278,12 @@ class ActivationStore:
             r.tensor = None
             self._dropped(r.num_bytes)
         moved = sum(r.num_bytes for r in records)
-        self._pass_moved[self.mode] += moved
-        self.moved_bytes[self.mode] += moved
+        self._pass_moved[self._destination] += moved
+        self.moved_bytes[self._destination] += moved
         group.host_buffer, group.event = buffer, event
         self._last_sent = event
-        group.state = self.mode
-        if self.mode == "nvme":
+        group.state = self._destination
+        if self._destination == "nvme":
             self._finish_writes()  # at most two groups staged: the one before and this one
             group.extent = self._take_extent(group.num_bytes)
             event.synchronize()  # the host buffer holds the bytes

@@ -124,7 +124,7 @@ class Layout:
     # on the worker while the next forward reads the copy from before them
     delayed_update: bool
     delayed_update_warmup_steps: int
-    # [Note: saved activations] None, "host" or "nvme"
+    # [Note: saved activations] None, "host", "nvme" or "auto"
     activation_offload: Optional[str] = None
 
     @property
