@@ -45,8 +45,9 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   are): with "host" the activations are an allowance beyond host_budget, not checked at
   wrap (their size is known only once a forward has run); with "nvme" the host holds the
   staging of at most two groups. Swap extents come from an NVMe tier of the store's own
-  (``ActivationStore.nvme``: its I/O counters are the activations' alone), reused across
-  steps by size.
+  (``ActivationStore.nvme``: its I/O counters are the activations' alone) and are reused
+  (the smallest free one that holds a group), so the swap space grows with the most bytes
+  away at once, not with the number of steps or of batch shapes.
 - Failures. A swap read that fails raises an OSError naming the unit and the swap file
   from the unpack, inside backward: the engine's rule for a failed backward applies
   (``Engine.backward``, [Note: failures inside a step]).
@@ -65,6 +66,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from offload.io.swap import Extent
+from offload.memory.layout import sub_extent
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
 __all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES"]
@@ -152,7 +154,9 @@ class ActivationStore:
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
         self._lock = threading.RLock()  # records end on whichever thread drops them
-        self._extents: Dict[int, List[Extent]] = {}  # free swap extents by size, reused
+        # free swap extents, reused (the smallest that holds a group), so that the swap space
+        # grows only with the most bytes ever away at once, whatever the shapes of the batches
+        self._free_extents: List[Extent] = []
         # the forward open now
         self._open = False
         self._current: Optional[_Group] = None
@@ -170,6 +174,7 @@ class ActivationStore:
         self.last_pass = {"kept_bytes": 0, "to_host_bytes": 0, "to_nvme_bytes": 0}
         self.moved_bytes = {"host": 0, "nvme": 0}
         self.returned_bytes = 0
+        self.written_bytes = 0  # to swap: the groups' buffers, whole pages
         self.host_bytes = 0
         self.host_peak_bytes = 0
         self.nvme_bytes = 0
@@ -287,7 +292,8 @@ class ActivationStore:
             self._finish_writes()  # at most two groups staged: the one before and this one
             group.extent = self._take_extent(group.num_bytes)
             event.synchronize()  # the host buffer holds the bytes
-            self._staged.append((group, self.nvme.write(buffer, group.extent, unit=group.unit_name)))
+            self._staged.append((group, self.nvme.write(buffer, sub_extent(group.extent, 0, group.num_bytes),
+                                                        unit=group.unit_name)))
             self._count_nvme(group.num_bytes)
 
     def _finish_writes(self) -> None:
@@ -345,7 +351,8 @@ class ActivationStore:
         if group.state == "nvme":
             self._finish_writes()
             group.host_buffer = self._host_buffer(group.num_bytes)
-            group.read = self.nvme.read(group.host_buffer, group.extent, unit=group.unit_name)
+            group.read = self.nvme.read(group.host_buffer, sub_extent(group.extent, 0, group.num_bytes),
+                                        unit=group.unit_name)
         group.state = "returning"
         if group.read is None:
             self._copies_in(group, records)
@@ -409,20 +416,23 @@ class ActivationStore:
 
     def _take_extent(self, num_bytes: int) -> Extent:
         with self._lock:
-            free = self._extents.get(num_bytes)
-            if free:
-                return free.pop()
+            fitting = [e for e in self._free_extents if e.nbytes >= num_bytes]
+            if fitting:
+                extent = min(fitting, key=lambda e: e.nbytes)
+                self._free_extents.remove(extent)
+                return extent
         return self.nvme.allocate(num_bytes)
 
     def _give_back_extent(self, group: _Group) -> None:
         extent, group.extent = group.extent, None
         if extent is not None:
             with self._lock:
-                self._extents.setdefault(extent.nbytes, []).append(extent)
-                self.nvme_bytes -= extent.nbytes
+                self._free_extents.append(extent)
+                self.nvme_bytes -= group.num_bytes
 
     def _count_nvme(self, num_bytes: int) -> None:
         with self._lock:
+            self.written_bytes += num_bytes
             self.nvme_bytes += num_bytes
             self.nvme_peak_bytes = max(self.nvme_peak_bytes, self.nvme_bytes)
 
@@ -447,6 +457,7 @@ class ActivationStore:
             "moved_to_host_bytes": self.moved_bytes["host"],
             "moved_to_nvme_bytes": self.moved_bytes["nvme"],
             "returned_bytes": self.returned_bytes,
+            "written_to_nvme_bytes": self.written_bytes,
             "device_bytes": self._device.activation_bytes,
             "device_peak_bytes": self._device.activation_peak_bytes,
             "host_bytes": self.host_bytes,
