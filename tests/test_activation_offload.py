@@ -257,3 +257,49 @@ def test_a_failed_activation_read_fails_that_backward_by_the_engines_rule(early,
         engine.backward(engine(b[:, :-1], b[:, 1:]))
         engine.step()
         assert_same_state(engine.state_dict(), expected)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_models_train_bit_for_bit_with_host_offload(kind, checkpointing):
+    """Tiny transformers models (rotary buffers, grouped-query attention; GPT-2's dropout
+    masks, which are saved tensors too), with and without their own gradient checkpointing."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        build = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0)
+        build = transformers.GPT2LMHeadModel
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 128, (2, 48), generator=g) for _ in range(3)]
+
+    def run(offload_config):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build(config)
+            model.train()
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+        losses, states = [], []
+        with offload.wrap(model, make_opt(model.parameters()), config=offload_config) as engine:
+            for b in batches:
+                loss = engine(input_ids=b, labels=b).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                states.append(engine.state_dict())
+            return losses, states, engine.stats()
+
+    plain = run({})
+    offloaded = run(dict(activation_offload="host"))
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    assert act["moved_to_host_bytes"] == act["returned_bytes"]
+    if not checkpointing:
+        assert act["to_host_bytes"] > 0
