@@ -652,3 +652,25 @@ def test_sweep_and_defaults_start_from_the_harness_spec():
     base = harness.floor_rows_base(args)
     assert base["model"] == harness.SMALL_MODEL and base["batch"] == harness.QUICK_BATCH
     assert base["budget_fraction"] == 0.01 and base["threads"] == 1
+
+
+def test_bench_train_activations_rows_keep_recompute_and_move(tmp_path):
+    """--activations: per sequence length, keep (nothing moves, the activations counted),
+    recompute, host, nvme and auto (within its budget); the table and the JSON rows."""
+    out = tmp_path / "activations.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--quick", "--activations", "--dtypes", "fp32", "--seq-lens", "32",
+         "--steps", "1", "--warmup", "1", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "x keep" in proc.stdout
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["auto", "host", "keep", "nvme", "recompute"]
+    keep, recompute, host, nvme = rows["keep"], rows["recompute"], rows["host"], rows["nvme"]
+    assert keep["activations"]["moved_to_host_bytes"] == 0 and keep["activations"]["device_peak_bytes"] > 0
+    assert recompute["activations"]["device_peak_bytes"] < keep["activations"]["device_peak_bytes"]
+    assert host["activations"]["to_host_bytes"] > 0 and host["device_peak_bytes"] < keep["device_peak_bytes"]
+    assert nvme["activations"]["to_nvme_bytes"] == host["activations"]["to_host_bytes"]
+    assert nvme["activations"]["nvme_bytes_written"] > 0
+    assert list((tmp_path / "swap").iterdir()) == []

@@ -86,7 +86,7 @@ thread count before offload sizes its native pool from it):
 
     bench_train.py     the command line and a worker's row dispatch (--worker)
       -> train_rows.py, train_ranks.py, train_deepspeed.py, train_replay.py,
-         bench_sweep.py, bench_defaults.py, train_harness.py
+         bench_sweep.py, bench_defaults.py, bench_activations.py, train_harness.py
     train_rows.py      plain and offload rows; a single-process run and its table
       -> train_replay.py, train_deepspeed.py, train_harness.py, trace_summary.py
     train_ranks.py     ddp and the stage rows (--nproc); the per-rank table  -> train_harness.py
@@ -94,6 +94,7 @@ thread count before offload sizes its native pool from it):
     train_replay.py    the I/O-only replays (io-only, paired overlap)        -> train_harness.py
     bench_sweep.py     --sweep-host-budget                                   -> train_harness.py
     bench_defaults.py  --compare-defaults                                    -> train_harness.py
+    bench_activations.py --activations                                       -> train_harness.py
     train_harness.py   models, batches, the timing loop, a row in a worker process, table
                        helpers, constants; imports nothing from tools/
     (tools/bench_scale.py -> train_replay.py: its io-only row replays the same way)
@@ -112,7 +113,8 @@ TOOLS_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS_DIR.parent))
 sys.path.insert(0, str(TOOLS_DIR))
 
-import bench_defaults  # noqa: E402 - after the path above
+import bench_activations  # noqa: E402 - after the path above
+import bench_defaults  # noqa: E402
 import bench_sweep  # noqa: E402
 import train_ranks  # noqa: E402
 import train_rows  # noqa: E402
@@ -131,7 +133,9 @@ def worker_main(spec: dict) -> int:
     if spec.get("nproc"):
         spec = train_ranks.init_rank(spec)
     row = spec["row"]
-    if row == "ddp":
+    if spec.get("activations"):
+        result = bench_activations.run_worker(spec)
+    elif row == "ddp":
         result = train_ranks.run_ddp(spec)
     elif row == "plain":
         result = train_rows.run_plain(spec)
@@ -209,6 +213,11 @@ def parse_args(argv=None):
                    help="with --sweep-host-budget: an `offload profile --json` file for auto placement")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="with --sweep-host-budget: step time against host budget (needs matplotlib)")
+    p.add_argument("--activations", action="store_true",
+                   help="device peak and step time of saved activations kept, recomputed or moved, per "
+                        "sequence length (tools/bench_activations.py)")
+    p.add_argument("--seq-lens", nargs="+", type=int, default=None,
+                   help="--activations: sequence lengths (default 256 512 1024 2048 4096; --quick 32 64)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -240,6 +249,8 @@ def main(argv=None) -> int:
         return worker_main(json.loads(args.worker))
     if args.nproc is not None:
         return train_ranks.main(args)
+    if args.activations:
+        return bench_activations.main(args)
     if args.sweep_host_budget:
         return bench_sweep.main(args)
     if args.compare_defaults:
