@@ -38,7 +38,7 @@ from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
     UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
-from offload.memory.activations import ActivationStore
+from offload.memory.activations import ACTIVATIONS_SWAP_SUBDIR, ActivationStore
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
@@ -182,12 +182,17 @@ class Engine:
                 self._nvme = NvmeTier(self._rank_swap_dir(config.swap_dir), nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
             self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
-            # [Note: saved activations] "nvme": swap space of their own under swap_dir
+            # [Note: saved activations] "nvme": swap space of their own, in a directory of
+            # their own under swap_dir (a swap directory holds one run's lock)
+            activation_swap_dir = os.path.join(self._rank_swap_dir(config.swap_dir), ACTIVATIONS_SWAP_SUBDIR) \
+                if layout.activation_offload == "nvme" else None
+            made_activation_swap_dir = activation_swap_dir is not None and not os.path.lexists(activation_swap_dir)
             self._activations = ActivationStore(
                 layout.activation_offload, device=self._device, host=self._host,
-                nvme=NvmeTier(self._rank_swap_dir(config.swap_dir), 0, config.io_backend,
-                              config.io_block_bytes, config.io_queue_depth, checksums=config.swap_checksums)
-                if layout.activation_offload == "nvme" else None)
+                nvme=NvmeTier(activation_swap_dir, 0, config.io_backend, config.io_block_bytes,
+                              config.io_queue_depth, checksums=config.swap_checksums)
+                if activation_swap_dir is not None else None,
+                remove_dir=activation_swap_dir if made_activation_swap_dir else None)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
@@ -241,6 +246,7 @@ class Engine:
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
                 gradients=self._gradients, residency=self._residency, status=self._status, adam=self._adam)
             self._residency.connect(self._updates)
+            self._activations.connect(self._residency)  # [Note: saved activations] room by eviction
             self._gradients.connect(self._updates)
             self._backward_running = False  # engine.gathered() refuses then
             self._last_step_end: Optional[float] = None

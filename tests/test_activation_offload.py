@@ -131,6 +131,22 @@ def test_nvme_swap_space_does_not_grow_with_changing_shapes(tmp_path):
     assert sizes[1] > 0 and sizes[1:] == [sizes[1]] * 5
 
 
+@pytest.mark.parametrize("mode", ["host", "nvme"])
+def test_offload_beside_speculative_updates_and_evicting_units(mode, tmp_path):
+    """States on NVMe with clipping (speculative early updates during backward), compute
+    copies on NVMe under a device budget that evicts: the saved activations move beside
+    all of it and the run is the same, bit for bit."""
+    base = dict(param_tier="nvme", optimizer_tier="nvme", max_grad_norm=0.5, swap_dir=str(tmp_path / "swap"),
+                device_budget=1_300_000)
+    plain = train(base, steps=3)
+    offloaded = train(dict(base, activation_offload=mode), steps=3)
+    assert_same_run(plain, offloaded)
+    assert offloaded[2]["speculative_updates"] > 0
+    act = offloaded[2]["activations"]
+    assert act["to_host_bytes" if mode == "host" else "to_nvme_bytes"] > 0
+    assert offloaded[2]["device_peak_bytes"] <= 1_300_000
+
+
 def test_host_offload_writes_nothing_to_disk(tmp_path):
     offloaded = train(dict(activation_offload="host", param_tier="nvme", optimizer_tier="nvme",
                            swap_dir=str(tmp_path / "swap")), steps=2)
@@ -160,15 +176,18 @@ def test_the_device_tier_counts_what_stays_and_not_what_left():
 
 def test_kept_activations_count_against_device_budget():
     """With a budget set, the device tier's peak (compute copies, gradients, activations)
-    stays within it; a budget the kept activations cannot fit in is an error naming it."""
+    stays within it, compute copies fetched ahead making room for activations; a budget the
+    kept activations cannot fit in (every compute copy on the device for good) is an error
+    naming it."""
     unbounded = train(dict(activation_offload="host", param_tier="host"), steps=1)
     budget = unbounded[2]["device_peak_bytes"]
-    bounded = train(dict(activation_offload="host", param_tier="host", device_budget=budget), steps=2)
-    assert bounded[2]["activations"]["device_peak_bytes"] > 0
-    assert bounded[2]["device_peak_bytes"] <= budget
+    for tight in (budget, budget - unbounded[2]["activations"]["device_peak_bytes"] // 2):
+        bounded = train(dict(activation_offload="host", param_tier="host", device_budget=tight), steps=2)
+        assert bounded[2]["activations"]["device_peak_bytes"] > 0
+        assert bounded[2]["device_peak_bytes"] <= tight
+    resident = train(dict(param_tier="device"), steps=1)[2]["device_peak_bytes"]  # units and gradients only
     with pytest.raises(RuntimeError, match="device_budget.*saved activations of unit"):
-        train(dict(activation_offload="host", param_tier="host",
-                   device_budget=budget - bounded[2]["activations"]["device_peak_bytes"] // 2), steps=1)
+        train(dict(activation_offload="host", param_tier="device", device_budget=resident), steps=1)
 
 
 def test_auto_moves_nothing_when_everything_fits():

@@ -39,9 +39,10 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
 - Accounting. ``DeviceTier.activation_bytes`` counts every saved tensor a record holds on
   the device, from its pack to its leaving or to the record's end (autograd drops a record
   once the backward that used it has run, or with the graph); slots and activations share
-  the arena's capacity (``DeviceTier.allocate``). A saved tensor that does not fit, after
-  the groups before it have left, is a RuntimeError naming device_budget, the unit and the
-  bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled gradients
+  the arena's capacity (``DeviceTier.allocate``). A saved tensor that does not fit first
+  evicts compute copies not in use (``DeviceResidency.evict_one``: those fetched ahead,
+  fetched again when needed); one that does not fit even then (with "auto", after the
+  earlier groups have left) is a RuntimeError naming device_budget, the unit and the bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled gradients
   are): with "host" the activations are an allowance beyond host_budget, not checked at
   wrap (their size is known only once a forward has run); with "nvme" the host holds the
   staging of at most two groups. Swap extents come from an NVMe tier of the store's own
@@ -59,9 +60,10 @@ hooks are gone by then).
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -69,7 +71,11 @@ from offload.io.swap import Extent
 from offload.memory.layout import sub_extent
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
-__all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES"]
+__all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
+
+# "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
+# directory in it), beside the engine's own run directory: one directory holds one run's lock.
+ACTIVATIONS_SWAP_SUBDIR = "activations"
 
 # Saved tensors below this stay on the device: a page, less than what a record and a copy cost.
 ACTIVATION_MIN_BYTES = 4096
@@ -91,6 +97,13 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+class Evictor(Protocol):
+    """What makes room on the device for saved activations: DeviceResidency."""
+
+    def evict_one(self) -> bool:
+        """Drop one unit's device copy that is not in use; False when there is none."""
 
 
 class _Group:
@@ -145,7 +158,9 @@ class ActivationStore:
     tensor as it is). Main thread, except that a record may end on the thread where autograd drops it."""
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier]) -> None:
+                 nvme: Optional[NvmeTier], remove_dir: Optional[str] = None) -> None:
+        """``remove_dir``: the directory made for ``nvme``'s swap space, removed (when empty)
+        at close."""
         assert mode in (None, "host", "nvme", "auto") and (nvme is not None) == (mode == "nvme")
         self.mode = mode
         # where a group that leaves goes: "auto" moves groups to the host only as needed
@@ -153,6 +168,8 @@ class ActivationStore:
         self._device = device
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
+        self._remove_dir = remove_dir
+        self._evictor: Optional[Evictor] = None
         self._lock = threading.RLock()  # records end on whichever thread drops them
         # free swap extents, reused (the smallest that holds a group), so that the swap space
         # grows only with the most bytes ever away at once, whatever the shapes of the batches
@@ -180,6 +197,10 @@ class ActivationStore:
         self.nvme_bytes = 0
         self.nvme_peak_bytes = 0
         self.closed = False
+
+    def connect(self, evictor: Evictor) -> None:
+        """The device residency, once it is built (after this store)."""
+        self._evictor = evictor
 
     @property
     def enabled(self) -> bool:
@@ -245,19 +266,28 @@ class ActivationStore:
         return record
 
     def _hold(self, num_bytes: int, unit_name: str) -> None:
-        # "auto": the earliest complete groups leave first (backward needs them last)
+        self._make_room(num_bytes, unit_name)
+        with self._lock:
+            self._device.hold_activations(num_bytes)
+
+    def _make_room(self, num_bytes: int, unit_name: str) -> None:
+        """Room for ``num_bytes`` more on the device, or a RuntimeError naming device_budget
+        before anything changed."""
+        # "auto": the earliest complete groups leave first (backward needs them last); then
+        # compute copies not in use (fetched ahead: they are fetched again when needed)
         while self._resident and not self._device.activations_fit(num_bytes):
             self._send_away(self._resident.pop(0))
+        while not self._device.activations_fit(num_bytes) and self._evictor is not None \
+                and self._evictor.evict_one():
+            pass
         if not self._device.activations_fit(num_bytes):
             device = self._device
             raise RuntimeError(
                 f"device_budget: the saved activations of unit {unit_name!r} do not fit: {num_bytes} bytes "
                 f"more beside {device.activation_bytes} bytes of activations and {device.slot_bytes} bytes of "
                 f"compute copies, within {device.capacity_bytes} bytes (device_budget "
-                f"{device.budget_bytes} less the reserve for gradients); raise device_budget, lower "
-                "prefetch_bytes, or make the units smaller")
-        with self._lock:
-            self._device.hold_activations(num_bytes)
+                f"{device.budget_bytes} less the reserve for gradients, with every unit not in use "
+                "evicted); raise device_budget or make the units smaller")
 
     def _dropped(self, num_bytes: int) -> None:
         """A record on the device ended (or left): its bytes are free."""
@@ -359,6 +389,7 @@ class ActivationStore:
 
     def _copies_in(self, group: _Group, records: List[SavedActivation]) -> None:
         streams = self._device.streams
+        self._make_room(sum(r.num_bytes for r in records), group.unit_name)  # all of them, or none
         for r in records:
             self._hold(r.num_bytes, group.unit_name)
             flat = torch.empty(r.numel, dtype=r.dtype, device=self._device.device)
@@ -479,3 +510,8 @@ class ActivationStore:
             self.closed = True
             if self.nvme is not None:
                 self.nvme.close()
+            if self._remove_dir is not None:
+                try:
+                    os.rmdir(self._remove_dir)
+                except OSError:
+                    pass  # not empty: something else put files there

@@ -444,6 +444,16 @@ class DeviceResidency:
             self.release(max(victims, key=lambda v: (not self._updates.pending(v),
                                                      self._prefetcher.next_use(v.index), -v.last_use)))
 
+    def evict_one(self) -> bool:
+        """[Note: saved activations] Drop the device copy of the resident unit not in use
+        (not the root) whose next use is farthest, for room on the device; False when none is."""
+        victims = [v for v in self.units if v is not self._root and v.compute_state == Residency.LOADED]
+        if not victims or self._layout.param_tier == "device":
+            return False
+        self.release(max(victims, key=lambda v: (not self._updates.pending(v),
+                                                 self._prefetcher.next_use(v.index), -v.last_use)))
+        return True
+
     @profiled("release")
     def release(self, u: UnitState) -> None:
         """Drop u's device copy (its home copy is current)."""
