@@ -188,7 +188,7 @@ class Engine:
                 if layout.activation_offload == "nvme" else None
             made_activation_swap_dir = activation_swap_dir is not None and not os.path.lexists(activation_swap_dir)
             self._activations = ActivationStore(
-                layout.activation_offload, device=self._device, host=self._host,
+                layout.activation_offload, device=self._device, host=self._host, timeline=self._timeline,
                 nvme=NvmeTier(activation_swap_dir, 0, config.io_backend, config.io_block_bytes,
                               config.io_queue_depth, checksums=config.swap_checksums)
                 if activation_swap_dir is not None else None,
@@ -572,7 +572,9 @@ class Engine:
         and the NVMe tier's last ``TRACE_REQUESTS`` requests) as Chrome/Perfetto trace-event
         JSON: lanes for the phases (forward, backward, optimizer step), compute per unit, the main
         thread's waits before a unit could run (for its fetch or its update), copies to the
-        device, NVMe reads, NVMe writes, the updates on the optimizer worker (per unit, waits
+        device, saved activations on their way out and back ("activations", with
+        ``activation_offload``; their swap requests join the NVMe lanes), NVMe reads, NVMe
+        writes, the updates on the optimizer worker (per unit, waits
         included: "optimizer") and the Adam kernel per unit or piece ("adam"). See
         tools/trace_summary.py for a text summary.
 
@@ -582,7 +584,9 @@ class Engine:
         transfer spans end when the engine observed them complete (a wait returned), which
         can be later than the bytes arrived; compute spans of backward run from one unit's
         backward start to the next's."""
-        self._timeline.export(path, list(self._nvme.recent) if self._nvme is not None else [])
+        activations_nvme = self._activations.nvme
+        self._timeline.export(path, (list(self._nvme.recent) if self._nvme is not None else []) +
+                              (list(activations_nvme.recent) if activations_nvme is not None else []))
 
     # ------------------------------------------------------------------ lifecycle
     def _rank_swap_dir(self, swap_dir: str) -> str:

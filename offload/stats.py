@@ -103,7 +103,7 @@ class Timeline:
             return sorted({lane for lane, _, _, _ in spans if lane.startswith(prefix)},
                           key=lambda lane: int(lane.rsplit(" ", 1)[1]))
 
-        order = ["phase", "compute", "wait", "copy", *numbered("nvme read "), *numbered("nvme write "),
+        order = ["phase", "compute", "wait", "copy", "activations", *numbered("nvme read "), *numbered("nvme write "),
                  "optimizer", "adam"]
         lanes = {lane: tid for tid, lane in enumerate(order)}
         events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}

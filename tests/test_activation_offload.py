@@ -322,3 +322,23 @@ def test_hugging_face_models_train_bit_for_bit_with_host_offload(kind, checkpoin
     assert act["moved_to_host_bytes"] == act["returned_bytes"]
     if not checkpointing:
         assert act["to_host_bytes"] > 0
+
+
+def test_export_trace_shows_the_activation_copies_and_their_swap_requests(tmp_path):
+    import json
+
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=dict(activation_offload="nvme", swap_dir=str(tmp_path / "swap"))) as engine:
+        for b in data(2):
+            engine.backward(engine(b[:, :-1], b[:, 1:]))
+            engine.step()
+        engine.export_trace(str(tmp_path / "trace.json"))
+        written = engine.stats()["activations"]["nvme_bytes_written"]
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    lanes = [e["name"].split()[0] for e in events if e["cat"] == "activations"]
+    # per step: every block's group but the last's goes out and comes back (the root's
+    # holds only the token ids, under ACTIVATION_MIN_BYTES: it has nothing to move)
+    assert lanes.count("out") == lanes.count("back") == 2 * (ACT_CFG.num_layers - 1)
+    assert sum(1 for e in events if e["cat"] == "nvme write") >= 2 * (ACT_CFG.num_layers - 1) and written > 0

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
@@ -69,6 +70,7 @@ import torch
 
 from offload.io.swap import Extent
 from offload.memory.layout import sub_extent
+from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
 __all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
@@ -119,6 +121,7 @@ class _Group:
         self.extent: Optional[Extent] = None
         self.num_bytes = 0       # host buffer and extent size
         self.read: Any = None    # the swap read in flight ("nvme", coming back)
+        self.return_started = 0.0
         self.event: Any = None   # the last copy of its way back
 
     def live(self) -> List["SavedActivation"]:
@@ -158,7 +161,7 @@ class ActivationStore:
     tensor as it is). Main thread, except that a record may end on the thread where autograd drops it."""
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], remove_dir: Optional[str] = None) -> None:
+                 nvme: Optional[NvmeTier], timeline: Timeline, remove_dir: Optional[str] = None) -> None:
         """``remove_dir``: the directory made for ``nvme``'s swap space, removed (when empty)
         at close."""
         assert mode in (None, "host", "nvme", "auto") and (nvme is not None) == (mode == "nvme")
@@ -169,6 +172,7 @@ class ActivationStore:
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
         self._remove_dir = remove_dir
+        self._timeline = timeline  # the "activations" lane: each group's way out and back
         self._evictor: Optional[Evictor] = None
         self._lock = threading.RLock()  # records end on whichever thread drops them
         # free swap extents, reused (the smallest that holds a group), so that the swap space
@@ -305,6 +309,7 @@ class ActivationStore:
             r.offset = offset
             offset = _round_up(offset + r.num_bytes, _TENSOR_ALIGN_BYTES)
         group.num_bytes = _round_up(offset, _PAGE_BYTES)
+        started = time.perf_counter()
         buffer = self._host_buffer(group.num_bytes)
         event = None
         for r in records:
@@ -325,6 +330,8 @@ class ActivationStore:
             self._staged.append((group, self.nvme.write(buffer, sub_extent(group.extent, 0, group.num_bytes),
                                                         unit=group.unit_name)))
             self._count_nvme(group.num_bytes)
+        self._timeline.span("activations", f"out {group.unit_name} ({moved >> 10} KiB)", started,
+                            time.perf_counter())
 
     def _finish_writes(self) -> None:
         """Wait for the swap writes in flight and let go of their host buffers."""
@@ -378,6 +385,7 @@ class ActivationStore:
         if not needed and not self._device.activations_fit(num_bytes):
             return
         group.event = None  # the copies out: those back wait for them on the device ([Note: streams])
+        group.return_started = time.perf_counter()
         if group.state == "nvme":
             self._finish_writes()
             group.host_buffer = self._host_buffer(group.num_bytes)
@@ -422,6 +430,7 @@ class ActivationStore:
         self._release_host(group)
         self._give_back_extent(group)
         group.state = "back"
+        self._timeline.span("activations", f"back {group.unit_name}", group.return_started, time.perf_counter())
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
