@@ -42,8 +42,9 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   the arena's capacity (``DeviceTier.allocate``). A saved tensor that does not fit first
   evicts compute copies not in use (``DeviceResidency.evict_one``: those fetched ahead,
   fetched again when needed); one that does not fit even then (with "auto", after the
-  earlier groups have left) is a RuntimeError naming device_budget, the unit and the bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled gradients
-  are): with "host" the activations are an allowance beyond host_budget, not checked at
+  earlier groups have left) is a RuntimeError naming device_budget, the unit and the
+  bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled
+  gradients are): with "host" the activations are an allowance beyond host_budget, not checked at
   wrap (their size is known only once a forward has run); with "nvme" the host holds the
   staging of at most two groups. Swap extents come from an NVMe tier of the store's own
   (``ActivationStore.nvme``: its I/O counters are the activations' alone) and are reused
@@ -108,9 +109,20 @@ class Evictor(Protocol):
         """Drop one unit's device copy that is not in use; False when there is none."""
 
 
+# A group's states and the moves between them (``_Group.to`` checks each).
+_GROUP_MOVES = {
+    "open": ("host", "nvme", "back"),  # on the device, filling or the last; "back": nothing to move
+    "host": ("returning",),            # in its host buffer
+    "nvme": ("returning", "failed"),   # in its swap extent; "failed": the write did not complete
+    "returning": ("back", "nvme"),     # on its way back; "nvme": the read failed, read again at the next unpack
+    "back": (),                        # on the device again, its buffer and extent let go
+    "failed": (),                      # nothing holds its bytes: its graph cannot run backward
+}
+
+
 class _Group:
-    """The saved tensors of one unit call (or the root's), moved together. States: "open"
-    (on the device, still filling or the last), "host", "nvme" (left the device), "back"."""
+    """The saved tensors of one unit call (or the root's), moved together (``state``: a
+    key of ``_GROUP_MOVES``)."""
 
     def __init__(self, store: "ActivationStore", unit_name: str) -> None:
         self.store = store
@@ -123,6 +135,10 @@ class _Group:
         self.read: Any = None    # the swap read in flight ("nvme", coming back)
         self.return_started = 0.0
         self.event: Any = None   # the last copy of its way back
+
+    def to(self, state: str) -> None:
+        assert state in _GROUP_MOVES[self.state], f"activations of {self.unit_name}: {self.state} -> {state}"
+        self.state = state
 
     def live(self) -> List["SavedActivation"]:
         return [r for r in (ref() for ref in self.records) if r is not None]
@@ -302,7 +318,7 @@ class ActivationStore:
         """[Note: saved activations] Copy ``group`` off the device ("host", "nvme")."""
         records = [r for r in group.live() if r.tensor is not None]
         if not records:
-            group.state = "back"
+            group.to("back")
             return
         offset = 0
         for r in records:
@@ -322,7 +338,7 @@ class ActivationStore:
         self.moved_bytes[self._destination] += moved
         group.host_buffer, group.event = buffer, event
         self._last_sent = event
-        group.state = self._destination
+        group.to(self._destination)
         if self._destination == "nvme":
             self._finish_writes()  # at most two groups staged: the one before and this one
             group.extent = self._take_extent(group.num_bytes)
@@ -344,7 +360,7 @@ class ActivationStore:
                 first_error = first_error or OSError(
                     error.errno, f"writing the saved activations of unit {group.unit_name!r} to "
                                  f"{group.extent.path}: {error}")
-                group.state = "failed"
+                group.to("failed")
             self._release_host(group)
         if first_error is not None:
             raise first_error
@@ -391,7 +407,7 @@ class ActivationStore:
             group.host_buffer = self._host_buffer(group.num_bytes)
             group.read = self.nvme.read(group.host_buffer, sub_extent(group.extent, 0, group.num_bytes),
                                         unit=group.unit_name)
-        group.state = "returning"
+        group.to("returning")
         if group.read is None:
             self._copies_in(group, records)
 
@@ -418,7 +434,7 @@ class ActivationStore:
             try:
                 read.wait()
             except OSError as error:
-                group.state = "nvme"  # still there; a later unpack tries again
+                group.to("nvme")  # still there; a later unpack tries again
                 self._release_host(group)
                 raise OSError(error.errno, f"reading the saved activations of unit {group.unit_name!r} from "
                                            f"{group.extent.path} (offset {group.extent.offset}): {error}") from error
@@ -429,7 +445,7 @@ class ActivationStore:
             group.event = None
         self._release_host(group)
         self._give_back_extent(group)
-        group.state = "back"
+        group.to("back")
         self._timeline.span("activations", f"back {group.unit_name}", group.return_started, time.perf_counter())
 
     # ------------------------------------------------------------------ buffers
