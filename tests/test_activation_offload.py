@@ -156,6 +156,29 @@ def test_host_offload_writes_nothing_to_disk(tmp_path):
     assert offloaded[2]["activations"]["nvme_bytes_written"] == 0
 
 
+def test_every_saved_tensor_is_counted_once():
+    """kept + moved bytes of a forward equal the bytes plain autograd saves in the same
+    forward of the unwrapped model (parameters aside, each saved tensor once), counted by
+    saved-tensor hooks of the test's own."""
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in parameters:
+            saved[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)] = \
+                t.numel() * t.element_size()
+        return t
+
+    b = data(1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(b[:, :-1], b[:, 1:])
+    for mode in ("host", "auto"):
+        act = train(dict(activation_offload=mode), steps=1)[2]["activations"]
+        assert act["kept_bytes"] + act["to_host_bytes"] == sum(saved.values())
+
+
 def test_the_device_tier_counts_what_stays_and_not_what_left():
     """Between forward and backward the device tier holds exactly the kept bytes; every
     moved group's tensors are gone from it; after backward nothing is held."""
