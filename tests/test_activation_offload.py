@@ -365,3 +365,27 @@ def test_export_trace_shows_the_activation_copies_and_their_swap_requests(tmp_pa
     # holds only the token ids, under ACTIVATION_MIN_BYTES: it has nothing to move)
     assert lanes.count("out") == lanes.count("back") == 2 * (ACT_CFG.num_layers - 1)
     assert sum(1 for e in events if e["cat"] == "nvme write") >= 2 * (ACT_CFG.num_layers - 1) and written > 0
+
+
+def test_a_failed_activation_write_fails_that_forward_and_the_next_one_trains(tmp_path):
+    """The swap write of a group fails: the forward that wrote it raises an OSError naming
+    the unit and the swap file, and is abandoned; the next forward and backward train as
+    if the failed one never ran."""
+    config = dict(activation_offload="nvme", swap_dir=str(tmp_path / "swap"))
+    batches = data(2)
+    plain = train(config, steps=1)  # batches[0] only
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        store = engine.debug.activations
+        store.nvme.io = FaultyIO(store.nvme.io, errno.EIO, fail_write=2)
+        b = batches[1]
+        with pytest.raises(OSError, match=r"writing the saved activations of unit '[a-z.0-9]+' to .*swap-\d+\.bin"):
+            engine(b[:, :-1], b[:, 1:])
+        store.nvme.io = store.nvme.io.inner
+        b = batches[0]
+        loss = engine(b[:, :-1], b[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        assert loss.item() == plain[0][0]
+        assert_same_state(engine.state_dict(), plain[1][0])
