@@ -40,7 +40,8 @@ from offload.memory.budget import (
     UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.activations import ACTIVATIONS_SWAP_SUBDIR, ActivationStore
 from offload.memory.homes import Homes
-from offload.memory.layout import FP32_BYTES, Layout, UnitState
+from offload.memory import layout as memory_layout
+from offload.memory.layout import DEFAULT_HOST_FRACTION, FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.placement import Placement, describe_units, resolve_placement
 from offload.memory.residency import DeviceResidency
@@ -258,7 +259,7 @@ class Engine:
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
                 prefetcher=self._prefetcher, timeline=self._timeline, activations=self._activations,
                 need=self._residency.need,
-                wait_ready=self._residency.wait_ready, forget_last_needed=self._residency.begin_pass,
+                wait_ready=self._residency.wait_ready, forget_last_needed=self._begin_pass,
                 step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_before_forward,
                 early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
                 settled_values=self._settled)
@@ -404,6 +405,10 @@ class Engine:
     def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
         """The reader of a unit's current values, once this step's updates are all done or none started."""
         self._status.check_open(what)
+        return self._values_reader(what)
+
+    def _values_reader(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """_settled without the check that the engine is open."""
         self._updates.settle_for_reading()  # [Note: delayed updates] read through read_committed
         # [Note: early updates]; a speculative one wrote spare homes only ([Note: speculative updates])
         early = [u.name for u in self.units if u.update.updated and not u.update.speculative]
@@ -414,6 +419,69 @@ class Engine:
                 "and not the others yet, so the weights would mix two steps; call it after step()")
         return lambda u: self._updates.read_committed(
             u, lambda: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {})))
+
+    def restore_model(self) -> None:
+        """Between steps: every parameter of the model holds a copy of its current value
+        (the fp32 master where one exists, as ``state_dict()``) in its dtype from before
+        wrap, on the CPU, so that the model reads as a plain model, until the next forward,
+        ``gathered()``, ``load_state_dict()`` or ``load_checkpoint()`` takes the copies back.
+        The copies are for reading: a write into one is named (RuntimeError) there, as the
+        engine's tiers never see it. Refused (ValueError, before anything changes) when
+        ``gathered()`` would be, and when the copies would take more than 3/4 of the memory
+        available now (it names the bytes: read through ``state_dict()`` or ``gathered()``
+        instead). Called again, it refreshes the copies. [Note: restored parameters]"""
+        what = "engine.restore_model()"
+        self._check_weights_access(what, writes=False)
+        self._end_restore_or_raise(what)
+        too_big = self._copies_too_big()
+        if too_big:
+            raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict(), "
+                             "engine.save_pretrained(DIR) or inside `with engine.gathered(params):`")
+        self._residency.restored.restore(self._model_copies(self._settled(what)))
+
+    def _copies_too_big(self) -> Optional[str]:
+        """Why the model's values in their dtypes from before wrap would not fit in host
+        memory now (over 3/4 of what is available, wrap's default host budget); None when they fit."""
+        released = self._residency.released
+        entries = {e.param: e for u in self.units for e in u.spec.entries}
+        needed = sum(e.numel * released.dtype_before_wrap(e).itemsize for e in entries.values())
+        available = memory_layout.available_memory_bytes()  # read now: tests patch it
+        if available is not None and needed > DEFAULT_HOST_FRACTION * available:
+            return (f"the model's values take {needed} bytes, more than {DEFAULT_HOST_FRACTION:g} of the memory "
+                    f"available now ({available} bytes)")
+        return None
+
+    def _model_copies(self, values: Callable[[UnitState], Dict[int, torch.Tensor]]) -> Dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's current value (``values``: a unit's), copied to the CPU in its
+        dtype from before wrap; a unit at a time."""
+        released = self._residency.released
+        copies: Dict[nn.Parameter, torch.Tensor] = {}
+        for u in self.units:
+            unit_values = values(u)
+            for e in u.spec.entries:
+                if e.param not in copies:
+                    copies[e.param] = unit_values[e.offset].to("cpu", released.dtype_before_wrap(e), copy=True)
+        return copies
+
+    def _end_restore(self, what: str, compare: bool = True) -> List[str]:
+        """[Note: restored parameters] End a restore, if one is on; the names of the
+        parameters written meanwhile (``compare=False``: not looked for, the caller replaces
+        every value)."""
+        restored = self._residency.restored
+        if not restored.active:
+            return []
+        return restored.end(self.units, self._settled(what) if compare else None, self._residency.point_back)
+
+    def _end_restore_or_raise(self, what: str, compare: bool = True) -> None:
+        """_end_restore, a RuntimeError naming the parameters written while restored."""
+        written = self._end_restore(what, compare)
+        if written:
+            self._residency.released.check_unwritten([], written)
+
+    def _begin_pass(self) -> None:
+        """The forward hooks' start of a pass: a restore ends, and the residency's
+        begin_pass names what was written ([Note: restored parameters])."""
+        self._residency.begin_pass(self._end_restore("a forward"))
 
     @contextlib.contextmanager
     def gathered(self, params_or_modules: "nn.Parameter | nn.Module | Iterable[nn.Parameter | nn.Module] | None" = None,
@@ -444,6 +512,7 @@ class Engine:
         """[Note: gathered parameters] Check, settle, and hold the units asked for."""
         what = "engine.gathered()"
         self._check_weights_access(what, modify)
+        self._end_restore_or_raise(what)
         wanted = self._units_of(params_or_modules, what)
         if self.layout.param_tier != "device":
             check_gathered_fits(self._root.compute_numel, [(u.name, u.compute_numel) for u in wanted if u is not self._root],
@@ -526,6 +595,7 @@ class Engine:
         Returns torch's ``(missing_keys, unexpected_keys)`` named tuple."""
         what = "engine.load_state_dict()"
         self._check_weights_access(what, True)
+        self._end_restore_or_raise(what, compare=False)
         self._updates.quiesce()  # nothing in flight: fetches landed
         unfinished = (f"{what} did not finish, so some units hold the new weights and others not; "
                       "load the weights again before training")
@@ -549,6 +619,7 @@ class Engine:
         offload/checkpoint/."""
         self._residency.refuse_while_held("load_checkpoint()")
         self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
+        self._end_restore_or_raise("load_checkpoint()", compare=False)
         checkpoint.load_checkpoint(self._checkpoint, ckpt_dir)
         self.zero_grad()
 

@@ -568,9 +568,9 @@ def test_without_clipping_deferred_steps_train_alike_and_say_why_grad_norm_is_no
 
 @pytest.mark.parametrize("where", ["host", "nvme"])
 def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(where, base_dir, tmp_path):
-    """The best checkpoint's weights, read through the model's and the engine's state_dict
-    (the load let go of every unit: a parameter holds its NaN placeholder until the next
-    pass, [Note: released parameters])."""
+    """The best checkpoint's weights, read through the model's and the engine's state_dict,
+    and in the model's parameters themselves: the load let go of every unit, and train()
+    restores the model ([Note: the model after train()]), so none reads NaN."""
     args = training_args(tmp_path / "out", eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
                          load_best_model_at_end=True, metric_for_best_model="eval_loss")
     trainer = offload_trainer(base_dir, args, nvme(tmp_path / "swap") if where == "nvme" else {},
@@ -583,7 +583,12 @@ def test_load_best_model_at_end_loads_the_best_checkpoints_engine_states(where, 
         saved = load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
         for values in (trainer.model.state_dict(), trainer.engine.state_dict()):
             assert values.keys() == saved.keys() and all(torch.equal(values[k], saved[k]) for k in saved)
+        parameters = dict(trainer.model.named_parameters())
+        assert parameters.keys() == saved.keys()
+        for name, p in parameters.items():
+            assert p.dtype == torch.float32 and torch.equal(p.detach(), saved[name]), name
         assert trainer.evaluate()["eval_loss"] == eval_losses[best]
+        assert all(torch.equal(p.detach(), saved[name]) for name, p in trainer.model.named_parameters())
     finally:
         trainer.close()
 
@@ -691,6 +696,7 @@ def test_optimizer_state_dict_too_big_for_memory_is_refused_naming_the_engines_c
                                              r"memory available now .*trainer.engine.save_checkpoint\(DIR\)"):
             trainer.optimizer.state_dict()
         assert sorted(os.listdir(tmp_path / "swap")) == before  # nothing written
+        monkeypatch.undo()  # room for close() to give the model its values back
     finally:
         trainer.close()
 
@@ -729,6 +735,10 @@ def test_bf16_trains_with_the_engine_in_bf16(base_dir, plain_run, tmp_path):
         assert {v.dtype for v in master.values()} == {torch.float32}
         assert any(not torch.equal(v, v.bfloat16().float()) for v in master.values())  # not the bf16 copy
         assert values.keys() == master.keys() and all(torch.equal(values[k], master[k]) for k in master)
+        # and the parameters themselves, in their dtype from before wrap ([Note: the model after train()])
+        for name, p in trainer.model.named_parameters():
+            assert p.dtype == torch.float32 and torch.equal(p.detach(), master[name]), name
+        assert trainer.model.dtype == torch.float32
     finally:
         trainer.close()
     # bf16 compute against fp32: the same run, to bf16 precision

@@ -401,11 +401,8 @@ class OffloadTrainer(Trainer):
     the meta device). ``self.engine`` is the Engine; ``close()`` removes its swap files.
 
     The engine stays open after ``train()`` (evaluate, predict and save_model run through it).
-    The model's parameters are the engine's ([Note: released parameters]): between passes
-    one holds its unit's compute copy while the unit stays on the device (in the compute
-    dtype), else a NaN placeholder (after load_best_model_at_end: every unit, the load let go
-    of them). Read trained values with ``model.state_dict()``, ``engine.state_dict()`` or
-    ``save_model``."""
+    After ``train()``, ``evaluate()`` and ``predict()`` the model reads as a plain model
+    ([Note: the model after train()])."""
 
     def __init__(
         self,
@@ -453,6 +450,8 @@ class OffloadTrainer(Trainer):
         self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
         self._warned_grad_norm = False
         self._closed = False
+        self._training = False  # inside train(): evaluate() leaves the model to the run
+        self._warned_restore = False
         # the caller's TrainingArguments while _save_checkpoint holds a copy in self.args
         self._args_outside_save: Optional[TrainingArguments] = None
 
@@ -558,8 +557,46 @@ class OffloadTrainer(Trainer):
         elif resume_from_checkpoint is not None:
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             _require_resumable(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval)
+        self._training = True
+        try:
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval)
+        finally:
+            self._training = False
+        self._restore_model()
+        return output
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Dict[str, float]:
+        """Trainer's; afterwards the model holds its values ([Note: the model after train()])."""
+        metrics = super().evaluate(*args, **kwargs)
+        if not self._training:
+            self._restore_model()
+        return metrics
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's; afterwards the model holds its values ([Note: the model after train()])."""
+        output = super().predict(*args, **kwargs)
+        if not self._training:
+            self._restore_model()
+        return output
+
+    def _restore_model(self) -> None:
+        """[Note: the model after train()] When ``train()``, or ``evaluate()`` / ``predict()``
+        called outside it, returns, the model's parameters hold their current values in their
+        dtypes from before wrap (``engine.restore_model()``, [Note: restored parameters]):
+        ``trainer.model.<param>`` reads what ``engine.state_dict()`` holds, also after
+        load_best_model_at_end (whose checkpoint load let go of every unit, leaving NaN
+        placeholders) and with bf16 (whose compute copies are bfloat16), until the model's
+        next forward. Where the values would not fit in host memory the parameters keep what
+        the engine gave them (placeholders, compute copies) and a warning (once) says how to
+        read the values."""
+        try:
+            self.engine.restore_model()
+        except ValueError as error:
+            if not self._warned_restore:
+                self._warned_restore = True
+                warnings.warn(f"trainer.model's parameters do not hold their values between passes (NaN "
+                              f"placeholders, [Note: released parameters]): {error}", RuntimeWarning, stacklevel=3)
 
     def _last_resumable_checkpoint(self) -> str:
         """The newest ``checkpoint-N`` in output_dir that OffloadTrainer can resume from,

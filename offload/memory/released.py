@@ -17,9 +17,12 @@ computes with. Code that asks a model for its dtype inside forward (transformers
 ``model.dtype``, the first parameter's, which sizes attention masks with
 ``torch.finfo(dtype).min``) therefore sees the compute dtype there, as it would in a model
 cast to it, since the root unit (embeddings first) is on the device from the start of
-forward to the end of backward; outside a pass it sees the dtype from before wrap. A
-parameter that was not floating point keeps a compute-dtype placeholder (NaN marks an
-unwritten element).
+forward to the end of backward. Outside a pass a parameter whose unit stayed on the device
+still holds its compute copy, the others their placeholders; ``engine.restore_model()``
+([Note: restored parameters] in memory/restored.py; OffloadTrainer calls it after
+``train()``) makes every parameter hold its value in the dtype from before wrap until the
+next forward. A parameter that was not floating point keeps a compute-dtype placeholder
+(NaN marks an unwritten element).
 
 Writes into a released parameter cannot reach its values, so they must not pass
 silently; the ways to change weights after wrap are ``engine.gathered(..., modify=True)``,
@@ -45,7 +48,7 @@ placeholder for a unit's slot.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,10 +69,12 @@ class ReleasedParameters:
     def __init__(self, specs: List[UnitSpec], dtype: torch.dtype, device: torch.device, streams: Streams,
                  host: HostTier) -> None:
         self._index: Dict[int, Tuple[torch.dtype, int]] = {}  # id(param) -> (scratch, element)
+        self._dtype_before_wrap: Dict[int, torch.dtype] = {}  # id(param) -> its dtype before wrap
         self._names: Dict[torch.dtype, List[str]] = {}  # per scratch, the names by element
         for spec in specs:
             for e in spec.entries:
                 if id(e.param) not in self._index:
+                    self._dtype_before_wrap[id(e.param)] = e.param.dtype
                     own = e.param.dtype if e.param.dtype.is_floating_point else dtype
                     names = self._names.setdefault(own, [])
                     self._index[id(e.param)] = (own, len(names))
@@ -88,15 +93,20 @@ class ReleasedParameters:
         own, element = self._index[id(e.param)]
         e.param.data = self._scratch[own][element].expand(e.shape)
 
+    def dtype_before_wrap(self, e: ParamEntry) -> torch.dtype:
+        """The dtype ``e.param`` had before wrap."""
+        return self._dtype_before_wrap[id(e.param)]
+
     def address(self, e: ParamEntry) -> int:
         """The ``data_ptr()`` of ``e.param`` while it holds its placeholder."""
         own, element = self._index[id(e.param)]
         scratch = self._scratch[own]
         return scratch.data_ptr() + element * scratch.element_size()
 
-    def check_unwritten(self, replaced: List[str]) -> None:
-        """A RuntimeError naming the parameters written while released and those whose
-        ``.data`` was replaced (``replaced``, their names; the caller has pointed them back):
+    def check_unwritten(self, replaced: List[str], restored_written: Sequence[str] = ()) -> None:
+        """A RuntimeError naming the parameters written while released, those whose
+        ``.data`` was replaced (``replaced``, their names; the caller has pointed them back)
+        and those written while restored (``restored_written``, [Note: restored parameters]):
         the writes are lost. Where the host does not address the device, the writes are
         those the previous call's check found, and this call queues the next check
         ([Note: released parameters]). The scratch elements are reset so the next pass
@@ -124,6 +134,9 @@ class ReleasedParameters:
             what.append(f"parameter(s) {names} were written in place while their unit was not on the device")
         if replaced:
             what.append(f"parameter(s) {replaced} had their .data replaced (p.data = ...)")
+        if restored_written:
+            what.append(f"parameter(s) {list(restored_written)} were written while they held restored values "
+                        "(engine.restore_model(), OffloadTrainer after train())")
         if what:
             raise RuntimeError(
                 f"{'; '.join(what)}, after offload.wrap: the write was lost (a parameter's values live in "

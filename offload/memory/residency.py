@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from typing import Any, Callable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -61,12 +61,13 @@ from offload.errors import warn_at_caller
 from offload.memory.budget import compute_home_numel
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
 from offload.memory.released import ReleasedParameters
+from offload.memory.restored import RestoredParameters
 from offload.tiers.nvme import wait_all
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, profiled
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.streams import Event
-from offload.units import Residency, padded_numel
+from offload.units import ParamEntry, Residency, padded_numel
 from offload.zero import Partition
 
 
@@ -135,6 +136,8 @@ class DeviceResidency:
         # [Note: released parameters] what a parameter holds while its unit is not on the device
         self.released = ReleasedParameters([u.spec for u in units], layout.compute_dtype, layout.device,
                                            device.streams, host)
+        # [Note: restored parameters] what they hold between passes after engine.restore_model()
+        self.restored = RestoredParameters()
         self._unit_bytes = [u.compute_numel * layout.compute_element_bytes for u in units]
         self._last_needed: Optional[UnitState] = None
         self.held: List[UnitState] = []  # [Note: gathered parameters] IN_USE until let_go
@@ -165,13 +168,14 @@ class DeviceResidency:
         """Stop the copy worker (after drain_fetches: nothing may be in flight)."""
         self._copy_worker.shutdown(wait=True)
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, restored_written: Sequence[str] = ()) -> None:
         """A forward pass starts: its first unit is a new use, whatever the last pass used.
         First, a ValueError inside engine.gathered() ([Note: gathered parameters]), and a
         RuntimeError if a released parameter was written or a parameter's ``.data``
-        replaced ([Note: released parameters])."""
+        replaced ([Note: released parameters]), or a restored one written
+        (``restored_written``, the caller ended the restore: [Note: restored parameters])."""
         self.refuse_while_held("a forward")
-        self.released.check_unwritten(self._point_back_replaced())
+        self.released.check_unwritten(self._point_back_replaced(), restored_written)
         self._last_needed = None
 
     def hold(self, units: List[UnitState]) -> None:
@@ -244,6 +248,15 @@ class DeviceResidency:
         view = self._device.view(u.device_offset, u.compute_numel)
         for e in u.spec.entries:
             e.param.data = view[e.offset:e.offset + e.numel].view(e.shape)
+
+    def point_back(self, u: UnitState, e: ParamEntry) -> None:
+        """``e.param`` (of ``u``) holds what the engine gives it: a view of u's slot while u
+        is on the device, else its placeholder ([Note: restored parameters])."""
+        if u.compute_state.value in (Residency.LOADED, Residency.IN_USE):
+            view = self._device.view(u.device_offset, u.compute_numel)
+            e.param.data = view[e.offset:e.offset + e.numel].view(e.shape)
+        else:
+            self.released.release(e)
 
     def unbind(self, u: UnitState) -> None:
         for e in u.spec.entries:

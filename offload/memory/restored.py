@@ -1,0 +1,73 @@
+"""A wrapped model whose parameters hold their real values between passes.
+
+[Note: restored parameters] ``engine.restore_model()`` makes every parameter hold a copy
+of its current value (the fp32 master where one exists, as ``engine.state_dict()``) in its
+dtype from before wrap, on the CPU: between steps the model reads as a plain model
+(``p.item()``, ``p.dtype``, code that walks the parameters), instead of placeholders
+([Note: released parameters]) or compute copies. The copies cost the model's size in host
+memory, so the engine checks that they fit first. They are a view for reading, not the
+weights: the engine's tiers keep the values, and the next forward, ``gathered()``,
+``load_state_dict()`` or ``load_checkpoint()`` ends the restore
+(``RestoredParameters.end``): each parameter still holding its copy is pointed back at
+what the engine gave it (its slot or placeholder) and its copy is compared, bit for bit,
+with the engine's value; one that differs was written while restored, and that write
+cannot reach the tiers: a RuntimeError names it, as a write into a placeholder is named
+(``ReleasedParameters.check_unwritten``). A parameter whose ``.data`` was replaced keeps
+what it got, for ``DeviceResidency._point_back_replaced`` to find.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload.memory.layout import UnitState
+from offload.units import ParamEntry
+
+__all__ = ["RestoredParameters", "same_bits"]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes (NaN equal to itself, -0.0 not to 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+class RestoredParameters:
+    """The copies the parameters hold while the model is restored. Main thread only."""
+
+    def __init__(self) -> None:
+        self._copies: Dict[nn.Parameter, torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._copies)
+
+    def restore(self, copies: Dict[nn.Parameter, torch.Tensor]) -> None:
+        """Each parameter of ``copies`` holds its copy from now on."""
+        for p, value in copies.items():
+            p.data = value
+        self._copies = copies
+
+    def end(self, units: List[UnitState], values: Optional[Callable[[UnitState], Dict[int, torch.Tensor]]],
+            point_back: Callable[[UnitState, ParamEntry], None]) -> List[str]:
+        """End the restore: every parameter still holding its copy gets ``point_back(u, e)``;
+        returns the names of those whose copy differs from the engine's value (``values(u)``,
+        Homes.unit_values), which were written while restored (none looked for when
+        ``values`` is None: the caller replaces every value)."""
+        copies, self._copies = self._copies, {}
+        written: List[str] = []
+        for u in units:
+            held: List[Tuple[ParamEntry, torch.Tensor]] = [
+                (e, copies[e.param]) for e in u.spec.entries
+                if e.param in copies and e.param.data_ptr() == copies[e.param].data_ptr()]
+            if not held:
+                continue
+            current = values(u) if values is not None else None
+            for e, copy in held:
+                if current is not None and not same_bits(current[e.offset].to(copy.dtype), copy):
+                    written.append(e.fqn)
+                point_back(u, e)
+        return written

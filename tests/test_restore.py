@@ -1,0 +1,80 @@
+"""A wrapped model that reads as a plain one (issue 39 items 2-3): engine.restore_model()
+puts every parameter's value, in its dtype from before wrap, into the parameter until the
+next forward ([Note: restored parameters])."""
+import pytest
+import torch
+
+import offload
+from offload.gpt import GPT
+
+from support import CFG, assert_same_state, batches, gpt_loss, make_opt, train_offload
+
+TIERS = [("host", "host"), ("nvme", "nvme")]
+
+
+def config_for(tmp_path, tiers, dtype="fp32"):
+    swap = tmp_path / "swap"
+    swap.mkdir(parents=True, exist_ok=True)
+    return dict(param_tier=tiers[0], optimizer_tier=tiers[1], dtype=dtype, swap_dir=str(swap))
+
+
+def wrapped(config, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    return model, offload.wrap(model, make_opt(model.parameters()), config=config)
+
+
+def assert_plain_values(model, state, dtype=torch.float32):
+    """Every parameter holds ``state``'s value as a tensor of its own, in ``dtype``, on the CPU."""
+    for name, p in model.named_parameters():
+        assert p.dtype == dtype and p.device.type == "cpu", name
+        assert all(s != 0 for s in p.stride() if p.numel() > 1), f"{name} is a placeholder"
+        assert torch.equal(p.detach(), state[name].to(dtype)), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tiers", TIERS, ids=lambda t: ",".join(t))
+def test_restore_model_puts_the_values_in_their_dtype_from_before_wrap_and_training_goes_on_alike(
+        tiers, dtype, tmp_path):
+    data = batches(5)
+    _, plain_engine = wrapped(config_for(tmp_path / "a", tiers, dtype))
+    with plain_engine:
+        whole = train_offload(plain_engine, data)
+        final = plain_engine.state_dict()
+    model, engine = wrapped(config_for(tmp_path / "b", tiers, dtype))
+    with engine:
+        losses = train_offload(engine, data[:3])
+        state = engine.state_dict()
+        engine.restore_model()
+        assert_plain_values(model, state)  # fp32 before wrap: the master, not the bf16 copy
+        with torch.no_grad():
+            assert torch.equal(gpt_loss(model, data[3]), gpt_loss(engine, data[3]))  # the next forward takes them back
+        engine.restore_model()
+        losses += train_offload(engine, data[3:])
+        assert losses == whole
+        assert_same_state(engine.state_dict(), final)
+
+
+def test_a_write_into_a_restored_parameter_is_named_at_the_next_forward(tmp_path):
+    model, engine = wrapped(config_for(tmp_path, ("nvme", "nvme")))
+    with engine:
+        train_offload(engine, batches(1))
+        state = engine.state_dict()
+        engine.restore_model()
+        model.blocks[1].qkv.weight.data[0, 0] += 1.0  # through .data: no version counter sees it
+        with pytest.raises(RuntimeError, match=r"\['blocks.1.qkv.weight'\] were written while they held "
+                                               r"restored values .*write was lost"):
+            gpt_loss(model, batches(1)[0])
+        assert_same_state(engine.state_dict(), state)
+        train_offload(engine, batches(1))  # the forward after that runs
+
+
+def test_restore_model_too_big_for_memory_is_refused_naming_the_bytes(tmp_path, monkeypatch):
+    model, engine = wrapped(config_for(tmp_path, ("nvme", "nvme")))
+    with engine:
+        train_offload(engine, batches(1))
+        monkeypatch.setattr("offload.memory.layout.available_memory_bytes", lambda: 64 << 10)
+        with pytest.raises(ValueError, match=r"restore_model\(\): the model's values take \d+ bytes, more than "
+                                             r"0.75 of the memory available now \(65536 bytes\); read .*state_dict"):
+            engine.restore_model()
+        assert torch.isnan(model.blocks[1].qkv.weight).all()  # untouched: the placeholder
