@@ -407,11 +407,13 @@ class Engine:
         self._status.check_open(what)
         return self._values_reader(what)
 
-    def _values_reader(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
-        """_settled without the check that the engine is open."""
+    def _values_reader(self, what: str, step_finished: bool = False) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """_settled without the check that the engine is open (close() reads through it;
+        ``step_finished``: close() waited for a deferred step whose bookkeeping it skips,
+        so units marked updated hold that whole step)."""
         self._updates.settle_for_reading()  # [Note: delayed updates] read through read_committed
         # [Note: early updates]; a speculative one wrote spare homes only ([Note: speculative updates])
-        early = [u.name for u in self.units if u.update.updated and not u.update.speculative]
+        early = [] if step_finished else [u.name for u in self.units if u.update.updated and not u.update.speculative]
         if early:
             raise RuntimeError(
                 f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
@@ -451,12 +453,15 @@ class Engine:
                     f"available now ({available} bytes)")
         return None
 
-    def _model_copies(self, values: Callable[[UnitState], Dict[int, torch.Tensor]]) -> Dict[nn.Parameter, torch.Tensor]:
+    def _model_copies(self, values: Callable[[UnitState], Dict[int, torch.Tensor]],
+                      copies: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> Dict[nn.Parameter, torch.Tensor]:
         """Every parameter's current value (``values``: a unit's), copied to the CPU in its
-        dtype from before wrap; a unit at a time."""
+        dtype from before wrap; a unit at a time. ``copies``: those there are already."""
         released = self._residency.released
-        copies: Dict[nn.Parameter, torch.Tensor] = {}
+        copies = {} if copies is None else copies
         for u in self.units:
+            if all(e.param in copies for e in u.spec.entries):
+                continue
             unit_values = values(u)
             for e in u.spec.entries:
                 if e.param not in copies:
@@ -680,7 +685,13 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks and swap files; the engine cannot train afterwards. Idempotent.
-        Everything is released whatever fails; then a failure of the last step is raised."""
+        Everything is released whatever fails; then a failure of the last step is raised.
+        The model becomes a plain model again ([Note: the model after close]): its
+        parameters hold their trained values in their dtypes from before wrap, on the CPU,
+        and it can be wrapped again; unless those values would not fit in host memory, the
+        engine failed, or several ranks share the states: then its parameters hold no
+        values (a warning says so where the values would not fit) and wrapping it again is
+        refused, naming why."""
         status = vars(self).get("_status")  # none after a failed wrap ([Note: a failed wrap changes nothing])
         if status is None or status.closed:
             return
@@ -688,10 +699,59 @@ class Engine:
         # [Note: deferred updates] the last step's updates finish before the tiers close;
         # its bookkeeping is moot now, but not a failed update or swap write (reported last)
         deferred, self._updates.step_pending = self._updates.step_pending, False
-        status.close(finish=[self._updates.wait_optimizer, self._residency.drain_fetches],
+        copies: Dict[nn.Parameter, torch.Tensor] = {}
+        updates_done: List[bool] = []
+
+        def wait_updates() -> None:
+            self._updates.wait_optimizer()
+            updates_done.append(True)
+
+        def copy_values() -> None:  # after the updates finished, before the tiers close
+            status.not_restored = self._why_not_restored(deferred) if updates_done else \
+                "the last optimizer step's updates failed"
+            if status.not_restored is None:
+                try:
+                    values = self._values_reader("close", step_finished=deferred)
+                except RuntimeError as error:  # between backward() and step(): two steps' values
+                    status.not_restored = str(error)
+                    return
+                # restored copies (and what was written into them) stay the model's
+                held = self._residency.restored.take_held()
+                try:
+                    copies.update(self._model_copies(values, held))
+                except Exception as error:  # noqa: B902 - a failed read leaves the values where they are
+                    copies.clear()
+                    status.not_restored = f"reading them failed ({type(error).__name__}: {error})"
+
+        def give_back_values() -> None:  # after the hooks are gone
+            if copies:
+                for p, value in copies.items():
+                    p.data = value
+                status.let_go(self.module)
+            elif status.not_restored is None:
+                status.not_restored = "close() failed before it read them"  # an earlier finish step raised
+
+        status.close(finish=[wait_updates, self._residency.drain_fetches, copy_values],
                      release=[self._residency.shutdown, functools.partial(self._optimizer_worker.shutdown, wait=True),
-                              self._hooks.remove, self._close_tiers],
+                              self._hooks.remove, self._close_tiers, give_back_values],
                      write_errors=lambda: self._step_ring.write_errors if deferred else [])
+
+    def _why_not_restored(self, deferred: bool) -> Optional[str]:
+        """[Note: the model after close] Why close() cannot give the model its values back; None when it can."""
+        failure = self._status.failure
+        if failure is not None:
+            return f"the engine failed ({failure['message']})"
+        if self._partition is not None:
+            return f"each of the {self._partition.world_size} ranks holds a part of the states"
+        if deferred and self._step_ring.write_errors:
+            return "swap writes of the last optimizer step failed"
+        too_big = self._copies_too_big()
+        if too_big:
+            warn_at_caller(f"close(): the model's parameters hold no values from now on: {too_big}. Save the "
+                           "trained weights before close() with engine.save_pretrained(DIR) (or save_checkpoint), "
+                           "then build the model again with wrap(..., weights=DIR)")
+            return too_big
+        return None
 
     def __enter__(self) -> "Engine":
         return self

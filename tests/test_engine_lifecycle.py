@@ -111,8 +111,8 @@ def test_a_parameter_only_in_the_optimizer_is_refused_naming_it(tmp_path):
 
 
 def test_a_model_wrapped_twice_is_refused_before_anything_is_touched(tmp_path):
-    """Item 10: the second wrap of a model (or of one of its modules), while its engine is
-    live or after it closed, says so instead of failing on empty parameters."""
+    """Item 10: the second wrap of a model (or of one of its modules) while its engine is
+    live says so instead of failing on empty parameters; after close() it wraps."""
     config = nvme_config(tmp_path)
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -123,11 +123,10 @@ def test_a_model_wrapped_twice_is_refused_before_anything_is_touched(tmp_path):
         outer = nn.ModuleDict({"inner": nn.Linear(2, 2), "shared": model.blocks[0]})
         offload.wrap(outer, make_opt(outer.parameters()), config=config)
     one_step(engine, batches(1)[0])  # the first engine is untouched
-    engine.close()
+    engine.close()  # the model holds its values again ([Note: the model after close]): test_restore.py
     assert os.listdir(config["swap_dir"]) == []
-    with pytest.raises(ValueError, match="closed now"):
-        offload.wrap(model.blocks[1], make_opt(model.blocks[1].parameters()), config=config)
-    assert os.listdir(config["swap_dir"]) == []
+    with offload.wrap(model.blocks[1], make_opt(model.blocks[1].parameters()), config=config):
+        pass
 
 
 # ---------------------------------------------------------------------- optimizer state

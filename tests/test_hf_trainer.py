@@ -745,6 +745,38 @@ def test_bf16_trains_with_the_engine_in_bf16(base_dir, plain_run, tmp_path):
     assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=2e-2)
 
 
+def test_a_model_handed_to_a_second_trainer_is_refused_while_the_first_is_open_and_goes_on_after_close(
+        base_dir, tmp_path):
+    """[Note: the model after close]: a second OffloadTrainer on the model of an open one is
+    refused before anything is touched, naming close(); once the first is closed the model
+    holds its trained values and the second trains from them: the losses of a model
+    loaded from the first one's save_model, bit for bit."""
+    first = offload_trainer(base_dir, training_args(tmp_path / "first", max_steps=3), nvme(tmp_path / "swap1"),
+                            train_dataset=TokenDataset(24, seed=1))
+    model = first.model
+    try:
+        first.train()
+        first.save_model(tmp_path / "saved")
+        with pytest.raises(ValueError, match=r"wrapped before, by a live engine: .*close that engine first "
+                                             r"\(engine.close\(\) or trainer.close\(\)\)"):
+            OffloadTrainer(model=model, args=training_args(tmp_path / "refused"), train_dataset=TokenDataset(4, seed=1))
+        assert not (tmp_path / "refused").exists()
+    finally:
+        first.close()
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert all(torch.equal(p.detach(), saved[name]) for name, p in model.named_parameters())
+    losses = {}
+    for name, m in (("handed over", model), ("loaded", model_from(tmp_path / "saved"))):
+        second = OffloadTrainer(model=m, args=training_args(tmp_path / name, max_steps=3), offload_config={},
+                                train_dataset=TokenDataset(24, seed=4))
+        try:
+            second.train()
+        finally:
+            second.close()
+        losses[name] = logged(second, "loss")
+    assert len(losses["handed over"]) == 3 and losses["handed over"] == losses["loaded"]
+
+
 def test_import_offload_does_not_import_transformers():
     code = "import sys, offload; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,

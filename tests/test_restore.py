@@ -1,6 +1,9 @@
-"""A wrapped model that reads as a plain one (issue 39 items 2-3): engine.restore_model()
+"""A wrapped model that reads as a plain one (issue 39 items 2-4): engine.restore_model()
 puts every parameter's value, in its dtype from before wrap, into the parameter until the
-next forward ([Note: restored parameters])."""
+next forward ([Note: restored parameters]); close() gives the model its values back for
+good, so it can be wrapped again ([Note: the model after close])."""
+import os
+
 import pytest
 import torch
 
@@ -78,3 +81,51 @@ def test_restore_model_too_big_for_memory_is_refused_naming_the_bytes(tmp_path, 
                                              r"0.75 of the memory available now \(65536 bytes\); read .*state_dict"):
             engine.restore_model()
         assert torch.isnan(model.blocks[1].qkv.weight).all()  # untouched: the placeholder
+        monkeypatch.undo()  # room for close() to give the values back
+
+
+@pytest.mark.parametrize("tiers", TIERS, ids=lambda t: ",".join(t))
+def test_after_close_the_model_holds_its_values_and_a_new_wrap_goes_on_from_them(tiers, tmp_path):
+    """Trained 3 steps, closed, wrapped again with a fresh AdamW for 2 steps: the same
+    losses as a model built again from the first engine's state_dict."""
+    data = batches(5)
+    _, twin = wrapped(config_for(tmp_path / "twin", tiers, "bf16"))
+    with twin:
+        train_offload(twin, data[:3])
+        state = twin.state_dict()
+    model, engine = wrapped(config_for(tmp_path / "a", tiers, "bf16"))
+    train_offload(engine, data[:3])
+    engine.close()  # right after step(): a deferred step's updates finish first
+    assert os.listdir(tmp_path / "a" / "swap") == []
+    assert_plain_values(model, state)
+    reference = GPT(CFG)
+    reference.load_state_dict(state)
+    losses = {}
+    for name, m in (("handed over", model), ("rebuilt", reference)):
+        with offload.wrap(m, make_opt(m.parameters()), config=config_for(tmp_path / name, tiers, "bf16")) as again:
+            losses[name] = train_offload(again, data[3:])
+    assert losses["handed over"] == losses["rebuilt"]
+
+
+def test_close_keeps_a_restored_model_as_it_reads_edits_included(tmp_path):
+    model, engine = wrapped(config_for(tmp_path, ("nvme", "nvme")))
+    train_offload(engine, batches(2))
+    state = engine.state_dict()
+    engine.restore_model()
+    with torch.no_grad():
+        model.blocks[0].qkv.weight.mul_(2)  # a plain model keeps an edit
+    engine.close()
+    state["blocks.0.qkv.weight"] = state["blocks.0.qkv.weight"] * 2
+    assert_plain_values(model, state)
+
+
+def test_close_without_room_for_the_values_warns_and_the_next_wrap_says_why(tmp_path, monkeypatch):
+    model, engine = wrapped(config_for(tmp_path, ("nvme", "nvme")))
+    train_offload(engine, batches(1))
+    monkeypatch.setattr("offload.memory.layout.available_memory_bytes", lambda: 64 << 10)
+    with pytest.warns(RuntimeWarning, match=r"close\(\): the model's parameters hold no values from now on: .*"
+                                         r"engine.save_pretrained\(DIR\)"):
+        engine.close()
+    with pytest.raises(ValueError, match=r"closed now, and its parameters hold no values any more \(close\(\) could "
+                                         r"not give them back: the model's values take \d+ bytes.*weights=DIR"):
+        offload.wrap(model, make_opt(model.parameters()), config=config_for(tmp_path, ("nvme", "nvme")))

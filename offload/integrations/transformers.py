@@ -95,6 +95,7 @@ import offload
 from offload.checkpoint import MANIFEST
 from offload.checkpoint.directory import remove_checkpoint
 from offload.config import OffloadConfig
+from offload.optim.failure import FailureState
 
 __all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR", "COMPLETE_MARKER", "checkpoint_missing",
            "resumable_problems"]
@@ -402,7 +403,8 @@ class OffloadTrainer(Trainer):
 
     The engine stays open after ``train()`` (evaluate, predict and save_model run through it).
     After ``train()``, ``evaluate()`` and ``predict()`` the model reads as a plain model
-    ([Note: the model after train()])."""
+    ([Note: the model after train()]); ``close()`` gives it its values for good, and it can
+    then be handed to another Trainer ([Note: the model after close])."""
 
     def __init__(
         self,
@@ -426,6 +428,8 @@ class OffloadTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")  # as Trainer does
         config = OffloadConfig.from_any(offload_config)
+        if model is not None:
+            FailureState.check_not_wrapped(model)  # before the Trainer touches it: says what to do
         problems = unsupported_settings(args, config, model_init=model_init, optimizer=optimizers[0],
                                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         if problems:

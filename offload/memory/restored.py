@@ -14,6 +14,21 @@ with the engine's value; one that differs was written while restored, and that w
 cannot reach the tiers: a RuntimeError names it, as a write into a placeholder is named
 (``ReleasedParameters.check_unwritten``). A parameter whose ``.data`` was replaced keeps
 what it got, for ``DeviceResidency._point_back_replaced`` to find.
+
+[Note: the model after close] ``Engine.close()`` restores for good: after the last step's
+updates have finished and before the tiers close it copies every value out (as above, a
+unit at a time; a parameter holding a restored copy keeps it, written or not, as a plain
+model keeps an edit), and once the hooks are removed each parameter gets its copy as its own
+``.data``: the model is a plain model again, on the CPU, in its dtypes from before wrap,
+with the trained values (bit for bit ``engine.state_dict()``'s, cast to those dtypes), and
+``FailureState.let_go`` lets it be wrapped again (a new engine, a second OffloadTrainer),
+which then trains as a model loaded with those values would. Not where the values would
+not fit in host memory (a warning says so and names ``engine.save_pretrained``), nor after
+the engine failed, a failed last step or with several ranks (each holds a part): then the
+parameters keep what the engine gave them, and ``FailureState.check_not_wrapped`` refuses
+a new wrap, naming the reason (``FailureState.not_restored``) and the way out. A model
+whose engine is live is refused too, naming ``close()``: two engines would each hold
+their own copy of its values.
 """
 from __future__ import annotations
 
@@ -50,6 +65,12 @@ class RestoredParameters:
         for p, value in copies.items():
             p.data = value
         self._copies = copies
+
+    def take_held(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """End the restore for close(): the copies that parameters still hold, as they are
+        (written or not), for the parameters to keep ([Note: the model after close])."""
+        copies, self._copies = self._copies, {}
+        return {p: copy for p, copy in copies.items() if p.data_ptr() == copy.data_ptr()}
 
     def end(self, units: List[UnitState], values: Optional[Callable[[UnitState], Dict[int, torch.Tensor]]],
             point_back: Callable[[UnitState, ParamEntry], None]) -> List[str]:

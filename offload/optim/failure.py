@@ -97,6 +97,8 @@ class FailureState:
     def __init__(self) -> None:
         self.closed = False
         self.failure: Optional[Dict[str, Any]] = None
+        # [Note: the model after close] why close() left the parameters without values
+        self.not_restored: Optional[str] = None
 
     def set(self, failure: Optional[Dict[str, Any]]) -> None:
         """Record ``failure`` (None: the engine trains again, after a checkpoint load)."""
@@ -175,12 +177,22 @@ class FailureState:
             holder = FailureState._holders.get(module)
             if holder is not None:
                 what = f"module {name!r} of the model" if name else "the model"
-                state = ("an engine that is closed now: its parameters hold no values any more; build the "
-                         "model again (and load a checkpoint into the new engine)") if holder.closed else \
-                    "a live engine: train it through that engine, or close() it and build the model again"
+                state = (f"an engine that is closed now, and its parameters hold no values any more "
+                         f"(close() could not give them back: {holder.not_restored}); build the model again and "
+                         "wrap it with weights=DIR from an engine.save_pretrained(DIR) made before close(), or "
+                         "load a checkpoint into the new engine") if holder.closed else \
+                    ("a live engine: train, evaluate and save it through that engine (an OffloadTrainer's "
+                     "trainer.engine), or close that engine first (engine.close() or trainer.close()): close() "
+                     "gives the model its trained values back, and it can be wrapped again")
                 raise ValueError(f"wrap: {what} was wrapped before, by {state}")
 
     def hold(self, model: nn.Module) -> None:
         """``model`` is wrapped by the engine of this state (after wrap succeeded)."""
         for module in model.modules():
             FailureState._holders[module] = self
+
+    def let_go(self, model: nn.Module) -> None:
+        """``model`` holds its values again ([Note: the model after close]): it may be wrapped again."""
+        for module in model.modules():
+            if FailureState._holders.get(module) is self:
+                del FailureState._holders[module]
