@@ -252,6 +252,31 @@ def test_a_directory_that_no_save_finished_is_refused_for_resume_naming_what_it_
         trainer.close()
 
 
+def test_a_folder_without_a_checkpoint_is_refused_in_the_plain_trainers_words_and_its_tools_find_ours(
+        base_dir, tmp_path):
+    """Resuming from a path that holds no checkpoint raises what a plain Trainer raises
+    there, then why; trainer_utils.get_last_checkpoint finds OffloadTrainer's checkpoint-N."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    (tmp_path / "empty").mkdir()
+    plain = Trainer(model=model_from(base_dir), args=training_args(tmp_path / "plain"),
+                    train_dataset=TokenDataset(24, seed=1))
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", max_steps=2, save_strategy="steps",
+                                                      save_steps=2), {}, train_dataset=TokenDataset(24, seed=1))
+    try:
+        for path in (tmp_path / "missing", tmp_path / "empty"):
+            with pytest.raises(ValueError) as theirs:
+                plain.train(resume_from_checkpoint=str(path))
+            with pytest.raises(ValueError) as ours:
+                trainer.train(resume_from_checkpoint=str(path))
+            assert str(theirs.value) == f"Can't find a valid checkpoint at {path}"
+            assert str(ours.value).startswith(str(theirs.value) + ": ")
+        trainer.train()
+        assert get_last_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "checkpoint-2")
+    finally:
+        trainer.close()
+
+
 def test_a_save_only_model_checkpoint_is_complete_but_refused_for_resume(base_dir, tmp_path):
     args = training_args(tmp_path / "out", save_strategy="steps", save_steps=3, save_only_model=True)
     trainer = offload_trainer(base_dir, args, {}, train_dataset=TokenDataset(24, seed=1))
@@ -775,6 +800,43 @@ def test_a_model_handed_to_a_second_trainer_is_refused_while_the_first_is_open_a
             second.close()
         losses[name] = logged(second, "loss")
     assert len(losses["handed over"]) == 3 and losses["handed over"] == losses["loaded"]
+
+
+def test_after_train_the_model_generates_like_its_saved_weights_and_to_cpu_keeps_its_values(tmp_path):
+    """A tiny GPT-2 (built from its config, nothing downloaded): after train() the model's
+    generate() gives the tokens and scores of the same weights loaded from save_model, and
+    model.to("cpu") (where the restored values are) changes nothing, evaluate() included."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=CONFIG["vocab_size"], n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    trainer = OffloadTrainer(model=model, args=training_args(tmp_path / "out", max_steps=2), offload_config={},
+                             train_dataset=TokenDataset(8, seed=1))
+    try:
+        trainer.train()
+        trainer.save_model(tmp_path / "saved")
+        reference = GPT2LMHeadModel.from_pretrained(tmp_path / "saved").eval()
+        assert model.to("cpu") is model
+        assert all(torch.equal(p.detach(), reference.state_dict()[name]) for name, p in model.named_parameters())
+        prompt = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True,
+                      return_dict_in_generate=True)
+        model.eval()
+        got, want = model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+        eval_loss = trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"]
+        assert model.to("cpu") is model  # the restored values are on the CPU: nothing moves
+        assert all(torch.equal(p.detach(), reference.state_dict()[name]) for name, p in model.named_parameters())
+        assert trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"] == eval_loss
+        model.to(torch.bfloat16)  # new tensors the engine never sees: the next forward says so
+        with pytest.raises(RuntimeError, match=r"had their .data replaced .*after offload.wrap: the write was lost"):
+            trainer.evaluate(TokenDataset(4, seed=2))
+        assert trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"] == eval_loss  # pointed back
+    finally:
+        trainer.close()
 
 
 def test_import_offload_does_not_import_transformers():
