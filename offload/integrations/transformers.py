@@ -554,7 +554,7 @@ class OffloadTrainer(Trainer):
         """Trainer.train, resuming from complete checkpoints only ([Note: complete Trainer
         checkpoints]): ``resume_from_checkpoint=True`` takes the newest complete one in
         ``output_dir``; a path to one that is not complete is a ValueError, before anything
-        changes."""
+        changes. Afterwards the model holds its values ([Note: the model after train()])."""
         self._check_open("train")
         if isinstance(resume_from_checkpoint, bool):
             resume_from_checkpoint = self._last_resumable_checkpoint() if resume_from_checkpoint else None
