@@ -710,18 +710,15 @@ class Engine:
             status.not_restored = self._why_not_restored(deferred) if updates_done else \
                 "the last optimizer step's updates failed"
             if status.not_restored is None:
-                try:
-                    values = self._values_reader("close", step_finished=deferred)
-                except RuntimeError as error:  # between backward() and step(): two steps' values
-                    status.not_restored = str(error)
-                    return
                 # restored copies (and what was written into them) stay the model's
                 held = self._residency.restored.take_held()
                 try:
-                    copies.update(self._model_copies(values, held))
-                except Exception as error:  # noqa: B902 - a failed read leaves the values where they are
+                    copies.update(self._model_copies(self._values_reader("close", step_finished=deferred), held))
+                except Exception as error:  # noqa: B902 - close() goes on; the values stay where they are
+                    # (a RuntimeError between backward() and step(): two steps' values)
                     copies.clear()
-                    status.not_restored = f"reading them failed ({type(error).__name__}: {error})"
+                    status.not_restored = str(error) if isinstance(error, RuntimeError) else \
+                        f"reading them failed ({type(error).__name__}: {error})"
 
         def give_back_values() -> None:  # after the hooks are gone
             if copies:
