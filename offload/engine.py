@@ -443,10 +443,15 @@ class Engine:
 
     def _copies_too_big(self) -> Optional[str]:
         """Why the model's values in their dtypes from before wrap would not fit in host
-        memory now (over 3/4 of what is available, wrap's default host budget); None when they fit."""
+        memory now: over host_budget (the RAM the run may take: a model offloaded because
+        it is larger is not copied whole into RAM at close) or over 3/4 of what is
+        available now; None when they fit."""
         released = self._residency.released
         entries = {e.param: e for u in self.units for e in u.spec.entries}
         needed = sum(e.numel * released.dtype_before_wrap(e).itemsize for e in entries.values())
+        budget = self.layout.host_budget
+        if budget is not None and needed > budget:
+            return f"the model's values take {needed} bytes, more than host_budget ({budget} bytes)"
         available = memory_layout.available_memory_bytes()  # read now: tests patch it
         if available is not None and needed > DEFAULT_HOST_FRACTION * available:
             return (f"the model's values take {needed} bytes, more than {DEFAULT_HOST_FRACTION:g} of the memory "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload.gpt import GPT
+from offload.gpt import GPT, GPTConfig
 
 from support import CFG, assert_same_state, batches, gpt_loss, make_opt, train_offload
 
@@ -129,3 +129,20 @@ def test_close_without_room_for_the_values_warns_and_the_next_wrap_says_why(tmp_
     with pytest.raises(ValueError, match=r"closed now, and its parameters hold no values any more \(close\(\) could "
                                          r"not give them back: the model's values take \d+ bytes.*weights=DIR"):
         offload.wrap(model, make_opt(model.parameters()), config=config_for(tmp_path, ("nvme", "nvme")))
+
+
+def test_close_of_a_model_larger_than_host_budget_leaves_its_values_in_the_tiers(tmp_path):
+    """A model offloaded because RAM cannot hold it is not copied whole into RAM at close:
+    the values beyond host_budget stay unread, the warning names host_budget."""
+    deep = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=32)  # RAM needs < its size
+    model_bytes = sum(p.numel() * 4 for p in GPT(deep).parameters())
+    config = dict(config_for(tmp_path, ("nvme", "nvme")), host_budget=model_bytes - 1, device_budget=200_000,
+                  optimizer_pipeline_depth=2)
+    torch.manual_seed(0)
+    model = GPT(deep)
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    train_offload(engine, batches(1))
+    with pytest.warns(RuntimeWarning, match=rf"close\(\): .*the model's values take {model_bytes} bytes, more than "
+                                         rf"host_budget \({model_bytes - 1} bytes\)"):
+        engine.close()
+    assert torch.isnan(model.blocks[1].qkv.weight).all()
