@@ -41,11 +41,11 @@ shard-sized tensor, and only that shard leaves the device, into the unit's host 
 address the device). So a rank moves 1/shard_size of each gradient device -> host. At
 stage 3 a fetch copies only this rank's chunks of the unit into their place in its device
 slot and all-gathers the rest there (``gather_params_on_device``, on the copy worker, over
-``device_param_group``). The
-buckets (fp32, the size of a unit's trainable prefix: one per unit whose gradients are
-arriving, at most two spare) are outside ``device_budget``, as activations are; their
-peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags,
-norm squares, stage 0/1 gradients, across groups, parameter all-gathers) stay on gloo.
+``device_param_group``). The buckets (fp32, the size of a unit's trainable prefix: one per
+unit whose gradients are arriving, at most two spare) are outside ``device_budget``; their
+peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags, norm
+squares, stage 0/1 gradients, the sum across groups, the main thread's parameter gathers
+for state_dict and checkpoints) stay on gloo.
 
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
@@ -111,7 +111,6 @@ class Partition:
         assert world_size % self.shard_size == 0
         self.shard_rank = rank % self.shard_size
         self.replica_index = rank // self.shard_size
-        self.num_replicas = world_size // self.shard_size
         self.shard_group: Any = group
         self.param_shard_group: Any = None  # the param lane's, set with param_group
         self.replica_group: Any = None  # None with one group
