@@ -258,10 +258,7 @@ class Engine:
             self._hooks = Hooks(
                 model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
                 prefetcher=self._prefetcher, timeline=self._timeline, activations=self._activations,
-                need=self._residency.need,
-                wait_ready=self._residency.wait_ready, forget_last_needed=self._begin_pass,
-                step_pending=self._updates.overlapping, wait_optimizer=self._updates.wait_before_forward,
-                early_updates=lambda: self._updates.early_updates, maybe_update_early=self._updates.maybe_update_early,
+                residency=self._residency, updates=self._updates, begin_pass=self._begin_pass,
                 settled_values=self._settled)
             undo.callback(self._hooks.remove)
             self._hooks.install()

@@ -28,7 +28,7 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -169,6 +169,34 @@ class _StateDicts:
                          "`with engine.gathered(params, modify=True):`")
 
 
+class UnitsOnDevice(Protocol):
+    """What the hooks need of the residency (memory.residency.DeviceResidency)."""
+
+    def need(self, u: UnitState) -> None:
+        """u is about to be used: have it on the device (or its transfer in flight) and start
+        the transfers the prefetch plan says come next."""
+
+    def wait_ready(self, u: UnitState) -> None:
+        """Make the compute stream wait for u's transfer to land."""
+
+
+class PassUpdates(Protocol):
+    """What the hooks need of the update scheduler (optim.updates.UpdateScheduler)."""
+
+    early_updates: bool  # this backward may update units as they finish ([Note: early updates])
+
+    def overlapping(self) -> bool:
+        """The last step's deferred or delayed updates are still running ([Note: deferred
+        updates], [Note: delayed updates]): the forward must not wait for them."""
+
+    def wait_before_forward(self) -> None:
+        """Wait for every queued update (and drop the device copies that speculative
+        updates not yet committed wrote)."""
+
+    def maybe_update_early(self) -> None:
+        """Start the updates of the units now done."""
+
+
 class Hooks:
     """The hooks on the model (its root, every other unit's module, every trainable
     parameter's gradient) and the saved-tensor hooks of a forward under grad mode; owns
@@ -178,30 +206,18 @@ class Hooks:
 
     def __init__(self, module: nn.Module, units: List[UnitState], *, gradients: Gradients,
                  device: DeviceTier, partition: Optional[Partition], prefetcher: Prefetcher,
-                 timeline: Timeline, activations: ActivationStore,
-                 need: Callable[[UnitState], None],
-                 wait_ready: Callable[[UnitState], None],
-                 forget_last_needed: Callable[[], None],
-                 step_pending: Callable[[], bool],
-                 wait_optimizer: Callable[[], None],
-                 early_updates: Callable[[], bool],
-                 maybe_update_early: Callable[[], None],
+                 timeline: Timeline, activations: ActivationStore, residency: UnitsOnDevice,
+                 updates: PassUpdates, begin_pass: Callable[[], None],
                  settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
         """``units``: the root first. ``gradients`` takes each parameter's gradient once
         autograd has accumulated it. ``partition``: [zero] the ranks' partition, or None.
         ``activations``: where saved tensors other than parameters go ([Note: saved
         activations]; a store with no mode hands them back as they are).
-        The callables are the engine's, for residency and the optimizer step:
-        - ``need(u)``: u is about to be used; have it on the device (or its transfer in
-          flight) and start the transfers the prefetch plan says come next;
-        - ``wait_ready(u)``: make the compute stream wait for u's transfer to land;
-        - ``forget_last_needed()``: a new pass begins, no unit is the current one;
-        - ``step_pending()``: the last step's deferred or delayed updates are still running
-          ([Note: deferred updates], [Note: delayed updates]): the forward must not wait for
-          them; ``wait_optimizer()``: wait for every queued update (and drop the device
-          copies that speculative updates not yet committed wrote);
-        - ``early_updates()``: this backward may update units as they finish ([Note: early
-          updates]); ``maybe_update_early()``: start the updates of units now done;
+        ``residency`` brings units to the device; ``updates`` runs the optimizer beside the
+        passes. The engine's callables:
+        - ``begin_pass()``: a new pass begins, no unit is the current one (raising, before
+          the pass changes anything, if a parameter was written where the write is lost:
+          [Note: released parameters], [Note: restored parameters]);
         - ``settled_values(what)``: the reader of a unit's current values (Homes.unit_values),
           raising if ``what`` came between an early update and step() ([Note: state_dict
           of a wrapped model])."""
@@ -214,13 +230,9 @@ class Hooks:
         self._prefetcher = prefetcher
         self._timeline = timeline
         self._activations = activations
-        self._need = need
-        self._wait_ready = wait_ready
-        self._forget_last_needed = forget_last_needed
-        self._step_pending = step_pending
-        self._wait_optimizer = wait_optimizer
-        self._early_updates = early_updates
-        self._maybe_update_early = maybe_update_early
+        self._residency = residency
+        self._updates = updates
+        self._begin_pass = begin_pass
         self._state_dicts = _StateDicts(module, units, settled_values)
         # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
         self._buffers = [b for b in module.buffers()]
@@ -278,12 +290,12 @@ class Hooks:
         # A new pass, no unit the current one. It raises, before anything of the pass
         # changes, if a released parameter was written ([Note: released parameters]); the
         # root post-forward hook runs all the same (always_call) and undoes the depth.
-        self._forget_last_needed()
+        self._begin_pass()
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
         #    waits for its own unit; [Note: delayed updates]: else nothing waits for them
         #    before the next step()), and [zero] the ranks' buffers agree.
-        if not self._step_pending():
-            self._wait_optimizer()
+        if not self._updates.overlapping():
+            self._updates.wait_before_forward()
         if self._partition is not None and self._module.training and self._buffers:  # [zero]
             self._partition.broadcast_buffers(self._buffers)
         # 2. A new pass: the trace of its kind is replayed, every unit's calls counted anew.
@@ -299,8 +311,8 @@ class Hooks:
             self._saved_hooks.append(ctx)
             self._activations.begin_pass()
         # 4. The root on the device, in use until the whole forward is over.
-        self._need(self._root)
-        self._wait_ready(self._root)
+        self._residency.need(self._root)
+        self._residency.wait_ready(self._root)
         if self._root.compute_state == Residency.LOADED:
             self._root.compute_state.to(Residency.IN_USE)
 
@@ -367,8 +379,8 @@ class Hooks:
         # 0. The saved tensors before this unit leave the device ([Note: saved activations]).
         self._activations.begin_unit(u.name)
         # 1. u on the device (its prefetch waited for, or fetched now), the next ones issued.
-        self._need(u)
-        self._wait_ready(u)
+        self._residency.need(u)
+        self._residency.wait_ready(u)
         u.compute_started = self._timeline.wait(f"forward {u.name}", start)
         # 2. In use while its forward runs: no eviction takes its slot.
         if u.compute_state == Residency.LOADED:
@@ -418,19 +430,19 @@ class Hooks:
             self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started, now)
         self._backward_unit = u
         # 2. u on the device, the next ones issued.
-        self._need(u)
-        self._wait_ready(u)
+        self._residency.need(u)
+        self._residency.wait_ready(u)
         self._backward_started = self._timeline.wait(f"backward {u.name}", now)
         # 3. Its saved tensors, and the next ones backward needs, on their way back ([Note:
         #    saved activations]).
         self._activations.before_backward(u.name)
         # 4. Units whose gradients are final may be updated now ([Note: early updates]).
-        self._maybe_update_early()
+        self._updates.maybe_update_early()
 
     def _on_unit_backward_done(self, u: UnitState) -> None:
         u.backward_done += 1
-        if self._early_updates():
-            self._maybe_update_early()
+        if self._updates.early_updates:
+            self._updates.maybe_update_early()
 
     # ------------------------------------------------------------------ saved tensors
     def _pack_saved(self, t: torch.Tensor) -> Any:
@@ -450,8 +462,8 @@ class Hooks:
         """[Note: saved parameters] A reference becomes a view again, its unit fetched."""
         if isinstance(saved, _SavedParamRef):
             u = self._units[saved.unit_index]
-            self._need(u)
-            self._wait_ready(u)
+            self._residency.need(u)
+            self._residency.wait_ready(u)
             return self._device.strided_view(saved.size, saved.stride, u.device_offset + saved.relative_offset)
         if isinstance(saved, SavedActivation):
             return self._activations.unpack(saved)
