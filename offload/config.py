@@ -294,6 +294,16 @@ class OffloadConfig:
     """With delayed_update: how many optimizer steps run exactly before updates are delayed
     (an int >= 0; the ZeRO-Offload paper's 40 by default)."""
 
+    optimizer_states: str = "exact"
+    """How Adam's states are kept at home: "exact" (the default) an fp32 master (or its
+    split low half, split_master) and two fp32 moments, 12 B per parameter with fp32 or 8 B
+    with bf16; "compact" both moments 8-bit in blocks of 256 with one fp32 scale each
+    ([Note: compact optimizer states] in offload/memory/compact_codec.py). Compact changes
+    the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
+    what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
+    delayed_update, and today every run (the codec and its step exist; the tiers do not
+    hold compact states yet)."""
+
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on
     "host" or "nvme" (any ZeRO stage): keep the fp32 master at home as its low 16 bits only,
@@ -393,6 +403,7 @@ class OffloadConfig:
         if not isinstance(self.delayed_update, bool):
             raise ValueError(f"delayed_update: expected True or False, got {self.delayed_update!r}")
         _check_int("delayed_update_warmup_steps", self.delayed_update_warmup_steps, 0)
+        _one_of("optimizer_states", self.optimizer_states, ("exact", "compact"))
         if self.delayed_update and self.param_tier == "device":
             raise ValueError("delayed_update: needs the compute copies at home on 'host' or 'nvme' (the "
                              "forward reads the copy from before the running update while the update writes "

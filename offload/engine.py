@@ -47,6 +47,7 @@ from offload.memory.placement import Placement, describe_units, resolve_placemen
 from offload.memory.residency import DeviceResidency
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
+from offload.optim.compact import check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
 from offload.optim.generic import probe as probe_elementwise
 from offload.optim.failure import FailureState, with_note
@@ -85,6 +86,7 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None, weights: Any = None) -> None:
         FailureState.check_not_wrapped(model)  # before anything is touched
+        check_compact_supported(config, optimizer)  # [Note: compact optimizer states]
         self._timeline = Timeline()  # its creation is time 0 of export_trace
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config

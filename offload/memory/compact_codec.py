@@ -1,0 +1,169 @@
+"""[Note: compact optimizer states] The codec of optimizer_states="compact": Adam's two
+moments in 8 bits each, companded and quantized in blocks, and the fp32 master as the bf16
+compute copy plus an 8-bit low part. Torch ops only: slow but exact to the rule below.
+
+The rule (every constant rounded to fp32 first, every operation one IEEE fp32 rounding, so
+the same bits on every machine; rounding half to even (torch.round), no
+fused multiply-add, square roots correctly rounded: ``ieee_sqrt``):
+- A flat range is cut into blocks of BLOCK_NUMEL elements (the last one may be shorter),
+  each with one fp32 scale: the largest |value| of the block (0 for an all-zero block,
+  whose codes are all 0).
+- exp_avg (m), int8, signed square-root companding: code = round(sign(m) *
+  sqrt(|m| / s) * 127); m = sign(c) * (|c| / 127)^2 * s. Bound, in the companded domain:
+  |sqrt(|m'|/s) - sqrt(|m|/s)| <= 0.5/127 (plus a few fp32 ulps), so near the block's
+  largest value the error is about 1.6% of it, and values down to s/64516 are kept nonzero
+  (a linear map zeroes everything below s/254: those elements' momentum would never grow
+  past the rounding and they would stop training).
+- exp_avg_sq (v), uint8, fourth-root companding: code = round((v / s)^(1/4) * 255), at
+  least 1 where v > 0; v = (c/255)^4 * s. Bound: |(v'/s)^(1/4) - (v/s)^(1/4)| <= 0.5/255
+  (plus a few fp32 ulps) where (v/s)^(1/4) >= 0.5/255; below that, v' = s/255^4 exactly. The
+  fourth root is the square root of the RMS sqrt(v) that Adam divides by, so m and sqrt(v)
+  keep the same dynamic range (about 65000); a nonzero v never decodes to 0 (which would
+  divide the update by eps alone).
+- master x, bf16 high + int8 low: high = x rounded to nearest even bf16 (the compute copy),
+  low = round((x - high) / ulp(high) * 254), x' = high + low * ulp(high) / 254, where
+  ulp(high) is the spacing of bf16 values at high's exponent (2^-133 for zero and
+  subnormals). Bound: |x' - x| <= ulp(high) / 508 (plus one fp32 rounding), about 2^-16
+  of |x|: an update smaller than that is lost, as one below 2^-24 of |x| is with fp32.
+Why these maps (tools/measure_compact_codec.py; its table in docs/architecture.md,
+"Numerics"): on heavy-tailed blocks a linear map zeroes most of each block's momentum (and
+those updates); a v decoded to 0 divides its update by eps alone, which the square-root
+map of v and the plain fourth root both do (cosine with the exact update 0.26 and 0.02 at
+4 decades, 0.80 with the level kept >= 1); rounding v up instead biases every update down.
+Non-finite values are never encoded: a NaN or Inf in any state raises
+NonFiniteStateError naming the state and the first element, before anything is written.
+Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside the bf16
+compute copy: ``compact_state_bytes``."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["BLOCK_NUMEL", "NonFiniteStateError", "compact_state_bytes", "decode_exp_avg",
+           "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
+           "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
+
+# 256: the scales cost 8/256 = 0.03 B per parameter for both moments; one outlier flattens
+# only its own 256 neighbours' resolution, as bitsandbytes' blockwise 8-bit Adam does
+BLOCK_NUMEL = 256
+
+_F32 = torch.float32
+_M_LEVELS = torch.tensor(127.0, dtype=_F32)
+_V_LEVELS = torch.tensor(255.0, dtype=_F32)
+_LOW_LEVELS = torch.tensor(254.0, dtype=_F32)
+
+
+def ieee_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root, as IEEE 754 defines it: numpy's (the
+    instruction SQRTPS/SQRTSS or the C library's sqrtf). torch's CPU sqrt calls MKL's vsSqrt,
+    which is not correctly rounded and misses on different elements on different CPUs
+    (tests/support.py, correctly_rounded_sqrt)."""
+    assert values.dtype == _F32
+    return torch.from_numpy(np.sqrt(values.contiguous().numpy()))
+
+
+class NonFiniteStateError(FloatingPointError):
+    """A NaN or Inf reached an optimizer state that compact states cannot hold."""
+
+
+def num_blocks(numel: int) -> int:
+    return (numel + BLOCK_NUMEL - 1) // BLOCK_NUMEL
+
+
+def compact_state_bytes(numel: int) -> int:
+    """Bytes of compact state for ``numel`` parameters besides the bf16 compute copy: the
+    int8 master low part, the two 8-bit moments and their fp32 scales."""
+    return 3 * numel + 2 * 4 * num_blocks(numel)
+
+
+def _check_finite(name: str, values: torch.Tensor) -> None:
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()
+        first = int(bad[0, 0])
+        raise NonFiniteStateError(
+            f"{name}: {bad.shape[0]} non-finite value(s) (NaN/Inf), the first at element {first} "
+            f"({float(values[first])}); compact optimizer states cannot hold them")
+
+
+def _blocks(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (flat fp32) as rows of BLOCK_NUMEL, the last padded with zeros (which
+    change no block's largest value)."""
+    pad = num_blocks(values.numel()) * BLOCK_NUMEL - values.numel()
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad)])
+    return values.view(-1, BLOCK_NUMEL)
+
+
+def _safe(scales: torch.Tensor) -> torch.Tensor:
+    # an all-zero block divides by 1: its values are 0, so are its codes
+    return torch.where(scales == 0, torch.ones_like(scales), scales)
+
+
+def encode_exp_avg(m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 exp_avg -> (int8 codes, fp32 scale per block); see the Note."""
+    assert m.dtype == _F32 and m.dim() == 1
+    _check_finite("exp_avg", m)
+    blocks = _blocks(m)
+    scales = blocks.abs().amax(dim=1)
+    unit = ieee_sqrt(torch.abs(blocks) / _safe(scales)[:, None])  # in [0, 1]
+    codes = torch.round(torch.sign(blocks) * (unit * _M_LEVELS))
+    return codes.to(torch.int8).view(-1)[: m.numel()], scales
+
+
+def decode_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes and block scales -> flat fp32 exp_avg."""
+    c = _blocks(codes.to(_F32))
+    unit = torch.abs(c) / _M_LEVELS
+    return (torch.sign(c) * ((unit * unit) * scales[:, None])).view(-1)[: codes.numel()]
+
+
+def encode_exp_avg_sq(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 exp_avg_sq (>= 0) -> (uint8 codes, fp32 scale per block); see the Note."""
+    assert v.dtype == _F32 and v.dim() == 1
+    _check_finite("exp_avg_sq", v)
+    if bool((v < 0).any()):
+        first = int((v < 0).nonzero()[0, 0])
+        raise NonFiniteStateError(f"exp_avg_sq: negative value {float(v[first])} at element {first}; "
+                                  "a second moment is never below 0")
+    blocks = _blocks(v)
+    scales = blocks.amax(dim=1)
+    unit = ieee_sqrt(ieee_sqrt(blocks / _safe(scales)[:, None]))  # in [0, 1]
+    codes = torch.round(unit * _V_LEVELS)
+    codes = torch.where(blocks > 0, torch.clamp(codes, min=1.0), codes)  # never 0 for v > 0
+    return codes.to(torch.uint8).view(-1)[: v.numel()], scales
+
+
+def decode_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 codes and block scales -> flat fp32 exp_avg_sq."""
+    unit = _blocks(codes.to(_F32)) / _V_LEVELS
+    square = unit * unit
+    return ((square * square) * scales[:, None]).view(-1)[: codes.numel()]
+
+
+def ulp_of_bf16(high: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at each element's exponent, as fp32: 2^(e - 7) for a
+    normal value of exponent e, 2^-133 for zero and subnormals (exact powers of two, made
+    from the bits)."""
+    biased = (high.to(_F32).view(torch.int32) >> 23) & 0xFF
+    normal_bits = (biased - 7) << 23                     # 2^(biased - 134), a normal fp32
+    subnormal_bits = torch.ones_like(biased) << (torch.clamp(biased, min=1) + 15)  # 2^-133 .. 2^-127
+    return torch.where(biased >= 8, normal_bits, subnormal_bits).view(_F32)
+
+
+def encode_master(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 master -> (bf16 high, the compute copy; int8 low); see the Note."""
+    assert x.dtype == _F32 and x.dim() == 1
+    _check_finite("master", x)
+    high = x.to(torch.bfloat16)
+    _check_finite("master (rounded to bf16: beyond bf16's largest value)", high.to(_F32))
+    rest = x - high.to(_F32)  # exact: at most half a bf16 ulp, within fp32's 24 bits
+    low = torch.round((rest / ulp_of_bf16(high)) * _LOW_LEVELS)
+    return high, low.to(torch.int8)
+
+
+def decode_master(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """bf16 high and int8 low -> flat fp32 master."""
+    return high.to(_F32) + (low.to(_F32) * ulp_of_bf16(high)) / _LOW_LEVELS

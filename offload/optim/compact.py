@@ -1,0 +1,127 @@
+"""The Adam/AdamW step on compact optimizer states ([Note: compact optimizer states] in
+offload/memory/compact_codec.py), and what optimizer_states="compact" is refused with.
+
+``compact_adam_step`` is the slow-but-correct path in torch ops: it dequantizes a range,
+updates it and requantizes it, each operation one fp32 rounding in a fixed order (no fused
+multiply-add, no ISA-dependent intrinsic, square roots correctly rounded), so every machine computes the same bits."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+from offload.memory.compact_codec import (decode_exp_avg, decode_exp_avg_sq, decode_master,
+                                          encode_exp_avg, encode_exp_avg_sq, encode_master, ieee_sqrt,
+                                          num_blocks)
+from offload.memory.layout import COMPACT_UNAVAILABLE
+from offload.optim.cpu_adam import CPUAdam
+
+__all__ = ["CompactRange", "check_compact_supported", "compact_adam_step", "compact_constants"]
+
+
+class CompactRange:
+    """The compact states of ``numel`` consecutive parameters: the bf16 compute copy (the
+    master's high part), the int8 low part, and the two 8-bit moments with one fp32 scale
+    per block of BLOCK_NUMEL."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.high = torch.zeros(numel, dtype=torch.bfloat16)
+        self.low = torch.zeros(numel, dtype=torch.int8)
+        self.exp_avg = torch.zeros(numel, dtype=torch.int8)
+        self.exp_avg_scales = torch.zeros(num_blocks(numel), dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.uint8)
+        self.exp_avg_sq_scales = torch.zeros(num_blocks(numel), dtype=torch.float32)
+
+    @classmethod
+    def from_exact(cls, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> "CompactRange":
+        """The compact form of fp32 ``master`` and moments (flat, one length)."""
+        states = cls(master.numel())
+        states.high, states.low = encode_master(master)
+        states.exp_avg, states.exp_avg_scales = encode_exp_avg(exp_avg)
+        states.exp_avg_sq, states.exp_avg_sq_scales = encode_exp_avg_sq(exp_avg_sq)
+        return states
+
+    def master(self) -> torch.Tensor:
+        return decode_master(self.high, self.low)
+
+    def moments(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        return (decode_exp_avg(self.exp_avg, self.exp_avg_scales),
+                decode_exp_avg_sq(self.exp_avg_sq, self.exp_avg_sq_scales))
+
+
+def compact_constants(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                      weight_decay: float, adamw: bool, grad_scale: float) -> Dict[str, torch.Tensor]:
+    """The step's scalars, each worked out in double and rounded to fp32 once: part of the
+    rule (a reference implementation takes these same values)."""
+    values = {
+        "grad_scale": grad_scale,
+        "decay": 1.0 - lr * weight_decay if adamw else weight_decay,
+        "beta1": beta1, "one_minus_beta1": 1.0 - beta1,
+        "beta2": beta2, "one_minus_beta2": 1.0 - beta2,
+        "sqrt_bias_correction2": math.sqrt(1.0 - beta2 ** step),
+        "eps": eps,
+        "step_size": lr / (1.0 - beta1 ** step),
+    }
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
+
+
+def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr: float, beta1: float,
+                      beta2: float, eps: float, weight_decay: float, adamw: bool = True,
+                      grad_scale: float = 1.0) -> None:
+    """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW step of
+    ``states`` with ``grad`` (flat, fp32/bf16/fp16, multiplied by ``grad_scale`` first),
+    ``step`` the 1-based number of this step. Slow but correct: torch ops, one pass each.
+    The new states are worked out whole before any is stored: a non-finite value raises
+    NonFiniteStateError (naming the state and element) and leaves ``states`` as it was.
+
+    The rule, each line one fp32 rounding per operation, left to right:
+      g = grad * grad_scale;  x = high + low * ulp(high) / 254   (decode_master)
+      AdamW: x = x * (1 - lr*wd)            Adam: g = g + x * wd
+      m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
+      x = x - (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) * (lr / (1 - b1^t))
+    then m, v and x are encoded (memory/compact_codec.py)."""
+    assert grad.dim() == 1 and grad.numel() == states.numel
+    c = compact_constants(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          adamw=adamw, grad_scale=grad_scale)
+    g = grad.to(torch.float32)
+    if grad_scale != 1.0:
+        g = g * c["grad_scale"]
+    x = states.master()
+    m, v = states.moments()
+    if adamw:
+        x = x * c["decay"]
+    else:
+        g = g + x * c["decay"]
+    m = m * c["beta1"] + g * c["one_minus_beta1"]
+    v = v * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    denom = ieee_sqrt(v) / c["sqrt_bias_correction2"] + c["eps"]
+    x = x - (m / denom) * c["step_size"]
+    exp_avg, exp_avg_scales = encode_exp_avg(m)
+    exp_avg_sq, exp_avg_sq_scales = encode_exp_avg_sq(v)
+    high, low = encode_master(x)
+    states.exp_avg, states.exp_avg_scales = exp_avg, exp_avg_scales
+    states.exp_avg_sq, states.exp_avg_sq_scales = exp_avg_sq, exp_avg_sq_scales
+    states.high, states.low = high, low
+
+
+def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> None:
+    """wrap's refusals of optimizer_states="compact", before anything is touched: a
+    ValueError naming the field and the reason."""
+    if config.optimizer_states != "compact":
+        return
+    if not isinstance(optimizer, (torch.optim.Adam, CPUAdam)):  # AdamW is an Adam
+        raise ValueError(f"optimizer_states: 'compact' keeps Adam's two moments only; "
+                         f"{type(optimizer).__name__} is not torch.optim.Adam/AdamW or offload.CPUAdam "
+                         "(use optimizer_states='exact')")
+    if config.dtype != "bf16":
+        raise ValueError(f"optimizer_states: 'compact' keeps the master as the bf16 compute copy plus an "
+                         f"8-bit low part, so it needs dtype='bf16' (got dtype={config.dtype!r})")
+    if config.stage >= 1:
+        raise ValueError(f"optimizer_states: 'compact' is not available with ZeRO stage {config.stage} "
+                         "(the sharded step moves fp32 states); use stage=0 or optimizer_states='exact'")
+    if config.delayed_update:
+        raise ValueError("optimizer_states: 'compact' is not available with delayed_update=True; "
+                         "use optimizer_states='exact' with it")
+    raise ValueError(COMPACT_UNAVAILABLE)

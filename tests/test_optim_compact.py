@@ -1,0 +1,306 @@
+"""optimizer_states="compact": the config field, wrap's refusals, the codec's round-trip
+bounds ([Note: compact optimizer states], offload/memory/compact_codec.py) and the compact
+Adam/AdamW step against a float64 reference of the same rule written here."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_state_bytes,
+                                          decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
+                                          encode_exp_avg_sq, encode_master, ulp_of_bf16)
+from offload.memory.layout import COMPACT_UNAVAILABLE
+from offload.optim.compact import CompactRange, compact_adam_step, compact_constants
+
+F32_TINY = 2.0 ** -149  # the smallest fp32 subnormal: the absolute rounding of subnormal results
+
+
+# ------------------------------------------------------------------ the config field and wrap
+
+def test_optimizer_states_defaults_to_exact_and_names_itself_when_wrong():
+    assert offload.OffloadConfig().optimizer_states == "exact"
+    assert offload.OffloadConfig.from_dict({"optimizer_states": "compact"}).optimizer_states == "compact"
+    for bad in ("fast", "Compact", True, None, 8):
+        with pytest.raises(ValueError, match="optimizer_states: .*accepted values are 'exact', 'compact'"):
+            offload.OffloadConfig(optimizer_states=bad)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    return _Net()
+
+
+@pytest.mark.parametrize("optimizer,values,why", [
+    ("sgd", {"dtype": "bf16"}, "SGD is not torch.optim.Adam/AdamW"),
+    ("adamw", {"dtype": "fp32"}, "needs dtype='bf16'"),
+    ("adamw", {"dtype": "bf16", "stage": 1}, "ZeRO stage 1"),
+    ("adamw", {"dtype": "bf16", "delayed_update": True, "param_tier": "host"}, "delayed_update=True"),
+    ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "host"}, "not available yet"),
+])
+def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_the_model(optimizer, values, why):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1),
+           "adam": lambda: torch.optim.Adam(params, lr=0.1),
+           "adamw": lambda: torch.optim.AdamW(params, lr=0.1)}[optimizer]()
+    config = offload.OffloadConfig(device="cpu", optimizer_states="compact", **values)
+    with pytest.raises(ValueError, match=f"optimizer_states: .*{why}"):
+        offload.wrap(model, opt, config)
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # the model was not taken: an exact wrap of it trains
+    with offload.wrap(model, torch.optim.AdamW(params, lr=0.1), offload.OffloadConfig(device="cpu")) as engine:
+        engine.backward(engine(torch.ones(3, 8)).sum())
+        engine.step()
+
+
+def test_the_layout_refuses_compact_until_the_homes_hold_it():
+    from offload.memory.layout import Layout
+    config = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact")
+    with pytest.raises(ValueError, match="optimizer_states"):
+        Layout.resolve(config, torch.device("cpu"), None)
+    assert "optimizer_states" in COMPACT_UNAVAILABLE
+    assert not Layout.resolve(offload.OffloadConfig(device="cpu"), torch.device("cpu"), None).compact_states
+
+
+# ------------------------------------------------------------------ the codec's bounds
+
+def _moment_blocks(kind, numel=4 * BLOCK_NUMEL + 37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randn(numel, generator=g)
+    if kind == "heavy":  # Cauchy, scales over 12 decades: one outlier per block and tiny neighbours
+        cauchy = torch.tan(math.pi * (torch.rand(numel, generator=g, dtype=torch.float64) - 0.5))
+        return (cauchy * 10.0 ** (-12 * torch.rand(numel, generator=g, dtype=torch.float64))).float()
+    if kind == "zero_blocks":
+        x = torch.randn(numel, generator=g)
+        x[BLOCK_NUMEL:3 * BLOCK_NUMEL] = 0
+        return x
+    if kind == "subnormal":  # a block of subnormals only (a subnormal scale), one mixed with normals
+        x = torch.randn(numel, generator=g) * 1e-40
+        x[2 * BLOCK_NUMEL:3 * BLOCK_NUMEL] = torch.randn(BLOCK_NUMEL, generator=g)
+        assert (x[:BLOCK_NUMEL].abs() < 2.0 ** -126).all()
+        return x
+    raise AssertionError(kind)
+
+
+def _per_element_scale(scales, numel):
+    return scales.repeat_interleave(BLOCK_NUMEL)[:numel].double()
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy", "zero_blocks", "subnormal"])
+def test_exp_avg_round_trip_within_half_a_level_in_the_square_root_domain(kind):
+    m = _moment_blocks(kind)
+    codes, scales = encode_exp_avg(m)
+    assert codes.dtype == torch.int8 and scales.numel() == math.ceil(m.numel() / BLOCK_NUMEL)
+    assert torch.equal(scales, torch.stack([b.abs().max() for b in m.split(BLOCK_NUMEL)]))
+    back = decode_exp_avg(codes, scales).double()
+    s = _per_element_scale(scales, m.numel())
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    u, u_back = (m.double().abs() / safe).sqrt(), (back.abs() / safe).sqrt()
+    assert ((u_back - u).abs() <= 0.5 / 127 + 1e-6 + (F32_TINY / safe).sqrt()).all()
+    assert (torch.sign(back) * torch.sign(m.double()) >= 0).all()  # never the other sign
+    assert (back[s == 0] == 0).all() and (codes[(s == 0)] == 0).all()
+    # the block's largest value comes back to within fp32 rounding
+    top = m.double().abs() == s
+    assert ((back[top].abs() - s[top]).abs() <= 4e-7 * s[top] + 2 * F32_TINY).all()
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy", "zero_blocks", "subnormal"])
+def test_exp_avg_sq_round_trip_within_half_a_level_in_the_fourth_root_domain(kind):
+    v = _moment_blocks(kind) ** 2
+    codes, scales = encode_exp_avg_sq(v)
+    assert codes.dtype == torch.uint8
+    back = decode_exp_avg_sq(codes, scales).double()
+    s = _per_element_scale(scales, v.numel())
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    w, w_back = (v.double() / safe) ** 0.25, (back / safe) ** 0.25
+    kept = w >= 0.5 / 255
+    assert ((w_back - w).abs()[kept] <= 0.5 / 255 + 1e-6 + (F32_TINY / safe[kept]) ** 0.25).all()
+    # below half a level a nonzero v decodes to the smallest level, never to 0
+    small = (~kept) & (v.double() > 0)
+    assert (codes[small] == 1).all()
+    assert (back[v.double() > 0] > 0).all() and (back[v == 0] == 0).all()
+
+
+def test_the_master_comes_back_within_a_508th_of_a_bf16_ulp_across_the_fp32_range():
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    x = (torch.randn(n, generator=g, dtype=torch.float64)
+         * 10.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * 76 - 38)).float()
+    x[:4] = torch.tensor([0.0, -0.0, 1e-45, -3e-39])  # zero, the smallest subnormal, a subnormal
+    x[4:8] = torch.tensor([1.0, 1.0 + 2.0 ** -8, 1.0 - 2.0 ** -24, 3.3e38])  # a tie, just below 2^0, large
+    high, low = encode_master(x)
+    assert high.dtype == torch.bfloat16 and low.dtype == torch.int8
+    assert torch.equal(high, x.to(torch.bfloat16))  # the compute copy: rounded to nearest even
+    back = decode_master(high, low).double()
+    ulp = ulp_of_bf16(high).double()
+    fp32_rounding = torch.maximum(x.double().abs() * 2.0 ** -24, torch.full_like(ulp, F32_TINY))
+    assert ((back - x.double()).abs() <= ulp / 508 + fp32_rounding).all()
+    assert torch.equal(ulp_of_bf16(torch.tensor([1.0, 0.0, 1e-40, -3.0]).bfloat16()),
+                       torch.tensor([2.0 ** -7, 2.0 ** -133, 2.0 ** -133, 2.0 ** -6]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("state", ["exp_avg", "exp_avg_sq", "master"])
+def test_a_non_finite_state_is_raised_naming_the_state_and_the_element(bad, state):
+    x = torch.rand(3 * BLOCK_NUMEL)
+    x[300] = bad
+    encode = {"exp_avg": encode_exp_avg, "exp_avg_sq": encode_exp_avg_sq, "master": encode_master}[state]
+    with pytest.raises(NonFiniteStateError, match=f"^{state}: 1 non-finite value.*element 300"):
+        encode(x)
+
+
+def test_a_master_beyond_bf16s_range_and_a_negative_second_moment_are_refused():
+    with pytest.raises(NonFiniteStateError, match="master .*beyond bf16"):
+        encode_master(torch.tensor([1.0, 3.4e38]))
+    with pytest.raises(NonFiniteStateError, match="exp_avg_sq: negative value"):
+        encode_exp_avg_sq(torch.tensor([1.0, -1e-30]))
+
+
+def test_compact_states_take_three_bytes_per_parameter_and_two_scales_per_block():
+    assert compact_state_bytes(BLOCK_NUMEL * 10) == 3 * BLOCK_NUMEL * 10 + 10 * 8
+    assert compact_state_bytes(BLOCK_NUMEL + 1) == 3 * (BLOCK_NUMEL + 1) + 2 * 8
+    states = CompactRange(1000)
+    held = sum(t.numel() * t.element_size() for t in
+               (states.low, states.exp_avg, states.exp_avg_scales, states.exp_avg_sq, states.exp_avg_sq_scales))
+    assert held == compact_state_bytes(1000)
+
+
+# ------------------------------------------------------------------ the step against float64
+
+def _reference_step(states, grad, hp, step):
+    """The rule of compact_adam_step in float64 from the same codes and the same fp32
+    constants (compact_constants): decode, update, encode, every quantity in float64."""
+    c = {k: float(v) for k, v in compact_constants(step=step, **hp).items()}
+    n = states.numel
+    per = lambda scales: scales.double().repeat_interleave(BLOCK_NUMEL)[:n]  # noqa: E731
+    cm = states.exp_avg.double()
+    m = torch.sign(cm) * (cm.abs() / 127) ** 2 * per(states.exp_avg_scales)
+    v = (states.exp_avg_sq.double() / 255) ** 4 * per(states.exp_avg_sq_scales)
+    high = states.high.double()
+    ulp = ulp_of_bf16(states.high).double()
+    x = high + states.low.double() * ulp / 254
+    g = grad.double() * c["grad_scale"]
+    if hp["adamw"]:
+        x = x * c["decay"]
+    else:
+        g = g + x * c["decay"]
+    m = m * c["beta1"] + g * c["one_minus_beta1"]
+    v = v * c["beta2"] + g * g * c["one_minus_beta2"]
+    update = m / (v.sqrt() / c["sqrt_bias_correction2"] + c["eps"]) * c["step_size"]
+    operands = x.abs() + update.abs()  # what fp32's roundings are relative to (the result may cancel)
+    x = x - update
+
+    def blocks(t):
+        pad = (-n) % BLOCK_NUMEL
+        return torch.cat([t, t.new_zeros(pad)]).view(-1, BLOCK_NUMEL)
+
+    mb, vb = blocks(m), blocks(v)
+    sm, sv = mb.abs().amax(1, keepdim=True), vb.amax(1, keepdim=True)
+    cm = torch.round(torch.sign(mb) * (mb.abs() / torch.where(sm == 0, 1.0, sm)).sqrt() * 127)
+    cv = torch.round((vb / torch.where(sv == 0, 1.0, sv)) ** 0.25 * 255)
+    cv = torch.where(vb > 0, cv.clamp(min=1), cv)
+    return x, operands, cm.view(-1)[:n], sm.view(-1), cv.view(-1)[:n], sv.view(-1)
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_compact_step_follows_a_float64_reference_of_its_rule_for_50_steps(adamw):
+    """Each step starts both from the compact states the step left: the codes agree with
+    the float64 reference's within one level (fp32 against float64 arithmetic moves only
+    values at a rounding boundary, so nearly all agree exactly), the scales to fp32
+    rounding, and the master within its codec bound of the float64 result plus a few fp32
+    roundings of the operands of its last subtraction (which may cancel)."""
+    g = torch.Generator().manual_seed(3)
+    n = 3 * BLOCK_NUMEL + 100  # a short last block
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw, grad_scale=0.5)
+    states = CompactRange.from_exact(torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n))
+    differing = 0
+    for step in range(1, 51):
+        grad = torch.randn(n, generator=g) * 10.0 ** (-3 * torch.rand(n, generator=g))
+        grad[:BLOCK_NUMEL] = 0 if step % 10 == 0 else grad[:BLOCK_NUMEL]  # all-zero gradient blocks
+        x_ref, operands, cm_ref, sm_ref, cv_ref, sv_ref = _reference_step(states, grad, hp, step)
+        compact_adam_step(states, grad, step=step, **hp)
+        for codes, ref in ((states.exp_avg, cm_ref), (states.exp_avg_sq, cv_ref)):
+            delta = (codes.double() - ref).abs()
+            assert delta.max() <= 1
+            differing += int((delta != 0).sum())
+        assert torch.allclose(states.exp_avg_scales.double(), sm_ref, rtol=1e-6, atol=0)
+        assert torch.allclose(states.exp_avg_sq_scales.double(), sv_ref, rtol=1e-6, atol=0)
+        ulp = ulp_of_bf16(states.high).double()
+        assert ((states.master().double() - x_ref).abs() <= ulp / 508 + operands * 2.0 ** -22).all()
+    assert differing <= 50 * 2 * n * 0.01  # at most 1% of the codes off by one level
+
+
+def test_compact_step_moves_every_parameter_with_a_gradient_the_way_adamw_does():
+    """Against exact fp32 AdamW, loosely: after 20 steps the compact master is within a
+    few percent of the distance AdamW moved (the 8-bit moments' rounding, about 1.6% of a
+    block's largest momentum, not a bug)."""
+    g = torch.Generator().manual_seed(4)
+    n = 2 * BLOCK_NUMEL
+    start = torch.randn(n, generator=g).to(torch.bfloat16).float()
+    target = torch.randn(n, generator=g)
+    exact = start.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([exact], lr=1e-2, weight_decay=0.0)
+    states = CompactRange.from_exact(start, torch.zeros(n), torch.zeros(n))
+    for step in range(1, 21):
+        opt.zero_grad()
+        ((exact - target) ** 2).sum().backward()
+        opt.step()
+        compact_adam_step(states, 2 * (states.master() - target), step=step, lr=1e-2, beta1=0.9,
+                          beta2=0.999, eps=1e-8, weight_decay=0.0)
+    moved = (exact.detach() - start).abs()
+    apart = (states.master() - exact.detach()).abs()
+    # a wrong sign, bias correction or decay is off by a good part of ``moved``
+    assert apart.max() <= 0.1 * moved.max() and apart.mean() <= 0.02 * moved.mean()  # measured: 6.5%, 1.1%
+
+
+def test_a_non_finite_gradient_raises_and_leaves_the_states_as_they_were():
+    n = 2 * BLOCK_NUMEL
+    states = CompactRange.from_exact(torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01)
+    before = [t.clone() for t in (states.high, states.low, states.exp_avg, states.exp_avg_scales,
+                                  states.exp_avg_sq, states.exp_avg_sq_scales)]
+    grad = torch.randn(n)
+    grad[7] = float("nan")
+    with pytest.raises(NonFiniteStateError, match="exp_avg: 1 non-finite value.*element 7"):
+        compact_adam_step(states, grad, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    after = (states.high, states.low, states.exp_avg, states.exp_avg_scales, states.exp_avg_sq,
+             states.exp_avg_sq_scales)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_compact_step_gives_the_same_bits_on_one_thread_and_many():
+    g = torch.Generator().manual_seed(5)
+    n = 64 * BLOCK_NUMEL + 3
+    start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(3)]
+    results = []
+    threads = torch.get_num_threads()
+    for num_threads in (1, max(2, threads)):
+        torch.set_num_threads(num_threads)
+        try:
+            states = CompactRange.from_exact(*start)
+            for step, grad in enumerate(grads, start=1):
+                compact_adam_step(states, grad, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                  weight_decay=0.01)
+            results.append(states)
+        finally:
+            torch.set_num_threads(threads)
+    a, b = results
+    for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
