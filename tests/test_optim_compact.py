@@ -12,6 +12,7 @@ from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, comp
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
                                           encode_exp_avg_sq, encode_master, ulp_of_bf16)
 from offload.memory.layout import COMPACT_UNAVAILABLE
+from offload.optim import compact as offload_compact
 from offload.optim.compact import CompactRange, compact_adam_step, compact_constants
 
 F32_TINY = 2.0 ** -149  # the smallest fp32 subnormal: the absolute rounding of subnormal results
@@ -304,3 +305,54 @@ def test_compact_step_gives_the_same_bits_on_one_thread_and_many():
     a, b = results
     for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+# ------------------------------------------------------------------ a unit of parameters
+
+def test_a_unit_updates_each_parameter_as_alone_and_leaves_one_without_a_gradient_bit_for_bit():
+    """Parameters start on block boundaries: one without a gradient keeps its codes and
+    scales, and each updated one equals a CompactRange of that parameter alone stepped with
+    its own group's hyperparameters, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    numels = [300, 5, 2 * BLOCK_NUMEL, 100]
+    groups = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+              dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+    group_of = [0, 1, 0, 1]
+    unit = offload_compact.CompactUnit(numels)
+    assert unit.offsets == [0, 2 * BLOCK_NUMEL, 3 * BLOCK_NUMEL, 5 * BLOCK_NUMEL]
+    alone = []
+    for k, n in enumerate(numels):
+        start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
+        fresh = CompactRange.from_exact(*start)
+        for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+            getattr(unit.param(k), name).copy_(getattr(fresh, name))
+        alone.append(CompactRange.from_exact(*start))
+    steps = [0, 0, 0, 0]
+    for step in range(3):
+        grads = [torch.randn(n, generator=g) for n in numels]
+        grads[1] = None  # parameter 1 gets no gradient
+        before = {name: getattr(unit.param(1), name).clone()
+                  for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales")}
+        steps = unit.step(grads, steps, [groups[i] for i in group_of])
+        for k, grad in enumerate(grads):
+            if grad is None:
+                continue
+            group = groups[group_of[k]]
+            compact_adam_step(alone[k], grad, step=step + 1, lr=group["lr"], beta1=group["betas"][0],
+                              beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"])
+        for name, value in before.items():
+            assert torch.equal(getattr(unit.param(1), name), value), name
+    assert steps == [3, 0, 3, 3]
+    for k in (0, 2, 3):
+        for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+            assert torch.equal(getattr(unit.param(k), name), getattr(alone[k], name)), (k, name)
+    # the padding after each parameter stays 0
+    ends = [o + n for o, n in zip(unit.offsets, numels)]
+    pad = torch.ones(unit.states.numel, dtype=torch.bool)
+    for lo, hi in zip(unit.offsets, ends):
+        pad[lo:hi] = False
+    for name in ("high", "low", "exp_avg", "exp_avg_sq"):
+        assert (getattr(unit.states, name)[pad].float() == 0).all(), name
+    held = sum(t.numel() * t.element_size() for t in (unit.states.low, unit.states.exp_avg, unit.states.exp_avg_sq,
+                                                      unit.states.exp_avg_scales, unit.states.exp_avg_sq_scales))
+    assert held == offload_compact.compact_unit_bytes(numels) == compact_state_bytes(6 * BLOCK_NUMEL)

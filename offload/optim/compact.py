@@ -7,17 +7,18 @@ multiply-add, no ISA-dependent intrinsic, square roots correctly rounded), so ev
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from offload.memory.compact_codec import (decode_exp_avg, decode_exp_avg_sq, decode_master,
-                                          encode_exp_avg, encode_exp_avg_sq, encode_master, ieee_sqrt,
-                                          num_blocks)
+from offload.memory.compact_codec import (BLOCK_NUMEL, compact_state_bytes, decode_exp_avg, decode_exp_avg_sq,
+                                          decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
+                                          ieee_sqrt, num_blocks)
 from offload.memory.layout import COMPACT_UNAVAILABLE
 from offload.optim.cpu_adam import CPUAdam
 
-__all__ = ["CompactRange", "check_compact_supported", "compact_adam_step", "compact_constants"]
+__all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_constants",
+           "compact_unit_bytes"]
 
 
 class CompactRange:
@@ -42,6 +43,19 @@ class CompactRange:
         states.exp_avg, states.exp_avg_scales = encode_exp_avg(exp_avg)
         states.exp_avg_sq, states.exp_avg_sq_scales = encode_exp_avg_sq(exp_avg_sq)
         return states
+
+    def range(self, lo: int, hi: int) -> "CompactRange":
+        """Elements [lo, hi) as a CompactRange of views (updates write through). ``lo`` on
+        a block boundary; the rest of the block that holds ``hi - 1`` must be the caller's
+        own (the end, or CompactUnit's padding): its scale is rewritten from [lo, hi) alone."""
+        assert lo % BLOCK_NUMEL == 0 and lo <= hi <= self.numel
+        view = CompactRange.__new__(CompactRange)
+        view.numel = hi - lo
+        blocks = slice(lo // BLOCK_NUMEL, lo // BLOCK_NUMEL + num_blocks(hi - lo))
+        view.high, view.low = self.high[lo:hi], self.low[lo:hi]
+        view.exp_avg, view.exp_avg_scales = self.exp_avg[lo:hi], self.exp_avg_scales[blocks]
+        view.exp_avg_sq, view.exp_avg_sq_scales = self.exp_avg_sq[lo:hi], self.exp_avg_sq_scales[blocks]
+        return view
 
     def master(self) -> torch.Tensor:
         return decode_master(self.high, self.low)
@@ -101,9 +115,54 @@ def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr
     exp_avg, exp_avg_scales = encode_exp_avg(m)
     exp_avg_sq, exp_avg_sq_scales = encode_exp_avg_sq(v)
     high, low = encode_master(x)
-    states.exp_avg, states.exp_avg_scales = exp_avg, exp_avg_scales
-    states.exp_avg_sq, states.exp_avg_sq_scales = exp_avg_sq, exp_avg_sq_scales
-    states.high, states.low = high, low
+    for dst, src in ((states.exp_avg, exp_avg), (states.exp_avg_scales, exp_avg_scales),
+                     (states.exp_avg_sq, exp_avg_sq), (states.exp_avg_sq_scales, exp_avg_sq_scales),
+                     (states.high, high), (states.low, low)):
+        dst.copy_(src)
+
+
+class CompactUnit:
+    """The compact states of one unit's trainable parameters, each parameter starting on a
+    block boundary (its last block padded with elements that stay 0): a block never holds
+    two parameters, so a parameter without a gradient (left alone, as torch's AdamW does)
+    or in another param group never shares a scale with one being updated, and a
+    parameter's update is the same bits whatever its neighbours."""
+
+    def __init__(self, numels: Sequence[int]) -> None:
+        self.numels = list(numels)
+        self.offsets: List[int] = []
+        end = 0
+        for n in self.numels:
+            self.offsets.append(end)
+            end += num_blocks(n) * BLOCK_NUMEL
+        self.states = CompactRange(end)
+
+    def param(self, k: int) -> CompactRange:
+        lo = self.offsets[k]
+        return self.states.range(lo, lo + self.numels[k])
+
+    def step(self, grads: Sequence[Optional[torch.Tensor]], steps: Sequence[int],
+             groups: Sequence[Dict[str, Any]], *, adamw: bool = True, grad_scale: float = 1.0) -> List[int]:
+        """One step of every parameter with a gradient (``grads[k]`` None: no gradient,
+        nothing changes), parameter k with ``groups[k]``'s hyperparameters; returns the step
+        counts after it."""
+        after = []
+        for k, (grad, step, group) in enumerate(zip(grads, steps, groups)):
+            if grad is None:
+                after.append(step)
+                continue
+            beta1, beta2 = group["betas"]
+            compact_adam_step(self.param(k), grad.reshape(-1), step=step + 1, lr=float(group["lr"]),
+                              beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                              weight_decay=float(group["weight_decay"]), adamw=adamw, grad_scale=grad_scale)
+            after.append(step + 1)
+        return after
+
+
+def compact_unit_bytes(numels: Sequence[int]) -> int:
+    """Bytes a CompactUnit of parameters of ``numels`` elements holds beside the bf16
+    compute copy: compact_state_bytes of its padded length."""
+    return compact_state_bytes(sum(num_blocks(n) * BLOCK_NUMEL for n in numels))
 
 
 def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> None:
