@@ -323,10 +323,9 @@ def test_a_unit_updates_each_parameter_as_alone_and_leaves_one_without_a_gradien
     alone = []
     for k, n in enumerate(numels):
         start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
-        fresh = CompactRange.from_exact(*start)
-        for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
-            getattr(unit.param(k), name).copy_(getattr(fresh, name))
+        unit.load_exact(k, *start)
         alone.append(CompactRange.from_exact(*start))
+        assert all(torch.equal(a, b) for a, b in zip(unit.exact(k), (alone[k].master(),) + alone[k].moments()))
     steps = [0, 0, 0, 0]
     for step in range(3):
         grads = [torch.randn(n, generator=g) for n in numels]
@@ -356,3 +355,17 @@ def test_a_unit_updates_each_parameter_as_alone_and_leaves_one_without_a_gradien
     held = sum(t.numel() * t.element_size() for t in (unit.states.low, unit.states.exp_avg, unit.states.exp_avg_sq,
                                                       unit.states.exp_avg_scales, unit.states.exp_avg_sq_scales))
     assert held == offload_compact.compact_unit_bytes(numels) == compact_state_bytes(6 * BLOCK_NUMEL)
+
+
+def test_loading_exact_states_that_are_not_finite_raises_and_keeps_the_parameters_states():
+    unit = offload_compact.CompactUnit([10, 10])
+    unit.load_exact(0, torch.ones(10), torch.full((10,), 0.5), torch.full((10,), 0.25))
+    before = [t.clone() for t in unit.exact(0)]
+    bad = torch.full((10,), 0.25)
+    bad[3] = float("inf")
+    with pytest.raises(NonFiniteStateError, match="exp_avg_sq: 1 non-finite value.*element 3"):
+        unit.load_exact(0, torch.ones(10), torch.zeros(10), bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, unit.exact(0)))
+    master, exp_avg, exp_avg_sq = unit.exact(0)
+    assert torch.equal(master, torch.ones(10)) and torch.equal(exp_avg, torch.full((10,), 0.5))
+    assert torch.equal(exp_avg_sq, torch.full((10,), 0.25))  # a block's largest value comes back exactly

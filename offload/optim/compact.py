@@ -141,6 +141,22 @@ class CompactUnit:
         lo = self.offsets[k]
         return self.states.range(lo, lo + self.numels[k])
 
+    def load_exact(self, k: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Parameter k's states from fp32 ones (an optimizer's carried state, an exact
+        checkpoint), encoded; a non-finite value raises NonFiniteStateError and changes
+        nothing of parameter k."""
+        fresh = CompactRange.from_exact(master.reshape(-1).float(), exp_avg.reshape(-1).float(),
+                                        exp_avg_sq.reshape(-1).float())
+        target = self.param(k)
+        for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+            getattr(target, name).copy_(getattr(fresh, name))
+
+    def exact(self, k: int) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+        """Parameter k's fp32 master, exp_avg and exp_avg_sq, decoded (for an fp32 export,
+        save_pretrained's weights from master = high + low, or a switch to exact states)."""
+        states = self.param(k)
+        return (states.master(),) + states.moments()
+
     def step(self, grads: Sequence[Optional[torch.Tensor]], steps: Sequence[int],
              groups: Sequence[Dict[str, Any]], *, adamw: bool = True, grad_scale: float = 1.0) -> List[int]:
         """One step of every parameter with a gradient (``grads[k]`` None: no gradient,
