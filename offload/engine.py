@@ -50,6 +50,7 @@ from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
 from offload.optim.generic import probe as probe_elementwise
+from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.sharded import ShardedStep
@@ -63,13 +64,16 @@ from offload.units import split_into_units
 from offload.zero import Partition
 
 
-def wrap(model: nn.Module, optimizer: torch.optim.Optimizer,
+def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.Optimizer]",
          config: "OffloadConfig | dict | str | None" = None, *,
          init_fn: Optional[Callable[[nn.Module], None]] = None, weights: "str | os.PathLike | None" = None) -> "Engine":
     """Offload ``model``'s training state as ``config`` says and return the Engine that
-    trains it. ``optimizer`` must be torch.optim.Adam/AdamW or offload.CPUAdam over the
-    model's parameters; its param groups (and any LR scheduler changing them) are honored,
-    and so is its state when it has taken steps (moved into the engine's homes).
+    trains it. ``optimizer``: a torch.optim.Optimizer over the model's parameters (Adam/AdamW
+    and offload.CPUAdam on the native kernel, any elementwise one by its own step(): [Note:
+    elementwise optimizers]), or a list of them whose parameters partition the trainable
+    ones ([Note: several optimizers]); param groups (and any LR scheduler changing them) are
+    honored, and so is state an optimizer holds when it has taken steps (moved into the
+    engine's homes).
     ``init_fn(module)`` initializes modules of a meta-device model after
     ``reset_parameters()``. ``weights``: a Hugging Face model directory or a .safetensors
     file whose tensors become the parameters' values ([Note: weights into the tiers])."""
@@ -83,7 +87,7 @@ class Engine:
     ``engine.backward(loss)`` and ``engine.step()`` after every micro-batch.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: OffloadConfig,
+    def __init__(self, model: nn.Module, optimizer: Any, config: OffloadConfig,
                  init_fn: Optional[Callable[[nn.Module], None]] = None, weights: Any = None) -> None:
         FailureState.check_not_wrapped(model)  # before anything is touched
         check_compact_supported(config, optimizer)  # [Note: compact optimizer states]
@@ -91,7 +95,12 @@ class Engine:
         # 1. Unpack the config; below this point code takes plain arguments.
         self.config = config
         self.module = model
-        self.optimizer = optimizer
+        # [Note: several optimizers] ``optimizer`` is what the caller passed (one optimizer or
+        # the list), ``optimizers`` always the list; the engine reads their groups as one.
+        self.optimizers = as_optimizer_list(optimizer)
+        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else list(self.optimizers)
+        optimizer_set = OptimizerSet(self.optimizers)
+        optimizer_set.check_partition(model)
         self.device = config.resolved_device()  # a CUDA device's index included
         # [zero] Several ranks: every rank wraps the same thing, shards sized per unit below.
         self._partition = Partition.from_environment(config.stage, config.collective_timeout_seconds,
@@ -108,22 +117,32 @@ class Engine:
         # 2. Units, from the model and the optimizer's param groups.
         # Adam/AdamW/CPUAdam run on the native kernel; any other optimizer must be elementwise
         # ([Note: elementwise optimizers]), probed here on a dummy parameter.
-        rule = None if isinstance(optimizer, (torch.optim.Adam, CPUAdam)) else probe_elementwise(optimizer)
-        adamw = adam_flavour(optimizer) if rule is None else False  # checks what we cannot honor
-        if rule is not None and self._partition is not None and config.stage >= 1:
-            # the sharded step (optim/sharded.py) moves Adam's two moments and settles no scalars
-            raise ValueError(f"stage: ZeRO stage {config.stage} shards Adam's states only; {rule.name} runs with "
-                             "stage=0 (every rank keeps its whole state) or one process")
-        state_slots = 2 if rule is None else len(rule.slots)
+        # With several optimizers each has its own rule ([Note: several optimizers]).
+        rules = [None if isinstance(opt, (torch.optim.Adam, CPUAdam)) else probe_elementwise(opt)
+                 for opt in self.optimizers]
+        adamws = [adam_flavour(opt) if rule is None else False  # checks what we cannot honor
+                  for opt, rule in zip(self.optimizers, rules)]
+        for rule in rules:
+            if rule is not None and self._partition is not None and config.stage >= 1:
+                # the sharded step (optim/sharded.py) moves Adam's two moments and settles no scalars
+                raise ValueError(f"stage: ZeRO stage {config.stage} shards Adam's states only; {rule.name} runs "
+                                 "with stage=0 (every rank keeps its whole state) or one process")
+        state_slots = max(2 if rule is None else len(rule.slots) for rule in rules)
+        group_rules = [GroupRule(rule, local, adamw) for opt, rule, adamw in zip(self.optimizers, rules, adamws)
+                       for local in range(len(opt.param_groups))]
         group_of: Dict[nn.Parameter, int] = {}
-        for gi, group in enumerate(optimizer.param_groups):
+        for gi, group in enumerate(optimizer_set.param_groups):
             for p in group["params"]:
                 group_of[p] = gi
         specs = split_into_units(model, group_of, compute_element_bytes, config.unit_classes,
                                  config.unit_predicate)
         # What an optimizer that has taken steps holds goes into the homes (checked here).
         trainable = [(e.fqn, e.param) for spec in specs for e in spec.entries if e.trainable]
-        adam_state = carried_adam_state(optimizer, trainable) if rule is None else rule.carried_state(trainable)
+        adam_state: Dict[nn.Parameter, Any] = {}
+        for opt, rule in zip(self.optimizers, rules):
+            mine = {p for group in opt.param_groups for p in group["params"]}
+            own = [(name, p) for name, p in trainable if p in mine]
+            adam_state.update(carried_adam_state(opt, own) if rule is None else rule.carried_state(own))
         # Meta parameters get storage-less stand-ins, put into the model and the optimizer
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
@@ -134,7 +153,7 @@ class Engine:
             home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes
             for u in self.units:
                 u.take_shards(self._partition.assign(u, home_element_bytes))
-            self._partition.check_consistent(config, self.units, optimizer)
+            self._partition.check_consistent(config, self.units, optimizer_set)
 
         # 3. Where each unit's state lives ([Note: placement by budget]), and the budgets,
         # checked before anything is allocated.
@@ -159,7 +178,7 @@ class Engine:
             # it alive), so that wrapping again finds the memory free.
             undo.callback(vars(self).clear)
             undo.callback(close_weights, weight_files)
-            unmaterialized = install_stand_ins(model, optimizer, meta_replacements, undo)
+            unmaterialized = install_stand_ins(model, optimizer_set, meta_replacements, undo)
 
             # 4. Tiers, and whether the engine may train ([Note: failures inside a step]).
             self._status = FailureState()
@@ -176,7 +195,7 @@ class Engine:
             if self._partition is not None:
                 self._partition.bind_gradients(self._gradients)
             # Adam over ranges of a unit: every update path calls it.
-            self._adam = UnitAdam(optimizer, adamw=adamw, rule=rule, layout=layout, device=self._device,
+            self._adam = UnitAdam(optimizer_set, group_rules, layout=layout, device=self._device,
                                   gradients=self._gradients, timeline=self._timeline,
                                   piece_numel=units.OPTIMIZER_PIECE_NUMEL)
             self._nvme: Optional[NvmeTier] = None
@@ -244,7 +263,7 @@ class Engine:
             self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
             # [Note: deferred updates] when each unit's Adam runs, and what waits for it
             self._updates = UpdateScheduler(
-                self.units, layout=layout, optimizer=optimizer, worker=self._optimizer_worker,
+                self.units, layout=layout, optimizer=optimizer_set, worker=self._optimizer_worker,
                 step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
                 prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
                 gradients=self._gradients, residency=self._residency, status=self._status, adam=self._adam)
@@ -267,8 +286,7 @@ class Engine:
             faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         self._status.hold(model)
-        for p in adam_state:  # the homes hold it now
-            del optimizer.state[p]
+        optimizer_set.forget_state(list(adam_state))  # the homes hold it now
 
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
         # access]); the counters and the failure state stay here, read and set by callables.
@@ -278,7 +296,7 @@ class Engine:
             gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
 
         self._checkpoint = CheckpointAccess(
-            self.units, layout, self._partition, self._device, model, optimizer, config,
+            self.units, layout, self._partition, self._device, model, optimizer_set, config,
             homes=HomeIO(read_master_range=self._homes.read_master_range, load_range=self._homes.load_range,
                          store_range=self._homes.store_range, store_master_range=self._homes.store_master_range,
                          forget_contents=self._homes.forget_contents, zero_master_padding=self._homes.zero_master_padding,
@@ -293,7 +311,7 @@ class Engine:
                                   "good_steps": self._gradients.good_steps,
                                   "last_grad_norm": self._gradients.last_grad_norm},
                 restore_counters=restore_counters),
-            optimizer_state=None if rule is None else rule.layout())
+            optimizer_state=optimizer_set.layout(rules))
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -366,7 +384,8 @@ class Engine:
             self._status.fail_step_unless_recorded(error, f"in the optimizer step at micro-step {self._updates.micro_step}")
         # The user's optimizer never runs its own step(); tell torch's LR schedulers that a
         # step happened so they do not warn about calling scheduler.step() first.
-        self.optimizer._opt_called = True
+        for opt in self.optimizers:
+            opt._opt_called = True
         end = time.perf_counter()
         self._timeline.span("phase", "optimizer step", start, end)
         self._last_optimizer_seconds = end - start

@@ -16,7 +16,8 @@ import torch
 from offload import faults
 from offload.memory.layout import Layout, UnitState, slot_views
 from offload.optim.cpu_adam import adam_step_flat
-from offload.optim.generic import ElementwiseRule, ParamStep
+from offload.optim.generic import ParamStep
+from offload.optim.several import GroupRule
 from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
@@ -49,16 +50,17 @@ class UnitAdam:
     own between calls; any thread may call it for a unit that thread owns ([Note: threads]
     in memory/layout.py)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, adamw: bool, rule: Optional[ElementwiseRule],
+    def __init__(self, optimizer: Any, group_rules: List[GroupRule], *,
                  layout: Layout, device: DeviceTier, gradients: Gradients, timeline: Timeline,
                  piece_numel: int) -> None:
-        """``adamw``: decoupled weight decay. ``rule``: another elementwise optimizer, run
-        instead of the Adam kernel ([Note: elementwise optimizers] in optim/generic.py); its
-        state slots 0 and 1 are where Adam's exp_avg and exp_avg_sq are. ``piece_numel``: the
-        staged step's piece size (offload.units.OPTIMIZER_PIECE_NUMEL, passed by the engine)."""
+        """``optimizer``: has the param groups (an OptimizerSet, [Note: several optimizers]).
+        ``group_rules[g]``: how group g's parameters are updated: the Adam kernel (with
+        decoupled decay or not) or another elementwise optimizer's rule ([Note: elementwise
+        optimizers] in optim/generic.py), whose state slots 0 and 1 are where Adam's exp_avg
+        and exp_avg_sq are. ``piece_numel``: the staged step's piece size
+        (offload.units.OPTIMIZER_PIECE_NUMEL, passed by the engine)."""
         self._optimizer = optimizer
-        self._adamw = adamw
-        self._rule = rule
+        self._group_rules = group_rules
         self._layout = layout
         self._device = device
         self._gradients = gradients
@@ -68,9 +70,9 @@ class UnitAdam:
     def next_steps(self, u: UnitState) -> List[int]:
         """Step counts after this update: +1 where the parameter has a gradient (with an
         elementwise rule, ParamSteps whose scalars the update's first range settles)."""
-        if self._rule is not None:
-            return [ParamStep.after(s) if g else s for s, g in zip(u.steps, u.has_grad)]
-        return [s + 1 if g else s for s, g in zip(u.steps, u.has_grad)]
+        rules = self._group_rules
+        return [s if not g else s + 1 if rules[e.group_index].rule is None else ParamStep.after(s)
+                for e, s, g in zip(u.trainable, u.steps, u.has_grad)]
 
     def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         n, size = u.master_numel, self._piece_numel
@@ -88,9 +90,12 @@ class UnitAdam:
         as they are and writes there instead (see OutOfPlace)."""
         faults.hit("optim.adam_range", unit=u.name, lo=lo, hi=hi)
         groups = self._optimizer.param_groups if groups is None else groups
-        rule = self._rule
-        if rule is not None:  # [Note: elementwise optimizers] once per parameter, whichever range comes first
-            rule.settle_scalars(steps, [e.group_index for e in u.trainable], groups)
+        rules = self._group_rules
+        for k, e in enumerate(u.trainable):  # [Note: elementwise optimizers] once per parameter, whichever range comes first
+            step = steps[k]
+            if isinstance(step, ParamStep) and step.pending:
+                rule = rules[e.group_index]
+                rule.rule.settle(step, rule.local_index, groups[e.group_index])
         updated: List[Tuple[int, int]] = []  # what the kernel wrote, relative to lo
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
@@ -103,8 +108,9 @@ class UnitAdam:
                 continue
             group = groups[e.group_index]
             faults.hit("optim.adam", unit=u.name, lo=a, hi=b)
-            if rule is not None:
-                self._elementwise_range(e.group_index, group, steps[k], self._gradients.grad_range(u, k, a, b),
+            rule = rules[e.group_index]
+            if rule.rule is not None:
+                self._elementwise_range(rule, group, steps[k], self._gradients.grad_range(u, k, a, b),
                                         grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
                                         None if compute_out is None else compute_out[r],
                                         None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
@@ -114,7 +120,7 @@ class UnitAdam:
             adam_step_flat(
                 master[r], self._gradients.grad_range(u, k, a, b), exp_avg[r], exp_avg_sq[r], step=steps[k],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adamw=self._adamw, grad_scale=grad_factor,
+                weight_decay=float(group["weight_decay"]), adamw=rule.adamw, grad_scale=grad_factor,
                 copy_out=None if compute_out is None else compute_out[r],
                 out=None if out is None else (out.master[r], out.exp_avg[r], out.exp_avg_sq[r]))
             updated.append((r.start, r.stop))
@@ -131,7 +137,7 @@ class UnitAdam:
                 # src is reused once this returns ([Note: streams])
                 self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
 
-    def _elementwise_range(self, group_index: int, group: Dict[str, Any], step: int, grad: torch.Tensor,
+    def _elementwise_range(self, rule: GroupRule, group: Dict[str, Any], step: int, grad: torch.Tensor,
                            grad_factor: float, master: torch.Tensor, slots: Tuple[Optional[torch.Tensor], ...],
                            compute_out: Optional[torch.Tensor],
                            out: Optional[Tuple[Optional[torch.Tensor], ...]]) -> None:
@@ -148,7 +154,7 @@ class UnitAdam:
                 if src is not None and src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
             master, slots = out[0], (out[1], out[2])
-        self._rule.step_range(group_index, group, step, master, grad, slots)
+        rule.rule.step_range(rule.local_index, group, step, master, grad, slots)
         if compute_out is not None:
             compute_out.copy_(master)
 

@@ -20,7 +20,7 @@ Scalar state advances once per parameter per step, not once per range: ``ParamSt
 step count the engine keeps per parameter (``UnitState.steps``) carrying the scalars after
 that step. ``UnitAdam.next_steps`` makes the new ParamSteps (``after``), the first range of a
 unit's update settles their scalars by stepping an empty (0-element) slice of each parameter
-from the scalars before (``settle_scalars``), and every range steps from the scalars before,
+from the scalars before (``settle``), and every range steps from the scalars before,
 so every range of a parameter sees the same ``step``. The new counts are committed where
 Adam's are (the steps lists are assigned whole), so speculative and delayed updates, which
 keep a spare steps list, carry the scalars with them. (The ZeRO sharded step, which moves
@@ -61,7 +61,7 @@ class ParamStep(int):
 
     ``scalars``: name -> value (a cloned 0-dim tensor or a Python number); None while the
     optimizer holds no state for the parameter (torch's empty ``state[p]``) or, with
-    ``pending``, until ``ElementwiseRule.settle_scalars`` has run. ``before``: the scalars
+    ``pending``, until ``ElementwiseRule.settle`` has run. ``before``: the scalars
     this step starts from (None: from an empty state)."""
 
     scalars: Optional[Dict[str, Any]]
@@ -153,23 +153,20 @@ class ElementwiseRule:
                 view.copy_(value)
         return {k: v for k, v in state.items() if k not in slot_views}
 
-    def settle_scalars(self, steps: Sequence[int], group_of: Sequence[int],
-                       groups: List[Dict[str, Any]]) -> None:
-        """Fill the scalars of every pending ParamStep of ``steps`` (parameter k in param
-        group ``group_of[k]`` of ``groups``) by stepping an empty slice from its ``before``."""
-        for k, step in enumerate(steps):
-            if isinstance(step, ParamStep) and step.pending:
-                gi = group_of[k]
-                empty = {name: torch.empty(0, dtype=torch.float32) for name in self.group_slots[gi]}
-                scalars = self.run(groups[gi], step.before, torch.empty(0, dtype=torch.float32),
-                                   torch.empty(0, dtype=torch.float32), empty)
-                step.scalars, step.pending = _clone_scalars(scalars), False
+    def settle(self, step: "ParamStep", group_index: int, group: Dict[str, Any]) -> None:
+        """Fill the scalars of ``step`` (pending; a parameter of this optimizer's param group
+        ``group_index``, whose hyperparameters are ``group``) by stepping an empty slice from
+        its ``before``."""
+        empty = {name: torch.empty(0, dtype=torch.float32) for name in self.group_slots[group_index]}
+        scalars = self.run(group, step.before, torch.empty(0, dtype=torch.float32),
+                           torch.empty(0, dtype=torch.float32), empty)
+        step.scalars, step.pending = _clone_scalars(scalars), False
 
     def step_range(self, group_index: int, group: Dict[str, Any], step: int, param: torch.Tensor,
                    grad: torch.Tensor, slot_views: Sequence[torch.Tensor]) -> None:
         """Elements of one parameter: ``param`` and the slots' views over them, ``step`` the
         settled ParamStep of this update (its ``before`` scalars are the start)."""
-        assert isinstance(step, ParamStep) and not step.pending, "settle_scalars runs first"
+        assert isinstance(step, ParamStep) and not step.pending, "settle runs first"
         views = {name: slot_views[self.slots.index(name)] for name in self.group_slots[group_index]}
         self.run(group, step.before, param, grad, views)
 
