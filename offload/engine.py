@@ -49,8 +49,9 @@ from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
-from offload.optim.generic import probe as probe_elementwise
+from offload.optim.generic import NotElementwise, probe as probe_elementwise
 from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
+from offload.optim.whole import probe_whole
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.sharded import ShardedStep
@@ -69,8 +70,9 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
          init_fn: Optional[Callable[[nn.Module], None]] = None, weights: "str | os.PathLike | None" = None) -> "Engine":
     """Offload ``model``'s training state as ``config`` says and return the Engine that
     trains it. ``optimizer``: a torch.optim.Optimizer over the model's parameters (Adam/AdamW
-    and offload.CPUAdam on the native kernel, any elementwise one by its own step(): [Note:
-    elementwise optimizers]), or a list of them whose parameters partition the trainable
+    and offload.CPUAdam on the native kernel, any other by its own step(): on ranges where it
+    is elementwise, [Note: elementwise optimizers], else on whole parameters, [Note:
+    whole-parameter optimizers]), or a list of them whose parameters partition the trainable
     ones ([Note: several optimizers]); param groups (and any LR scheduler changing them) are
     honored, and so is state an optimizer holds when it has taken steps (moved into the
     engine's homes).
@@ -78,6 +80,15 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
     ``reset_parameters()``. ``weights``: a Hugging Face model directory or a .safetensors
     file whose tensors become the parameters' values ([Note: weights into the tiers])."""
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
+
+
+def _probe(optimizer: torch.optim.Optimizer) -> Any:
+    """The rule of an optimizer other than Adam: elementwise where it is ([Note: elementwise
+    optimizers]), else one that steps whole parameters ([Note: whole-parameter optimizers])."""
+    try:
+        return probe_elementwise(optimizer)
+    except NotElementwise:
+        return probe_whole(optimizer)
 
 
 class Engine:
@@ -118,8 +129,7 @@ class Engine:
         # Adam/AdamW/CPUAdam run on the native kernel; any other optimizer must be elementwise
         # ([Note: elementwise optimizers]), probed here on a dummy parameter.
         # With several optimizers each has its own rule ([Note: several optimizers]).
-        rules = [None if isinstance(opt, (torch.optim.Adam, CPUAdam)) else probe_elementwise(opt)
-                 for opt in self.optimizers]
+        rules = [None if isinstance(opt, (torch.optim.Adam, CPUAdam)) else _probe(opt) for opt in self.optimizers]
         adamws = [adam_flavour(opt) if rule is None else False  # checks what we cannot honor
                   for opt, rule in zip(self.optimizers, rules)]
         for rule in rules:
@@ -127,6 +137,9 @@ class Engine:
                 # the sharded step (optim/sharded.py) moves Adam's two moments and settles no scalars
                 raise ValueError(f"stage: ZeRO stage {config.stage} shards Adam's states only; {rule.name} runs "
                                  "with stage=0 (every rank keeps its whole state) or one process")
+            if rule is not None and rule.whole and layout.delayed_update:
+                raise ValueError(f"delayed_update: {rule.name} steps whole parameters ([Note: whole-parameter "
+                                 "optimizers]), which delayed updates do not support yet; set delayed_update=False")
         state_slots = max(2 if rule is None else len(rule.slots) for rule in rules)
         group_rules = [GroupRule(rule, local, adamw) for opt, rule, adamw in zip(self.optimizers, rules, adamws)
                        for local in range(len(opt.param_groups))]
@@ -147,7 +160,10 @@ class Engine:
         # only once every check below has passed, and taken out again if wrap fails after
         # that ([Note: a failed wrap changes nothing]).
         meta_replacements = meta_stand_ins(specs)
-        self.units = [UnitState(spec, compute_element_bytes, state_slots) for spec in specs]
+        whole_groups = {gi for gi, r in enumerate(group_rules) if r.rule is not None and r.rule.whole}
+        self.units = [UnitState(spec, compute_element_bytes, state_slots,
+                                whole_step=any(e.group_index in whole_groups for e in spec.entries if e.trainable))
+                      for spec in specs]
         self._root = self.units[0]
         if self._partition is not None:
             home_element_bytes = FP32_BYTES if layout.merged else compute_element_bytes

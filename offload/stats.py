@@ -11,6 +11,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Callable, Deque, Dict, Iterator, List, Tuple, TypeVar
 
+import torch
 from torch.profiler import record_function
 
 from offload.config import format_size
@@ -198,6 +199,11 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         "shard_group_size": partition.shard_size if partition is not None else 1,
         "cross_group_reduces": partition.num_cross_group_reduces if partition is not None else 0,
         "optimizer_state_bytes": homes.optimizer_state_bytes(),
+        # [Note: whole-parameter optimizers] side state (Adafactor's row and column factors)
+        # in host RAM beside each parameter's step count
+        "optimizer_side_bytes": sum(v.numel() * v.element_size() for u in units for step in u.steps
+                                    for v in (getattr(step, "scalars", None) or {}).values()
+                                    if isinstance(v, torch.Tensor) and v.dim() > 0),
         "parameter_bytes": homes.parameter_bytes(),
         # [Note: 16-bit gradients] in the dtype they are held in
         "gradient_bytes": sum(u.grad_numel for u in units if u.trainable) * gradients.element_bytes,

@@ -336,20 +336,6 @@ def test_state_carried_from_the_optimizer_goes_on(tmp_path):
             assert_same(engine.state_dict(), reference)
 
 
-class NormScaled(torch.optim.Optimizer):
-    """Scales each update by the parameter's norm: not elementwise."""
-
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad * p.norm(), alpha=-group["lr"])
-
-
 class ListState(torch.optim.Optimizer):
     """Keeps a Python list per parameter."""
 
@@ -365,15 +351,14 @@ class ListState(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+# Optimizers that are not elementwise (Muon, Adafactor, a norm over the parameter) step whole
+# parameters: tests/test_optim_lists.py.
 @pytest.mark.parametrize("make,match", [
     (lambda p: torch.optim.LBFGS(p), "LBFGS cannot be offloaded: its step\\(\\) needs a closure"),
     (lambda p: torch.optim.SparseAdam(p), "SparseAdam cannot be offloaded: it needs sparse gradients"),
-    (lambda p: torch.optim.Adafactor(p), "Adafactor cannot be offloaded: its state 'row_var'"),
-    (lambda p: torch.optim.Muon([q for q in p if q.dim() == 2]), "Muon cannot be offloaded"),
-    (lambda p: NormScaled(p), "NormScaled cannot be offloaded: it is not elementwise"),
     (lambda p: ListState(p), "ListState cannot be offloaded: its state 'history' is list"),
     (lambda p: torch.optim.RMSprop(p, centered=True, momentum=0.9), "RMSprop cannot be offloaded: it keeps 3 tensors"),
-], ids=["lbfgs", "sparseadam", "adafactor", "muon", "not-elementwise", "list-state", "three-slots"])
+], ids=["lbfgs", "sparseadam", "list-state", "three-slots"])
 def test_what_cannot_be_offloaded_is_refused_before_anything_is_touched(make, match, swap_dir):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

@@ -186,3 +186,139 @@ def test_a_list_that_does_not_partition_the_parameters_is_refused_before_anythin
     with offload.wrap(model, make_optimizers(model, "sgd-momentum+adamw"),
                       config=dict(TIERS["host"], swap_dir=str(swap))) as engine:
         train_offload(engine, batches(1))
+
+
+class NormScaled(torch.optim.Optimizer):
+    """A user's optimizer that scales each update by the parameter's norm: not elementwise."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * p.norm(), alpha=-group["lr"])
+
+
+# [Note: whole-parameter optimizers]: Muon on the blocks' matrices beside AdamW, Adafactor
+# alone (factored row/col second moments of the matrices, a per-element variance of the rest),
+# and a user's optimizer that is not elementwise.
+WHOLE = {
+    "norm-scaled": lambda m: [NormScaled(m.parameters(), lr=0.01)],
+    "muon+adamw": lambda m: [torch.optim.Muon(matrices_and_rest(m)[0], lr=0.02, weight_decay=0.1),
+                             adamw_two_groups(matrices_and_rest(m)[1])],
+    "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.01, weight_decay=0.01, foreach=False)],
+}
+
+
+def train_plain_whole(model, opts, data):
+    for b in data:
+        gpt_loss(model, b).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("tiers", ["host", "nvme", "nvme-small-pieces"])
+@pytest.mark.parametrize("name", list(WHOLE))
+def test_whole_parameter_optimizers_equal_plain_pytorch_bit_for_bit(name, tiers, tmp_path, monkeypatch):
+    """Muon's Newton-Schulz and Adafactor's factored moments see each parameter whole (its
+    unit is updated as one piece, even where the staged step's pieces are smaller than a
+    parameter), their per-element state lives in the state homes and the factored rows and
+    columns beside the step counts: plain PyTorch's numbers."""
+    if tiers == "nvme-small-pieces":  # pieces of 1024 elements would cut every matrix
+        monkeypatch.setattr(offload.units, "OPTIMIZER_PIECE_NUMEL", 1024)
+        tiers = "nvme"
+    reference, model = gpt_pair()
+    data = batches(4)
+    with correctly_rounded_sqrt():
+        train_plain_whole(reference, WHOLE[name](reference), data)
+        opts = WHOLE[name](model)
+        with offload.wrap(model, opts if len(opts) > 1 else opts[0],
+                          config=dict(TIERS[tiers], swap_dir=str(tmp_path / "swap"))) as engine:
+            train_offload(engine, data)
+            assert_same(engine.state_dict(), reference)
+
+
+@pytest.mark.parametrize("name", list(WHOLE))
+def test_whole_parameter_optimizers_resume_from_a_checkpoint_bit_for_bit(name, tmp_path):
+    """Muon's momentum buffers (state homes), Adafactor's step, row_var and col_var (kept per
+    parameter) go into the checkpoint; a fresh engine goes on as the run that never stopped."""
+    reference, model = gpt_pair()
+    other = copy.deepcopy(model)
+    data = batches(6)
+    config = dict(TIERS["nvme"], swap_dir=str(tmp_path / "swap"))
+    ckpt = str(tmp_path / "ckpt")
+    with correctly_rounded_sqrt():
+        train_plain_whole(reference, WHOLE[name](reference), data)
+        opts = WHOLE[name](model)
+        with offload.wrap(model, opts, config=config) as engine:
+            train_offload(engine, data[:3])
+            engine.save_checkpoint(ckpt)
+        opts = WHOLE[name](other)
+        with offload.wrap(other, opts, config=config) as engine:
+            engine.load_checkpoint(ckpt)
+            train_offload(engine, data[3:])
+            assert_same(engine.state_dict(), reference)
+
+
+def test_whole_parameter_optimizers_are_refused_with_delayed_updates(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    with pytest.raises(ValueError, match="delayed_update: Muon steps whole parameters"):
+        offload.wrap(model, WHOLE["muon+adamw"](model), config=dict(TIERS["nvme"], swap_dir=str(swap),
+                                                                     delayed_update=True))
+    assert os.listdir(swap) == []
+
+
+def test_a_whole_parameter_optimizer_over_a_4d_parameter_is_refused(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3))
+    with pytest.raises(ValueError, match="NormScaled cannot be offloaded: param_groups\\[0\\] holds a 4-D parameter"):
+        offload.wrap(model, NormScaled(model.parameters()), config=TIERS["host"])
+
+
+def test_adafactor_factors_are_counted_in_host_ram(tmp_path):
+    """Adafactor's row and column factors of each matrix (rows + cols float32 numbers) are
+    kept per parameter in host RAM and counted in stats(); its vectors' variance is a slot of
+    the state homes."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    factored = sum((p.shape[0] + p.shape[1]) * 4 for p in model.parameters() if p.dim() == 2)
+    with offload.wrap(model, torch.optim.Adafactor(model.parameters(), lr=0.01),
+                      config=dict(TIERS["host"], swap_dir=str(tmp_path / "swap"))) as engine:
+        assert engine.stats()["optimizer_side_bytes"] == 0  # nothing before the first step
+        train_offload(engine, batches(2))
+        assert engine.stats()["optimizer_side_bytes"] == factored
+        assert all(u.state_slots == 1 for u in engine.units)  # variance of the vectors
+
+
+def run_whole_modes(tmp_path, label, name, data, settle_backward=False, **kw):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = dict(TIERS["nvme"], swap_dir=str(tmp_path / label), **kw)
+    with offload.wrap(model, WHOLE[name](model), config=config) as engine:
+        for b in data:
+            engine.backward(gpt_loss(engine, b))
+            if settle_backward:
+                engine.debug.updates.wait_optimizer()
+            engine.step()
+        return engine.state_dict(), engine.stats()
+
+
+@pytest.mark.parametrize("name", ["muon+adamw", "adafactor"])
+def test_speculative_updates_of_whole_parameter_optimizers_equal_the_serialized_step(name, tmp_path):
+    """Speculative updates (clipping that triggers on some steps: those units are redone)
+    step whole units out of place, the side state carried in the spare step counts: the
+    serialized run's numbers."""
+    data = batches(6)
+    with correctly_rounded_sqrt():
+        on, on_stats = run_whole_modes(tmp_path, "on", name, data, settle_backward=True, max_grad_norm=6.0,
+                                       speculative_updates=True)
+        off, off_stats = run_whole_modes(tmp_path, "off", name, data, max_grad_norm=6.0, speculative_updates=False)
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+    assert on_stats["speculative_updates"] > 0 and on_stats["redone_updates"] > 0
+    assert off_stats["speculative_updates"] == 0

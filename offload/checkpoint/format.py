@@ -302,8 +302,15 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
 
 def _scalars_record(value: Any) -> bool:
     scalar_dtypes = ("python", "float32", "float64", "int64", "int32", "bool")
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float, bool))
+
+    def tensor(v: Any) -> bool:  # [Note: whole-parameter optimizers] [dtype, shape, values]
+        return (len(v) == 3 and v[0] in scalar_dtypes[1:] and isinstance(v[1], list) and all(
+            isinstance(d, int) and d >= 0 for d in v[1]) and isinstance(v[2], list) and all(map(number, v[2]))
+            and len(v[2]) == math.prod(v[1]))
     return isinstance(value, dict) and all(
-        isinstance(v, list) and len(v) == 2 and v[0] in scalar_dtypes and isinstance(v[1], (int, float, bool))
+        isinstance(v, list) and ((len(v) == 2 and v[0] in scalar_dtypes and number(v[1])) or tensor(v))
         for v in value.values())
 
 

@@ -115,7 +115,9 @@ def _group_value_problem(key: str, value: Any, current: Any) -> Optional[str]:
             return "must be a finite number"
         return None if low is None or value >= low else f"must be >= {low}"
     if isinstance(current, (tuple, list)):
-        if not (isinstance(value, list) and len(value) == len(current) and all(number(v) for v in value)):
+        # None where the optimizer has None (Adafactor's eps=(None, 1e-3): "derive it")
+        if not (isinstance(value, list) and len(value) == len(current)
+                and all(number(v) or (v is None and c is None) for v, c in zip(value, current))):
             return f"must be a list of {len(current)} finite numbers"
         if key == "betas" and not all(0.0 <= v < 1.0 for v in value):
             return "must be in [0, 1)"

@@ -50,6 +50,7 @@ class UnitSizes:
     trainable: bool             # it has trainable parameters
     shared_numel: int = 0       # of trainable parameters held by several module attributes (tied)
     state_slots: int = 2        # fp32 optimizer state tensors per element (Adam's two moments)
+    whole_step: bool = False    # updated as one piece ([Note: whole-parameter optimizers])
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -58,7 +59,7 @@ class UnitSizes:
                    compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
-                   u.spec.shared_numel, u.state_slots)
+                   u.spec.shared_numel, u.state_slots, u.whole_step)
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -274,6 +275,8 @@ class SlotShape:
 
 def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
+    # [Note: whole-parameter optimizers] such a unit's update is one piece, whatever its size
+    master = max([master] + [u.master_numel for u in units if u.whole_step])
     any_compute_on_nvme = any(layout.compute_tier(i) == "nvme" for i in range(len(units)))
     needs_compute = any_compute_on_nvme and not layout.merged or \
         (layout.param_tier == "device" and not layout.device_is_host and layout.compute_dtype != torch.float32)

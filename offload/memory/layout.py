@@ -351,13 +351,17 @@ def on_nvme(home: Any) -> bool:
 class UnitState:
     """Runtime state of one unit: where each of its buffers lives and what is on the device."""
 
-    def __init__(self, spec: UnitSpec, compute_element_bytes: int, state_slots: int = 2) -> None:
+    def __init__(self, spec: UnitSpec, compute_element_bytes: int, state_slots: int = 2,
+                 whole_step: bool = False) -> None:
         """``state_slots``: fp32 state tensors per trainable element, 0 to 2 (Adam's two
-        moments; an elementwise optimizer's own, [Note: elementwise optimizers])."""
+        moments; an elementwise optimizer's own, [Note: elementwise optimizers]).
+        ``whole_step``: it holds a parameter whose optimizer steps whole parameters only, so
+        its update is one piece ([Note: whole-parameter optimizers])."""
         self.spec = spec
         self.index = spec.index
         self.name = spec.name
         self.state_slots = state_slots
+        self.whole_step = whole_step
         self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
         self.master_numel = padded_numel(spec.trainable_numel, FP32_BYTES)
         self.trainable = spec.trainable_entries

@@ -76,6 +76,8 @@ class UnitAdam:
 
     def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         n, size = u.master_numel, self._piece_numel
+        if u.whole_step:  # [Note: whole-parameter optimizers] never a piece that cuts a parameter
+            return [(0, n)] if n else []
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
     @profiled("adam")
@@ -93,8 +95,8 @@ class UnitAdam:
         rules = self._group_rules
         for k, e in enumerate(u.trainable):  # [Note: elementwise optimizers] once per parameter, whichever range comes first
             step = steps[k]
-            if isinstance(step, ParamStep) and step.pending:
-                rule = rules[e.group_index]
+            rule = rules[e.group_index]
+            if isinstance(step, ParamStep) and step.pending and not rule.rule.whole:  # a whole one: at its step
                 rule.rule.settle(step, rule.local_index, groups[e.group_index])
         updated: List[Tuple[int, int]] = []  # what the kernel wrote, relative to lo
         for k, e in enumerate(u.trainable):
@@ -110,7 +112,9 @@ class UnitAdam:
             faults.hit("optim.adam", unit=u.name, lo=a, hi=b)
             rule = rules[e.group_index]
             if rule.rule is not None:
-                self._elementwise_range(rule, group, steps[k], self._gradients.grad_range(u, k, a, b),
+                assert not rule.rule.whole or (a, b) == (e.offset, e.offset + e.numel), \
+                    f"a piece cuts {e.fqn!r}, whose optimizer steps whole parameters"
+                self._elementwise_range(rule, e.shape, group, steps[k], self._gradients.grad_range(u, k, a, b),
                                         grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
                                         None if compute_out is None else compute_out[r],
                                         None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
@@ -137,7 +141,7 @@ class UnitAdam:
                 # src is reused once this returns ([Note: streams])
                 self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
 
-    def _elementwise_range(self, rule: GroupRule, group: Dict[str, Any], step: int, grad: torch.Tensor,
+    def _elementwise_range(self, rule: GroupRule, shape: torch.Size, group: Dict[str, Any], step: int, grad: torch.Tensor,
                            grad_factor: float, master: torch.Tensor, slots: Tuple[Optional[torch.Tensor], ...],
                            compute_out: Optional[torch.Tensor],
                            out: Optional[Tuple[Optional[torch.Tensor], ...]]) -> None:
@@ -154,7 +158,10 @@ class UnitAdam:
                 if src is not None and src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
             master, slots = out[0], (out[1], out[2])
-        rule.rule.step_range(rule.local_index, group, step, master, grad, slots)
+        if rule.rule.whole:  # [Note: whole-parameter optimizers] the range is the parameter
+            rule.rule.step_whole(rule.local_index, group, step, shape, master, grad, slots)
+        else:
+            rule.rule.step_range(rule.local_index, group, step, master, grad, slots)
         if compute_out is not None:
             compute_out.copy_(master)
 

@@ -14,7 +14,8 @@ two slices, two steps) and learns the state's layout from the optimizer itself: 
 tensors shaped like the parameter (float32) become *slots*, and a unit's moments home holds
 ``UnitState.state_slots`` of them (0 to 2: none for plain SGD, Adam's exp_avg and exp_avg_sq
 are its slots 0 and 1), which the budgets and the planner count; everything else must be a
-scalar (a 0-dim tensor or a Python number) or the optimizer is refused.
+scalar (a 0-dim tensor or a Python number). An optimizer that fails these checks is probed
+as one that steps whole parameters ([Note: whole-parameter optimizers] in optim/whole.py).
 
 Scalar state advances once per parameter per step, not once per range: ``ParamStep`` is the
 step count the engine keeps per parameter (``UnitState.steps``) carrying the scalars after
@@ -45,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ElementwiseRule", "MAX_STATE_SLOTS", "ParamStep", "probe", "scalars_to_json", "step_from_json"]
+__all__ = ["ElementwiseRule", "MAX_STATE_SLOTS", "NotElementwise", "ParamStep", "probe", "scalars_to_json", "step_from_json"]
 
 # At most two fp32 slots per element, Adam's exp_avg and exp_avg_sq: the staging slots, the
 # sharded update buffers and the checkpoint format have room for two.
@@ -103,10 +104,18 @@ def _runner_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return runner
 
 
+class NotElementwise(ValueError):
+    """The probe's refusal of an optimizer whose step is not elementwise or whose state is
+    not per-element tensors and scalars: wrap then probes it as a whole-parameter optimizer
+    ([Note: whole-parameter optimizers] in optim/whole.py)."""
+
+
 class ElementwiseRule:
     """Steps ranges of flat fp32 buffers with an elementwise optimizer's own ``step()``.
     ``slots``: the per-element state names, slot i stored where Adam keeps its i-th moment;
     ``group_slots[g]``: the names group g's parameters have; ``scalar_names``: the rest."""
+
+    whole = False  # WholeRule: steps whole parameters only
 
     def __init__(self, optimizer: torch.optim.Optimizer, slots: Tuple[str, ...],
                  group_slots: List[Tuple[str, ...]], scalar_names: Tuple[str, ...]) -> None:
@@ -186,7 +195,7 @@ class ElementwiseRule:
             for key, value in state.items():
                 if key in self.slots and isinstance(value, torch.Tensor) and value.shape == p.shape:
                     slots[self.slots.index(key)] = value
-                elif key in self.scalar_names and _is_scalar(value):
+                elif self._carries(key, value):
                     scalars[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
                 else:
                     raise ValueError(f"optimizer: the state {key!r} of parameter {name!r} is not what "
@@ -199,6 +208,11 @@ class ElementwiseRule:
         return carried
 
 
+    def _carries(self, key: str, value: Any) -> bool:
+        """Whether ``value`` of state ``key`` rides on the ParamStep (not a slot)."""
+        return key in self.scalar_names and _is_scalar(value)
+
+
 def _is_scalar(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dim() == 0
@@ -209,8 +223,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True))
 
 
-def _refuse(optimizer: torch.optim.Optimizer, why: str) -> ValueError:
-    return ValueError(f"optimizer: {type(optimizer).__name__} cannot be offloaded: {why}")
+def _refuse(optimizer: torch.optim.Optimizer, why: str, error: type = ValueError) -> ValueError:
+    return error(f"optimizer: {type(optimizer).__name__} cannot be offloaded: {why}")
 
 
 def probe(optimizer: torch.optim.Optimizer) -> ElementwiseRule:
@@ -299,7 +313,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, gi: int, group: Dict[str, Any
                     else type(value).__name__)
             raise _refuse(optimizer, f"its state {key!r} is {what} for a float32 parameter of shape {_PROBE_SHAPE}; "
                           "only float32 tensors shaped like the parameter and scalars can live in the offloaded "
-                          "state homes")
+                          "state homes", NotElementwise)
     # The same two steps on two 1-D slices, through the engine's own runner.
     rule = ElementwiseRule(optimizer, tuple(slots), [tuple(slots)] * (gi + 1), tuple(scalars))
     flat = start.clone().reshape(-1)
@@ -319,7 +333,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, gi: int, group: Dict[str, Any
                 before = after
     except Exception as e:
         raise _refuse(optimizer, f"its step() failed on a slice of a parameter (param_groups[{gi}]), so it is not "
-                      f"elementwise: {type(e).__name__}: {e}") from e
+                      f"elementwise: {type(e).__name__}: {e}", NotElementwise) from e
     # Close, not equal: torch's CPU sqrt (MKL) is not correctly rounded and may round a
     # 2-element slice otherwise than the same elements of a 6-element tensor; an optimizer
     # that is not elementwise (Muon, a norm over the parameter) is off by far more.
@@ -327,7 +341,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, gi: int, group: Dict[str, Any
     if not same:
         raise _refuse(optimizer, f"it is not elementwise (param_groups[{gi}]): stepping a parameter in two slices "
                       "gives other numbers than stepping it whole, and the offloaded step updates slices of "
-                      "units")
+                      "units", NotElementwise)
     return tuple(slots), tuple(scalars)
 
 
@@ -340,7 +354,9 @@ def scalars_to_json(step: int) -> Optional[Dict[str, List[Any]]]:
     assert not step.pending, "a checkpoint is taken between steps"
     out = {}
     for name, value in step.scalars.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:  # [Note: whole-parameter optimizers] side state
+            out[name] = [str(value.dtype).replace("torch.", ""), list(value.shape), value.reshape(-1).tolist()]
+        elif isinstance(value, torch.Tensor):
             out[name] = [str(value.dtype).replace("torch.", ""), value.item()]
         else:
             out[name] = ["python", value]
@@ -352,6 +368,11 @@ def step_from_json(count: int, scalars: Optional[Dict[str, List[Any]]]) -> int:
     if scalars is None:
         return count
     restored = {}
-    for name, (dtype, value) in scalars.items():
+    for name, record in scalars.items():
+        if len(record) == 3:  # a side-state tensor: [dtype, shape, values]
+            dtype, shape, values = record
+            restored[name] = torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+            continue
+        dtype, value = record
         restored[name] = value if dtype == "python" else torch.tensor(value, dtype=getattr(torch, dtype))
     return ParamStep(count, scalars=restored)
