@@ -49,9 +49,8 @@ from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
-from offload.optim.generic import NotElementwise, probe as probe_elementwise
 from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
-from offload.optim.whole import probe_whole
+from offload.optim.whole import probe_rule
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.sharded import ShardedStep
@@ -80,15 +79,6 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
     ``reset_parameters()``. ``weights``: a Hugging Face model directory or a .safetensors
     file whose tensors become the parameters' values ([Note: weights into the tiers])."""
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
-
-
-def _probe(optimizer: torch.optim.Optimizer) -> Any:
-    """The rule of an optimizer other than Adam: elementwise where it is ([Note: elementwise
-    optimizers]), else one that steps whole parameters ([Note: whole-parameter optimizers])."""
-    try:
-        return probe_elementwise(optimizer)
-    except NotElementwise:
-        return probe_whole(optimizer)
 
 
 class Engine:
@@ -129,7 +119,7 @@ class Engine:
         # Adam/AdamW/CPUAdam run on the native kernel; any other optimizer must be elementwise
         # ([Note: elementwise optimizers]), probed here on a dummy parameter.
         # With several optimizers each has its own rule ([Note: several optimizers]).
-        rules = [None if isinstance(opt, (torch.optim.Adam, CPUAdam)) else _probe(opt) for opt in self.optimizers]
+        rules = [None if isinstance(opt, (torch.optim.Adam, CPUAdam)) else probe_rule(opt) for opt in self.optimizers]
         adamws = [adam_flavour(opt) if rule is None else False  # checks what we cannot honor
                   for opt, rule in zip(self.optimizers, rules)]
         for rule in rules:

@@ -651,24 +651,24 @@ def test_a_closed_trainer_refuses_to_train_evaluate_or_save(base_dir, tmp_path):
             call()
 
 @pytest.mark.parametrize("arguments, offload_config, names", [
-    (dict(optim="sgd"), {}, ["optim='sgd'"]),
-    (dict(optim="adafactor", fp16=True, torch_compile=True), {},
-     ["optim='adafactor'", "fp16=True", "torch_compile=True"]),
+    (dict(optim="adamw_bnb_8bit"), {}, ["optim='adamw_bnb_8bit'"]),
+    (dict(optim="adamw_bnb_8bit", fp16=True, torch_compile=True), {},
+     ["optim='adamw_bnb_8bit'", "fp16=True", "torch_compile=True"]),
     (dict(fsdp="full_shard"), {}, ["fsdp="]),
     (dict(auto_find_batch_size=True, bf16_full_eval=True), {}, ["auto_find_batch_size=True", "bf16_full_eval=True"]),
     ({}, dict(gradient_accumulation_steps=4, max_grad_norm=2.0),
      ["gradient_accumulation_steps=4", "max_grad_norm=2.0"]),
     ({}, dict(dtype="bf16"), ["dtype='bf16'"]),
     ({}, dict(device="cuda"), ["device='cuda'"]),
-    ("sgd", {}, ["optimizers=(SGD"]),
+    ("lbfgs", {}, ["optimizers=(LBFGS", "closure"]),
 ])
 def test_unsupported_settings_are_refused_with_their_names_before_anything_is_touched(
         arguments, offload_config, names, base_dir, tmp_path):
     model = model_from(base_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizers = (None, None)
-    if arguments == "sgd":
-        arguments, optimizers = {}, (torch.optim.SGD(model.parameters(), lr=0.1), None)
+    if arguments == "lbfgs":
+        arguments, optimizers = {}, (torch.optim.LBFGS(model.parameters(), lr=0.1), None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp given as a string is deprecated
         args = training_args(tmp_path / "out", **arguments)
@@ -679,6 +679,33 @@ def test_unsupported_settings_are_refused_with_their_names_before_anything_is_to
         assert name in str(refusal.value)
     assert not (tmp_path / "out").exists()  # the Trainer was not built
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nor the engine
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adafactor", "user-sgd-momentum"])
+def test_other_optimizers_train_as_the_plain_trainer(optim, base_dir, tmp_path):
+    """TrainingArguments(optim="sgd") builds torch's SGD (elementwise), optim="adafactor"
+    transformers' Adafactor (whole parameters), and optimizers=(SGD(momentum), None) is the
+    user's: the engine runs each, and the losses are the plain Trainer's (clipping on every
+    step: the engine's coefficient differs from torch's in its last bits)."""
+    def run(trainer_cls, out, **kwargs):
+        model = model_from(base_dir)
+        optimizers = (None, None)
+        if optim == "user-sgd-momentum":
+            optimizers = (torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), None)
+        args = training_args(out, optim="sgd" if optim == "user-sgd-momentum" else optim)
+        trainer = trainer_cls(model=model, args=args, optimizers=optimizers, train_dataset=TokenDataset(12, seed=1),
+                              **kwargs)
+        trainer.train()
+        return trainer
+    plain = run(Trainer, tmp_path / "plain")
+    trainer = run(OffloadTrainer, tmp_path / "out", offload_config=nvme(tmp_path / "swap"))
+    try:
+        assert len(logged(trainer, "loss")) == 6
+        assert logged(trainer, "loss") == pytest.approx(logged(plain, "loss"), rel=REL_TOL)
+        with pytest.raises(RuntimeError, match="read in torch's layout for Adam/AdamW only"):
+            trainer.optimizer.state_dict()
+    finally:
+        trainer.close()
 
 
 @pytest.mark.parametrize("where", ["host", "nvme"])

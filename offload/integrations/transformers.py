@@ -16,8 +16,10 @@ the Trainer would do to the model and the optimizer:
 
 1. The constructor checks every setting the engine cannot honour first (one ValueError
    naming them all, before the Trainer creates anything), then builds the Trainer, the
-   Trainer's own AdamW (``create_optimizer``: the decay / no-decay groups and the
-   hyperparameters of the TrainingArguments) and wraps model and AdamW into ``self.engine``.
+   Trainer's own optimizer (``create_optimizer``: the decay / no-decay groups and the
+   hyperparameters of the TrainingArguments; AdamW, or another of SUPPORTED_OPTIMS, or the
+   user's ``optimizers=(opt, sched)``, probed first) and wraps model and optimizer into
+   ``self.engine``.
    ``gradient_accumulation_steps``, ``max_grad_norm`` and ``bf16`` become the engine's
    config; the engine's device is the Trainer's ``args.device``.
 2. Accelerate neither moves the model nor wraps its forward in autocast (the engine places
@@ -96,6 +98,7 @@ from offload.checkpoint import MANIFEST
 from offload.checkpoint.directory import remove_checkpoint
 from offload.config import OffloadConfig
 from offload.optim.failure import FailureState
+from offload.optim.whole import probe_rule
 
 __all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR", "COMPLETE_MARKER", "checkpoint_missing",
            "resumable_problems"]
@@ -112,9 +115,12 @@ _MARKER_PARTIAL = f".{COMPLETE_MARKER}.partial"
 _RNG_STATE_NAME = "rng_state.pth"  # the Trainer's name for one process's RNG states
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as trainer_utils.get_last_checkpoint
 
-SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
 """TrainingArguments.optim values the engine runs: torch's AdamW (the engine's CPU Adam
-replaces its kernel, fused or not)."""
+replaces its kernel, fused or not), torch's SGD, Adagrad and RMSprop (elementwise: [Note:
+elementwise optimizers]) and transformers' Adafactor (on whole parameters: [Note:
+whole-parameter optimizers]). The others build optimizers of other libraries (bitsandbytes,
+torchao, galore, ...) whose state is not float32 tensors, or are not probed here."""
 
 ADAM_CLASSES = (torch.optim.Adam, offload.CPUAdam)  # torch.optim.AdamW is an Adam
 """Optimizers the engine runs (its CPU Adam reads their param groups)."""
@@ -125,12 +131,13 @@ _FIELDS_FROM_ARGS = {"gradient_accumulation_steps": "gradient_accumulation_steps
 
 
 class EngineAdam(torch.optim.Optimizer):
-    """The optimizer the Trainer holds: the AdamW given to ``offload.wrap``, seen through its
-    param groups and state (so the Trainer's LR scheduler sets the learning rates the
-    engine's Adam reads), with a ``step()`` and ``zero_grad()`` that do nothing, since the
-    engine has updated in ``training_step`` ([Note: the Trainer's loop around the engine]).
-    ``state_dict()`` gathers the moments from the engine's tiers ([Note: the optimizer's
-    state as torch lays it out]). Like accelerate's AcceleratedOptimizer it does not call
+    """The optimizer the Trainer holds: the optimizer given to ``offload.wrap`` (AdamW, or
+    another the engine runs), seen through its param groups and state (so the Trainer's LR
+    scheduler sets the learning rates the engine reads), with a ``step()`` and
+    ``zero_grad()`` that do nothing, since the engine has updated in ``training_step``
+    ([Note: the Trainer's loop around the engine]). For Adam/AdamW ``state_dict()`` gathers
+    the moments from the engine's tiers ([Note: the optimizer's state as torch lays it
+    out]); for another optimizer it raises, naming engine.save_checkpoint. Like accelerate's AcceleratedOptimizer it does not call
     ``Optimizer.__init__``."""
 
     def __init__(self, adam: torch.optim.Optimizer, engine: "offload.Engine") -> None:
@@ -178,6 +185,11 @@ class EngineAdam(torch.optim.Optimizer):
         from offload.checkpoint.format import PieceReader, read_manifest
         from offload.memory.layout import DEFAULT_HOST_FRACTION, available_memory_bytes
 
+        if not isinstance(self.adam, ADAM_CLASSES):
+            raise RuntimeError(
+                f"optimizer.state_dict(): the state of {type(self.adam).__name__} lives in the engine's tiers and "
+                "is read in torch's layout for Adam/AdamW only; save it with trainer.engine.save_checkpoint(DIR) "
+                "(the Trainer's checkpoints do)")
         layout = self.adam.state_dict()  # param_groups, and the indices torch gives the parameters
         params = [p for group in self.adam.param_groups for p in group["params"]]
         moments_bytes = 2 * 4 * sum(p.numel() for p in params)
@@ -226,8 +238,8 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
     problems = []
     optim = getattr(args.optim, "value", args.optim)
     if optim not in SUPPORTED_OPTIMS:
-        problems.append(f"optim={optim!r}: the engine runs Adam/AdamW on the CPU; use "
-                        f"{' or '.join(map(repr, SUPPORTED_OPTIMS))}")
+        problems.append(f"optim={optim!r}: the engine runs torch's optimizers and transformers' Adafactor on "
+                        f"the CPU; use one of {', '.join(map(repr, SUPPORTED_OPTIMS))}")
     if args.optim_args:
         problems.append(f"optim_args={args.optim_args!r}: the engine's AdamW takes no extra arguments")
     if optimizer_cls_and_kwargs is not None and not (
@@ -235,8 +247,10 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
         problems.append(f"optimizer_cls_and_kwargs={optimizer_cls_and_kwargs[0]!r}: the engine runs "
                         "torch.optim.Adam/AdamW or offload.CPUAdam only")
     if optimizer is not None and not isinstance(optimizer, ADAM_CLASSES):
-        problems.append(f"optimizers=({type(optimizer).__name__}, ...): the engine runs torch.optim.Adam/AdamW "
-                        "or offload.CPUAdam only")
+        try:  # any other optimizer the engine can run: the probe steps copies, never this one
+            probe_rule(optimizer)
+        except ValueError as e:
+            problems.append(f"optimizers=({type(optimizer).__name__}, ...): {e}")
     named = [
         ("deepspeed", args.deepspeed, "the engine does what DeepSpeed would"),
         ("fsdp", args.fsdp, "the engine shards across ranks itself (stage=) and is not FSDP"),

@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.optim.generic import MAX_STATE_SLOTS, ElementwiseRule, ParamStep, _clone_scalars, _is_scalar, _refuse, _runner_of
+from offload.optim.generic import MAX_STATE_SLOTS, ElementwiseRule, NotElementwise, probe, ParamStep, _clone_scalars, _is_scalar, _refuse, _runner_of
 
-__all__ = ["WholeRule", "probe_whole"]
+__all__ = ["WholeRule", "probe_rule", "probe_whole"]
 
 _PROBE_SHAPES = {1: (6,), 2: (4, 3), 3: (2, 4, 3)}
 
@@ -70,6 +70,16 @@ class WholeRule(ElementwiseRule):
     def _carries(self, key: str, value: Any) -> bool:
         return (key in self.scalar_names and _is_scalar(value)) or (
             key in self.side_names and isinstance(value, torch.Tensor))
+
+
+def probe_rule(optimizer: torch.optim.Optimizer) -> ElementwiseRule:
+    """The rule of an optimizer other than Adam: elementwise where it is ([Note: elementwise
+    optimizers]), else one that steps whole parameters. A ValueError naming the class when
+    neither can run it; the user's optimizer is not touched."""
+    try:
+        return probe(optimizer)
+    except NotElementwise:
+        return probe_whole(optimizer)
 
 
 def probe_whole(optimizer: torch.optim.Optimizer) -> WholeRule:
