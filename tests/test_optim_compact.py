@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import offload
-from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_state_bytes,
+from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_padded_numel,
+                                          compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
                                           encode_exp_avg_sq, encode_master, ulp_of_bf16)
 from offload.memory.layout import COMPACT_UNAVAILABLE
@@ -369,3 +370,39 @@ def test_loading_exact_states_that_are_not_finite_raises_and_keeps_the_parameter
     master, exp_avg, exp_avg_sq = unit.exact(0)
     assert torch.equal(master, torch.ones(10)) and torch.equal(exp_avg, torch.full((10,), 0.5))
     assert torch.equal(exp_avg_sq, torch.full((10,), 0.25))  # a block's largest value comes back exactly
+
+
+def test_a_unit_over_a_home_buffer_and_compute_copy_views_steps_the_same_bits_and_holds_them_there():
+    """What a host home gives a CompactUnit: one uint8 buffer of compact_unit_bytes (every
+    code and scale lives in it) and the high parts as views of the unit's compute copy (not
+    held twice). Same bits as a unit with tensors of its own, through load_exact and steps."""
+    g = torch.Generator().manual_seed(8)
+    numels = [300, 7, BLOCK_NUMEL]
+    group = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    buffer = torch.full((offload_compact.compact_unit_bytes(numels),), 0, dtype=torch.uint8)
+    compute = torch.zeros(1000, dtype=torch.bfloat16)  # a compute copy: parameters at 0, 400, 500
+    offsets = [0, 400, 500]
+    homed = offload_compact.CompactUnit(numels, buffer=buffer,
+                                        highs=[compute[o:o + n] for o, n in zip(offsets, numels)])
+    own = offload_compact.CompactUnit(numels)
+    assert homed.padded_numel == own.padded_numel == compact_padded_numel(numels) == 4 * BLOCK_NUMEL
+    for k, n in enumerate(numels):
+        start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
+        homed.load_exact(k, *start)
+        own.load_exact(k, *start)
+    steps = [0, 0, 0]
+    for _ in range(3):
+        grads = [torch.randn(n, generator=g) for n in numels]
+        steps = homed.step(grads, steps, [group] * 3)
+        own.step(grads, [s - 1 for s in steps], [group] * 3)
+    for k, o in enumerate(offsets):
+        for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+            assert torch.equal(getattr(homed.param(k), name), getattr(own.param(k), name)), (k, name)
+        assert homed.param(k).high.data_ptr() == compute[o:].data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(homed.exact(k), own.exact(k)))
+    # every code and scale is in the buffer: a copy of the buffer (and the compute copy) is the state
+    copy = offload_compact.CompactUnit(numels, buffer=buffer.clone(),
+                                       highs=[compute.clone()[o:o + n] for o, n in zip(offsets, numels)])
+    assert all(torch.equal(a, b) for k in range(3) for a, b in zip(copy.exact(k), own.exact(k)))
+    for gap in (compute[300:400], compute[407:500], compute[500 + BLOCK_NUMEL:]):  # outside the parameters
+        assert (gap.float() == 0).all()

@@ -36,12 +36,12 @@ Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside
 compute copy: ``compact_state_bytes``."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_NUMEL", "NonFiniteStateError", "compact_state_bytes", "decode_exp_avg",
+__all__ = ["BLOCK_NUMEL", "NonFiniteStateError", "compact_padded_numel", "compact_state_bytes", "decode_exp_avg",
            "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
            "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
 
@@ -70,6 +70,12 @@ class NonFiniteStateError(FloatingPointError):
 
 def num_blocks(numel: int) -> int:
     return (numel + BLOCK_NUMEL - 1) // BLOCK_NUMEL
+
+
+def compact_padded_numel(numels: Sequence[int]) -> int:
+    """Elements of the compact states of parameters of ``numels`` elements, each starting on
+    a block boundary (offload/optim/compact.py's CompactUnit): each padded to whole blocks."""
+    return sum(num_blocks(n) * BLOCK_NUMEL for n in numels)
 
 
 def compact_state_bytes(numel: int) -> int:

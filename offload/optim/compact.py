@@ -11,14 +11,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from offload.memory.compact_codec import (BLOCK_NUMEL, compact_state_bytes, decode_exp_avg, decode_exp_avg_sq,
-                                          decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
+from offload.memory.compact_codec import (BLOCK_NUMEL, compact_padded_numel, compact_state_bytes,
+                                          decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
 from offload.memory.layout import COMPACT_UNAVAILABLE
 from offload.optim.cpu_adam import CPUAdam
 
 __all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_constants",
-           "compact_unit_bytes"]
+           "compact_padded_numel", "compact_unit_bytes"]
 
 
 class CompactRange:
@@ -52,7 +52,9 @@ class CompactRange:
         view = CompactRange.__new__(CompactRange)
         view.numel = hi - lo
         blocks = slice(lo // BLOCK_NUMEL, lo // BLOCK_NUMEL + num_blocks(hi - lo))
-        view.high, view.low = self.high[lo:hi], self.low[lo:hi]
+        # high None: a CompactUnit whose high parts are views of a compute copy (it sets them)
+        view.high = None if self.high is None else self.high[lo:hi]
+        view.low = self.low[lo:hi]
         view.exp_avg, view.exp_avg_scales = self.exp_avg[lo:hi], self.exp_avg_scales[blocks]
         view.exp_avg_sq, view.exp_avg_sq_scales = self.exp_avg_sq[lo:hi], self.exp_avg_sq_scales[blocks]
         return view
@@ -128,18 +130,50 @@ class CompactUnit:
     or in another param group never shares a scale with one being updated, and a
     parameter's update is the same bits whatever its neighbours."""
 
-    def __init__(self, numels: Sequence[int]) -> None:
+    def __init__(self, numels: Sequence[int], *, buffer: Optional[torch.Tensor] = None,
+                 highs: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """``buffer``: flat uint8 of compact_unit_bytes(numels) bytes that the states are
+        carved from (a host home: the scales first, fp32-aligned, then the low part, exp_avg
+        and exp_avg_sq), not touched here; None: zeroed tensors of their own. ``highs``: each
+        parameter's master high part, a bf16 view of ``numels[k]`` elements (the unit's
+        compute copy, so that the high part is not held twice); None: a bf16 range of its own."""
         self.numels = list(numels)
         self.offsets: List[int] = []
         end = 0
         for n in self.numels:
             self.offsets.append(end)
-            end += num_blocks(n) * BLOCK_NUMEL
-        self.states = CompactRange(end)
+            end += compact_padded_numel([n])
+        self._highs = None if highs is None else list(highs)
+        assert self._highs is None or [h.numel() for h in self._highs] == self.numels
+        if buffer is None:
+            self.states = CompactRange(end)
+        else:
+            assert buffer.dtype == torch.uint8 and buffer.numel() == compact_state_bytes(end)
+            scale_bytes = 4 * num_blocks(end)
+            states = CompactRange.__new__(CompactRange)
+            states.numel = end
+            states.exp_avg_scales = buffer[:scale_bytes].view(torch.float32)
+            states.exp_avg_sq_scales = buffer[scale_bytes:2 * scale_bytes].view(torch.float32)
+            codes = buffer[2 * scale_bytes:]
+            states.low = codes[:end].view(torch.int8)
+            states.exp_avg = codes[end:2 * end].view(torch.int8)
+            states.exp_avg_sq = codes[2 * end:3 * end]
+            states.high = torch.zeros(end, dtype=torch.bfloat16) if highs is None else None
+            self.states = states
+        if highs is not None:
+            self.states.high = None
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the unit's compact states, each parameter padded to whole blocks."""
+        return self.states.numel
 
     def param(self, k: int) -> CompactRange:
         lo = self.offsets[k]
-        return self.states.range(lo, lo + self.numels[k])
+        view = self.states.range(lo, lo + self.numels[k])
+        if self._highs is not None:
+            view.high = self._highs[k]
+        return view
 
     def load_exact(self, k: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Parameter k's states from fp32 ones (an optimizer's carried state, an exact
@@ -178,7 +212,7 @@ class CompactUnit:
 def compact_unit_bytes(numels: Sequence[int]) -> int:
     """Bytes a CompactUnit of parameters of ``numels`` elements holds beside the bf16
     compute copy: compact_state_bytes of its padded length."""
-    return compact_state_bytes(sum(num_blocks(n) * BLOCK_NUMEL for n in numels))
+    return compact_state_bytes(compact_padded_numel(numels))
 
 
 def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> None:
