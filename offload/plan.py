@@ -47,6 +47,7 @@ import torch
 from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes
+from offload.memory.compact_codec import compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
 from offload.units import padded_numel
@@ -68,11 +69,12 @@ class UnitShape:
     trainable_numel: int
     largest_param_numel: int
     shared_numel: int = 0  # trainable elements of tied parameters ([Note: shared parameter gradients])
+    compact_numel: Optional[int] = None  # [Note: compact optimizer states] None: parameter sizes unknown
 
     def sizes(self, element_bytes: int) -> UnitSizes:
         """The unit's sizes as wrap has them on one process."""
         return UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
-                                   element_bytes, self.shared_numel)
+                                   element_bytes, self.shared_numel, self.compact_numel)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> Mod
     specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
     units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
                             max((e.numel for e in s.entries if e.trainable), default=0),
-                            s.shared_numel)
+                            s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]))
                   for s in specs)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
                       units, exact=True)

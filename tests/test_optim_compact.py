@@ -12,7 +12,7 @@ from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, comp
                                           compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
                                           encode_exp_avg_sq, encode_master, ulp_of_bf16)
-from offload.memory.layout import COMPACT_UNAVAILABLE
+from offload.memory.layout import COMPACT_UNAVAILABLE, Layout
 from offload.optim import compact as offload_compact
 from offload.optim.compact import CompactRange, compact_adam_step, compact_constants
 
@@ -406,3 +406,32 @@ def test_a_unit_over_a_home_buffer_and_compute_copy_views_steps_the_same_bits_an
     assert all(torch.equal(a, b) for k in range(3) for a, b in zip(copy.exact(k), own.exact(k)))
     for gap in (compute[300:400], compute[407:500], compute[500 + BLOCK_NUMEL:]):  # outside the parameters
         assert (gap.float() == 0).all()
+
+
+# ------------------------------------------------------------------ the budgets
+
+def test_the_budgets_count_a_compact_unit_as_its_low_parts_codes_and_scales():
+    """[Note: compact optimizer states] A trainable unit's states at home are
+    compact_unit_bytes of its parameters (the high part is the compute copy, counted there):
+    the int8 low parts as the master, codes and scales as the moments; the planner's shapes
+    (shape_from_module) pad each parameter to blocks as wrap's units do."""
+    import dataclasses
+    from offload.gpt import GPT
+    from offload.memory.budget import host_bytes, model_unit_sizes
+    from offload.plan import shape_from_module
+    from offload.units import split_into_units
+    from tests.support import CFG
+    model = GPT(CFG)
+    exact = Layout.resolve(offload.OffloadConfig(device="cpu", dtype="bf16", param_tier="host", optimizer_tier="host"),
+                           torch.device("cpu"), None)
+    compact = dataclasses.replace(exact, compact_states=True)
+    units = model_unit_sizes(model, 2)
+    specs = split_into_units(model, {p: 0 for p in model.parameters()}, 2)
+    numels = [[e.numel for e in s.trainable_entries] for s in specs]
+    assert [u.compact_numel for u in units] == [compact_padded_numel(n) for n in numels]
+    assert [u.sizes(2).compact_numel for u in shape_from_module(model, "gpt").units] == [u.compact_numel for u in units]
+    a, b = host_bytes(units, compact), host_bytes(units, exact)
+    assert a.master_weights == sum(compact_padded_numel(n) for n in numels)
+    assert a.master_weights + a.moments == sum(offload_compact.compact_unit_bytes(n) for n in numels)
+    assert a.compute_copies == b.compute_copies and a.gradients == b.gradients
+    assert 2 * (a.master_weights + a.moments) < b.master_weights + b.moments  # 3 B/param (+ padding) against 12

@@ -18,6 +18,7 @@ from torch import nn
 
 from offload import units as unit_split
 from offload.config import format_size
+from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
 from offload.memory.layout import DTYPE_NAMES, FP32_BYTES, Layout, UnitState
 from offload.units import padded_numel, split_into_units
 from offload.zero import ParamShard
@@ -51,6 +52,7 @@ class UnitSizes:
     shared_numel: int = 0       # of trainable parameters held by several module attributes (tied)
     state_slots: int = 2        # fp32 optimizer state tensors per element (Adam's two moments)
     whole_step: bool = False    # updated as one piece ([Note: whole-parameter optimizers])
+    compact_numel: int = 0      # [Note: compact optimizer states] trainable elements, each parameter padded to blocks
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -59,17 +61,23 @@ class UnitSizes:
                    compute_home_numel(u.compute_numel, u.param_shard), u.shard.state_numel,
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
-                   u.spec.shared_numel, u.state_slots, u.whole_step)
+                   u.spec.shared_numel, u.state_slots, u.whole_step,
+                   compact_padded_numel([e.numel for e in u.trainable]))
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
-                  compute_element_bytes: int, shared_numel: int = 0) -> "UnitSizes":
-        """The sizes of a unit of one process (as ``of`` gives them with no ZeRO partition)."""
+                  compute_element_bytes: int, shared_numel: int = 0,
+                  compact_numel: Optional[int] = None) -> "UnitSizes":
+        """The sizes of a unit of one process (as ``of`` gives them with no ZeRO partition);
+        ``compact_numel``: compact_padded_numel of its trainable parameters (None, their
+        sizes unknown: the trainable elements as one parameter, the fewest blocks)."""
         compute_numel = padded_numel(total_numel, compute_element_bytes)
         master_numel = padded_numel(trainable_numel, FP32_BYTES)
+        if compact_numel is None:
+            compact_numel = compact_padded_numel([trainable_numel])
         return cls(name, compute_numel, master_numel, compute_numel, master_numel,
                    low_numel(trainable_numel), trainable_numel, largest_param_numel,
-                   trainable_numel > 0, shared_numel)
+                   trainable_numel > 0, shared_numel, compact_numel=compact_numel)
 
 
 def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes: Sequence[str] = (),
@@ -80,7 +88,8 @@ def model_unit_sizes(model: nn.Module, compute_element_bytes: int, unit_classes:
     specs = split_into_units(model, group_of, compute_element_bytes, unit_classes, unit_predicate)
     return [UnitSizes.unsharded(s.name, s.total_numel, s.trainable_numel,
                                 max((e.numel for e in s.trainable_entries), default=0),
-                                compute_element_bytes, s.shared_numel)
+                                compute_element_bytes, s.shared_numel,
+                                compact_padded_numel([e.numel for e in s.trainable_entries]))
             for s in specs]
 
 
@@ -227,8 +236,8 @@ class HomeBytes:
     """One unit's bytes at home, on whichever tiers ``Layout`` gives its roles."""
 
     compute: int   # the compute copy (the master too when merged), if it is not on the device
-    master: int    # the fp32 master apart from the compute copy (split: its low halves)
-    moments: int   # exp_avg and exp_avg_sq (an elementwise optimizer's state_slots tensors)
+    master: int    # the fp32 master apart from the compute copy (split: its low halves; compact: int8 low parts)
+    moments: int   # exp_avg and exp_avg_sq (an elementwise optimizer's state_slots tensors; compact: codes, scales)
 
 
 def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
@@ -239,6 +248,9 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
     compute = copies * u.home_numel * (FP32_BYTES if layout.merged else layout.compute_element_bytes)
     if not u.trainable:
         return HomeBytes(compute, 0, 0)
+    if layout.compact_states:  # [Note: compact optimizer states] the high part is the compute copy
+        low = u.compact_numel  # int8
+        return HomeBytes(compute, state_copies * low, state_copies * (compact_state_bytes(u.compact_numel) - low))
     master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
     return HomeBytes(compute, state_copies * master, state_copies * u.state_slots * u.state_numel * FP32_BYTES)
 
