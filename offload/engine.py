@@ -47,7 +47,7 @@ from offload.memory.placement import Placement, describe_units, resolve_placemen
 from offload.memory.residency import DeviceResidency
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
-from offload.optim.compact import check_compact_supported
+from offload.optim.compact import CompactUnit, check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
 from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
 from offload.optim.whole import probe_rule
@@ -232,6 +232,10 @@ class Engine:
                                 partition=self._partition, release_param=self._residency.released.release,
                                 stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
             self._homes.allocate()
+            for u in self.units:  # [Note: compact optimizer states] over the homes' buffer and compute copy
+                if u.compact_home is not None:
+                    u.compact = CompactUnit([e.numel for e in u.trainable], buffer=u.compact_home,
+                                            highs=[u.compute_home[e.offset:e.offset + e.numel] for e in u.trainable])
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
             staging_slots = self._homes.allocate_staging(staging_shape)
@@ -573,11 +577,21 @@ class Engine:
             self._checkpoint.release_buffers()
         self._checkpoint.finish_state_load()
 
+    def _refuse_compact(self, what: str) -> None:
+        """[Note: compact optimizer states] What does not read or write compact states yet:
+        checkpoints and writing weights (load_state_dict, gathered(modify=True))."""
+        if self.layout.compact_states:
+            raise ValueError(f"optimizer_states: {what} is not available with 'compact' states yet "
+                             "(checkpoints and weight writes go through the exact master and moments); "
+                             "use optimizer_states='exact' for it")
+
     def _check_weights_access(self, what: str, writes: bool) -> None:
         """Raise unless weights may be gathered (or written: ``writes``) now: the engine open
         and not failed, one rank, no pass running, no gradients pending; the last step's
         deferred updates are settled here, as state_dict() settles them."""
         self._status.check(what)
+        if writes:
+            self._refuse_compact(what)
         if self._partition is not None:
             raise ValueError(f"{what}: not with several ranks (this run has {self._partition.world_size}): "
                              "each rank holds a part of the states; use engine.state_dict() to read the "
@@ -639,6 +653,7 @@ class Engine:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one piece of a unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
+        self._refuse_compact("save_checkpoint")
         failure = self._status.failure
         if failure is not None and failure["fatal"]:  # before quiesce re-raises what failed the engine
             raise EngineFailedError(f"save_checkpoint: {failure['message']}")
@@ -651,6 +666,7 @@ class Engine:
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
         offload/checkpoint/."""
+        self._refuse_compact("load_checkpoint")
         self._residency.refuse_while_held("load_checkpoint()")
         self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
         self._end_restore_or_raise("load_checkpoint()", compare=False)

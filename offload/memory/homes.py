@@ -23,6 +23,7 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
                                    unit_gradient_bytes)
+from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.tiers.nvme import wait_all
@@ -85,6 +86,11 @@ class Homes:
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
                 state_tier = layout.state_tier(u.index)
+                if layout.compact_states:  # [Note: compact optimizer states] one host buffer, the engine's CompactUnit
+                    assert state_tier == "host" and isinstance(u.compute_home, torch.Tensor)
+                    numel = compact_padded_numel([e.numel for e in u.trainable])
+                    u.compact_home = self._host.allocate(compact_state_bytes(numel), torch.uint8)
+                    continue
                 if layout.split_master:
                     u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)
                 elif not layout.merged:
@@ -167,7 +173,9 @@ class Homes:
             self.store(u.compute_home, self._home_chunks(u, compute))
         else:
             self.store_compute(u, compute)  # merged: compute dtype is fp32, the master
-        if u.trainable:
+        if u.compact is not None:
+            self._store_initial_compact(u, master)
+        elif u.trainable:
             self.store_master(u, master, 0, low)
             self._store_initial_moments(u)
         if layout.param_tier == "device":
@@ -277,6 +285,21 @@ class Homes:
             self.store(u.moments_home, moments)
         u.steps = [state[0] if state is not None else 0 for state in carried]
 
+    def _store_initial_compact(self, u: UnitState, master: torch.Tensor) -> None:
+        """[Note: compact optimizer states] u's compact states encoded from ``master`` (fp32,
+        u's trainable prefix) and zero moments, or those the optimizer had; the high parts
+        are written into the compute copy (the same bf16 values: both round to nearest even)."""
+        u.compact_home.zero_()  # the padding after each parameter stays 0
+        steps = []
+        for k, e in enumerate(u.trainable):
+            carried = self._adam_state.get(e.param)
+            zeros = torch.zeros(e.numel, dtype=torch.float32)
+            exp_avg, exp_avg_sq = (carried[1], carried[2]) if carried is not None else (zeros, zeros)
+            u.compact.load_exact(k, master[e.offset:e.offset + e.numel], zeros if exp_avg is None else exp_avg,
+                                 zeros if exp_avg_sq is None else exp_avg_sq)
+            steps.append(carried[0] if carried is not None else 0)
+        u.steps = steps
+
     # ------------------------------------------------------------------ the master codec
     def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
         """Write the master's home from ``master`` (fp32, u's trainable elements from
@@ -316,6 +339,11 @@ class Homes:
         layout = self._layout
         if layout.merged:
             return self.load(u.compute_home, u.master_numel, torch.float32)
+        if u.compact is not None:  # [Note: compact optimizer states] high + low, decoded
+            master = torch.zeros(u.master_numel, dtype=torch.float32)
+            for k, e in enumerate(u.trainable):
+                master[e.offset:e.offset + e.numel].copy_(u.compact.exact(k)[0])
+            return master
         if not layout.split_master:
             return self.load(u.master_home, u.shard.state_numel, torch.float32)
         s = u.shard
@@ -567,4 +595,5 @@ class Homes:
 
     def optimizer_state_bytes(self) -> int:
         """fp32 master weights held apart from the compute copy, plus Adam moments."""
-        return sum(self._home_bytes(home) for u in self._units for home in (u.master_home, u.moments_home))
+        return sum(self._home_bytes(home) for u in self._units
+                   for home in (u.master_home, u.moments_home, u.compact_home))

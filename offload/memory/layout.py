@@ -59,14 +59,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-# Until the homes hold compact states, every run asking for them is refused with this
-# (at wrap, by optim/compact.py, after the reasons particular to its settings; and here).
-COMPACT_UNAVAILABLE = (
-    "optimizer_states: 'compact' is not available yet: its codec and step exist "
-    "(offload/memory/compact_codec.py, offload/optim/compact.py) but the host and NVMe homes "
-    "do not hold compact states yet; use optimizer_states='exact' (the default)")
-
-
 @dataclass(frozen=True)
 class Layout:
     """The modes of one run, resolved from its config, device and ZeRO partition."""
@@ -211,7 +203,7 @@ class Layout:
         ``default_host_budget_bytes``: host_budget when the config gives none, as a caller
         resolving many layouts read it once (None: ``default_host_budget()`` now)."""
         if config.optimizer_states == "compact":
-            raise ValueError(COMPACT_UNAVAILABLE)
+            _check_compact_layout(config, partition, tiers)
         compute_dtype = DTYPES[config.dtype]
         compute_tiers, state_tiers = tiers if tiers is not None else ((), ())
         param_tier, optimizer_tier = config.param_tier, config.optimizer_tier
@@ -278,6 +270,24 @@ class Layout:
             activation_offload=config.activation_offload,
             compact_states=config.optimizer_states == "compact",
         )
+
+
+def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any) -> None:
+    """[Note: compact optimizer states] The runs the homes hold compact states for so far:
+    one process, every compute copy and state on the host. Else a ValueError naming the
+    field and the reason."""
+    if partition is not None:
+        raise ValueError("optimizer_states: 'compact' is not available with several ranks yet; "
+                         "use optimizer_states='exact'")
+    placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
+    if config.param_tier != "host" or config.optimizer_tier != "host" or placed - {"host"}:
+        raise ValueError(f"optimizer_states: 'compact' states live on the host only so far "
+                         f"(param_tier={config.param_tier!r}, optimizer_tier={config.optimizer_tier!r}; "
+                         "NVMe, 'device' and 'auto' tiers are not available with it yet): use "
+                         "param_tier='host', optimizer_tier='host' or optimizer_states='exact'")
+    if config.speculative_updates:
+        raise ValueError("optimizer_states: 'compact' is not available with speculative_updates=True yet; "
+                         "use optimizer_states='exact' with it")
 
 
 def _summary(tiers: Any, default: str) -> str:
@@ -369,6 +379,10 @@ class UnitState:
         self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
         self.master_home: Any = None        # None when merged with the compute copy
         self.moments_home: Any = None       # state_slots slots (exp_avg then exp_avg_sq), master_numel each; None with none
+        # [Note: compact optimizer states] its CompactUnit (optim/compact.py) over a host home,
+        # the high parts views of compute_home; master_home and moments_home are None then
+        self.compact_home: Optional[torch.Tensor] = None  # its buffer: compact_unit_bytes, uint8
+        self.compact: Any = None
         # The fp32 gradient: one flat pooled buffer (grad), or one tensor per trainable
         # parameter handed over by autograd (param_grads); see [Note: gradient ownership].
         self.grad: Optional[torch.Tensor] = None

@@ -200,6 +200,10 @@ class UnitAdam:
         """Adam on a unit whose master and moments live on the host. ``speculative``
         ([Note: speculative updates]): the update reads u's homes and writes its spare ones
         ([Note: out-of-place Adam]), u's own states and its gradients are kept."""
+        if u.compact is not None:
+            assert not speculative, "Layout.resolve refuses speculative updates with compact states"
+            self._update_compact(u, grad_factor, groups)
+            return
         steps = self.next_steps(u)
         target = self.compute_target(u)
         n = u.master_numel
@@ -220,3 +224,16 @@ class UnitAdam:
         (u.spare if speculative else u).steps = steps
         if not speculative:
             self._gradients.release(u)
+
+    def _update_compact(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]]) -> None:
+        """[Note: compact optimizer states] u's CompactUnit stepped with its gradients; the
+        new high parts are written into u's compute copy at home (its views)."""
+        faults.hit("optim.adam_range", unit=u.name, lo=0, hi=u.master_numel)
+        groups = self._optimizer.param_groups if groups is None else groups
+        grads = [self._gradients.grad_range(u, k, e.offset, e.offset + e.numel) if u.has_grad[k] else None
+                 for k, e in enumerate(u.trainable)]
+        start = time.perf_counter()
+        u.steps = u.compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable], adamw=self._adamw,
+                                 grad_scale=grad_factor)
+        self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
+        self._gradients.release(u)

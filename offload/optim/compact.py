@@ -14,7 +14,6 @@ import torch
 from offload.memory.compact_codec import (BLOCK_NUMEL, compact_padded_numel, compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
-from offload.memory.layout import COMPACT_UNAVAILABLE
 from offload.optim.cpu_adam import CPUAdam
 
 __all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_constants",
@@ -233,4 +232,4 @@ def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> No
     if config.delayed_update:
         raise ValueError("optimizer_states: 'compact' is not available with delayed_update=True; "
                          "use optimizer_states='exact' with it")
-    raise ValueError(COMPACT_UNAVAILABLE)
+    # the tiers it is not available on yet: Layout.resolve (memory/layout.py)
