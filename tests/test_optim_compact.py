@@ -530,3 +530,24 @@ def test_a_compact_run_equals_its_rule_driven_by_hand_over_the_same_gradients(ki
     if "max_grad_norm" in extra:  # the clipping coefficient reached the step
         assert any(kw["grad_scale"] != 1.0 for _, _, _, kw in seen)
     assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_re_encoding_decoded_states_keeps_their_values_and_moment_codes_but_not_always_the_split():
+    """What a checkpoint written as fp32 (CompactUnit.exact) and read back (load_exact)
+    would give: the same master values and the same moment codes and scales, but at a
+    master that decodes to the midpoint of two bf16 values the split may flip (high rounded
+    to even, low -127 instead of high + 1 ulp, low 127): the compute copy, and so the next
+    forward, would change. Hence a compact checkpoint keeps the codes, not fp32 states."""
+    g = torch.Generator().manual_seed(0)
+    n = BLOCK_NUMEL * 64
+    states = CompactRange.from_exact(torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n))
+    for step in range(1, 21):
+        grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+        compact_adam_step(states, grad, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    again = CompactRange.from_exact(states.master(), *states.moments())
+    assert torch.equal(again.master(), states.master())
+    for name in ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
+        assert torch.equal(getattr(again, name), getattr(states, name)), name
+    flipped = again.high != states.high
+    assert flipped.any()  # this seed reaches midpoints (29 of 16384 elements)
+    assert (states.low[flipped].abs() == 127).all() and (again.low[flipped] == -states.low[flipped]).all()
