@@ -234,8 +234,9 @@ class Engine:
             self._homes.allocate()
             for u in self.units:  # [Note: compact optimizer states] over the homes' buffer and compute copy
                 if u.compact_home is not None:
+                    compute = self._homes.compute_copy(u)
                     u.compact = CompactUnit([e.numel for e in u.trainable], buffer=u.compact_home,
-                                            highs=[u.compute_home[e.offset:e.offset + e.numel] for e in u.trainable])
+                                            highs=[compute[e.offset:e.offset + e.numel] for e in u.trainable])
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
             staging_slots = self._homes.allocate_staging(staging_shape)

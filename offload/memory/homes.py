@@ -87,7 +87,8 @@ class Homes:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
                 state_tier = layout.state_tier(u.index)
                 if layout.compact_states:  # [Note: compact optimizer states] one host buffer, the engine's CompactUnit
-                    assert state_tier == "host" and isinstance(u.compute_home, torch.Tensor)
+                    assert state_tier == "host" and (isinstance(u.compute_home, torch.Tensor)
+                                                     or layout.device_is_host)
                     numel = compact_padded_numel([e.numel for e in u.trainable])
                     u.compact_home = self._host.allocate(compact_state_bytes(numel), torch.uint8)
                     continue
@@ -284,6 +285,14 @@ class Homes:
                 moments[i * s.state_numel:i * s.state_numel + s.numel].copy_(moment[s.lo:s.hi])
             self.store(u.moments_home, moments)
         u.steps = [state[0] if state is not None else 0 for state in carried]
+
+    def compute_copy(self, u: UnitState) -> torch.Tensor:
+        """[Note: compact optimizer states] u's whole compute copy in host memory, where the
+        compact step writes the high parts: its host home, or its slot on a CPU device."""
+        if u.compute_home is not None:
+            return u.compute_home
+        assert self._layout.device_is_host
+        return self._device.view(u.device_offset, u.compute_numel)
 
     def _store_initial_compact(self, u: UnitState, master: torch.Tensor) -> None:
         """[Note: compact optimizer states] u's compact states encoded from ``master`` (fp32,

@@ -202,8 +202,9 @@ class Layout:
         ([Note: placement by budget]; None: not placed yet, the config's tiers as given);
         ``default_host_budget_bytes``: host_budget when the config gives none, as a caller
         resolving many layouts read it once (None: ``default_host_budget()`` now)."""
+        device_is_host = device.type == "cpu" and not standin_requested()
         if config.optimizer_states == "compact":
-            _check_compact_layout(config, partition, tiers)
+            _check_compact_layout(config, partition, tiers, device_is_host)
         compute_dtype = DTYPES[config.dtype]
         compute_tiers, state_tiers = tiers if tiers is not None else ((), ())
         param_tier, optimizer_tier = config.param_tier, config.optimizer_tier
@@ -225,7 +226,6 @@ class Layout:
         host_budget = config.host_budget
         if host_budget is None:
             host_budget = default_host_budget_bytes if default_host_budget_bytes is not None else default_host_budget()
-        device_is_host = device.type == "cpu" and not standin_requested()
         return cls(
             device=device,
             device_is_host=device_is_host,
@@ -272,19 +272,21 @@ class Layout:
         )
 
 
-def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any) -> None:
+def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, device_is_host: bool) -> None:
     """[Note: compact optimizer states] The runs the homes hold compact states for so far:
-    one process, every compute copy and state on the host. Else a ValueError naming the
-    field and the reason."""
+    one process, every state on the host, every compute copy there too (param_tier "host",
+    or "device" where the device is the host: the step writes the high parts in place).
+    Else a ValueError naming the field and the reason."""
     if partition is not None:
         raise ValueError("optimizer_states: 'compact' is not available with several ranks yet; "
                          "use optimizer_states='exact'")
     placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
-    if config.param_tier != "host" or config.optimizer_tier != "host" or placed - {"host"}:
+    param_on_host = config.param_tier == "host" or (config.param_tier == "device" and device_is_host)
+    if not param_on_host or config.optimizer_tier != "host" or placed - {"host", "device"}:
         raise ValueError(f"optimizer_states: 'compact' states live on the host only so far "
                          f"(param_tier={config.param_tier!r}, optimizer_tier={config.optimizer_tier!r}; "
-                         "NVMe, 'device' and 'auto' tiers are not available with it yet): use "
-                         "param_tier='host', optimizer_tier='host' or optimizer_states='exact'")
+                         "NVMe, 'auto' and an accelerator's 'device' tiers are not available with it yet): "
+                         "use param_tier='host', optimizer_tier='host' or optimizer_states='exact'")
     if config.speculative_updates:
         raise ValueError("optimizer_states: 'compact' is not available with speculative_updates=True yet; "
                          "use optimizer_states='exact' with it")
