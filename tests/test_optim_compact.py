@@ -1,6 +1,7 @@
 """optimizer_states="compact": the config field, wrap's refusals, the codec's round-trip
 bounds ([Note: compact optimizer states], offload/memory/compact_codec.py) and the compact
 Adam/AdamW step against a float64 reference of the same rule written here."""
+import dataclasses
 import math
 
 import pytest
@@ -51,7 +52,8 @@ def _model():
     ("adamw", {"dtype": "fp32"}, "needs dtype='bf16'"),
     ("adamw", {"dtype": "bf16", "stage": 1}, "ZeRO stage 1"),
     ("adamw", {"dtype": "bf16", "delayed_update": True, "param_tier": "host"}, "delayed_update=True"),
-    ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "auto"}, "live on the host only so far"),
+    ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "auto", "swap_dir": "/nonexistent-offload"},
+     "live on the host only so far"),
     ("adam", {"dtype": "bf16", "param_tier": "nvme", "optimizer_tier": "host", "swap_dir": "/nonexistent-offload"},
      "live on the host only so far"),
     ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "host", "speculative_updates": True},
@@ -76,9 +78,11 @@ def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_th
 
 
 def test_the_layout_takes_compact_on_the_host_only():
-    config = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact")  # tiers "auto"
+    config = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact",
+                                   swap_dir="/nonexistent-offload")  # tiers "auto", which may place on NVMe
     with pytest.raises(ValueError, match="optimizer_states: 'compact' states live on the host only"):
         Layout.resolve(config, torch.device("cpu"), None)
+    assert Layout.resolve(dataclasses.replace(config, swap_dir=None), torch.device("cpu"), None).compact_states
     host = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact", param_tier="host",
                                  optimizer_tier="host")
     assert Layout.resolve(host, torch.device("cpu"), None).compact_states
@@ -450,7 +454,8 @@ COMPACT_HOST = dict(device="cpu", dtype="bf16", param_tier="host", optimizer_tie
 
 @pytest.mark.parametrize("kind,extra", [("adamw", {}), ("adam", {}),
                                         ("adamw", {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}),
-                                        ("adamw", {"param_tier": "device"})])
+                                        ("adamw", {"param_tier": "device"}),
+                                        ("adamw", {"param_tier": "auto", "optimizer_tier": "auto"})])
 def test_a_compact_run_equals_its_rule_driven_by_hand_over_the_same_gradients(kind, extra, monkeypatch, tmp_path):
     """[Note: compact optimizer states] The small GPT trained with compact states on the
     host: every update is CompactUnit's step of the engine's gradients with the optimizer's

@@ -280,13 +280,19 @@ def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, dev
     if partition is not None:
         raise ValueError("optimizer_states: 'compact' is not available with several ranks yet; "
                          "use optimizer_states='exact'")
+    # "auto" without a swap_dir places every home on the host (or, on a CPU device, a
+    # compute copy on the device): [Note: placement by budget]
+    auto_on_host = config.swap_dir is None
+    compute_tiers = {"host", "device", "auto"} if device_is_host else {"host"}
     placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
-    param_on_host = config.param_tier == "host" or (config.param_tier == "device" and device_is_host)
-    if not param_on_host or config.optimizer_tier != "host" or placed - {"host", "device"}:
+    if config.param_tier not in compute_tiers or config.optimizer_tier not in ("host", "auto") \
+            or ("auto" in (config.param_tier, config.optimizer_tier) and not auto_on_host) \
+            or placed - compute_tiers:
         raise ValueError(f"optimizer_states: 'compact' states live on the host only so far "
                          f"(param_tier={config.param_tier!r}, optimizer_tier={config.optimizer_tier!r}; "
-                         "NVMe, 'auto' and an accelerator's 'device' tiers are not available with it yet): "
-                         "use param_tier='host', optimizer_tier='host' or optimizer_states='exact'")
+                         "NVMe, 'auto' with a swap_dir and an accelerator's 'device' tiers are not "
+                         "available with it yet): use param_tier='host', optimizer_tier='host' or "
+                         "optimizer_states='exact'")
     if config.speculative_updates:
         raise ValueError("optimizer_states: 'compact' is not available with speculative_updates=True yet; "
                          "use optimizer_states='exact' with it")
