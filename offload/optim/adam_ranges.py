@@ -233,7 +233,10 @@ class UnitAdam:
         grads = [self._gradients.grad_range(u, k, e.offset, e.offset + e.numel) if u.has_grad[k] else None
                  for k, e in enumerate(u.trainable)]
         start = time.perf_counter()
-        u.steps = u.compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable], adamw=self._adamw,
-                                 grad_scale=grad_factor)
+        rules = {self._group_rules[e.group_index] for e in u.trainable}
+        assert all(r.rule is None for r in rules) and len({r.adamw for r in rules}) == 1, \
+            "compact states are Adam's/AdamW's alone (wrap refuses the rest)"
+        u.steps = u.compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable],
+                                 adamw=next(iter(rules)).adamw, grad_scale=grad_factor)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         self._gradients.release(u)
