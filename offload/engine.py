@@ -734,10 +734,11 @@ class Engine:
         Everything is released whatever fails; then a failure of the last step is raised.
         The model becomes a plain model again ([Note: the model after close]): its
         parameters hold their trained values in their dtypes from before wrap, on the CPU,
-        and it can be wrapped again; unless those values would not fit in host memory, the
-        engine failed, or several ranks share the states: then its parameters hold no
-        values (a warning says so where the values would not fit) and wrapping it again is
-        refused, naming why."""
+        and it can be wrapped again; unless units lived on NVMe and no restore_model() is on
+        (the model is not read into RAM at close), those values would not fit in host
+        memory, the engine failed, or several ranks share the states: then its parameters
+        hold no values (a warning says so where the values would not fit) and wrapping it
+        again is refused, naming why."""
         status = vars(self).get("_status")  # none after a failed wrap ([Note: a failed wrap changes nothing])
         if status is None or status.closed:
             return
@@ -788,6 +789,11 @@ class Engine:
             return f"each of the {self._partition.world_size} ranks holds a part of the states"
         if deferred and self._step_ring.write_errors:
             return "swap writes of the last optimizer step failed"
+        on_nvme = sum(self.layout.compute_tier(u.index) == "nvme" for u in self.units)
+        if on_nvme and not self._residency.restored.active:
+            # a model offloaded beyond RAM is not read into RAM at close, unless restored
+            return (f"{on_nvme} of its {len(self.units)} units lived on NVMe, and close() does not read a model "
+                    "offloaded beyond RAM into RAM (engine.restore_model() before close() does, where it fits)")
         too_big = self._copies_too_big()
         if too_big:
             warn_at_caller(f"close(): the model's parameters hold no values from now on: {too_big}. Save the "

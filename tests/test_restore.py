@@ -95,6 +95,8 @@ def test_after_close_the_model_holds_its_values_and_a_new_wrap_goes_on_from_them
         state = twin.state_dict()
     model, engine = wrapped(config_for(tmp_path / "a", tiers, "bf16"))
     train_offload(engine, data[:3])
+    if tiers[0] == "nvme":  # units on NVMe: close() reads the model into RAM only once restored
+        engine.restore_model()
     engine.close()  # right after step(): a deferred step's updates finish first
     assert os.listdir(tmp_path / "a" / "swap") == []
     assert_plain_values(model, state)
@@ -119,8 +121,19 @@ def test_close_keeps_a_restored_model_as_it_reads_edits_included(tmp_path):
     assert_plain_values(model, state)
 
 
-def test_close_without_room_for_the_values_warns_and_the_next_wrap_says_why(tmp_path, monkeypatch):
+def test_close_of_a_model_on_nvme_leaves_it_without_values_unless_restored(tmp_path):
+    """A model whose units lived on NVMe is not read into RAM at close: its parameters keep
+    their placeholders, and a new wrap says why and what to do."""
     model, engine = wrapped(config_for(tmp_path, ("nvme", "nvme")))
+    train_offload(engine, batches(1))
+    engine.close()
+    assert torch.isnan(model.blocks[1].qkv.weight).all()
+    with pytest.raises(ValueError, match=r"close\(\) could not give them back: \d+ of its \d+ units lived on NVMe"):
+        offload.wrap(model, make_opt(model.parameters()), config=config_for(tmp_path, ("nvme", "nvme")))
+
+
+def test_close_without_room_for_the_values_warns_and_the_next_wrap_says_why(tmp_path, monkeypatch):
+    model, engine = wrapped(config_for(tmp_path, ("host", "host")))
     train_offload(engine, batches(1))
     monkeypatch.setattr("offload.memory.layout.available_memory_bytes", lambda: 64 << 10)
     with pytest.warns(RuntimeWarning, match=r"close\(\): the model's parameters hold no values from now on: .*"
@@ -128,7 +141,7 @@ def test_close_without_room_for_the_values_warns_and_the_next_wrap_says_why(tmp_
         engine.close()
     with pytest.raises(ValueError, match=r"closed now, and its parameters hold no values any more \(close\(\) could "
                                          r"not give them back: the model's values take \d+ bytes.*weights=DIR"):
-        offload.wrap(model, make_opt(model.parameters()), config=config_for(tmp_path, ("nvme", "nvme")))
+        offload.wrap(model, make_opt(model.parameters()), config=config_for(tmp_path, ("host", "host")))
 
 
 def test_close_of_a_model_larger_than_host_budget_leaves_its_values_in_the_tiers(tmp_path):
@@ -136,8 +149,9 @@ def test_close_of_a_model_larger_than_host_budget_leaves_its_values_in_the_tiers
     the values beyond host_budget stay unread, the warning names host_budget."""
     deep = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=32)  # RAM needs < its size
     model_bytes = sum(p.numel() * 4 for p in GPT(deep).parameters())
-    config = dict(config_for(tmp_path, ("nvme", "nvme")), host_budget=model_bytes - 1, device_budget=200_000,
-                  optimizer_pipeline_depth=2)
+    # bf16 compute copies at home in RAM (half the fp32 values), states on NVMe
+    config = dict(config_for(tmp_path, ("host", "nvme"), "bf16"), host_budget=model_bytes - 1,
+                  device_budget=200_000, optimizer_pipeline_depth=2)
     torch.manual_seed(0)
     model = GPT(deep)
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)

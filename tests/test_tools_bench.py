@@ -533,14 +533,15 @@ def test_bench_train_compares_the_new_default_tiers_with_the_old(tmp_path):
 # The imports between the modules of tools/ (module -> the tools modules it imports), as
 # tools/bench_train.py's docstring draws them: split by what each measures, no circle.
 TOOLS_IMPORTS = {
-    "bench_train": {"bench_defaults", "bench_sweep", "train_deepspeed", "train_harness", "train_ranks",
-                    "train_replay", "train_rows"},
+    "bench_train": {"bench_activations", "bench_defaults", "bench_sweep", "train_deepspeed", "train_harness",
+                    "train_ranks", "train_replay", "train_rows"},
     "train_rows": {"train_deepspeed", "train_harness", "train_replay", "trace_summary"},
     "train_ranks": {"train_harness"},
     "train_deepspeed": {"train_harness"},
     "train_replay": {"train_harness"},
     "bench_sweep": {"train_harness"},
     "bench_defaults": {"train_harness"},
+    "bench_activations": {"train_harness"},
     "bench_scale": {"train_replay"},
 }
 

@@ -22,8 +22,11 @@ model keeps an edit), and once the hooks are removed each parameter gets its cop
 ``.data``: the model is a plain model again, on the CPU, in its dtypes from before wrap,
 with the trained values (bit for bit ``engine.state_dict()``'s, cast to those dtypes), and
 ``FailureState.let_go`` lets it be wrapped again (a new engine, a second OffloadTrainer),
-which then trains as a model loaded with those values would. Not where the values would
-not fit in host memory (a warning says so and names ``engine.save_pretrained``), nor after
+which then trains as a model loaded with those values would. Not where compute copies
+lived on NVMe and no restore is on (a model offloaded beyond RAM is not read whole into RAM
+at close: a user who wants it calls ``engine.restore_model()`` first), nor where the values
+would not fit in host memory, within host_budget (a warning says so and names
+``engine.save_pretrained``), nor after
 the engine failed, a failed last step or with several ranks (each holds a part): then the
 parameters keep what the engine gave them, and ``FailureState.check_not_wrapped`` refuses
 a new wrap, naming the reason (``FailureState.not_restored``) and the way out. A model
