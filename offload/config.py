@@ -124,9 +124,10 @@ class OffloadConfig:
     """Bytes of managed state (compute copies and gradients of units in flight) allowed on
     the device at once. None: no limit beyond the model's own size. Activations are not
     counted, unless activation_offload is set: then the saved tensors the engine keeps on
-    the device count too ([Note: saved activations] in memory/activations.py). The smallest budget wrap accepts (the root unit, the largest other unit and the
-    largest gradient) leaves the prefetcher no room: wrap warns then and names the budget
-    that keeps prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
+    the device count too ([Note: saved activations] in memory/activations.py). The smallest
+    budget wrap accepts (the root unit, the largest other unit and the largest gradient)
+    leaves the prefetcher no room: wrap warns then and names the budget that keeps
+    prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
 
     host_budget: Size = None
     """Bytes of host RAM the runtime may hold: gradients, staging buffers and whatever
