@@ -20,7 +20,7 @@ from offload.gpt import GPT, GPTConfig
 from offload.units import padded_numel
 from offload.zero import even_range
 
-from support import FaultyIO, free_port, unwrap_swap_io, wrap_swap_io
+from support import FaultyIO, free_port, train_offload, unwrap_swap_io, wrap_swap_io
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=4)
 REL_TOL = 1e-5
@@ -708,15 +708,9 @@ def _shared_swap_worker(rank, port, config, data, out_dir):
         torch.manual_seed(0)
         model = GPT(CFG)
         per_rank = GLOBAL_BATCH // WORLD
-        losses = []
         with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
             swap_dirs = sorted(os.listdir(config["swap_dir"]))
-            for b in data:
-                mine = b[rank * per_rank:(rank + 1) * per_rank]
-                loss = engine(mine[:, :-1], mine[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank] for b in data])
         dist.barrier()
         torch.save({"losses": losses, "swap_dirs": [d for d in swap_dirs if d == f"rank-{rank}"]},
                    os.path.join(out_dir, f"rank{rank}.pt"))

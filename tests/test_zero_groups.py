@@ -18,7 +18,7 @@ from offload.tiers.streams import STANDIN_ENV
 from offload.zero import even_range
 from offload.zero.partition import resolve_shard_group_size
 
-from support import CFG, REL_TOL, free_port, make_opt, max_rel_error
+from support import CFG, REL_TOL, free_port, make_opt, max_rel_error, train_offload
 from support import batches as _batches
 
 WORLD = 4
@@ -57,18 +57,12 @@ def _worker(rank, port, world, config, data, out_dir, environ, checkpoint, resum
         torch.manual_seed(0)
         model = GPT(CFG)
         per_rank = data[0].shape[0] // world
-        losses = []
         with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
             if resume:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # re-partitioned where the world differs
                     engine.load_checkpoint(resume)
-            for b in data:
-                mine = b[rank * per_rank:(rank + 1) * per_rank]
-                loss = engine(mine[:, :-1], mine[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank] for b in data])
             result = {"state": engine.state_dict(), "stats": engine.stats(), "losses": losses,
                       "placement": [(u.compute_tier, u.state_tier) for u in engine.placement().units]}
             if checkpoint:
@@ -235,12 +229,7 @@ def test_a_checkpoint_of_two_groups_resumes_on_other_worlds_as_the_uninterrupted
         with offload.wrap(model, make_opt(model.parameters()), config=dict(config, stage=0)) as engine:
             with pytest.warns(RuntimeWarning, match="written by 4 rank"):
                 engine.load_checkpoint(str(tmp_path / "ckpt"))
-            losses = []
-            for b in data[STEPS:]:
-                loss = engine(b[:, :-1], b[:, 1:])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = train_offload(engine, data[STEPS:])
             results = [{"state": engine.state_dict(), "losses": losses}]
     else:
         results = run_ranks(world, dict(config, shard_group_size=world), data[STEPS:], tmp_path / "then",

@@ -104,6 +104,20 @@ def _runner_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return runner
 
 
+def _runner_over(optimizer: torch.optim.Optimizer, group: Dict[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
+    """A runner (``_runner_of``) with one param group: a copy of ``group``'s settings over
+    ``param`` alone, on torch's single-tensor path (``foreach``/``fused`` False where the
+    group has those keys)."""
+    runner = _runner_of(optimizer)
+    g = {k: v for k, v in group.items() if k != "params"}
+    for key in ("foreach", "fused"):
+        if key in g:
+            g[key] = False
+    g["params"] = [param]
+    runner.param_groups = [g]
+    return runner
+
+
 class NotElementwise(ValueError):
     """The probe's refusal of an optimizer whose step is not elementwise or whose state is
     not per-element tensors and scalars: wrap then probes it as a whole-parameter optimizer
@@ -137,13 +151,7 @@ class ElementwiseRule:
         shape), its state's tensors the ``slot_views`` (updated in place) and its scalars a copy
         of ``before`` (None: an empty state, which the optimizer initializes). Returns the
         state's scalars after the step."""
-        runner = _runner_of(self._optimizer)
-        g = {k: v for k, v in group.items() if k != "params"}
-        for key in ("foreach", "fused"):
-            if key in g:
-                g[key] = False
-        g["params"] = [param]
-        runner.param_groups = [g]
+        runner = _runner_over(self._optimizer, group, param)
         state = _clone_scalars(before)
         if before is not None:
             state.update(slot_views)
@@ -284,13 +292,7 @@ def _probe_group(optimizer: torch.optim.Optimizer, gi: int, group: Dict[str, Any
     grads = [torch.randn(_PROBE_SHAPE, generator=gen) for _ in range(2)]
     initial = _initial_state(optimizer, group, _PROBE_SHAPE)
     whole = start.clone()
-    runner = _runner_of(optimizer)
-    g = {k: v for k, v in group.items() if k != "params"}
-    for key in ("foreach", "fused"):
-        if key in g:
-            g[key] = False
-    g["params"] = [whole]
-    runner.param_groups = [g]
+    runner = _runner_over(optimizer, group, whole)
     if initial is not None:
         runner.state[whole] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in initial.items()}
     try:

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.optim.generic import MAX_STATE_SLOTS, ElementwiseRule, NotElementwise, probe, ParamStep, _clone_scalars, _is_scalar, _refuse, _runner_of
+from offload.optim.generic import MAX_STATE_SLOTS, ElementwiseRule, NotElementwise, probe, ParamStep, _clone_scalars, _is_scalar, _refuse, _runner_over
 
 __all__ = ["WholeRule", "probe_rule", "probe_whole"]
 
@@ -100,13 +100,7 @@ def probe_whole(optimizer: torch.optim.Optimizer) -> WholeRule:
             shape = _PROBE_SHAPES[ndim]
             gen = torch.Generator().manual_seed(1234)
             param = torch.randn(shape, generator=gen)
-            runner = _runner_of(optimizer)
-            g = {k: v for k, v in group.items() if k != "params"}
-            for key in ("foreach", "fused"):
-                if key in g:
-                    g[key] = False
-            g["params"] = [param]
-            runner.param_groups = [g]
+            runner = _runner_over(optimizer, group, param)
             try:
                 with torch.no_grad():
                     for _ in range(2):
