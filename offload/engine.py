@@ -40,11 +40,11 @@ from offload.memory.budget import (
     UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.activations import ACTIVATIONS_SWAP_SUBDIR, ActivationStore
 from offload.memory.homes import Homes
-from offload.memory import layout as memory_layout
-from offload.memory.layout import DEFAULT_HOST_FRACTION, FP32_BYTES, Layout, UnitState
+from offload.memory.layout import FP32_BYTES, Layout, UnitState
 from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_to_homes
 from offload.memory.placement import Placement, describe_units, resolve_placement
 from offload.memory.residency import DeviceResidency
+from offload.memory.restored import copies_too_big, model_copies
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import CompactUnit, check_compact_supported
@@ -464,43 +464,11 @@ class Engine:
         what = "engine.restore_model()"
         self._check_weights_access(what, writes=False)
         self._end_restore_or_raise(what)
-        too_big = self._copies_too_big()
+        too_big = copies_too_big(self.units, self._residency.released, self.layout.host_budget)
         if too_big:
             raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict(), "
                              "engine.save_pretrained(DIR) or inside `with engine.gathered(params):`")
-        self._residency.restored.restore(self._model_copies(self._settled(what)))
-
-    def _copies_too_big(self) -> Optional[str]:
-        """Why the model's values in their dtypes from before wrap would not fit in host
-        memory now: over host_budget (the RAM the run may take: a model offloaded because
-        it is larger is not copied whole into RAM at close) or over 3/4 of what is
-        available now; None when they fit."""
-        released = self._residency.released
-        entries = {e.param: e for u in self.units for e in u.spec.entries}
-        needed = sum(e.numel * released.dtype_before_wrap(e).itemsize for e in entries.values())
-        budget = self.layout.host_budget
-        if budget is not None and needed > budget:
-            return f"the model's values take {needed} bytes, more than host_budget ({budget} bytes)"
-        available = memory_layout.available_memory_bytes()  # read now: tests patch it
-        if available is not None and needed > DEFAULT_HOST_FRACTION * available:
-            return (f"the model's values take {needed} bytes, more than {DEFAULT_HOST_FRACTION:g} of the memory "
-                    f"available now ({available} bytes)")
-        return None
-
-    def _model_copies(self, values: Callable[[UnitState], Dict[int, torch.Tensor]],
-                      copies: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> Dict[nn.Parameter, torch.Tensor]:
-        """Every parameter's current value (``values``: a unit's), copied to the CPU in its
-        dtype from before wrap; a unit at a time. ``copies``: those there are already."""
-        released = self._residency.released
-        copies = {} if copies is None else copies
-        for u in self.units:
-            if all(e.param in copies for e in u.spec.entries):
-                continue
-            unit_values = values(u)
-            for e in u.spec.entries:
-                if e.param not in copies:
-                    copies[e.param] = unit_values[e.offset].to("cpu", released.dtype_before_wrap(e), copy=True)
-        return copies
+        self._residency.restored.restore(model_copies(self.units, self._residency.released, self._settled(what)))
 
     def _end_restore(self, what: str, compare: bool = True) -> List[str]:
         """[Note: restored parameters] End a restore, if one is on; the names of the
@@ -760,7 +728,8 @@ class Engine:
                 # restored copies (and what was written into them) stay the model's
                 held = self._residency.restored.take_held()
                 try:
-                    copies.update(self._model_copies(self._values_reader("close", step_finished=deferred), held))
+                    copies.update(model_copies(self.units, self._residency.released,
+                                              self._values_reader("close", step_finished=deferred), held))
                 except Exception as error:  # noqa: B902 - close() goes on; the values stay where they are
                     # (a RuntimeError between backward() and step(): two steps' values)
                     copies.clear()
@@ -794,7 +763,7 @@ class Engine:
             # a model offloaded beyond RAM is not read into RAM at close, unless restored
             return (f"{on_nvme} of its {len(self.units)} units lived on NVMe, and close() does not read a model "
                     "offloaded beyond RAM into RAM (engine.restore_model() before close() does, where it fits)")
-        too_big = self._copies_too_big()
+        too_big = copies_too_big(self.units, self._residency.released, self.layout.host_budget)
         if too_big:
             warn_at_caller(f"close(): the model's parameters hold no values from now on: {too_big}. Save the "
                            "trained weights before close() with engine.save_pretrained(DIR) (or save_checkpoint), "

@@ -40,10 +40,44 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.memory.layout import UnitState
+from offload.memory import layout as memory_layout
+from offload.memory.layout import DEFAULT_HOST_FRACTION, UnitState
+from offload.memory.released import ReleasedParameters
 from offload.units import ParamEntry
 
-__all__ = ["RestoredParameters", "same_bits"]
+__all__ = ["RestoredParameters", "copies_too_big", "model_copies", "same_bits"]
+
+
+def copies_too_big(units: List[UnitState], released: ReleasedParameters, host_budget: Optional[int]) -> Optional[str]:
+    """Why the model's values in their dtypes from before wrap would not fit in host
+    memory now: over ``host_budget`` (the RAM the run may take: a model offloaded because
+    it is larger is not copied whole into RAM at close) or over 3/4 of what is available
+    now; None when they fit."""
+    entries = {e.param: e for u in units for e in u.spec.entries}
+    needed = sum(e.numel * released.dtype_before_wrap(e).itemsize for e in entries.values())
+    if host_budget is not None and needed > host_budget:
+        return f"the model's values take {needed} bytes, more than host_budget ({host_budget} bytes)"
+    available = memory_layout.available_memory_bytes()  # read now: tests patch it
+    if available is not None and needed > DEFAULT_HOST_FRACTION * available:
+        return (f"the model's values take {needed} bytes, more than {DEFAULT_HOST_FRACTION:g} of the memory "
+                f"available now ({available} bytes)")
+    return None
+
+
+def model_copies(units: List[UnitState], released: ReleasedParameters,
+                 values: Callable[[UnitState], Dict[int, torch.Tensor]],
+                 copies: Optional[Dict[nn.Parameter, torch.Tensor]] = None) -> Dict[nn.Parameter, torch.Tensor]:
+    """Every parameter's current value (``values``: a unit's), copied to the CPU in its
+    dtype from before wrap; a unit at a time. ``copies``: those there are already."""
+    copies = {} if copies is None else copies
+    for u in units:
+        if all(e.param in copies for e in u.spec.entries):
+            continue
+        unit_values = values(u)
+        for e in u.spec.entries:
+            if e.param not in copies:
+                copies[e.param] = unit_values[e.offset].to("cpu", released.dtype_before_wrap(e), copy=True)
+    return copies
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
