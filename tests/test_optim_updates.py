@@ -1,9 +1,11 @@
 """The update scheduler: early updates during backward, updates deferred past step()
 (overlap_step_with_forward) and their fills of the next forward's device copies give the
 numbers of updates inside step(), and failures leave the engine consistent."""
+import threading
 import warnings
 
 import pytest
+
 import torch
 
 import offload
@@ -264,18 +266,32 @@ def test_fills_with_eval_passes_and_a_scheduler_give_the_numbers_of_updates_insi
 def test_loading_a_checkpoint_while_fills_are_in_flight(tmp_path):
     """[Note: updates fill the device copy] step() returns with updates queued and a slot
     waiting for one of them; a checkpoint loaded right then lands it, replaces every state,
-    and the run goes on as one that loaded the checkpoint from a fresh engine."""
+    and the run goes on as one that loaded the checkpoint from a fresh engine. The last
+    step's updates are held on the optimizer worker (the first one started, the rest
+    queued; the root's goes on) until load_checkpoint has begun, whatever the machine's pace."""
     x = torch.randn(4, 32)
+    gate = threading.Event()
+
+    def held(unit, **_):  # the next forward starts by waiting for the root's update
+        if unit != engine.units[0].name:
+            assert gate.wait(20), "the held update was never let go"
+
     with slow_sleepy_engine(tmp_path / "a", budget_units=16) as engine:  # room left after backward
         train_sleepy(engine, x, 2)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
-        train_sleepy(engine, x, 3)  # the last step() returns with updates queued
-        # what the next pass's prefetcher would do: a slot for a unit whose update waits
-        waiting = [u for u in engine.units if engine.debug.updates.pending(u) and not u.update.started
-                   and u.compute_state == offload.units.Residency.HOME]
-        assert waiting and engine.debug.residency.prefetch_updating(waiting[-1])
-        assert waiting[-1].compute_state == offload.units.Residency.LOADING
-        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        train_sleepy(engine, x, 2)
+        loss = engine(x)  # it waits for the step before's updates
+        with offload.faults.inject("optim.early_update", held), offload.faults.inject("optim.deferred_update", held):
+            engine.backward(loss)
+            engine.step()  # it returns with its updates held
+            # what the next pass's prefetcher would do: a slot for a unit whose update waits
+            waiting = [u for u in engine.units if engine.debug.updates.pending(u) and not u.update.started
+                       and u.compute_state == offload.units.Residency.HOME]
+            assert waiting and engine.debug.residency.prefetch_updating(waiting[-1])
+            assert waiting[-1].compute_state == offload.units.Residency.LOADING
+            threading.Timer(0.2, gate.set).start()  # let go once the load waits for them
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert gate.is_set()
         assert all(u.compute_state != offload.units.Residency.LOADING for u in engine.units)
         resumed = state_after(engine, x, 2)
     with slow_sleepy_engine(tmp_path / "b", seed=1, budget_units=16) as fresh:
