@@ -2,7 +2,6 @@
 quiet steady state, and overlap of I/O with compute (issue 5)."""
 import copy
 import re
-import time
 import warnings
 
 import pytest
@@ -267,69 +266,57 @@ def test_alternating_train_and_eval_keeps_both_traces_and_stays_quiet():
 
 
 # ---------------------------------------------------------------------------- overlap
-def measure_plain_steps(num_blocks=8, compute_s=0.05):
-    """The serialized reference: the same model and optimizer in plain PyTorch, no I/O."""
+def requested_at_each_forward(prefetch, tmp_path, num_blocks=8, delay_s=0.007):
+    """Per steady-state step, for each unit's forward start (in order): the names of the
+    units whose compute copy was then requested or resident (not at home)."""
     torch.manual_seed(0)
-    model = Sleepy(num_blocks, compute_s)
-    opt = make_opt(model.parameters())
-    x = torch.randn(4, 32)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        model(x).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
-
-
-def measure_steps(prefetch, tmp_path, num_blocks=8, compute_s=0.05, delay_s=0.007):
-    torch.manual_seed(0)
-    model = Sleepy(num_blocks, compute_s)
+    model = Sleepy(num_blocks, 0.005)
     config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path), prefetch=prefetch,
                   device_budget=4096 * 8, prefetch_units=2)  # root + 3 blocks + a gradient
     engine = offload.wrap(model, make_opt(model.parameters()), config=config)
-    slow = wrap_swap_io(engine, SlowDevice, delay_s)
+    wrap_swap_io(engine, SlowDevice, delay_s)
+    seen = []
+
+    def record(unit, **_):
+        seen.append((unit, {u.name for u in engine.units if u.compute_state != offload.units.Residency.HOME}))
+
     x = torch.randn(4, 32)
-    times, io_seconds, misses, waits = [], [], [], []
+    steps, misses = [], []
     try:
-        for step in range(6):
-            requests, stats = slow.requests, engine.stats()
-            start = time.perf_counter()
-            engine.backward(engine(x))
+        for step in range(5):
+            seen.clear()
+            before = engine.stats()["prefetch_misses"]
+            with offload.faults.inject("hooks.forward", record):
+                loss = engine(x)
+            engine.backward(loss)
             engine.step()
-            times.append(time.perf_counter() - start)
-            io_seconds.append((slow.requests - requests) * delay_s)
-            after = engine.stats()
-            misses.append(after["prefetch_misses"] - stats["prefetch_misses"])
-            waits.append(after["fetch_wait_seconds"] - stats["fetch_wait_seconds"])
+            steps.append(list(seen))
+            misses.append(engine.stats()["prefetch_misses"] - before)
     finally:
         engine.close()
-    steady = slice(2, None)  # the first step records the trace, the second replays it
-    median = lambda xs: sorted(xs[steady])[len(xs[steady]) // 2]  # noqa: E731
-    return median(times), max(io_seconds[steady]), misses[steady], median(waits)
+    return steps[2:], misses[2:]  # the first step records the trace, the second replays it
 
 
-# On CUDA (and its stand-in) the step's updates do not go through resident device copies
-# (the CPU device's [Note: updates through the device copy]), so the next pass's first units
-# are read again after every step and waited for: 0.047 s a step against 0.116 without
-# prefetch on the stand-in, 0.001 against 0.079 on the CPU device (one run on this machine).
+# The CPU device's order: on CUDA (and its stand-in) the step's updates do not go through
+# resident device copies ([Note: updates through the device copy]), so the next pass's
+# first units are read again after every step and their requests follow another order.
 @pytest.mark.host_device
 def test_prefetch_overlaps_io_with_compute(tmp_path):
-    # Compared with a serialized reference measured in the same run, not with wall time:
-    # without prefetch a step costs about compute + I/O; with it, about max(compute, I/O).
-    # "compute" is the plain PyTorch step of the same model, measured in this run, so CPU
-    # contention slows the reference and the offloaded runs alike.
-    # With prefetch the main thread hardly waits for fetches (the fetch I/O ran under
-    # compute); CPU load from other jobs can only slow the serialized runs further, so the
-    # wait, not the wall time, is what is compared for the prefetched run.
-    compute = measure_plain_steps()
-    on_time, io, on_misses, on_wait = measure_steps(True, tmp_path / "on")
-    off_time, io_off, _, off_wait = measure_steps(False, tmp_path / "off")
-    assert io > 0.3 * compute, "the simulated I/O must be large enough to matter"
-    assert on_wait <= 0.25 * off_wait, (on_wait, off_wait)
-    assert off_time >= 0.9 * (compute + io_off), (off_time, compute, io_off)
+    """With prefetch every block's read is issued before the forward of the block before it
+    starts, so it runs under that block's compute; without, a block is requested only when
+    its own forward needs it. Checked by the order of requests and forwards, not by wall
+    time (which the machine's load decides)."""
+    on_steps, on_misses = requested_at_each_forward(True, tmp_path / "on")
+    off_steps, _ = requested_at_each_forward(False, tmp_path / "off")
     assert on_misses == [0] * len(on_misses), "steady state: every unit was prefetched"
+    for seen in on_steps:
+        blocks = [(name, requested) for name, requested in seen if name.startswith("blocks.")]
+        assert len(blocks) == 8
+        for (name, requested), (following, _) in zip(blocks, blocks[1:]):
+            assert following in requested, (name, following, requested)
+    for seen in off_steps:
+        blocks = [(name, requested) for name, requested in seen if name.startswith("blocks.")]
+        assert any(following not in requested for (_, requested), (following, _) in zip(blocks, blocks[1:]))
 
 
 def test_export_trace_writes_chrome_trace_events_per_lane(tmp_path):
