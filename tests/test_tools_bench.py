@@ -163,7 +163,7 @@ def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):
 
     report = json.loads(out.read_text())
     rows = {r["row"]: r for r in report["rows"]}
-    assert list(rows) == ["ddp", "stage0", "stage1", "stage2", "stage3"]
+    assert list(rows) == ["ddp", "fsdp2", "stage0", "stage1", "stage2", "stage3"]
     assert report["config"]["batch"] == 2 and report["config"]["nproc"] == 2
     for row in rows.values():
         assert "error" not in row, row
@@ -185,6 +185,12 @@ def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):
     numel = sum(p.numel() for p in GPT(GPTConfig(**model_cfg)).parameters())
     assert each("ddp", "optimizer_state_bytes") == [2 * 4 * numel] * 2
     assert each("ddp", "gradient_bytes") == [4 * numel] * 2
+    # fsdp2: each rank holds its shard of the parameters and both moments (dim-0 shards,
+    # padded to whole rows: within a row of each parameter of the half).
+    row_slack = sum(4 * p[0].numel() for p in GPT(GPTConfig(**model_cfg)).parameters())
+    assert 4 * numel / 2 - row_slack <= min(each("fsdp2", "parameter_bytes"))
+    assert sum(each("fsdp2", "parameter_bytes")) == 4 * numel
+    assert sum(each("fsdp2", "optimizer_state_bytes")) == 2 * 4 * numel
     # Offload, fp32 (the compute copy is the master): stage 0 holds both moments on every
     # rank, stage 1 half of them (each unit's shard padded to a page), stage 2 also half the
     # gradients.
@@ -203,16 +209,54 @@ def test_bench_train_nproc_2_quick_reports_each_stage_per_rank(tmp_path):
         assert each(stage, "parameter_bytes")[0] >= 4 * numel
     for half in each("stage3", "parameter_bytes"):
         assert each("stage0", "parameter_bytes")[0] / 2 <= half <= each("stage0", "parameter_bytes")[0] / 2 + page_slack
+    # Gradients device->host per step: the whole at stages 0/1, the rank's fp32 shard at 2/3
+    # (after the reduce-scatter on the device); stage 3 gathers whole slots. On NVMe tiers a
+    # fetch reads the swap file into the slot: no host->device bytes.
+    for stage in ("stage0", "stage1"):
+        assert each(stage, "device_to_host_per_step") == [4 * numel] * 2, stage
+    for stage in ("stage2", "stage3"):
+        assert sum(each(stage, "device_to_host_per_step")) == 4 * numel, stage
+    gathered = each("stage3", "all_gather_per_step")
+    assert gathered[0] == gathered[1] > 0
+    assert each("stage0", "host_to_device_per_step") == each("stage3", "host_to_device_per_step") == [0, 0]
     for stage in ("stage0", "stage1", "stage2", "stage3"):
         assert all(r > 0 for r in each(stage, "nvme_read_per_step")), stage
         assert all(w > 0 for w in each(stage, "nvme_written_per_step")), stage
         assert all(d > 0 for d in each(stage, "device_peak_bytes")), stage
 
     table = proc.stdout
-    for name in ("ddp", "stage0", "stage1", "stage2", "stage3", "x ddp", "opt MiB/rank", "param MiB/rank"):
+    for name in ("ddp", "fsdp2", "stage0", "stage1", "stage2", "stage3", "x ddp", "opt MiB/rank", "param MiB/rank",
+                 "d2h MiB/st/rank", "gath MiB/st/rank"):
         assert name in table
     assert "baseline fp32: DDP step" in table
     assert not any(swap.iterdir()), "swap files left behind"
+
+
+def test_bench_zero_summary_puts_each_stage_beside_its_peers_and_the_formulas():
+    """The summary of tools/bench_zero.py: step ratios to DDP and FSDP2 of the same table,
+    rank 0's device->host bytes beside P x 4 (fp32, stages 0/1) or P x 4 / N (2/3)."""
+    bench_zero = load_tool(TOOLS_DIR / "bench_zero.py")
+    MiB = 1 << 20
+    params = 1 << 20
+
+    def row(name, step, **rank0):
+        return {"row": name, "dtype": "fp32", "step_seconds": step, "per_rank": [dict(rank0), {}]}
+    rows = [row("ddp", 1.0, parameter_bytes=4 * params), row("fsdp2", 2.0),
+            row("stage0", 1.5, device_to_host_per_step=4 * params, all_gather_per_step=0,
+                host_to_device_per_step=3 * MiB),
+            row("stage2", 1.2, device_to_host_per_step=2 * params + 4096, all_gather_per_step=0),
+            row("stage3", 1.1, device_to_host_per_step=2 * params, all_gather_per_step=3 * MiB),
+            {"row": "stage1", "dtype": "fp32", "error": "rank 1: boom"}]
+    out = __import__("io").StringIO()
+    bench_zero.summary([(2, "host", rows)], out)
+    lines = {ln.split()[3]: ln.split() for ln in out.getvalue().splitlines()[2:]}
+    # columns: ranks tier dtype config step "x ddp" "x fsdp2" d2h formula gath "st0 h2d"
+    assert lines["stage0"][4:11] == ["1.500", "1.50", "0.75", "4.00", "4.00", "0.00", "-"]
+    assert lines["stage2"][7:9] == ["2.00", "2.00"]  # P x 4 / 2
+    assert lines["stage3"][9:11] == ["3.00", "3.00"]  # gathered beside stage 0's host->device
+    assert "FAILED: rank 1: boom" in out.getvalue()
+    assert bench_zero.formula_device_to_host(1, params, 4, "bf16") == 2 * params
+    assert bench_zero.formula_device_to_host(3, params, 4, "bf16") == params
 
 
 def test_bench_adam_prints_limits_every_isa_and_the_copy_out_cost():
@@ -543,6 +587,7 @@ TOOLS_IMPORTS = {
     "bench_defaults": {"train_harness"},
     "bench_activations": {"train_harness"},
     "bench_scale": {"train_replay"},
+    "bench_zero": {"bench_train", "train_harness", "train_ranks"},
 }
 
 

@@ -62,6 +62,10 @@ batch (--batch, rounded up to a multiple of N), torch threads = cores / N per ra
   ddp              torch DistributedDataParallel (default settings) + torch.optim.AdamW
                    (fused, foreach if fused fails); gloo on --device cpu, NCCL on --device
                    cuda (one GPU per rank). The baseline.
+  fsdp2            torch FSDP2 (fully_shard per block and the root) + foreach AdamW on the
+                   shards: CPUOffloadPolicy on cuda; on cpu the shards are host memory
+                   already (FSDP2 refuses CPUOffloadPolicy without an accelerator).
+                   --no-fsdp2 leaves it out.
   stage0..stage3   offload with OffloadConfig(stage=S) (--stages), both tiers on --tier
                    (host, or nvme with prefetch and a swap dir per rank), the device budget
                    as above. The engine's own collectives run on gloo either way.
@@ -70,7 +74,9 @@ row's step time is the median over steps of the slowest rank's time. Per rank: p
 and from engine.stats() parameter_bytes (compute copies at home: the rank's chunks at stage
 3), optimizer_state_bytes (fp32 master apart from the compute copy +
 Adam moments), gradient_bytes (fp32 gradient buffers), device_peak_bytes, and NVMe bytes
-read / written per step. For ddp the same columns come from the torch objects: Adam moments
+read / written per step, and per step the bytes the engine moved device->host (gradients:
+the whole unit at stages 0/1, the rank's fp32 shard at 2/3), host->device (compute copies
+fetched) and into stage-3 all-gathers (the gathered slots). For ddp the same columns come from the torch objects: Adam moments
 in optimizer.state, param.grad (DDP's reducer buckets hold about as much again), and
 torch.cuda.max_memory_allocated on CUDA. A row that fails on any rank prints FAILED with the
 first failing rank's error; the other ranks of that row are stopped and the next row runs.
@@ -89,7 +95,7 @@ thread count before offload sizes its native pool from it):
          bench_sweep.py, bench_defaults.py, bench_activations.py, train_harness.py
     train_rows.py      plain and offload rows; a single-process run and its table
       -> train_replay.py, train_deepspeed.py, train_harness.py, trace_summary.py
-    train_ranks.py     ddp and the stage rows (--nproc); the per-rank table  -> train_harness.py
+    train_ranks.py     ddp, fsdp2 and the stage rows (--nproc); the per-rank table  -> train_harness.py
     train_deepspeed.py the DeepSpeed rows                                    -> train_harness.py
     train_replay.py    the I/O-only replays (io-only, paired overlap)        -> train_harness.py
     bench_sweep.py     --sweep-host-budget                                   -> train_harness.py
@@ -98,6 +104,8 @@ thread count before offload sizes its native pool from it):
     train_harness.py   models, batches, the timing loop, a row in a worker process, table
                        helpers, constants; imports nothing from tools/
     (tools/bench_scale.py -> train_replay.py: its io-only row replays the same way)
+    (tools/bench_zero.py -> bench_train.py, train_ranks.py, train_harness.py: the --nproc
+     tables for several rank counts and tiers, and their summary)
 """
 from __future__ import annotations
 
@@ -137,6 +145,8 @@ def worker_main(spec: dict) -> int:
         result = bench_activations.run_worker(spec)
     elif row == "ddp":
         result = train_ranks.run_ddp(spec)
+    elif row == "fsdp2":
+        result = train_ranks.run_fsdp2(spec)
     elif row == "plain":
         result = train_rows.run_plain(spec)
     elif row == "io-only":
@@ -190,6 +200,7 @@ def parse_args(argv=None):
                    help="N >= 2 ranks on this node: ddp + offload ZeRO stages (see above)")
     p.add_argument("--stages", nargs="+", type=int, choices=train_ranks.STAGES, default=list(train_ranks.STAGES),
                    help="with --nproc: ZeRO stages to run (default 0 1 2 3)")
+    p.add_argument("--no-fsdp2", action="store_true", help="with --nproc: skip the torch FSDP2 row")
     p.add_argument("--tier", choices=train_ranks.TIERS, default="nvme",
                    help="with --nproc: home of params and optimizer states (default nvme)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -227,8 +238,9 @@ def parse_args(argv=None):
     if not 0 < args.budget_fraction <= 1:
         p.error("--budget-fraction must be in (0, 1]")
     if args.nproc is None:
-        given = [f"--{name}" for name, default in (("stages", list(train_ranks.STAGES)), ("tier", "nvme"),
-                                                    ("device", "cpu")) if getattr(args, name) != default]
+        given = [f"--{name.replace('_', '-')}" for name, default in (
+            ("stages", list(train_ranks.STAGES)), ("tier", "nvme"), ("device", "cpu"), ("no_fsdp2", False))
+            if getattr(args, name) != default]
         if given:
             p.error(f"{' '.join(given)}: only with --nproc")
     else:

@@ -1,5 +1,5 @@
 """The --nproc rows of tools/bench_train.py (issue 8; what they measure: its docstring):
-torch DistributedDataParallel, the baseline, and offload's ZeRO stages, each row a fresh set
+torch DistributedDataParallel, the baseline, torch FSDP2, and offload's ZeRO stages, each row a fresh set
 of N worker processes on this node with the environment torchrun would give them; and the
 parent side of such a run: the rows, the ranks' results merged, and the per-rank table. A
 stage row's worker runs train_rows.run_offload, which reads the stage from its spec.
@@ -28,7 +28,8 @@ TIERS = ("host", "nvme")
 RANK_FAILURE_GRACE_SECONDS = 20.0
 PER_RANK_KEYS = ("rank", "peak_rss_bytes", "parameter_bytes", "optimizer_state_bytes", "gradient_bytes",
                  "device_peak_bytes", "nvme_read_per_step", "nvme_written_per_step",
-                 "io_wait_seconds", "step_seconds")
+                 "io_wait_seconds", "step_seconds", "host_to_device_per_step", "device_to_host_per_step",
+                 "all_gather_per_step")
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -102,6 +103,49 @@ def run_ddp(spec: dict) -> dict:
     return {"step_seconds_all": seconds, "note": f"DDP {backend}, AdamW {flavour}",
             "optimizer_state_bytes": moments, "gradient_bytes": grad_bytes[0],
             "parameter_bytes": sum(p.nbytes for p in ddp.parameters()),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "nvme_read_per_step": 0, "nvme_written_per_step": 0}
+
+
+def run_fsdp2(spec: dict) -> dict:
+    """torch FSDP2 (fully_shard per block and on the root): the parameters, gradients and
+    AdamW states sharded over the ranks and kept on the host, the optimizer step on the
+    host. On CUDA that is ``CPUOffloadPolicy``; on the CPU device (which it refuses:
+    "Cannot access accelerator device") the shards are host memory already. The peer row
+    of the --nproc table."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", spec["local_rank"]) if cuda else torch.device("cpu")
+    model = build_gpt(spec["model"], meta=False)
+    bf16 = spec["dtype"] == "bf16"
+    options = dict(offload_policy=CPUOffloadPolicy()) if cuda else {}
+    if bf16:  # bf16 compute, fp32 sharded parameters and gradient reduction
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    # The states live where the sharded parameters do (host): torch's foreach AdamW there.
+    opt = foreach_adamw(model.parameters())
+    idx, targets = rank_batch(spec, device)
+
+    def step():
+        loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end_of_step(spec)
+
+    seconds, _ = timed_loop(step, spec["warmup"], spec["steps"], step_barrier(spec))
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - DTensor shards
+    moments = sum(local(t).nbytes for state in opt.state.values() for k, t in state.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    backend = "nccl" if cuda else "gloo"
+    policy = "CPUOffloadPolicy" if cuda else "shards in host memory"
+    return {"step_seconds_all": seconds, "note": f"FSDP2 {backend}, {policy}, AdamW foreach",
+            "optimizer_state_bytes": moments, "gradient_bytes": None,
+            "parameter_bytes": sum(local(p).nbytes for p in model.parameters()),
             "device_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             "nvme_read_per_step": 0, "nvme_written_per_step": 0}
 
@@ -207,12 +251,13 @@ def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
     by_key = {(r["row"], r["dtype"]): r for r in results}
     header = (f"{'config':8s} {'tier':4s} {'dtype':5s} {'step s':>8s} {'x ddp':>6s} {'RSS GiB':>7s}  "
               f"{'RSS GiB/rank':14s} {'param MiB/rank':14s} {'opt MiB/rank':14s} {'grad MiB/rank':14s} "
-              f"{'dev pk MiB/rank':15s} {'rd GB/st/rank':14s} {'wr GB/st/rank':14s} note")
+              f"{'dev pk MiB/rank':15s} {'rd GB/st/rank':14s} {'wr GB/st/rank':14s} {'d2h MiB/st/rank':15s} "
+              f"{'h2d MiB/st/rank':15s} {'gath MiB/st/rank':16s} note")
     print(f"{nproc} ranks; per-rank columns: rank 0/rank 1/...; RSS GiB = the largest rank's", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     for r in results:
-        tier = "-" if r["row"] == "ddp" else r.get("tier", "?")
+        tier = {"ddp": "-", "fsdp2": "host"}.get(r["row"]) or r.get("tier", "?")
         if "error" in r:
             print(f"{r['row']:8s} {tier:4s} {r['dtype']:5s} FAILED: {r['error']}", file=out)
             continue
@@ -225,7 +270,10 @@ def print_nproc_table(results: list, nproc: int, out=sys.stdout) -> None:
               f"{per_rank(r, 'gradient_bytes', MiB, '.1f'):14s} "
               f"{per_rank(r, 'device_peak_bytes', MiB, '.1f'):15s} "
               f"{per_rank(r, 'nvme_read_per_step', GB, '.3f'):14s} "
-              f"{per_rank(r, 'nvme_written_per_step', GB, '.3f'):14s} {r.get('note', '')}", file=out)
+              f"{per_rank(r, 'nvme_written_per_step', GB, '.3f'):14s} "
+              f"{per_rank(r, 'device_to_host_per_step', MiB, '.1f'):15s} "
+              f"{per_rank(r, 'host_to_device_per_step', MiB, '.1f'):15s} "
+              f"{per_rank(r, 'all_gather_per_step', MiB, '.1f'):16s} {r.get('note', '')}", file=out)
     print_baselines(results, "ddp", "DDP step", " (largest rank)", out)
 
 
@@ -255,7 +303,8 @@ def main(args) -> int:
     if batch != global_batch:
         print(f"--batch {batch} rounded up to {global_batch}, a multiple of {nproc} ranks", flush=True)
 
-    rows = [("ddp", None)] + [(f"stage{stage}", stage) for stage in args.stages]
+    rows = [("ddp", None)] + [("fsdp2", None)] * (not args.no_fsdp2) + \
+        [(f"stage{stage}", stage) for stage in args.stages]
     results = []
     try:
         for dtype in args.dtypes:

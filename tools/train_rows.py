@@ -143,7 +143,8 @@ def run_offload(spec: dict) -> dict:
 
     engine, info = wrap_with_budget(spec)
     idx, targets = rank_batch(spec, engine.device)
-    keys = ("bytes_read_nvme", "bytes_written_nvme", "io_wait_seconds")
+    keys = ("bytes_read_nvme", "bytes_written_nvme", "io_wait_seconds", "bytes_host_to_device",
+            "bytes_device_to_host", "bytes_all_gather")
 
     def snapshot():
         s = engine.stats()
@@ -167,6 +168,7 @@ def run_offload(spec: dict) -> dict:
             "backward_written": s2["bytes_written_nvme"] - s1["bytes_written_nvme"],
             "optimizer_written": s3["bytes_written_nvme"] - s2["bytes_written_nvme"],
             "io_wait_seconds": s3["io_wait_seconds"] - s0["io_wait_seconds"],
+            **{k: s3[k] - s0[k] for k in ("bytes_host_to_device", "bytes_device_to_host", "bytes_all_gather")},
         }
 
     paired: dict = {}
@@ -198,6 +200,9 @@ def run_offload(spec: dict) -> dict:
     return dict(info, **paired, peak_rss_bytes=rss, step_seconds_all=seconds, phases=phases, units=units,
                 nvme_read_per_step=read, nvme_written_per_step=written,
                 io_wait_seconds=phases["io_wait_seconds"],
+                host_to_device_per_step=phases["bytes_host_to_device"],
+                device_to_host_per_step=phases["bytes_device_to_host"],
+                all_gather_per_step=phases["bytes_all_gather"],
                 device_peak_bytes=stats["device_peak_bytes"], host_peak_bytes=stats["host_peak_bytes"],
                 nvme_bytes=stats["nvme_bytes"], optimizer_state_bytes=stats["optimizer_state_bytes"],
                 parameter_bytes=stats["parameter_bytes"],
