@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer-state-tensors", type=int, choices=(0, 1, 2), default=2,
                       help="fp32 optimizer state tensors per parameter: 2 Adam/AdamW/NAdam (default), "
                            "1 SGD with momentum/Adagrad, 0 plain SGD")
+    plan.add_argument("--ranks", type=_positive_int, default=None,
+                      help="also plan each of N ZeRO ranks (torchrun's world size) and the node's sum")
+    plan.add_argument("--stage", type=int, default=3, help="with --ranks: the ZeRO stage (default 3)")
+    plan.add_argument("--shard-group-size", type=_positive_int, default=None,
+                      help="with --ranks: ranks per sharding group (default: the ranks of a node)")
+    plan.add_argument("--ranks-per-node", type=_positive_int, default=None,
+                      help="with --ranks: torchrun's --nproc-per-node (default: every rank on one node)")
     plan.add_argument("--pipeline-depth", type=_positive_int, default=3, help="optimizer_pipeline_depth (default 3)")
     plan.add_argument("--flops-per-second", type=float, default=None, help="model compute as 6 x params x tokens / this")
     plan.add_argument("--tokens-per-step", type=_positive_int, default=2048, help="with --flops-per-second (default 2048)")
@@ -202,9 +209,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             device_budget = torch.cuda.get_device_properties(0).total_memory
     # One host budget for the whole report: the table's and the auto placement's
     host_budget, host_budget_default = args.host_budget, False
+    ranks = None
+    if args.ranks is not None:
+        from offload import plan_ranks
+        try:
+            ranks = plan_ranks.check_ranks(args.ranks, args.stage, args.shard_group_size, args.ranks_per_node)
+        except ValueError as e:
+            return _error(str(e))
+    elif args.shard_group_size is not None or args.ranks_per_node is not None:
+        return _error("--shard-group-size and --ranks-per-node plan several ranks: give --ranks too")
     if host_budget is None:
-        from offload.memory.layout import default_host_budget
+        from offload.memory.layout import available_memory_bytes, default_host_budget, host_budget_share
         host_budget = default_host_budget()  # what wrap takes without one
+        if ranks is not None and available_memory_bytes() is not None:  # the node's ranks share it
+            host_budget = host_budget_share(available_memory_bytes(), ranks[1])
         host_budget_default = host_budget is not None
     nvme_budget = args.nvme_budget
     if nvme_budget is None and args.swap_dir:
@@ -222,15 +240,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        optimizer_pipeline_depth=max(2, args.pipeline_depth))
     auto = plan.auto_plan(shape, auto_config, profile, compute, args.optimizer_state_tensors)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
+    rank_plan = None
+    if ranks is not None:
+        rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth)
+        text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
+                                                            host_budget, host_budget_default))
     print(text)
     if args.json:
         import json
         with open(args.json, "w") as f:
-            json.dump(plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
-                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
-                                   host_budget_default=host_budget_default,
-                                   state_slots=args.optimizer_state_tensors),
-                      f, indent=2)
+            report = plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
+                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
+                                  host_budget_default=host_budget_default,
+                                  state_slots=args.optimizer_state_tensors)
+            if rank_plan is not None:
+                report["ranks"] = {"world_size": args.ranks, "stage": args.stage, "shard_group_size": ranks[0],
+                                   "ranks_per_node": ranks[1], "configurations": rank_plan}
+            json.dump(report, f, indent=2)
         print(f"plan written to {args.json}")
     return 0 if any_fits else 1
 
