@@ -31,7 +31,8 @@ REPO = Path(__file__).parent.parent
 # bf16 against fp32), the Adam kernels against their references, the split master, the
 # speculative and delayed paths against the serialized ones and their references.
 NUMERICS_TESTS = ["tests/test_optim_cpu_adam.py", "tests/test_engine.py", "tests/test_optim_split_master.py",
-                  "tests/test_optim_speculative.py", "tests/test_optim_delayed.py", "tests/test_optim_grad_dtype.py"]
+                  "tests/test_optim_speculative.py", "tests/test_optim_delayed.py", "tests/test_optim_grad_dtype.py",
+                  "tests/test_optim_native_kernels.py"]
 
 
 def kernel_choices():

@@ -89,6 +89,8 @@ class HandAdamW(torch.optim.Optimizer):
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
     "sgd-momentum-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd-momentum-dampening-wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd-momentum-maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, maximize=True),
     "rmsprop-momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, weight_decay=0.01),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01),
     "nadam": lambda p: torch.optim.NAdam(p, lr=0.01, momentum_decay=0.004),
@@ -96,8 +98,11 @@ OPTIMIZERS = {
     "adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
     "lion": lambda p: Lion(p, lr=1e-3, weight_decay=0.1),
 }
-STATE_SLOTS = {"sgd": 0, "sgd-momentum-nesterov-wd": 1, "rmsprop-momentum": 2, "adagrad": 1, "nadam": 2,
+STATE_SLOTS = {"sgd": 0, "sgd-momentum-nesterov-wd": 1, "sgd-momentum-dampening-wd": 1, "sgd-momentum-maximize": 1, "rmsprop-momentum": 2, "adagrad": 1, "nadam": 2,
                "radam": 2, "adamax": 2, "lion": 1}
+# Stepped by a native kernel ([Note: native elementwise kernels] in offload/optim/native_kernels.py);
+# the rest (maximize among them) by the optimizer's own step.
+NATIVE = {"sgd", "sgd-momentum-nesterov-wd", "sgd-momentum-dampening-wd", "adagrad"}
 TIERS = {"host": dict(param_tier="host", optimizer_tier="host"),
          "nvme": dict(param_tier="nvme", optimizer_tier="nvme", device_budget=140 * 1024 * 2),
          "auto": dict(param_tier="auto", optimizer_tier="auto", device_budget=140 * 1024 * 2)}
@@ -138,6 +143,17 @@ def assert_same(engine_state, model):
         assert torch.equal(engine_state[k], v), (k, (engine_state[k] - v).abs().max().item())
 
 
+@pytest.fixture
+def native_steps(monkeypatch):
+    """Counts the ranges the native SGD and Adagrad kernels step."""
+    from offload.optim import native_kernels
+    calls = []
+    for name in ("sgd_step_flat", "adagrad_step_flat"):
+        kernel = getattr(native_kernels, name)
+        monkeypatch.setattr(native_kernels, name, lambda *a, _kernel=kernel, **kw: calls.append(1) or _kernel(*a, **kw))
+    return calls
+
+
 def gpt_pair():
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -146,10 +162,11 @@ def gpt_pair():
 
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_elementwise_optimizer_equals_plain_pytorch_bit_for_bit(name, tiers, tmp_path):
+def test_elementwise_optimizer_equals_plain_pytorch_bit_for_bit(name, tiers, tmp_path, native_steps):
     """The offloaded step runs the optimizer's own step() on views of the units' flat fp32
-    master, gradients and state slots: the same numbers as plain PyTorch on an unwrapped
-    copy, with an LR scheduler changing the rate every step."""
+    master, gradients and state slots, or the native kernel where one is routed (NATIVE):
+    the same numbers as plain PyTorch on an unwrapped copy, with an LR scheduler changing
+    the rate every step."""
     reference, model = gpt_pair()
     data = batches(4)
     with correctly_rounded_sqrt():
@@ -158,6 +175,7 @@ def test_elementwise_optimizer_equals_plain_pytorch_bit_for_bit(name, tiers, tmp
         with offload.wrap(model, OPTIMIZERS[name](model.parameters()), config=config) as engine:
             train_engine(engine, data)
             assert_same(engine.state_dict(), reference)
+    assert bool(native_steps) == (name in NATIVE), len(native_steps)
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum-nesterov-wd", "nadam"])

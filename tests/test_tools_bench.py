@@ -2,7 +2,8 @@
 own subprocess and produces a table and JSON rows with the measurements the lead's benchmark
 reads; with --nproc 2 every row runs on two fresh ranks and reports per-rank memory;
 tools/bench_adam.py prints every row and the CPU model, and its native bandwidth yardsticks
-compute what they claim to (their timing is never asserted); tools/bench_io.py runs every
+compute what they claim to (their timing is never asserted); tools/bench_optim.py prints every
+optimizer's rows with the bytes per parameter of its one-pass step and the bound they imply; tools/bench_io.py runs every
 writer and its aiofiles baseline reads cold; tools/bench_checksum.py times every CRC32C
 kernel beside its read yardstick; bench_train.py's --model and --swap-checksums reach the
 engine's config."""
@@ -28,6 +29,7 @@ REPLAY_TOOL = TOOLS_DIR / "train_replay.py"
 ADAM_TOOL = REPO_ROOT / "tools" / "bench_adam.py"
 SUMMARY_TOOL = REPO_ROOT / "tools" / "trace_summary.py"
 CHECKSUM_TOOL = REPO_ROOT / "tools" / "bench_checksum.py"
+OPTIM_TOOL = REPO_ROOT / "tools" / "bench_optim.py"
 
 
 def load_tool(path: Path):
@@ -273,6 +275,41 @@ def test_bench_adam_prints_limits_every_isa_and_the_copy_out_cost():
     assert "of triad" in table and "of traffic" in table
     assert "bf16 copy-out, time over the fp32 step: " in table
     assert re.search(r"^0.3M params on \S.*, \d+ native threads", table, re.MULTILINE), table
+
+
+def test_bench_optim_prints_every_optimizer_with_its_bytes_per_param_and_bound():
+    """Each optimizer's rows (the engine's step, the generic path where a native kernel
+    replaces it, torch's flags), the bytes its one-pass step moves per parameter, and the
+    bound those bytes imply at the triad bandwidth measured in that optimizer's rounds."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, str(OPTIM_TOOL), "--quick", "--size", "100K", "--rounds", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    assert re.search(r"^0.1M fp32 params on \S.*, 2 native threads, 2 torch threads", table, re.MULTILINE), table
+    expected = {
+        ("SGD momentum", "offload engine: native"): 20, ("SGD momentum", "offload generic"): 20,
+        ("SGD momentum", "torch fused"): 20, ("SGD momentum", "torch foreach"): 20,
+        ("SGD nesterov wd", "offload engine: native"): 20, ("SGD nesterov wd", "offload generic"): 20,
+        ("SGD nesterov wd", "torch fused"): 20, ("SGD nesterov wd", "torch foreach"): 20,
+        ("Adagrad", "offload engine: native"): 20, ("Adagrad", "offload generic"): 20,
+        ("Adagrad", "torch fused"): 20, ("Adagrad", "torch foreach"): 20,
+        ("RMSprop", "offload engine: generic"): 20, ("RMSprop", "torch foreach"): 20,
+        ("Lion", "offload engine: generic"): 20, ("Lion", "torch for-loop"): 20,
+        ("Adafactor", "offload engine: generic"): 16, ("Adafactor", "torch foreach"): 16,
+        ("Adafactor", "torch for-loop"): 16,
+        ("AdamW", "offload engine: native adam"): 28, ("AdamW", "torch fused"): 20 + 8,
+        ("AdamW", "torch foreach"): 28,
+    }
+    rows = {}
+    for line in table.splitlines():
+        key = (line[:18].strip(), line[19:47].strip())
+        if key in expected:
+            rows[key] = line[47:].split()  # ms, Gparam/s, B/param, triad GB/s, bound, x bound, vs torch
+    assert rows.keys() == expected.keys(), table
+    for key, fields in rows.items():
+        assert int(fields[2]) == expected[key], (key, fields)
+        assert float(fields[4]) == pytest.approx(float(fields[3]) / expected[key], rel=0.01, abs=0.002), (key, fields)
 
 
 @pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])
@@ -587,6 +624,7 @@ TOOLS_IMPORTS = {
     "bench_defaults": {"train_harness"},
     "bench_activations": {"train_harness"},
     "bench_scale": {"train_replay"},
+    "bench_optim": {"bench_adam"},
     "bench_zero": {"bench_train", "train_harness", "train_ranks"},
 }
 

@@ -17,6 +17,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "adam/adam_simd.h"
+#include "adam/elementwise_simd.h"
 
 namespace offload::adam::detail {
 namespace {
@@ -102,6 +103,12 @@ struct Avx2 {
 
 void step_avx2(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
   simd_step<Avx2>(b, k, streaming);
+}
+
+void sgd_avx2(const ElementwiseBuffers& b, const SgdCoefficients& k) { elementwise_simd<Avx2>(b, k); }
+
+void adagrad_avx2(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
+  elementwise_simd<Avx2>(b, k);
 }
 
 }  // namespace offload::adam::detail

@@ -20,6 +20,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
 #include "adam/adam_simd.h"
+#include "adam/elementwise_simd.h"
 
 namespace offload::adam::detail {
 namespace {
@@ -92,6 +93,12 @@ struct Avx512 {
 
 void step_avx512(const Buffers& b, const Coefficients& k, const Streaming& streaming) {
   simd_step<Avx512>(b, k, streaming);
+}
+
+void sgd_avx512(const ElementwiseBuffers& b, const SgdCoefficients& k) { elementwise_simd<Avx512>(b, k); }
+
+void adagrad_avx512(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
+  elementwise_simd<Avx512>(b, k);
 }
 
 }  // namespace offload::adam::detail

@@ -1,5 +1,6 @@
-// Scalar reference kernel: portable C++, always built, the definition the vector kernels
-// must match bit for bit. See [Note: Adam numerics] in adam.h.
+// Scalar reference kernels: portable C++, always built, the definitions the vector kernels
+// must match bit for bit. See [Note: Adam numerics] in adam.h and [Note: SGD and Adagrad
+// numerics] in elementwise.h.
 #pragma GCC optimize("fp-contract=off")
 
 #include <cmath>
@@ -7,6 +8,7 @@
 #include <cstring>
 
 #include "adam/adam_kernels.h"
+#include "adam/elementwise_kernels.h"
 
 namespace offload::adam::detail {
 namespace {
@@ -116,6 +118,42 @@ void run_grad(const Buffers& b, const Coefficients& k) {
   return run<G, true, DType::kFloat16>(b, k);
 }
 
+template <DType G>
+void sgd_run(const ElementwiseBuffers& b, const SgdCoefficients& k) {
+  float* param = b.param;
+  float* state = b.state;
+  for (std::size_t i = 0; i < b.numel; ++i) {
+    float g = load_grad<G>(b.grad, i) * k.grad_scale;
+    const float p = param[i];
+    if (k.decay) g = std::fma(p, k.weight_decay, g);
+    if (k.momentum) {
+      float buf = g;
+      if (!k.first_step) {
+        buf = state[i] * k.momentum_factor;
+        buf = std::fma(g, k.one_minus_dampening, buf);
+      }
+      state[i] = buf;
+      g = k.nesterov ? std::fma(buf, k.momentum_factor, g) : buf;
+    }
+    param[i] = std::fma(g, k.neg_lr, p);
+  }
+}
+
+template <DType G>
+void adagrad_run(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
+  float* param = b.param;
+  float* state = b.state;
+  for (std::size_t i = 0; i < b.numel; ++i) {
+    float g = load_grad<G>(b.grad, i) * k.grad_scale;
+    const float p = param[i];
+    if (k.decay) g = std::fma(p, k.weight_decay, g);
+    const float s = std::fma(g, g, state[i]);
+    state[i] = s;
+    const float std_dev = std::sqrt(s) + k.eps;
+    param[i] = p + (k.neg_clr * g) / std_dev;
+  }
+}
+
 }  // namespace
 
 void step_scalar(const Buffers& b, const Coefficients& k, const Streaming& /*streaming*/) {
@@ -123,6 +161,22 @@ void step_scalar(const Buffers& b, const Coefficients& k, const Streaming& /*str
     case DType::kFloat32: return run_grad<DType::kFloat32>(b, k);
     case DType::kBFloat16: return run_grad<DType::kBFloat16>(b, k);
     case DType::kFloat16: return run_grad<DType::kFloat16>(b, k);
+  }
+}
+
+void sgd_scalar(const ElementwiseBuffers& b, const SgdCoefficients& k) {
+  switch (b.grad_dtype) {
+    case DType::kFloat32: return sgd_run<DType::kFloat32>(b, k);
+    case DType::kBFloat16: return sgd_run<DType::kBFloat16>(b, k);
+    case DType::kFloat16: return sgd_run<DType::kFloat16>(b, k);
+  }
+}
+
+void adagrad_scalar(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
+  switch (b.grad_dtype) {
+    case DType::kFloat32: return adagrad_run<DType::kFloat32>(b, k);
+    case DType::kBFloat16: return adagrad_run<DType::kBFloat16>(b, k);
+    case DType::kFloat16: return adagrad_run<DType::kFloat16>(b, k);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "adam/adam.h"
+#include "adam/elementwise.h"
 #include "bindings/registry.h"
 
 namespace py = pybind11;
@@ -44,9 +45,49 @@ void adam_step(std::uintptr_t param, std::uintptr_t grad, int grad_dtype,
   adam::step(buffers, hyper);
 }
 
+adam::ElementwiseBuffers elementwise_buffers(std::uintptr_t param, std::uintptr_t grad, int grad_dtype,
+                                             std::uintptr_t state, std::size_t numel) {
+  adam::ElementwiseBuffers buffers;
+  buffers.param = reinterpret_cast<float*>(param);
+  buffers.grad = reinterpret_cast<const void*>(grad);
+  buffers.grad_dtype = dtype_from_code(grad_dtype, "grad_dtype");
+  buffers.state = reinterpret_cast<float*>(state);
+  buffers.numel = numel;
+  return buffers;
+}
+
 }  // namespace
 
 void register_adam(py::module_& m) {
+  m.def(
+      "sgd_step",
+      [](std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t momentum_buffer,
+         std::size_t numel, double lr, double momentum, double dampening, double weight_decay,
+         bool nesterov, bool first_step, double grad_scale) {
+        adam::sgd_step(elementwise_buffers(param, grad, grad_dtype, momentum_buffer, numel),
+                       {lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale});
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
+      py::arg("grad_dtype"), py::arg("momentum_buffer"), py::arg("numel"), py::kw_only(),
+      py::arg("lr"), py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"),
+      py::arg("nesterov"), py::arg("first_step"), py::arg("grad_scale"),
+      "One torch.optim.SGD step over flat buffers given by address, in place (momentum_buffer "
+      "may be 0 when momentum is 0). Releases the GIL. Use "
+      "offload.optim.native_kernels.sgd_step_flat, which checks the buffers.");
+  m.def(
+      "adagrad_step",
+      [](std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t state_sum,
+         std::size_t numel, double lr, double lr_decay, double weight_decay, double eps, double step,
+         double grad_scale) {
+        adam::adagrad_step(elementwise_buffers(param, grad, grad_dtype, state_sum, numel),
+                           {lr, lr_decay, weight_decay, eps, step, grad_scale});
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
+      py::arg("grad_dtype"), py::arg("state_sum"), py::arg("numel"), py::kw_only(), py::arg("lr"),
+      py::arg("lr_decay"), py::arg("weight_decay"), py::arg("eps"), py::arg("step"),
+      py::arg("grad_scale"),
+      "One torch.optim.Adagrad step over flat buffers given by address, in place. Releases the "
+      "GIL. Use offload.optim.native_kernels.adagrad_step_flat, which checks the buffers.");
   m.def("adam_step", &adam_step, py::call_guard<py::gil_scoped_release>(), py::arg("param"),
         py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("numel"), py::kw_only(), py::arg("step"), py::arg("lr"), py::arg("beta1"),

@@ -15,6 +15,7 @@ import torch
 
 from offload import faults
 from offload.memory.layout import Layout, UnitState, slot_views
+from offload.optim import native_kernels
 from offload.optim.cpu_adam import adam_step_flat
 from offload.optim.generic import ParamStep
 from offload.optim.several import GroupRule
@@ -22,7 +23,7 @@ from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
 
-__all__ = ["OutOfPlace", "UnitAdam"]
+__all__ = ["OutOfPlace", "UnitAdam", "step_elementwise"]
 
 
 class OutOfPlace(NamedTuple):
@@ -42,6 +43,37 @@ class OutOfPlace(NamedTuple):
 
 def _sliced(tensors: Tuple[Optional[torch.Tensor], ...], r: slice) -> Tuple[Optional[torch.Tensor], ...]:
     return tuple(None if t is None else t[r] for t in tensors)
+
+
+def step_elementwise(rule: GroupRule, shape: torch.Size, group: Dict[str, Any], step: int, grad: torch.Tensor,
+                     grad_factor: float, master: torch.Tensor, slots: Tuple[Optional[torch.Tensor], ...],
+                     compute_out: Optional[torch.Tensor], out: Optional[Tuple[Optional[torch.Tensor], ...]],
+                     native: bool = True) -> None:
+    """One parameter's elements through its optimizer's rule (``shape``: the parameter's;
+    ``step``: its ParamStep of this update, settled unless the rule steps whole parameters);
+    UnitAdam.adam_range runs it, tools/bench_optim.py times it. A native kernel steps the
+    range where one is routed ([Note: native elementwise kernels] in optim/native_kernels.py;
+    ``native=False``: never, for the benchmark's baseline), else the rule runs the optimizer's
+    own step. Around the update it does what the Adam kernel does: the gradient times
+    ``grad_factor`` in fp32 (as the kernel, and as clip_grad_norm_'s in-place multiply),
+    out-of-place writes ([Note: out-of-place Adam]: the inputs are copied to ``out`` and
+    stepped there), and the new compute copy rounded to nearest even into ``compute_out``."""
+    if out is not None:
+        for src, dst in zip((master,) + slots, out):
+            if src is not None and src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+        master, slots = out[0], (out[1], out[2])
+    kernel = native_kernels.kernel_for(rule.rule, rule.local_index, group) if native else None
+    if kernel is None or not kernel(step, master, grad, grad_factor, slots):
+        # A copy always: the engine's gradient may be read again (a speculative update taken
+        # back), and a user's step() may write p.grad.
+        grad = grad.float() * grad_factor if grad_factor != 1.0 else grad.to(torch.float32, copy=True)
+        if rule.rule.whole:  # [Note: whole-parameter optimizers] the range is the parameter
+            rule.rule.step_whole(rule.local_index, group, step, shape, master, grad, slots)
+        else:
+            rule.rule.step_range(rule.local_index, group, step, master, grad, slots)
+    if compute_out is not None:
+        compute_out.copy_(master)
 
 
 class UnitAdam:
@@ -114,7 +146,7 @@ class UnitAdam:
             if rule.rule is not None:
                 assert not rule.rule.whole or (a, b) == (e.offset, e.offset + e.numel), \
                     f"a piece cuts {e.fqn!r}, whose optimizer steps whole parameters"
-                self._elementwise_range(rule, e.shape, group, steps[k], self._gradients.grad_range(u, k, a, b),
+                step_elementwise(rule, e.shape, group, steps[k], self._gradients.grad_range(u, k, a, b),
                                         grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
                                         None if compute_out is None else compute_out[r],
                                         None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
@@ -140,30 +172,6 @@ class UnitAdam:
                 dst = self._device.view(u.device_offset + lo, end - lo)
                 # src is reused once this returns ([Note: streams])
                 self._device.copy_in(dst, src[:end - lo], what=f"the update of unit {u.name!r}").synchronize()
-
-    def _elementwise_range(self, rule: GroupRule, shape: torch.Size, group: Dict[str, Any], step: int, grad: torch.Tensor,
-                           grad_factor: float, master: torch.Tensor, slots: Tuple[Optional[torch.Tensor], ...],
-                           compute_out: Optional[torch.Tensor],
-                           out: Optional[Tuple[Optional[torch.Tensor], ...]]) -> None:
-        """One parameter's elements through the elementwise rule, with what the Adam kernel
-        does around its update: the gradient times ``grad_factor`` in fp32 (as the kernel, and
-        as clip_grad_norm_'s in-place multiply), out-of-place writes ([Note: out-of-place
-        Adam]: the inputs are copied to ``out`` and stepped there), and the new compute copy
-        rounded to nearest even into ``compute_out``."""
-        # A copy always: the engine's gradient may be read again (a speculative update taken
-        # back), and a user's step() may write p.grad.
-        grad = grad.float() * grad_factor if grad_factor != 1.0 else grad.to(torch.float32, copy=True)
-        if out is not None:
-            for src, dst in zip((master,) + slots, out):
-                if src is not None and src.data_ptr() != dst.data_ptr():
-                    dst.copy_(src)
-            master, slots = out[0], (out[1], out[2])
-        if rule.rule.whole:  # [Note: whole-parameter optimizers] the range is the parameter
-            rule.rule.step_whole(rule.local_index, group, step, shape, master, grad, slots)
-        else:
-            rule.rule.step_range(rule.local_index, group, step, master, grad, slots)
-        if compute_out is not None:
-            compute_out.copy_(master)
 
     @staticmethod
     def _carry_over(n: int, updated: List[Tuple[int, int]],

@@ -134,6 +134,7 @@ class ElementwiseRule:
     def __init__(self, optimizer: torch.optim.Optimizer, slots: Tuple[str, ...],
                  group_slots: List[Tuple[str, ...]], scalar_names: Tuple[str, ...]) -> None:
         self.name = type(optimizer).__name__
+        self.optimizer_type = type(optimizer)  # [Note: native elementwise kernels] routes by it
         self.slots = slots
         self.group_slots = group_slots
         self.scalar_names = scalar_names
