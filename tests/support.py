@@ -78,19 +78,25 @@ def correctly_rounded_sqrt():
     10 steps of test_fp32_parity_every_tier_combination on the EPYC, stock
     torch.optim.AdamW differs from itself with IEEE sqrt by 1.37e-5 relative, over
     REL_TOL, while the engine equals the IEEE-sqrt reference bit for bit at every step.
-    sqrt is the only op of _single_tensor_adam's step this replaces."""
-    torch_sqrt = torch.Tensor.sqrt
+    sqrt is the only op of _single_tensor_adam's step this replaces. The in-place sqrt_
+    (centered RMSprop's) is replaced too."""
+    torch_sqrt, torch_sqrt_ = torch.Tensor.sqrt, torch.Tensor.sqrt_
 
     def ieee_sqrt(self):
         if self.dtype != torch.float32 or self.device.type != "cpu" or self.requires_grad:
             return torch_sqrt(self)
         return torch.from_numpy(np.sqrt(self.contiguous().numpy()))  # numpy: SQRTPS, correctly rounded
 
-    torch.Tensor.sqrt = ieee_sqrt
+    def ieee_sqrt_(self):
+        if self.dtype != torch.float32 or self.device.type != "cpu" or self.requires_grad:
+            return torch_sqrt_(self)
+        return self.copy_(ieee_sqrt(self))
+
+    torch.Tensor.sqrt, torch.Tensor.sqrt_ = ieee_sqrt, ieee_sqrt_
     try:
         yield
     finally:
-        torch.Tensor.sqrt = torch_sqrt
+        torch.Tensor.sqrt, torch.Tensor.sqrt_ = torch_sqrt, torch_sqrt_
 
 
 def reference_optimizer_step(opt):

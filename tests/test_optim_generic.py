@@ -92,17 +92,20 @@ OPTIMIZERS = {
     "sgd-momentum-dampening-wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "sgd-momentum-maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, maximize=True),
     "rmsprop-momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, weight_decay=0.01),
+    "rmsprop-centered": lambda p: torch.optim.RMSprop(p, lr=0.01, centered=True, alpha=0.9),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01),
     "nadam": lambda p: torch.optim.NAdam(p, lr=0.01, momentum_decay=0.004),
     "radam": lambda p: torch.optim.RAdam(p, lr=0.01, weight_decay=0.01),
     "adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
     "lion": lambda p: Lion(p, lr=1e-3, weight_decay=0.1),
 }
-STATE_SLOTS = {"sgd": 0, "sgd-momentum-nesterov-wd": 1, "sgd-momentum-dampening-wd": 1, "sgd-momentum-maximize": 1, "rmsprop-momentum": 2, "adagrad": 1, "nadam": 2,
+STATE_SLOTS = {"sgd": 0, "sgd-momentum-nesterov-wd": 1, "sgd-momentum-dampening-wd": 1, "sgd-momentum-maximize": 1,
+               "rmsprop-momentum": 2, "rmsprop-centered": 2, "adagrad": 1, "nadam": 2,
                "radam": 2, "adamax": 2, "lion": 1}
 # Stepped by a native kernel ([Note: native elementwise kernels] in offload/optim/native_kernels.py);
 # the rest (maximize among them) by the optimizer's own step.
-NATIVE = {"sgd", "sgd-momentum-nesterov-wd", "sgd-momentum-dampening-wd", "adagrad"}
+NATIVE = {"sgd", "sgd-momentum-nesterov-wd", "sgd-momentum-dampening-wd", "adagrad", "rmsprop-momentum",
+          "rmsprop-centered"}
 TIERS = {"host": dict(param_tier="host", optimizer_tier="host"),
          "nvme": dict(param_tier="nvme", optimizer_tier="nvme", device_budget=140 * 1024 * 2),
          "auto": dict(param_tier="auto", optimizer_tier="auto", device_budget=140 * 1024 * 2)}
@@ -145,10 +148,10 @@ def assert_same(engine_state, model):
 
 @pytest.fixture
 def native_steps(monkeypatch):
-    """Counts the ranges the native SGD and Adagrad kernels step."""
+    """Counts the ranges the native SGD, Adagrad and RMSprop kernels step."""
     from offload.optim import native_kernels
     calls = []
-    for name in ("sgd_step_flat", "adagrad_step_flat"):
+    for name in ("sgd_step_flat", "adagrad_step_flat", "rmsprop_step_flat"):
         kernel = getattr(native_kernels, name)
         monkeypatch.setattr(native_kernels, name, lambda *a, _kernel=kernel, **kw: calls.append(1) or _kernel(*a, **kw))
     return calls

@@ -1,8 +1,8 @@
-"""The native SGD and Adagrad kernels ([Note: native elementwise kernels] in
+"""The native SGD, Adagrad and RMSprop kernels ([Note: native elementwise kernels] in
 offload/optim/native_kernels.py): bit for bit the generic path they replace (the optimizer's
 own single-tensor step on 1-D views) on every instruction set this CPU runs, for every
 gradient dtype, gradient factor, alignment and length (vector tails, thread splits); and
-routed only where their settings are the kernels'. Adagrad compares under
+routed only where their settings are the kernels'. Adagrad and RMSprop compare under
 correctly_rounded_sqrt, as the Adam tests do: torch's CPU sqrt (MKL) is not correctly
 rounded, the kernels' is."""
 import contextlib
@@ -29,6 +29,12 @@ SGD = {
 ADAGRAD = {
     "plain": dict(lr=0.05),
     "decay-wd-accumulator": dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, eps=1e-6),
+}
+RMSPROP = {
+    "plain": dict(lr=0.01),
+    "momentum-wd": dict(lr=0.01, momentum=0.9, weight_decay=0.01),
+    "centered": dict(lr=0.01, centered=True),
+    "centered-alpha-0.3": dict(lr=0.01, centered=True, alpha=0.3, eps=1e-4),  # lerp's other formula
 }
 # Lengths: one element, a partial vector, vectors and a tail, several thread ranges (the
 # pool's grain is 64 Ki elements) and a tail.
@@ -75,11 +81,12 @@ def engine_steps(make, numel, offset, grad_dtype, grad_factor, native, num_steps
 
 
 def assert_kernel_equals_generic(make, numel, offset, grad_dtype, grad_factor, sqrt=False):
+    # Both runs: RMSprop's first step, which makes its state, is the generic path's in each.
     with correctly_rounded_sqrt() if sqrt else contextlib.nullcontext():
         want = engine_steps(make, numel, offset, grad_dtype, grad_factor, native=False)
-    got = engine_steps(make, numel, offset, grad_dtype, grad_factor, native=True)
+        got = engine_steps(make, numel, offset, grad_dtype, grad_factor, native=True)
     for a, b in zip([got[0]] + got[1], [want[0]] + want[1]):
-        assert torch.equal(a, b), ((a - b).abs().max().item(), (a != b).sum().item())
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
@@ -98,6 +105,18 @@ def test_sgd_kernel_equals_the_generic_step_bit_for_bit_on_every_isa(isa_name, c
 @pytest.mark.parametrize("numel", NUMELS)
 def test_adagrad_kernel_equals_the_generic_step_bit_for_bit_on_every_isa(isa_name, config, numel):
     make = lambda p: torch.optim.Adagrad(p, **ADAGRAD[config])  # noqa: E731
+    with isa(isa_name):
+        for offset, grad_dtype, factor in [(0, torch.float32, 1.0), (3, torch.float32, 0.37),
+                                           (1, torch.bfloat16, 1.0), (5, torch.float16, 0.5)]:
+            assert_kernel_equals_generic(make, numel, offset, grad_dtype, factor, sqrt=True)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("config", list(RMSPROP))
+@pytest.mark.parametrize("numel", NUMELS)
+def test_rmsprop_kernel_equals_the_generic_step_bit_for_bit_on_every_isa(isa_name, config, numel):
+    """The first step makes the state (the generic path), the next two run the kernel."""
+    make = lambda p: torch.optim.RMSprop(p, **RMSPROP[config])  # noqa: E731
     with isa(isa_name):
         for offset, grad_dtype, factor in [(0, torch.float32, 1.0), (3, torch.float32, 0.37),
                                            (1, torch.bfloat16, 1.0), (5, torch.float16, 0.5)]:
@@ -136,12 +155,15 @@ def test_only_settings_the_kernels_implement_are_routed_to_them():
         assert route(torch.optim.SGD(p, **kw)) is not None, kw
     for kw in ADAGRAD.values():
         assert route(torch.optim.Adagrad(p, **kw)) is not None, kw
+    for kw in RMSPROP.values():
+        assert route(torch.optim.RMSprop(p, **kw)) is not None, kw
+    assert route(torch.optim.RMSprop(p, lr=0.1, maximize=True)) is None
     assert route(torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True)) is not None  # the runner is single-tensor
     assert route(torch.optim.SGD(p, lr=0.1, momentum=0.9, maximize=True)) is None
     assert route(torch.optim.SGD(p, lr=torch.tensor(0.1), momentum=0.9)) is None
     assert route(torch.optim.Adagrad(p, lr=0.1, maximize=True)) is None
     assert route(MySGD(p, lr=0.1, momentum=0.9)) is None  # a subclass may override step()
-    assert route(torch.optim.RMSprop(p, lr=0.1)) is None
+    assert route(torch.optim.Adamax(p, lr=0.1)) is None
     opt = torch.optim.SGD(p, lr=0.1, momentum=0.9)
     opt.param_groups[0]["differentiable"] = True
     assert route(opt) is None
@@ -160,3 +182,9 @@ def test_the_flat_steps_refuse_bad_buffers():
                                          weight_decay=0, eps=1e-10, step=1)
     with pytest.raises(ValueError, match="must not overlap"):
         native_kernels.adagrad_step_flat(p, g, p, lr=0.1, lr_decay=0, weight_decay=0, eps=1e-10, step=1)
+    with pytest.raises(ValueError, match="grad_avg is required where centered"):
+        native_kernels.rmsprop_step_flat(p, g, torch.zeros(8), None, None, lr=0.1, alpha=0.99, eps=1e-8,
+                                         weight_decay=0, momentum=0, centered=True)
+    with pytest.raises(ValueError, match="must not overlap"):
+        native_kernels.rmsprop_step_flat(p, g, torch.zeros(8), None, g, lr=0.1, alpha=0.99, eps=1e-8,
+                                         weight_decay=0, momentum=0.9, centered=False)

@@ -111,6 +111,10 @@ void adagrad_avx2(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
   elementwise_simd<Avx2>(b, k);
 }
 
+void rmsprop_avx2(const ElementwiseBuffers& b, const RmspropCoefficients& k) {
+  elementwise_simd<Avx2>(b, k);
+}
+
 }  // namespace offload::adam::detail
 
 #pragma GCC pop_options

@@ -101,6 +101,10 @@ void adagrad_avx512(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
   elementwise_simd<Avx512>(b, k);
 }
 
+void rmsprop_avx512(const ElementwiseBuffers& b, const RmspropCoefficients& k) {
+  elementwise_simd<Avx512>(b, k);
+}
+
 }  // namespace offload::adam::detail
 
 #pragma GCC pop_options

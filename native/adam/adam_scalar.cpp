@@ -1,5 +1,5 @@
 // Scalar reference kernels: portable C++, always built, the definitions the vector kernels
-// must match bit for bit. See [Note: Adam numerics] in adam.h and [Note: SGD and Adagrad
+// must match bit for bit. See [Note: Adam numerics] in adam.h and [Note: elementwise kernel
 // numerics] in elementwise.h.
 #pragma GCC optimize("fp-contract=off")
 
@@ -154,6 +154,38 @@ void adagrad_run(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
   }
 }
 
+template <DType G>
+void rmsprop_run(const ElementwiseBuffers& b, const RmspropCoefficients& k) {
+  float* param = b.param;
+  for (std::size_t i = 0; i < b.numel; ++i) {
+    float g = load_grad<G>(b.grad, i) * k.grad_scale;
+    const float p = param[i];
+    if (k.decay) g = std::fma(p, k.weight_decay, g);
+    float s = b.state[i] * k.alpha;
+    s = std::fma(k.one_minus_alpha * g, g, s);
+    b.state[i] = s;
+    float avg;
+    if (k.centered) {
+      float ga = b.state2[i];
+      const float diff = g - ga;
+      ga = k.lerp_small ? std::fma(k.one_minus_alpha, diff, ga) : std::fma(k.lerp_weight_minus_one, diff, g);
+      b.state2[i] = ga;
+      avg = std::sqrt(std::fma(-1.0f * ga, ga, s));
+    } else {
+      avg = std::sqrt(s);
+    }
+    avg = avg + k.eps;
+    if (k.momentum) {
+      float buf = b.state3[i] * k.momentum_factor;
+      buf = buf + (1.0f * g) / avg;
+      b.state3[i] = buf;
+      param[i] = std::fma(buf, k.neg_lr, p);
+    } else {
+      param[i] = p + (k.neg_lr * g) / avg;
+    }
+  }
+}
+
 }  // namespace
 
 void step_scalar(const Buffers& b, const Coefficients& k, const Streaming& /*streaming*/) {
@@ -177,6 +209,14 @@ void adagrad_scalar(const ElementwiseBuffers& b, const AdagradCoefficients& k) {
     case DType::kFloat32: return adagrad_run<DType::kFloat32>(b, k);
     case DType::kBFloat16: return adagrad_run<DType::kBFloat16>(b, k);
     case DType::kFloat16: return adagrad_run<DType::kFloat16>(b, k);
+  }
+}
+
+void rmsprop_scalar(const ElementwiseBuffers& b, const RmspropCoefficients& k) {
+  switch (b.grad_dtype) {
+    case DType::kFloat32: return rmsprop_run<DType::kFloat32>(b, k);
+    case DType::kBFloat16: return rmsprop_run<DType::kBFloat16>(b, k);
+    case DType::kFloat16: return rmsprop_run<DType::kFloat16>(b, k);
   }
 }
 

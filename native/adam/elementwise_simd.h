@@ -1,8 +1,8 @@
-// The vector SGD and Adagrad kernels, written once for every instruction set over the traits
+// The vector SGD, Adagrad and RMSprop kernels, written once for every instruction set over the traits
 // structs of the Adam kernels: each ISA file includes this right after adam_simd.h, inside
-// its target region, and calls simd_sgd<Traits> / simd_adagrad<Traits> from its
-// sgd_<isa> / adagrad_<isa> ([Note: one kernel template, compiled per ISA] in adam_simd.h,
-// whose load/store/load_grad helpers these use). Arithmetic: [Note: SGD and Adagrad numerics]
+// its target region, and calls elementwise_simd<Traits> from its sgd_<isa>, adagrad_<isa>
+// and rmsprop_<isa> ([Note: one kernel template, compiled per ISA] in adam_simd.h,
+// whose load/store/load_grad helpers these use). Arithmetic: [Note: elementwise kernel numerics]
 // in elementwise.h; the tail runs as a partial vector through the same instructions.
 #pragma once
 #pragma GCC optimize("fp-contract=off")
@@ -50,6 +50,38 @@ inline void elementwise_update(const ElementwiseBuffers& b, const AdagradCoeffic
   store<V, kPartial>(b.param + i, V::add(p, V::div(V::mul(V::broadcast(k.neg_clr), g), std_dev)), lanes);
 }
 
+template <class V, DType G, bool kPartial>
+inline void elementwise_update(const ElementwiseBuffers& b, const RmspropCoefficients& k, std::size_t i,
+                               typename V::Lanes lanes) {
+  using Vec = typename V::Vec;
+  Vec g = V::mul(load_grad<V, G, kPartial>(b.grad, i, lanes), V::broadcast(k.grad_scale));
+  const Vec p = load<V, kPartial>(b.param + i, lanes);
+  if (k.decay) g = V::fmadd(p, V::broadcast(k.weight_decay), g);
+  Vec s = V::mul(load<V, kPartial>(b.state + i, lanes), V::broadcast(k.alpha));
+  s = V::fmadd(V::mul(V::broadcast(k.one_minus_alpha), g), g, s);
+  store<V, kPartial>(b.state + i, s, lanes);
+  Vec avg;
+  if (k.centered) {
+    Vec ga = load<V, kPartial>(b.state2 + i, lanes);
+    const Vec diff = V::sub(g, ga);
+    ga = k.lerp_small ? V::fmadd(V::broadcast(k.one_minus_alpha), diff, ga)
+                      : V::fmadd(V::broadcast(k.lerp_weight_minus_one), diff, g);
+    store<V, kPartial>(b.state2 + i, ga, lanes);
+    avg = V::sqrt(V::fmadd(V::mul(V::broadcast(-1.0f), ga), ga, s));
+  } else {
+    avg = V::sqrt(s);
+  }
+  avg = V::add(avg, V::broadcast(k.eps));
+  if (k.momentum) {
+    Vec buf = V::mul(load<V, kPartial>(b.state3 + i, lanes), V::broadcast(k.momentum_factor));
+    buf = V::add(buf, V::div(V::mul(V::broadcast(1.0f), g), avg));
+    store<V, kPartial>(b.state3 + i, buf, lanes);
+    store<V, kPartial>(b.param + i, V::fmadd(buf, V::broadcast(k.neg_lr), p), lanes);
+  } else {
+    store<V, kPartial>(b.param + i, V::add(p, V::div(V::mul(V::broadcast(k.neg_lr), g), avg)), lanes);
+  }
+}
+
 // The loop of Adam's kernel without its streaming stores: software prefetch one line of each
 // stream kPrefetchNumel elements ahead, full vectors, then the tail as a partial vector.
 template <class V, DType G, class K>
@@ -68,6 +100,8 @@ void elementwise_run(const ElementwiseBuffers& given_b, const K& given_k) {
     _mm_prefetch(reinterpret_cast<const char*>(b.param + ahead), _MM_HINT_T0);
     _mm_prefetch(static_cast<const char*>(b.grad) + ahead * kGradBytes, _MM_HINT_T0);
     if (b.state != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.state + ahead), _MM_HINT_T0);
+    if (b.state2 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.state2 + ahead), _MM_HINT_T0);
+    if (b.state3 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.state3 + ahead), _MM_HINT_T0);
     for (std::size_t j = 0; j < kLineNumel; j += kWidth) {
       elementwise_update<V, G, false>(b, k, i + j, typename V::Lanes());
     }

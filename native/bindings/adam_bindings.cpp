@@ -75,6 +75,24 @@ void register_adam(py::module_& m) {
       "may be 0 when momentum is 0). Releases the GIL. Use "
       "offload.optim.native_kernels.sgd_step_flat, which checks the buffers.");
   m.def(
+      "rmsprop_step",
+      [](std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t square_avg,
+         std::uintptr_t grad_avg, std::uintptr_t momentum_buffer, std::size_t numel, double lr,
+         double alpha, double eps, double weight_decay, double momentum, bool centered,
+         double grad_scale) {
+        adam::ElementwiseBuffers buffers = elementwise_buffers(param, grad, grad_dtype, square_avg, numel);
+        buffers.state2 = reinterpret_cast<float*>(grad_avg);
+        buffers.state3 = reinterpret_cast<float*>(momentum_buffer);
+        adam::rmsprop_step(buffers, {lr, alpha, eps, weight_decay, momentum, centered, grad_scale});
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("param"), py::arg("grad"),
+      py::arg("grad_dtype"), py::arg("square_avg"), py::arg("grad_avg"), py::arg("momentum_buffer"),
+      py::arg("numel"), py::kw_only(), py::arg("lr"), py::arg("alpha"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("momentum"), py::arg("centered"), py::arg("grad_scale"),
+      "One torch.optim.RMSprop step over flat buffers given by address, in place (grad_avg may "
+      "be 0 unless centered, momentum_buffer unless momentum > 0). Releases the GIL. Use "
+      "offload.optim.native_kernels.rmsprop_step_flat, which checks the buffers.");
+  m.def(
       "adagrad_step",
       [](std::uintptr_t param, std::uintptr_t grad, int grad_dtype, std::uintptr_t state_sum,
          std::size_t numel, double lr, double lr_decay, double weight_decay, double eps, double step,
