@@ -19,7 +19,8 @@
 //    (no traits parameter, so otherwise one symbol), stays its own; with external linkage
 //    the linker would keep one of the two, possibly the AVX-512 one, and run it on a CPU
 //    without AVX-512 (an ODR violation that shows up as SIGILL on some machines only).
-//    `nm adam_avx2.o` lists step_avx2 as its only global symbol, likewise for AVX-512.
+//    `nm adam_avx2.o` lists step_avx2 and the elementwise kernels of elementwise_simd.h
+//    (sgd_avx2, adagrad_avx2, rmsprop_avx2) as its only global symbols, likewise for AVX-512.
 //  * No standard-library template is instantiated here or in the traits: std::min and the
 //    like would be emitted as shared (COMDAT) symbols, with the same hazard.
 //  * fp-contract=off must be in force so that no multiply and add is fused but the ones
