@@ -1,8 +1,9 @@
 """The native SGD, Adagrad and RMSprop kernels ([Note: native elementwise kernels] in
 offload/optim/native_kernels.py): bit for bit the generic path they replace (the optimizer's
 own single-tensor step on 1-D views) on every instruction set this CPU runs, for every
-gradient dtype, gradient factor, alignment and length (vector tails, thread splits); and
-routed only where their settings are the kernels'. Adagrad and RMSprop compare under
+gradient dtype, gradient factor, alignment and length (vector tails, thread splits), and
+through the engine in a bf16 run with clipping; and routed only where their settings are
+the kernels'. Adagrad and RMSprop compare under
 correctly_rounded_sqrt, as the Adam tests do: torch's CPU sqrt (MKL) is not correctly
 rounded, the kernels' is."""
 import contextlib
@@ -188,3 +189,40 @@ def test_the_flat_steps_refuse_bad_buffers():
     with pytest.raises(ValueError, match="must not overlap"):
         native_kernels.rmsprop_step_flat(p, g, torch.zeros(8), None, g, lr=0.1, alpha=0.99, eps=1e-8,
                                          weight_decay=0, momentum=0.9, centered=False)
+
+
+@pytest.mark.parametrize("name,make", [
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("adagrad", lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1)),
+    ("rmsprop", lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.9, weight_decay=0.01)),
+])
+def test_a_bf16_engine_run_with_clipping_equals_the_generic_path(name, make, tmp_path, monkeypatch):
+    """Through the engine, in bf16 (16-bit gradients read by the kernel as they are, the
+    compute copy rounded from the master) with clipping that triggers every step: the run
+    on the kernels equals the run with kernel_for routing nothing, bit for bit."""
+    import offload
+    from offload.gpt import GPT
+    from support import CFG, batches, gpt_loss, train_offload
+
+    calls = []
+    results = []
+    for native in (True, False):
+        with monkeypatch.context() as patch:
+            if native:  # count the ranges the kernels step
+                for flat in ("sgd_step_flat", "adagrad_step_flat", "rmsprop_step_flat"):
+                    kernel = getattr(native_kernels, flat)
+                    patch.setattr(native_kernels, flat, lambda *a, _k=kernel, **kw: calls.append(1) or _k(*a, **kw))
+            else:
+                patch.setattr(native_kernels, "kernel_for", lambda *a: None)
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            config = dict(param_tier="host", optimizer_tier="host", dtype="bf16", max_grad_norm=0.05,
+                          swap_dir=str(tmp_path / f"swap{native}"))
+            with correctly_rounded_sqrt(), offload.wrap(model, make(model.parameters()), config=config) as engine:
+                train_offload(engine, batches(4))
+                results.append((engine.state_dict(), engine.stats()["grad_norm"]))
+    assert calls
+    (a, norm_a), (b, norm_b) = results
+    assert norm_a == norm_b and norm_a > 0.05
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
