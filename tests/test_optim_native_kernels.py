@@ -3,9 +3,8 @@ offload/optim/native_kernels.py): bit for bit the generic path they replace (the
 own single-tensor step on 1-D views) on every instruction set this CPU runs, for every
 gradient dtype, gradient factor, alignment and length (vector tails, thread splits), and
 through the engine in a bf16 run with clipping; and routed only where their settings are
-the kernels'. Adagrad and RMSprop compare under
-correctly_rounded_sqrt, as the Adam tests do: torch's CPU sqrt (MKL) is not correctly
-rounded, the kernels' is."""
+the kernels'. Adagrad and RMSprop compare under correctly_rounded_sqrt, as the Adam tests
+do: torch's CPU sqrt (MKL) is not correctly rounded, the kernels' is."""
 import contextlib
 
 import pytest
