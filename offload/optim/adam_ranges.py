@@ -63,6 +63,8 @@ def step_elementwise(rule: GroupRule, shape: torch.Size, group: Dict[str, Any], 
             if src is not None and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
         master, slots = out[0], (out[1], out[2])
+    # A kernel reads the engine's gradient in place (its dtype, times grad_factor) and never
+    # writes it.
     kernel = native_kernels.kernel_for(rule.rule, rule.local_index, group) if native else None
     if kernel is None or not kernel(step, master, grad, grad_factor, slots):
         # A copy always: the engine's gradient may be read again (a speculative update taken
@@ -147,9 +149,9 @@ class UnitAdam:
                 assert not rule.rule.whole or (a, b) == (e.offset, e.offset + e.numel), \
                     f"a piece cuts {e.fqn!r}, whose optimizer steps whole parameters"
                 step_elementwise(rule, e.shape, group, steps[k], self._gradients.grad_range(u, k, a, b),
-                                        grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
-                                        None if compute_out is None else compute_out[r],
-                                        None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
+                                 grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
+                                 None if compute_out is None else compute_out[r],
+                                 None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
                 updated.append((r.start, r.stop))
                 continue
             beta1, beta2 = group["betas"]
