@@ -72,6 +72,31 @@ def adam_set_stream_copy_out_min_numel(numel: int) -> None: ...
 def adam_selected_isa() -> str: ...
 def adam_available_isas() -> list[str]: ...
 def adam_set_isa(name: str) -> None: ...
+
+COMPACT_BLOCK_NUMEL: int
+
+def compact_adam_step(
+    grad: int,
+    grad_dtype: int,
+    high: int,
+    low: int,
+    exp_avg: int,
+    exp_avg_scales: int,
+    exp_avg_sq: int,
+    exp_avg_sq_scales: int,
+    numel: int,
+    *,
+    adamw: bool,
+    grad_scale: float,
+    decay: float,
+    beta1: float,
+    one_minus_beta1: float,
+    beta2: float,
+    one_minus_beta2: float,
+    sqrt_bias_correction2: float,
+    eps: float,
+    step_size: float,
+) -> tuple[int, int, float, int]: ...
 def crc32c(address: int, nbytes: int, crc: int = 0) -> int: ...
 def crc32c_pages(address: int, nbytes: int, page_bytes: int, out: int) -> None: ...
 def crc32c_check_pages(

@@ -29,10 +29,11 @@ import offload
 REPO = Path(__file__).parent.parent
 # The tests whose bounds depend on the arithmetic: parity with plain PyTorch (fp32, clipped,
 # bf16 against fp32), the Adam kernels against their references, the split master, the
-# speculative and delayed paths against the serialized ones and their references.
+# speculative and delayed paths against the serialized ones and their references, the compact
+# states' fused kernel (its engine runs included) on the ISA forced.
 NUMERICS_TESTS = ["tests/test_optim_cpu_adam.py", "tests/test_engine.py", "tests/test_optim_split_master.py",
                   "tests/test_optim_speculative.py", "tests/test_optim_delayed.py", "tests/test_optim_grad_dtype.py",
-                  "tests/test_optim_native_kernels.py"]
+                  "tests/test_optim_native_kernels.py", "tests/test_optim_compact.py"]
 
 
 def kernel_choices():

@@ -1,6 +1,8 @@
 """optimizer_states="compact": the config field, wrap's refusals, the codec's round-trip
 bounds ([Note: compact optimizer states], offload/memory/compact_codec.py) and the compact
-Adam/AdamW step against a float64 reference of the same rule written here."""
+Adam/AdamW step against a float64 reference of the same rule written here, and the fused
+native step against the torch-ops one (its scalar reference) bit for bit on every ISA."""
+import contextlib
 import dataclasses
 import math
 
@@ -9,13 +11,14 @@ import torch
 from torch import nn
 
 import offload
+from offload import _native
 from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_padded_numel,
                                           compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
                                           encode_exp_avg_sq, encode_master, ulp_of_bf16)
 from offload.memory.layout import Layout
 from offload.optim import compact as offload_compact
-from offload.optim.compact import CompactRange, compact_adam_step, compact_constants
+from offload.optim.compact import CompactRange, compact_adam_step, compact_adam_step_reference, compact_constants
 
 F32_TINY = 2.0 ** -149  # the smallest fp32 subnormal: the absolute rounding of subnormal results
 
@@ -296,14 +299,16 @@ def test_a_non_finite_gradient_raises_and_leaves_the_states_as_they_were():
 
 
 def test_compact_step_gives_the_same_bits_on_one_thread_and_many():
+    """torch's threads (the reference's ops) and the native pool's (the kernel's ranges)."""
     g = torch.Generator().manual_seed(5)
-    n = 64 * BLOCK_NUMEL + 3
+    n = 2 * 512 * BLOCK_NUMEL + 3  # past two grains of the native pool, so its threads split it
     start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
     grads = [torch.randn(n, generator=g).to(torch.bfloat16) for _ in range(3)]
     results = []
-    threads = torch.get_num_threads()
+    threads, native_threads = torch.get_num_threads(), _native.num_threads()
     for num_threads in (1, max(2, threads)):
         torch.set_num_threads(num_threads)
+        _native.set_num_threads(num_threads)
         try:
             states = CompactRange.from_exact(*start)
             for step, grad in enumerate(grads, start=1):
@@ -312,9 +317,129 @@ def test_compact_step_gives_the_same_bits_on_one_thread_and_many():
             results.append(states)
         finally:
             torch.set_num_threads(threads)
+            _native.set_num_threads(native_threads)
     a, b = results
     for name in ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+# ------------------------------------------------------------------ the native kernel against the torch ops
+
+STATE_FIELDS = ("high", "low", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales")
+
+
+@contextlib.contextmanager
+def forced_isa(name):
+    if name not in _native.adam_available_isas():
+        pytest.skip(f"this CPU cannot run the {name} kernel")
+    previous = _native.adam_selected_isa()
+    _native.adam_set_isa(name)
+    try:
+        yield
+    finally:
+        _native.adam_set_isa(previous)
+
+
+def _copy(states):
+    copy = CompactRange.__new__(CompactRange)
+    copy.numel = states.numel
+    for name in STATE_FIELDS:
+        setattr(copy, name, getattr(states, name).clone())
+    return copy
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def _assert_same_bits(native, reference, where):
+    for name in STATE_FIELDS:
+        a, b = _bits(getattr(native, name)), _bits(getattr(reference, name))
+        differ = (a != b).nonzero().flatten()
+        assert differ.numel() == 0, (f"{where}: {name} differs at {differ.numel()} element(s), the first "
+                                     f"{differ[:4].tolist()}: native {getattr(native, name)[differ[:4]].tolist()}, "
+                                     f"torch ops {getattr(reference, name)[differ[:4]].tolist()}")
+
+
+def _states_and_grads(kind, n, num_steps, g):
+    """Start states and gradients: "random" (normal), "heavy" (six decades within each block,
+    subnormal and huge masters, gradients with exact zeros), "zero" (all-zero moments and
+    gradients in whole blocks, a zero master block)."""
+    master = torch.randn(n, generator=g)
+    exp_avg = torch.randn(n, generator=g) * 0.1
+    exp_avg_sq = torch.rand(n, generator=g) * 0.01
+    grads = [torch.randn(n, generator=g) for _ in range(num_steps)]
+    if kind == "heavy":
+        decades = lambda: 10.0 ** (-6 * torch.rand(n, generator=g))  # noqa: E731
+        master = master * 10.0 ** (12 * torch.rand(n, generator=g) - 6)
+        master[::17] = torch.randn(master[::17].shape, generator=g) * 1e-39  # subnormal
+        master[5::19] = torch.randn(master[5::19].shape, generator=g) * 1e12  # (g + x * wd)^2 stays finite
+        exp_avg, exp_avg_sq = exp_avg * decades(), exp_avg_sq * decades() ** 2
+        grads = [grad * decades() ** 2 for grad in grads]
+        for grad in grads:
+            grad[::7] = 0
+    if kind == "zero":
+        exp_avg[:BLOCK_NUMEL] = 0
+        exp_avg_sq[:BLOCK_NUMEL] = 0
+        master[BLOCK_NUMEL:2 * BLOCK_NUMEL] = 0
+        for k, grad in enumerate(grads):
+            grad[:BLOCK_NUMEL] = 0
+            if k % 2:
+                grad[-BLOCK_NUMEL:] = 0
+    return CompactRange.from_exact(master, exp_avg, exp_avg_sq), grads
+
+
+# lengths: shorter than a vector, than a block, a block and a bit, not a multiple of 8 or 16,
+# and past two grains of the native pool (its threads split it)
+NATIVE_NUMELS = [1, 7, 13, BLOCK_NUMEL - 1, BLOCK_NUMEL, BLOCK_NUMEL + 9, 3 * BLOCK_NUMEL + 100, 2 * 512 * BLOCK_NUMEL + 77]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("kind", ["random", "heavy", "zero"])
+def test_the_native_step_equals_the_torch_ops_step_bit_for_bit(isa, kind):
+    """Every length, Adam and AdamW with and without weight decay, each gradient dtype and a
+    grad_scale: four steps each, every state compared bit for bit after every step."""
+    g = torch.Generator().manual_seed(11)
+    cases = [(adamw, wd, dtype) for adamw in (True, False) for wd in (0.0, 0.1)
+             for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    with forced_isa(isa):
+        for n in NATIVE_NUMELS:
+            for case, (adamw, wd, dtype) in enumerate(cases):
+                if n > 10 * BLOCK_NUMEL and case % 6 != 4:  # the long one: Adam and AdamW, wd, bf16
+                    continue
+                native, grads = _states_and_grads(kind, n, 4, g)
+                reference = _copy(native)
+                for step, grad in enumerate(grads, start=1):
+                    hp = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, adamw=adamw,
+                              grad_scale=0.5 if step % 2 else 1.0)
+                    grad = grad.to(dtype)
+                    compact_adam_step(native, grad, **hp)
+                    compact_adam_step_reference(reference, grad, **hp)
+                    _assert_same_bits(native, reference, f"{isa} {kind} n={n} adamw={adamw} wd={wd} {dtype} step {step}")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_an_overflowing_update_raises_naming_the_state_and_stores_the_blocks_without_one(isa):
+    """A finite gradient whose square overflows fp32 (v = inf): both steps raise naming
+    exp_avg_sq; the native one leaves the block that holds it as it was and stores the one
+    before it, which equals that block stepped alone."""
+    g = torch.Generator().manual_seed(12)
+    n = 2 * BLOCK_NUMEL
+    start = (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01)
+    grad = torch.randn(n, generator=g)
+    grad[BLOCK_NUMEL + 3] = 3e19
+    hp = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    with forced_isa(isa):
+        native = CompactRange.from_exact(*start)
+        before = _copy(native)
+        with pytest.raises(NonFiniteStateError, match=f"exp_avg_sq: .*element {BLOCK_NUMEL + 3} "):
+            compact_adam_step(native, grad, **hp)
+        with pytest.raises(NonFiniteStateError, match="exp_avg_sq"):
+            compact_adam_step_reference(_copy(before), grad, **hp)
+        first = _copy(before).range(0, BLOCK_NUMEL)
+        compact_adam_step_reference(first, grad[:BLOCK_NUMEL], **hp)
+        _assert_same_bits(native.range(0, BLOCK_NUMEL), first, "the block before")
+        _assert_same_bits(native.range(BLOCK_NUMEL, n), before.range(BLOCK_NUMEL, n), "the block with it")
 
 
 # ------------------------------------------------------------------ a unit of parameters

@@ -10,5 +10,6 @@ void register_common(pybind11::module_& m);
 void register_adam(pybind11::module_& m);
 void register_io(pybind11::module_& m);
 void register_checksum(pybind11::module_& m);
+void register_compact(pybind11::module_& m);
 
 }  // namespace offload::bindings

@@ -1,9 +1,12 @@
 """The Adam/AdamW step on compact optimizer states ([Note: compact optimizer states] in
 offload/memory/compact_codec.py), and what optimizer_states="compact" is refused with.
 
-``compact_adam_step`` is the slow-but-correct path in torch ops: it dequantizes a range,
-updates it and requantizes it, each operation one fp32 rounding in a fixed order (no fused
-multiply-add, no ISA-dependent intrinsic, square roots correctly rounded), so every machine computes the same bits."""
+``compact_adam_step`` runs the fused native kernel (native/compact/compact.h): per block it
+dequantizes, updates and requantizes in one pass, on the Adam kernel's instruction set.
+``compact_adam_step_reference`` is the same rule in torch ops, slow but plain: each
+operation one fp32 rounding in a fixed order (no fused multiply-add, no ISA-dependent
+intrinsic, square roots correctly rounded). The kernel equals it bit for bit on every ISA
+([Note: compact step numerics] in native/compact/compact.h; tests/test_optim_compact.py)."""
 from __future__ import annotations
 
 import math
@@ -11,12 +14,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from offload.memory.compact_codec import (BLOCK_NUMEL, compact_padded_numel, compact_state_bytes,
+from offload import _native
+from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_padded_numel, compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
+from offload.memory.master_codec import check_flat
 from offload.optim.cpu_adam import CPUAdam
 
-__all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_constants",
+__all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_adam_step_reference",
+           "compact_constants",
            "compact_padded_numel", "compact_unit_bytes"]
 
 
@@ -82,12 +88,59 @@ def compact_constants(*, step: int, lr: float, beta1: float, beta2: float, eps: 
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
 
 
+assert _native.COMPACT_BLOCK_NUMEL == BLOCK_NUMEL, "native/compact/compact.h's kBlockNumel is the codec's"
+
+_GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # native/adam/adam.h, DType
+# native/compact/compact.h, Problem: the state each code names (1, the gradient, is exp_avg's first input)
+_PROBLEM_STATES = {2: "exp_avg", 3: "exp_avg_sq", 4: "master",
+                   5: "master (rounded to bf16: beyond bf16's largest value)"}
+
+
 def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr: float, beta1: float,
                       beta2: float, eps: float, weight_decay: float, adamw: bool = True,
                       grad_scale: float = 1.0) -> None:
+    """One Adam (``adamw=False``) or AdamW step of ``states`` with ``grad`` (flat,
+    fp32/bf16/fp16, multiplied by ``grad_scale`` first), ``step`` the 1-based number of this
+    step: the rule of compact_adam_step_reference, the same bits, in one fused native pass
+    over the states (in place, on the native thread pool, the GIL released).
+
+    A non-finite gradient (times grad_scale) raises NonFiniteStateError naming exp_avg and
+    the first element before anything is written. A finite gradient whose update overflows
+    a state (a moment or master beyond fp32, a master beyond bf16) raises it naming that
+    state and element after the blocks without one were stored: the states are then a mix
+    of two steps (as the units stepped before it are), and the run cannot go on from them."""
+    assert grad.dim() == 1 and grad.numel() == states.numel
+    n = states.numel
+    check_flat("grad", grad, tuple(_GRAD_DTYPE_CODES), n)
+    check_flat("high", states.high, (torch.bfloat16,), n)
+    check_flat("low", states.low, (torch.int8,), n)
+    check_flat("exp_avg", states.exp_avg, (torch.int8,), n)
+    check_flat("exp_avg_sq", states.exp_avg_sq, (torch.uint8,), n)
+    check_flat("exp_avg_scales", states.exp_avg_scales, (torch.float32,), num_blocks(n))
+    check_flat("exp_avg_sq_scales", states.exp_avg_sq_scales, (torch.float32,), num_blocks(n))
+    c = compact_constants(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          adamw=adamw, grad_scale=grad_scale)
+    problem, element, value, count = _native.compact_adam_step(
+        grad.data_ptr(), _GRAD_DTYPE_CODES[grad.dtype], states.high.data_ptr(), states.low.data_ptr(),
+        states.exp_avg.data_ptr(), states.exp_avg_scales.data_ptr(), states.exp_avg_sq.data_ptr(),
+        states.exp_avg_sq_scales.data_ptr(), n, adamw=adamw, **{k: float(v) for k, v in c.items()})
+    if problem == 1:
+        raise NonFiniteStateError(
+            f"exp_avg: {count} non-finite value(s) (NaN/Inf) from the gradient, the first at element {element} "
+            f"({value}); compact optimizer states cannot hold them (nothing was written)")
+    if problem != 0:
+        raise NonFiniteStateError(
+            f"{_PROBLEM_STATES[problem]}: a non-finite value (NaN/Inf) at element {element} ({value}); "
+            "compact optimizer states cannot hold it (the blocks without one were updated)")
+
+
+def compact_adam_step_reference(states: CompactRange, grad: torch.Tensor, *, step: int, lr: float, beta1: float,
+                                beta2: float, eps: float, weight_decay: float, adamw: bool = True,
+                                grad_scale: float = 1.0) -> None:
     """One Adam (``adamw=False``: L2 decay added to the gradient) or AdamW step of
     ``states`` with ``grad`` (flat, fp32/bf16/fp16, multiplied by ``grad_scale`` first),
-    ``step`` the 1-based number of this step. Slow but correct: torch ops, one pass each.
+    ``step`` the 1-based number of this step. Slow but plain: torch ops, one pass each; the
+    reference the native kernel (compact_adam_step) is tested against bit for bit.
     The new states are worked out whole before any is stored: a non-finite value raises
     NonFiniteStateError (naming the state and element) and leaves ``states`` as it was.
 
