@@ -15,7 +15,7 @@ from offload import _native
 from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_padded_numel,
                                           compact_state_bytes,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg,
-                                          encode_exp_avg_sq, encode_master, ulp_of_bf16)
+                                          encode_exp_avg_sq, encode_master, num_blocks, ulp_of_bf16)
 from offload.memory.layout import Layout
 from offload.optim import compact as offload_compact
 from offload.optim.compact import CompactRange, compact_adam_step, compact_adam_step_reference, compact_constants
@@ -416,6 +416,34 @@ def test_the_native_step_equals_the_torch_ops_step_bit_for_bit(isa, kind):
                     compact_adam_step(native, grad, **hp)
                     compact_adam_step_reference(reference, grad, **hp)
                     _assert_same_bits(native, reference, f"{isa} {kind} n={n} adamw={adamw} wd={wd} {dtype} step {step}")
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_the_native_step_decodes_every_code_and_tiny_masters_as_the_torch_ops_step(isa):
+    """Every exp_avg, exp_avg_sq and low code, beside highs of every bf16 exponent from 0
+    (zero and subnormals, where the low part decodes below fp32's normal range) to 40 and
+    around 1: the vector kernels' division-free decoding ([Note: compact kernel divisions]
+    in native/compact/compact_simd.h) gives the torch-ops step's bits."""
+    g = torch.Generator().manual_seed(13)
+    n = 4 * BLOCK_NUMEL
+    states = CompactRange(n)
+    codes = torch.arange(n)
+    states.exp_avg.copy_((codes % 255 - 127).to(torch.int8))
+    states.exp_avg_sq.copy_((codes % 256).to(torch.uint8))
+    states.low.copy_(((codes * 7) % 255 - 127).to(torch.int8))
+    exponents = torch.where(codes < 2 * BLOCK_NUMEL, codes % 41, 120 + codes % 16)  # bf16 exponent fields
+    sign = torch.where(codes % 3 == 0, 1, 0) << 15
+    states.high.copy_(((exponents << 7) | (codes % 128) | sign).to(torch.int16).view(torch.bfloat16))
+    states.exp_avg_scales.copy_(torch.rand(num_blocks(n), generator=g) * 0.1)
+    states.exp_avg_sq_scales.copy_(torch.rand(num_blocks(n), generator=g) * 0.01)
+    reference = _copy(states)
+    with forced_isa(isa):
+        for step in range(1, 4):
+            grad = torch.randn(n, generator=g) * 1e-3
+            hp = dict(step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=step != 2)
+            compact_adam_step(states, grad, **hp)
+            compact_adam_step_reference(reference, grad, **hp)
+            _assert_same_bits(states, reference, f"{isa} step {step}")
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])

@@ -313,6 +313,24 @@ def test_bench_optim_prints_every_optimizer_with_its_bytes_per_param_and_bound()
         assert float(fields[4]) == pytest.approx(float(fields[3]) / expected[key], rel=0.01, abs=0.002), (key, fields)
 
 
+def test_bench_compact_prints_every_row_its_bytes_and_bound():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_compact.py"), "--sizes", "300K",
+                           "--rounds", "3", "--reference-numel", "50K"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = proc.stdout
+    rows = {line[:38].strip(): line[38:].split() for line in table.splitlines() if line[38:39] == " "}
+    assert rows["exact CPUAdam, fp32 master, bf16 copy"][2] == "28.00"
+    assert rows["exact CPUAdam, fp32 master, bf16 copy"][-1] == "1.00"  # the baseline
+    assert rows["torch AdamW fused (fp32)"][2] == "28.00"
+    for isa in _native.adam_available_isas():
+        assert rows[f"compact native {isa}"][2] == "14.06"  # 12.06 of states and grad, 2 of the grad check
+    assert rows["compact torch-ops (0.05M)"][2] == "12.06"
+    assert "stream triad, NT stores (12 B)" in rows and "stream triad, torch (16 B)" in rows
+    assert re.search(r"^0.3M params on \S.*, 2 native threads, 2 torch threads; the triad: ", table, re.MULTILINE), table
+
+
 @pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_stream_triad_computes_b_plus_scalar_c_at_any_alignment(numel, offset):
@@ -625,6 +643,7 @@ TOOLS_IMPORTS = {
     "bench_defaults": {"train_harness"},
     "bench_activations": {"train_harness"},
     "bench_scale": {"train_replay"},
+    "bench_compact": {"bench_adam"},
     "bench_optim": {"bench_adam"},
     "bench_zero": {"bench_train", "train_harness", "train_ranks"},
 }

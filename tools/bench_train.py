@@ -104,7 +104,8 @@ thread count before offload sizes its native pool from it):
     train_harness.py   models, batches, the timing loop, a row in a worker process, table
                        helpers, constants; imports nothing from tools/
     (tools/bench_scale.py -> train_replay.py: its io-only row replays the same way;
-     tools/bench_optim.py -> bench_adam.py: the same timing loop and CPU model)
+     tools/bench_optim.py -> bench_adam.py: the same timing loop and CPU model;
+     tools/bench_compact.py -> bench_adam.py: its triads, timing loop and CPU model)
     (tools/bench_zero.py -> bench_train.py, train_ranks.py, train_harness.py: the --nproc
      tables for several rank counts and tiers, and their summary)
 """

@@ -68,6 +68,8 @@ struct Avx2 {
   COMPACT_SIMD_OP Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
   COMPACT_SIMD_OP Vec sqrt(Vec a) { return _mm256_sqrt_ps(a); }
   COMPACT_SIMD_OP Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  COMPACT_SIMD_OP Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  COMPACT_SIMD_OP Vec fnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
   COMPACT_SIMD_OP Vec abs(Vec a) { return as_float(iand(as_int(a), iset(0x7FFFFFFF))); }
   COMPACT_SIMD_OP Vec or_sign(Vec a, Vec b) {
     return as_float(_mm256_or_si256(as_int(a), iand(as_int(b), iset(static_cast<int>(0x80000000u)))));
@@ -89,6 +91,8 @@ struct Avx2 {
   COMPACT_SIMD_OP IVec shl(IVec a) { return _mm256_slli_epi32(a, kBits); }
   template <int kBits>
   COMPACT_SIMD_OP IVec shr(IVec a) { return _mm256_srli_epi32(a, kBits); }
+  template <int kBits>
+  COMPACT_SIMD_OP IVec sar(IVec a) { return _mm256_srai_epi32(a, kBits); }
   COMPACT_SIMD_OP IVec shlv(IVec a, IVec count) { return _mm256_sllv_epi32(a, count); }
   COMPACT_SIMD_OP Mask igt(IVec a, IVec b) { return as_float(_mm256_cmpgt_epi32(a, b)); }
   COMPACT_SIMD_OP IVec iselect(Mask m, IVec if_true, IVec if_false) {
@@ -104,6 +108,7 @@ struct Avx2 {
   }
   COMPACT_SIMD_OP Mask mask_and(Mask a, Mask b) { return _mm256_and_ps(a, b); }
   COMPACT_SIMD_OP bool all(Mask m) { return _mm256_movemask_ps(m) == 0xFF; }
+  COMPACT_SIMD_OP bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
   COMPACT_SIMD_OP Vec fselect(Mask m, Vec if_true, Vec if_false) {
     return _mm256_blendv_ps(if_false, if_true, m);
   }

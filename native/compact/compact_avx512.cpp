@@ -60,6 +60,8 @@ struct Avx512 {
   COMPACT_SIMD_OP Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
   COMPACT_SIMD_OP Vec sqrt(Vec a) { return _mm512_sqrt_ps(a); }
   COMPACT_SIMD_OP Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  COMPACT_SIMD_OP Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  COMPACT_SIMD_OP Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
   COMPACT_SIMD_OP Vec abs(Vec a) { return as_float(iand(as_int(a), iset(0x7FFFFFFF))); }
   COMPACT_SIMD_OP Vec or_sign(Vec a, Vec b) {
     return as_float(_mm512_or_si512(as_int(a), iand(as_int(b), iset(static_cast<int>(0x80000000u)))));
@@ -81,6 +83,8 @@ struct Avx512 {
   COMPACT_SIMD_OP IVec shl(IVec a) { return _mm512_slli_epi32(a, kBits); }
   template <int kBits>
   COMPACT_SIMD_OP IVec shr(IVec a) { return _mm512_srli_epi32(a, kBits); }
+  template <int kBits>
+  COMPACT_SIMD_OP IVec sar(IVec a) { return _mm512_srai_epi32(a, kBits); }
   COMPACT_SIMD_OP IVec shlv(IVec a, IVec count) { return _mm512_sllv_epi32(a, count); }
   COMPACT_SIMD_OP Mask igt(IVec a, IVec b) { return _mm512_cmpgt_epi32_mask(a, b); }
   COMPACT_SIMD_OP IVec iselect(Mask m, IVec if_true, IVec if_false) {
@@ -95,6 +99,7 @@ struct Avx512 {
   }
   COMPACT_SIMD_OP Mask mask_and(Mask a, Mask b) { return static_cast<Mask>(a & b); }
   COMPACT_SIMD_OP bool all(Mask m) { return m == 0xFFFF; }
+  COMPACT_SIMD_OP bool any(Mask m) { return m != 0; }
   COMPACT_SIMD_OP Vec fselect(Mask m, Vec if_true, Vec if_false) {
     return _mm512_mask_blend_ps(m, if_false, if_true);
   }

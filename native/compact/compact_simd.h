@@ -17,7 +17,24 @@
 //   to_float, to_int              int32 <-> float (exact on the integral values used)
 //   as_float, as_int              bit casts
 //   iset, iadd, isub, iand, imax, shl, shr, shlv, igt, iselect
-//   lt, gt (ordered), all_lanes, first_lanes(count), mask_and, all, fselect
+//   fmadd(a, b, c), fnmadd(a, b, c)   a * b + c, -(a * b) + c, rounded once (only in
+//                                     div_code, whose results are checked exhaustively)
+//   iset, iadd, isub, iand, imax, shl, shr, sar (arithmetic), shlv, igt, iselect
+//   lt, gt (ordered), all_lanes, first_lanes(count), mask_and, all, any, fselect
+//
+// [Note: compact kernel divisions] The rule's divisions are IEEE divisions; the divider is
+// what bounds this kernel (8 divisions and 4 square roots per element against the exact
+// Adam kernel's 2 and 1), so four of them are computed otherwise, with the same bits:
+//  * c / d for a code c (|c_m| / 127, c_v / 255, low / 254): q = c * RN(1/d), then one
+//    Markstein correction q + fma(-q, d, c) * RN(1/d) (the remainder is exact). That this
+//    is the correctly rounded quotient for every code was checked exhaustively (and is
+//    again by test_optim_compact.py's every-code test, on each ISA).
+//  * (low * ulp) / 254 = RN(low / 254) * ulp: scaling by a power of two commutes with
+//    rounding while the result is normal, which holds for ulp >= 2^-118 (bf16 exponent
+//    field >= 16); a vector with a smaller ulp divides.
+//  * (x - high) / ulp = ((x - high) * 2^a) * 2^b with a + b = -log2(ulp): exact, since the
+//    remainder is a multiple of x's fp32 ulp, at least ulp * 2^-17, so both products are
+//    normal (2^a and 2^b, each at most 2^67, are normal floats themselves).
 #pragma once
 #pragma GCC optimize("fp-contract=off")
 
@@ -83,6 +100,38 @@ template <class V>
   return V::as_float(V::iselect(V::igt(biased, V::iset(7)), normal, subnormal));
 }
 
+// RN(c / d) for a code c, with reciprocal = RN(1 / d): see [Note: compact kernel divisions].
+template <class V>
+[[gnu::always_inline]] inline typename V::Vec div_code(typename V::Vec c, typename V::Vec d,
+                                                       typename V::Vec reciprocal) {
+  const typename V::Vec q = V::mul(c, reciprocal);
+  return V::fmadd(V::fnmadd(q, d, c), reciprocal, q);
+}
+
+// x / ulp_of_bf16(high) for x = (a master) - (its bf16 high): two exact power-of-two
+// products (see [Note: compact kernel divisions]).
+template <class V>
+[[gnu::always_inline]] inline typename V::Vec over_ulp(typename V::Vec x, typename V::IVec high) {
+  const typename V::IVec biased = V::iand(V::template shr<7>(high), V::iset(0xFF));
+  const typename V::IVec minus_k = V::isub(V::iset(134), V::imax(biased, V::iset(1)));  // -log2(ulp)
+  const typename V::IVec a = V::template sar<1>(minus_k);
+  const typename V::IVec b = V::isub(minus_k, a);
+  const typename V::Vec two_a = V::as_float(V::template shl<23>(V::iadd(a, V::iset(127))));
+  const typename V::Vec two_b = V::as_float(V::template shl<23>(V::iadd(b, V::iset(127))));
+  return V::mul(V::mul(x, two_a), two_b);
+}
+
+// (low * ulp_of_bf16(high)) / 254, the master's low part decoded.
+template <class V>
+[[gnu::always_inline]] inline typename V::Vec low_part(typename V::IVec low, typename V::IVec high,
+                                                       typename V::Vec c254, typename V::Vec r254) {
+  const typename V::Vec ulp = ulp_of_bf16<V>(high);
+  const typename V::Vec l = V::to_float(low);
+  const typename V::IVec biased = V::iand(V::template shr<7>(high), V::iset(0xFF));
+  if (V::any(V::igt(V::iset(16), biased))) return V::div(V::mul(l, ulp), c254);  // a result below normal
+  return V::mul(div_code<V>(l, c254, r254), ulp);
+}
+
 // bf16 bits (in the low half of each lane) of finite x, rounded to nearest even.
 template <class V>
 [[gnu::always_inline]] inline typename V::IVec narrow_bf16(typename V::Vec x) {
@@ -119,6 +168,8 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
   const Vec inf = V::broadcast(float_from_bits(0x7F800000u));
   const Vec overflow = V::broadcast(float_from_bits(0x7F7F8000u));
   const Vec c127 = V::broadcast(127.0f), c254 = V::broadcast(254.0f), c255 = V::broadcast(255.0f);
+  const Vec r127 = V::broadcast(1.0f / 127.0f), r254 = V::broadcast(1.0f / 254.0f);
+  const Vec r255 = V::broadcast(1.0f / 255.0f);
   const Vec s_m = V::broadcast(*p.exp_avg_scale), s_v = V::broadcast(*p.exp_avg_sq_scale);
   const Vec grad_scale = V::broadcast(k.grad_scale), decay = V::broadcast(k.decay);
   const Vec beta1 = V::broadcast(k.beta1), one_minus_beta1 = V::broadcast(k.one_minus_beta1);
@@ -130,12 +181,11 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
   for (std::size_t i = 0; i < n; i += kWidth) {
     Vec g = V::mul(load_grad<V, G>(p.grad, i), grad_scale);
     const typename V::IVec h = V::load_u16(p.high + i);
-    Vec x = V::add(V::as_float(V::template shl<16>(h)),
-                   V::div(V::mul(V::to_float(V::load_i8(p.low + i)), ulp_of_bf16<V>(h)), c254));
+    Vec x = V::add(V::as_float(V::template shl<16>(h)), low_part<V>(V::load_i8(p.low + i), h, c254, r254));
     const Vec c_m = V::to_float(V::load_i8(p.exp_avg + i));
-    const Vec u_m = V::div(V::abs(c_m), c127);
+    const Vec u_m = div_code<V>(V::abs(c_m), c127, r127);
     Vec m = V::or_sign(V::mul(V::mul(u_m, u_m), s_m), c_m);  // sign(c) * y, y >= +0
-    const Vec u_v = V::div(V::to_float(V::load_u8(p.exp_avg_sq + i)), c255);
+    const Vec u_v = div_code<V>(V::to_float(V::load_u8(p.exp_avg_sq + i)), c255, r255);
     const Vec sq = V::mul(u_v, u_v);
     Vec v = V::mul(V::mul(sq, sq), s_v);
     if (k.adamw) {
@@ -178,7 +228,7 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
     V::store_u8(p.exp_avg_sq + i, V::to_int(r_v));
     const typename V::IVec h = narrow_bf16<V>(x);
     const Vec rest = V::sub(x, V::as_float(V::template shl<16>(h)));
-    V::store_i8(p.low + i, V::to_int(V::round_even(V::mul(V::div(rest, ulp_of_bf16<V>(h)), c254))));
+    V::store_i8(p.low + i, V::to_int(V::round_even(V::mul(over_ulp<V>(rest, h), c254))));
     V::store_u16(p.high + i, h);
   }
   *p.exp_avg_scale = block_max_m;
