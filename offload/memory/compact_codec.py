@@ -1,6 +1,8 @@
 """[Note: compact optimizer states] The codec of optimizer_states="compact": Adam's two
 moments in 8 bits each, companded and quantized in blocks, and the fp32 master as the bf16
-compute copy plus an 8-bit low part. Torch ops only: slow but exact to the rule below.
+compute copy plus an 8-bit low part. In torch ops here (loading, export, the reference
+step); the training step runs the same rule fused in native/compact, with the same bits on
+every ISA ([Note: compact step numerics] in native/compact/compact.h).
 
 The rule (every constant rounded to fp32 first, every operation one IEEE fp32 rounding, so
 the same bits on every machine; rounding half to even (torch.round), no
@@ -31,7 +33,9 @@ those updates); a v decoded to 0 divides its update by eps alone, which the squa
 map of v and the plain fourth root both do (cosine with the exact update 0.26 and 0.02 at
 4 decades, 0.80 with the level kept >= 1); rounding v up instead biases every update down.
 Non-finite values are never encoded: a NaN or Inf in any state raises
-NonFiniteStateError naming the state and the first element, before anything is written.
+NonFiniteStateError naming the state and the first element, before anything is written
+(the native step: before anything is written for a non-finite gradient; an update that
+overflows leaves the blocks holding such a value as they were, see compact_adam_step).
 Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside the bf16
 compute copy: ``compact_state_bytes``."""
 from __future__ import annotations
