@@ -447,6 +447,29 @@ def test_the_native_step_decodes_every_code_and_tiny_masters_as_the_torch_ops_st
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_the_native_step_divides_where_its_reciprocals_would_not_be_exact(isa):
+    """Blocks whose moment scales lie outside [2^-60, 2^100] (tiny gradients, subnormal
+    second moments; huge gradients) and a bias correction of 0 (beta2 = 1): the kernels
+    divide there ([Note: compact kernel divisions]), with the torch-ops step's bits."""
+    g = torch.Generator().manual_seed(14)
+    n = 3 * BLOCK_NUMEL + 5
+    states = CompactRange.from_exact(torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-22,
+                                     torch.rand(n, generator=g) * 1e-42)
+    reference = _copy(states)
+    scales = torch.ones(n)
+    scales[:BLOCK_NUMEL] = 1e-21                   # v ~ 1e-45 (subnormal), m ~ 1e-22
+    scales[BLOCK_NUMEL:2 * BLOCK_NUMEL] = 1e17     # v ~ 1e31 > 2^100
+    with forced_isa(isa):
+        for step, beta2 in ((1, 0.999), (2, 0.999), (3, 1.0)):
+            grad = torch.randn(n, generator=g) * scales
+            hp = dict(step=step, lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.1)
+            compact_adam_step(states, grad, **hp)
+            compact_adam_step_reference(reference, grad, **hp)
+            _assert_same_bits(states, reference, f"{isa} step {step}")
+    assert float(states.exp_avg_sq_scales[0]) < 2.0 ** -60 and float(states.exp_avg_sq_scales[1]) > 2.0 ** 100
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_an_overflowing_update_raises_naming_the_state_and_stores_the_blocks_without_one(isa):
     """A finite gradient whose square overflows fp32 (v = inf): both steps raise naming
     exp_avg_sq; the native one leaves the block that holds it as it was and stores the one

@@ -18,17 +18,25 @@
 //   as_float, as_int              bit casts
 //   iset, iadd, isub, iand, imax, shl, shr, shlv, igt, iselect
 //   fmadd(a, b, c), fnmadd(a, b, c)   a * b + c, -(a * b) + c, rounded once (only in
-//                                     div_code, whose results are checked exhaustively)
+//                                     divide, which gives a division's bits)
 //   iset, iadd, isub, iand, imax, shl, shr, sar (arithmetic), shlv, igt, iselect
 //   lt, gt (ordered), all_lanes, first_lanes(count), mask_and, all, any, fselect
 //
 // [Note: compact kernel divisions] The rule's divisions are IEEE divisions; the divider is
 // what bounds this kernel (8 divisions and 4 square roots per element against the exact
-// Adam kernel's 2 and 1), so four of them are computed otherwise, with the same bits:
-//  * c / d for a code c (|c_m| / 127, c_v / 255, low / 254): q = c * RN(1/d), then one
-//    Markstein correction q + fma(-q, d, c) * RN(1/d) (the remainder is exact). That this
-//    is the correctly rounded quotient for every code was checked exhaustively (and is
-//    again by test_optim_compact.py's every-code test, on each ISA).
+// Adam kernel's 2 and 1), so all but m / denom are computed otherwise, with the same bits:
+//  * a / b by q = RN(a * y), y = RN(1 / b), then one correction q + fma(-q, b, a) * y (two
+//    fused multiply-adds: the remainder is exact). Markstein's theorem: with y within half
+//    an ulp of 1/b and q within one ulp of a/b, this is RN(a / b) when nothing underflows.
+//    Used where that holds or cannot change a stored bit:
+//    - codes over 127, 255 and 254 (|c_m| / 127, c_v / 255, low / 254): checked for every
+//      code exhaustively (and by test_optim_compact.py's every-code test, on each ISA);
+//    - |m| / s_m and v / s_v for a block scale s in [2^-60, 2^100] (else the block divides):
+//      a quotient small enough for the remainder to underflow (below 2^-36) encodes as code 0
+//      (exp_avg_sq's then at least 1) whatever its last bits;
+//    - sqrt(v) / sqrt(1 - beta2^t) for that constant in [2^-60, 1] (else the step divides):
+//      sqrt(v) is 0 or at least 2^-75, so the remainder is normal.
+//    Checked besides on 8e8 random pairs over those ranges (no difference).
 //  * (low * ulp) / 254 = RN(low / 254) * ulp: scaling by a power of two commutes with
 //    rounding while the result is normal, which holds for ulp >= 2^-118 (bf16 exponent
 //    field >= 16); a vector with a smaller ulp divides.
@@ -100,13 +108,16 @@ template <class V>
   return V::as_float(V::iselect(V::igt(biased, V::iset(7)), normal, subnormal));
 }
 
-// RN(c / d) for a code c, with reciprocal = RN(1 / d): see [Note: compact kernel divisions].
+// RN(a / b) given reciprocal = RN(1 / b), where [Note: compact kernel divisions] says so.
 template <class V>
-[[gnu::always_inline]] inline typename V::Vec div_code(typename V::Vec c, typename V::Vec d,
-                                                       typename V::Vec reciprocal) {
-  const typename V::Vec q = V::mul(c, reciprocal);
-  return V::fmadd(V::fnmadd(q, d, c), reciprocal, q);
+[[gnu::always_inline]] inline typename V::Vec divide(typename V::Vec a, typename V::Vec b,
+                                                     typename V::Vec reciprocal) {
+  const typename V::Vec q = V::mul(a, reciprocal);
+  return V::fmadd(V::fnmadd(q, b, a), reciprocal, q);
 }
+
+// Whether a / b may go through divide() for a block scale or the bias correction b.
+inline bool reciprocal_exact(float b, float largest) { return b >= 0x1p-60f && b <= largest; }
 
 // x / ulp_of_bf16(high) for x = (a master) - (its bf16 high): two exact power-of-two
 // products (see [Note: compact kernel divisions]).
@@ -129,7 +140,7 @@ template <class V>
   const typename V::Vec l = V::to_float(low);
   const typename V::IVec biased = V::iand(V::template shr<7>(high), V::iset(0xFF));
   if (V::any(V::igt(V::iset(16), biased))) return V::div(V::mul(l, ulp), c254);  // a result below normal
-  return V::mul(div_code<V>(l, c254, r254), ulp);
+  return V::mul(divide<V>(l, c254, r254), ulp);
 }
 
 // bf16 bits (in the low half of each lane) of finite x, rounded to nearest even.
@@ -175,6 +186,8 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
   const Vec beta1 = V::broadcast(k.beta1), one_minus_beta1 = V::broadcast(k.one_minus_beta1);
   const Vec beta2 = V::broadcast(k.beta2), one_minus_beta2 = V::broadcast(k.one_minus_beta2);
   const Vec bc2 = V::broadcast(k.sqrt_bias_correction2), eps = V::broadcast(k.eps);
+  const bool bc2_by_reciprocal = reciprocal_exact(k.sqrt_bias_correction2, 1.0f);
+  const Vec bc2_reciprocal = V::broadcast(1.0f / k.sqrt_bias_correction2);
   const Vec step_size = V::broadcast(k.step_size);
   Vec max_m = zero, max_v = zero;
   Mask ok = V::all_lanes();
@@ -183,9 +196,9 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
     const typename V::IVec h = V::load_u16(p.high + i);
     Vec x = V::add(V::as_float(V::template shl<16>(h)), low_part<V>(V::load_i8(p.low + i), h, c254, r254));
     const Vec c_m = V::to_float(V::load_i8(p.exp_avg + i));
-    const Vec u_m = div_code<V>(V::abs(c_m), c127, r127);
+    const Vec u_m = divide<V>(V::abs(c_m), c127, r127);
     Vec m = V::or_sign(V::mul(V::mul(u_m, u_m), s_m), c_m);  // sign(c) * y, y >= +0
-    const Vec u_v = div_code<V>(V::to_float(V::load_u8(p.exp_avg_sq + i)), c255, r255);
+    const Vec u_v = divide<V>(V::to_float(V::load_u8(p.exp_avg_sq + i)), c255, r255);
     const Vec sq = V::mul(u_v, u_v);
     Vec v = V::mul(V::mul(sq, sq), s_v);
     if (k.adamw) {
@@ -195,7 +208,8 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
     }
     m = V::add(V::mul(m, beta1), V::mul(g, one_minus_beta1));
     v = V::add(V::mul(v, beta2), V::mul(V::mul(g, g), one_minus_beta2));
-    const Vec denom = V::add(V::div(V::sqrt(v), bc2), eps);
+    const Vec root = V::sqrt(v);
+    const Vec denom = V::add(bc2_by_reciprocal ? divide<V>(root, bc2, bc2_reciprocal) : V::div(root, bc2), eps);
     x = V::sub(x, V::mul(V::div(m, denom), step_size));
     if (i + kWidth > valid) {  // staged lanes: zeros, which change no maximum and no check
       const Mask real = V::first_lanes(valid > i ? valid - i : 0);
@@ -216,14 +230,21 @@ inline Failure block_step(const Block& p, std::size_t n, std::size_t valid, cons
     block_max_m = lanes[0][j] > block_max_m ? lanes[0][j] : block_max_m;
     block_max_v = lanes[1][j] > block_max_v ? lanes[1][j] : block_max_v;
   }
-  const Vec safe_m = V::broadcast(block_max_m == 0.0f ? 1.0f : block_max_m);
-  const Vec safe_v = V::broadcast(block_max_v == 0.0f ? 1.0f : block_max_v);
+  const float safe_max_m = block_max_m == 0.0f ? 1.0f : block_max_m;
+  const float safe_max_v = block_max_v == 0.0f ? 1.0f : block_max_v;
+  const bool m_by_reciprocal = reciprocal_exact(safe_max_m, 0x1p100f);
+  const bool v_by_reciprocal = reciprocal_exact(safe_max_v, 0x1p100f);
+  const Vec safe_m = V::broadcast(safe_max_m), safe_v = V::broadcast(safe_max_v);
+  const Vec reciprocal_m = V::broadcast(1.0f / safe_max_m), reciprocal_v = V::broadcast(1.0f / safe_max_v);
   const Vec one = V::broadcast(1.0f);
   for (std::size_t i = 0; i < n; i += kWidth) {
     const Vec m = V::load(s.m + i), v = V::load(s.v + i), x = V::load(s.x + i);
-    const Vec r_m = V::round_even(V::mul(V::sqrt(V::div(V::abs(m), safe_m)), c127));
+    const Vec abs_m = V::abs(m);
+    const Vec q_m = m_by_reciprocal ? divide<V>(abs_m, safe_m, reciprocal_m) : V::div(abs_m, safe_m);
+    const Vec r_m = V::round_even(V::mul(V::sqrt(q_m), c127));
     V::store_i8(p.exp_avg + i, V::to_int(V::or_sign(r_m, m)));
-    Vec r_v = V::round_even(V::mul(V::sqrt(V::sqrt(V::div(v, safe_v))), c255));
+    const Vec q_v = v_by_reciprocal ? divide<V>(v, safe_v, reciprocal_v) : V::div(v, safe_v);
+    Vec r_v = V::round_even(V::mul(V::sqrt(V::sqrt(q_v)), c255));
     r_v = V::fselect(V::gt(v, zero), V::max(r_v, one), r_v);  // never 0 for v > 0
     V::store_u8(p.exp_avg_sq + i, V::to_int(r_v));
     const typename V::IVec h = narrow_bf16<V>(x);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from offload import _native
@@ -76,7 +77,14 @@ def compact_constants(*, step: int, lr: float, beta1: float, beta2: float, eps: 
                       weight_decay: float, adamw: bool, grad_scale: float) -> Dict[str, torch.Tensor]:
     """The step's scalars, each worked out in double and rounded to fp32 once: part of the
     rule (a reference implementation takes these same values)."""
-    values = {
+    values = _constants_in_double(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                  adamw=adamw, grad_scale=grad_scale)
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
+
+
+def _constants_in_double(*, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                         weight_decay: float, adamw: bool, grad_scale: float) -> Dict[str, float]:
+    return {
         "grad_scale": grad_scale,
         "decay": 1.0 - lr * weight_decay if adamw else weight_decay,
         "beta1": beta1, "one_minus_beta1": 1.0 - beta1,
@@ -85,7 +93,6 @@ def compact_constants(*, step: int, lr: float, beta1: float, beta2: float, eps: 
         "eps": eps,
         "step_size": lr / (1.0 - beta1 ** step),
     }
-    return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
 
 
 assert _native.COMPACT_BLOCK_NUMEL == BLOCK_NUMEL, "native/compact/compact.h's kBlockNumel is the codec's"
@@ -118,12 +125,14 @@ def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr
     check_flat("exp_avg_sq", states.exp_avg_sq, (torch.uint8,), n)
     check_flat("exp_avg_scales", states.exp_avg_scales, (torch.float32,), num_blocks(n))
     check_flat("exp_avg_sq_scales", states.exp_avg_sq_scales, (torch.float32,), num_blocks(n))
-    c = compact_constants(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                          adamw=adamw, grad_scale=grad_scale)
+    # compact_constants' fp32 values, as Python floats (no tensors: a unit steps each parameter)
+    c = {k: float(np.float32(v)) for k, v in _constants_in_double(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+        grad_scale=grad_scale).items()}
     problem, element, value, count = _native.compact_adam_step(
         grad.data_ptr(), _GRAD_DTYPE_CODES[grad.dtype], states.high.data_ptr(), states.low.data_ptr(),
         states.exp_avg.data_ptr(), states.exp_avg_scales.data_ptr(), states.exp_avg_sq.data_ptr(),
-        states.exp_avg_sq_scales.data_ptr(), n, adamw=adamw, **{k: float(v) for k, v in c.items()})
+        states.exp_avg_sq_scales.data_ptr(), n, adamw=adamw, **c)
     if problem == 1:
         raise NonFiniteStateError(
             f"exp_avg: {count} non-finite value(s) (NaN/Inf) from the gradient, the first at element {element} "
