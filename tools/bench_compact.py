@@ -8,10 +8,11 @@ the median of --rounds timed runs after one warm-up each:
     as the engine steps a bf16 run with exact states (the baseline row);
   * torch AdamW(fused=True) on one flat fp32 parameter with an fp32 gradient;
   * compact native: offload.optim.compact.compact_adam_step, the fused kernel of
-    native/compact, on compact states of the same length with a bf16 gradient, per ISA;
+    native/compact, on compact states of the same length with a bf16 gradient, per ISA
+    (the scalar reference kernel over the first --reference-numel elements only);
   * compact torch-ops: compact_adam_step_reference, the same rule in torch ops, over the
     first --reference-numel elements only (it allocates several fp32 copies of its range
-    and takes seconds per 100M); its Gparam/s is per parameter like the others';
+    and takes seconds per 100M); Gparam/s is per parameter for every row.
   * the STREAM triads of tools/bench_adam.py (torch's, 16 B/element with write-allocate,
     and the native one with streaming stores, 12 B/element): "the triad" is the faster.
 "B/param" is the traffic a row moves per parameter: exact 28 (read master 4, grad 2,
@@ -63,6 +64,7 @@ def bench_size(numel: int, reference_numel: int, rounds: int) -> list[tuple[str,
     compact = CompactRange.from_exact(master, exp_avg, exp_avg_sq)
     reference = CompactRange.from_exact(master[:reference_numel], exp_avg[:reference_numel],
                                         exp_avg_sq[:reference_numel])
+    scalar = CompactRange.from_exact(master[:reference_numel], exp_avg[:reference_numel], exp_avg_sq[:reference_numel])
     triad_out = torch.zeros(numel)
     steps = iter(range(1, 10**9))
     rows: list[tuple[str, Callable[[], object], int, float]] = [
@@ -87,6 +89,11 @@ def bench_size(numel: int, reference_numel: int, rounds: int) -> list[tuple[str,
     fused.state[flat] = {"step": torch.tensor(0.0), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
     rows.append(("torch AdamW fused (fp32)", fused.step, numel, EXACT_BYTES))
     for chosen in _native.adam_available_isas():
+        if chosen == "scalar":  # the reference kernel takes seconds per 100M: the smaller range
+            rows.append((f"compact native scalar ({reference_numel / 1e6:g}M)",
+                         on_isa(chosen, lambda: compact_adam_step(scalar, grad_bf16[:reference_numel], step=next(steps),
+                                                                  **HYPER)), reference_numel, COMPACT_BYTES + CHECK_BYTES))
+            continue
         rows.append((f"compact native {chosen}",
                      on_isa(chosen, lambda: compact_adam_step(compact, grad_bf16, step=next(steps), **HYPER)),
                      numel, COMPACT_BYTES + CHECK_BYTES))
