@@ -35,7 +35,7 @@ map of v and the plain fourth root both do (cosine with the exact update 0.26 an
 Non-finite values are never encoded: a NaN or Inf in any state raises
 NonFiniteStateError naming the state and the first element, before anything is written
 (the native step: before anything is written for a non-finite gradient; an update that
-overflows leaves the blocks holding such a value as they were, see compact_adam_step).
+overflows leaves the block holding such a value as it was, others updated: compact_adam_step).
 Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside the bf16
 compute copy: ``compact_state_bytes``."""
 from __future__ import annotations

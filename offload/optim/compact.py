@@ -114,8 +114,9 @@ def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr
     A non-finite gradient (times grad_scale) raises NonFiniteStateError naming exp_avg and
     the first element before anything is written. A finite gradient whose update overflows
     a state (a moment or master beyond fp32, a master beyond bf16) raises it naming that
-    state and element after the blocks without one were stored: the states are then a mix
-    of two steps (as the units stepped before it are), and the run cannot go on from them."""
+    state and element after other blocks were stored (the block holding it and those after
+    it in its thread's range keep their states): the states are then a mix of two steps (as
+    the units stepped before it are), and the run cannot go on from them."""
     assert grad.dim() == 1 and grad.numel() == states.numel
     n = states.numel
     check_flat("grad", grad, tuple(_GRAD_DTYPE_CODES), n)
@@ -140,7 +141,7 @@ def compact_adam_step(states: CompactRange, grad: torch.Tensor, *, step: int, lr
     if problem != 0:
         raise NonFiniteStateError(
             f"{_PROBLEM_STATES[problem]}: a non-finite value (NaN/Inf) at element {element} ({value}); "
-            "compact optimizer states cannot hold it (the blocks without one were updated)")
+            "compact optimizer states cannot hold it (some other blocks were updated)")
 
 
 def compact_adam_step_reference(states: CompactRange, grad: torch.Tensor, *, step: int, lr: float, beta1: float,
