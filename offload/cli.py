@@ -135,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the run's delayed_update=True: auto placement counts its spare homes, and the "
                            "predicted step hides its update I/O under compute")
 
+    plan.add_argument("--seq-len", type=_positive_int, default=None,
+                      help="with --model: also predict the activations of one forward of --batch sequences of "
+                           "this many tokens, per unit, and where --activation-offload puts them (the model is "
+                           "built and run without memory, under torch's FakeTensorMode; a Hugging Face model is "
+                           "called with input_ids= and labels=, another with (tokens, targets) when its forward "
+                           "takes two arguments, else (tokens))")
+    plan.add_argument("--batch", type=_positive_int, default=1, help="with --seq-len: sequences per batch (default 1)")
+    plan.add_argument("--activation-offload", choices=("host", "nvme", "auto"), default="auto",
+                      help="with --seq-len: the run's activation_offload (default auto)")
+    plan.add_argument("--param-tier", choices=("auto", "device", "host", "nvme"), default="auto",
+                      help="with --seq-len: the run's param_tier, which sets the compute copies that 'auto' "
+                           "keeps room for (default auto)")
+
     doctor = sub.add_parser("doctor", help="check the native build, I/O backends, O_DIRECT, limits, CUDA",
                             description="Exit code 1 when something required is missing, with the fix.")
     doctor.add_argument("--swap-dir", default=None, help="directory to check (default: the temp directory)")
@@ -197,6 +210,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from offload import plan
 
     profile = plan.load_profile(args.profile)
+    if args.seq_len is not None and args.model is None:
+        return _error("--seq-len: needs --model (the activations come from a forward of the model)")
     if args.params is not None:
         shape = plan.shape_from_count(args.params, args.num_units)
     else:
@@ -245,6 +260,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth)
         text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
                                                             host_budget, host_budget_default))
+    activations = None
+    if args.seq_len is not None:
+        from offload.plan_activations import activation_report, plan_activations
+        activations = plan_activations(
+            args.model, dict(device="cpu", dtype=args.dtype, param_tier=args.param_tier, optimizer_tier="auto",
+                             host_budget=host_budget, device_budget=device_budget,
+                             swap_dir=args.swap_dir or plan.NO_SWAP_DIR, activation_offload=args.activation_offload),
+            args.seq_len, args.batch)
+        text += "\n\n" + "\n".join(activation_report(activations))
     print(text)
     if args.json:
         import json
@@ -253,6 +277,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
                                   host_budget_default=host_budget_default,
                                   state_slots=args.optimizer_state_tensors)
+            report["activations"] = None if activations is None else activations.as_json()
             if rank_plan is not None:
                 report["ranks"] = {"world_size": args.ranks, "stage": args.stage, "shard_group_size": ranks[0],
                                    "ranks_per_node": ranks[1], "configurations": rank_plan}

@@ -37,7 +37,7 @@ from offload.config import OffloadConfig
 from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
-    UnitSizes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
+    UnitSizes, activation_room_bytes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.activations import ACTIVATIONS_SWAP_SUBDIR, ActivationStore
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
@@ -220,6 +220,7 @@ class Engine:
                 nvme=NvmeTier(activation_swap_dir, 0, config.io_backend, config.io_block_bytes,
                               config.io_queue_depth, checksums=config.swap_checksums)
                 if activation_swap_dir is not None else None,
+                room_bytes=activation_room_bytes(unit_sizes, layout, arena),
                 remove_dir=activation_swap_dir if made_activation_swap_dir else None)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.

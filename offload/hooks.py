@@ -64,6 +64,21 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def wrap_unit_inputs(args: Any, callback: Callable[[], None]) -> Optional[Tuple[Any, ...]]:
+    """A unit call's positional arguments with each tensor that requires a gradient passed
+    through ``_PostBackward`` (None: none does). ``offload plan``'s activation trace wraps
+    them too (plan_activations.py): the views it makes are what the unit saves."""
+    wrap_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not wrap_at:
+        return None
+    wrapped = _PostBackward.apply(callback, *(args[i] for i in wrap_at))
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    args = list(args)
+    for i, t in zip(wrap_at, wrapped):
+        args[i] = t
+    return tuple(args)
+
+
 @dataclass(frozen=True)
 class _SavedParamRef:
     """Stands for a saved view of the arena while backward has not used it yet."""
@@ -388,16 +403,7 @@ class Hooks:
         # 3. Under grad mode its inputs report when this call's backward is over.
         if not torch.is_grad_enabled():
             return None
-        wrap_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not wrap_at:
-            return None
-        wrapped = _PostBackward.apply(functools.partial(self._on_unit_backward_done, u),
-                                      *(args[i] for i in wrap_at))
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        args = list(args)
-        for i, t in zip(wrap_at, wrapped):
-            args[i] = t
-        return tuple(args)
+        return wrap_unit_inputs(args, functools.partial(self._on_unit_backward_done, u))
 
     def _unit_post_forward(self, u: UnitState, module: nn.Module, args: Any, output: Any) -> None:
         # 1. Done with u: its slot may be evicted again.

@@ -16,10 +16,14 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   writes that to a swap extent (the host buffer is let go once the write is done, at the
   latest when the next group leaves: at most two groups are staged on the host). The last
   group of a forward stays on the device: its backward comes first.
-- "auto": a complete group leaves only when a saved tensor would not fit in device_budget
-  beside the compute copies and the activations kept: the earliest groups of the forward
-  first (backward needs them last), to host RAM. With device_budget None (no limit)
-  nothing moves; with a budget that holds everything, nothing moves either.
+- "auto": a complete group leaves only when a saved tensor would take the activations kept
+  past their room, ``activation_room_bytes`` (memory/budget.py): the device arena less the
+  compute copies wrap's budget check guarantees (every unit with param_tier "device", else
+  the root and the largest other unit); the earliest groups of the forward first (backward
+  needs them last), to host RAM. The rule reads sizes only, never what the residency
+  happens to hold, so that ``offload plan`` predicts it from a meta-device trace
+  (memory/activation_plan.py). With device_budget None (no limit) nothing moves; with a
+  budget that holds everything, nothing moves either.
 - What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
   their bytes), tensors that are not dense (a view with gaps, an expanded tensor: only the
   bytes a dense tensor spans are copied, as they lie, so that the tensor comes back with
@@ -41,7 +45,8 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   once the backward that used it has run, or with the graph); slots and activations share
   the arena's capacity (``DeviceTier.allocate``). A saved tensor that does not fit first
   evicts compute copies not in use (``DeviceResidency.evict_one``: those fetched ahead,
-  fetched again when needed); one that does not fit even then (with "auto", after the
+  fetched again when needed; a prefetch in flight lands first, and a fetch that finds the
+  rest taken by activations does the same); one that does not fit even then (with "auto", after the
   earlier groups have left) is a RuntimeError naming device_budget, the unit and the
   bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled
   gradients are): with "host" the activations are an allowance beyond host_budget, not checked at
@@ -74,7 +79,7 @@ from offload.memory.layout import sub_extent
 from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
-__all__ = ["ActivationStore", "SavedActivation", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
+__all__ = ["ActivationStore", "SavedActivation", "movable", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
@@ -90,6 +95,13 @@ _PAGE_BYTES = 4096
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
+    """[Note: saved activations] Whether a saved tensor may leave the device (the rest stay).
+    ``plain_type``: what a tensor that is no subclass is (offload plan's trace: FakeTensor)."""
+    return (type(t) is plain_type and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
+            and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES and _dense(t))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -135,6 +147,7 @@ class _Group:
         self.read: Any = None    # the swap read in flight ("nvme", coming back)
         self.return_started = 0.0
         self.event: Any = None   # the last copy of its way back
+        self.counts: Dict[str, Any] = {}  # its entry of the pass's per-group counters
 
     def to(self, state: str) -> None:
         assert state in _GROUP_MOVES[self.state], f"activations of {self.unit_name}: {self.state} -> {state}"
@@ -177,13 +190,16 @@ class ActivationStore:
     tensor as it is). Main thread, except that a record may end on the thread where autograd drops it."""
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], timeline: Timeline, remove_dir: Optional[str] = None) -> None:
-        """``remove_dir``: the directory made for ``nvme``'s swap space, removed (when empty)
-        at close."""
+                 nvme: Optional[NvmeTier], timeline: Timeline, room_bytes: Optional[int] = None,
+                 remove_dir: Optional[str] = None) -> None:
+        """``room_bytes``: "auto"'s bound on the activations kept on the device
+        (``budget.activation_room_bytes``; None: no bound). ``remove_dir``: the directory
+        made for ``nvme``'s swap space, removed (when empty) at close."""
         assert mode in (None, "host", "nvme", "auto") and (nvme is not None) == (mode == "nvme")
         self.mode = mode
         # where a group that leaves goes: "auto" moves groups to the host only as needed
         self._destination = "nvme" if mode == "nvme" else "host"
+        self._room_bytes = room_bytes if mode == "auto" else None
         self._device = device
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
@@ -209,6 +225,11 @@ class ActivationStore:
         self._pass_packed = 0
         self._pass_moved = {"host": 0, "nvme": 0}
         self.last_pass = {"kept_bytes": 0, "to_host_bytes": 0, "to_nvme_bytes": 0}
+        # per group of the forward open now, in order: {"unit", "saved_bytes", "moved_bytes",
+        # "where": "keep" | "host" | "nvme"}; the last one's, once it is over (what
+        # ``offload plan`` predicts: memory/activation_plan.py)
+        self._pass_units: List[Dict[str, Any]] = []
+        self.last_pass_units: List[Dict[str, Any]] = []
         self.moved_bytes = {"host": 0, "nvme": 0}
         self.returned_bytes = 0
         self.written_bytes = 0  # to swap: the groups' buffers, whole pages
@@ -234,6 +255,7 @@ class ActivationStore:
         self._open = True
         self._groups, self._unit_groups, self._seen, self._resident = [], {}, {}, []
         self._pass_packed, self._pass_moved = 0, {"host": 0, "nvme": 0}
+        self._pass_units = []
         self._current = self._new_group("root")
 
     def begin_unit(self, unit_name: str) -> None:
@@ -257,9 +279,12 @@ class ActivationStore:
         moved = self._pass_moved
         self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
                           "to_host_bytes": moved["host"], "to_nvme_bytes": moved["nvme"]}
+        self.last_pass_units = self._pass_units
 
     def _new_group(self, unit_name: str) -> _Group:
         group = _Group(self, unit_name)
+        group.counts = {"unit": unit_name, "saved_bytes": 0, "moved_bytes": 0, "where": "keep"}
+        self._pass_units.append(group.counts)
         self._unit_groups.setdefault(unit_name, []).append(len(self._groups))
         self._groups.append(weakref.ref(group))
         return group
@@ -274,14 +299,13 @@ class ActivationStore:
         record = found() if found is not None else None
         if record is not None and record.source() is t and record.version == t._version:
             return record
-        movable = (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
-                   and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES and _dense(t))
-        group = self._current if movable else None
+        group = self._current if movable(t) else None
         self._hold(t.numel() * t.element_size(), self._current.unit_name)
         record = SavedActivation(self, t, group)
         if group is not None:
             group.records.append(weakref.ref(record))
         self._pass_packed += record.num_bytes
+        self._pass_units[-1]["saved_bytes"] += record.num_bytes
         self._seen[key] = weakref.ref(record)
         return record
 
@@ -293,9 +317,11 @@ class ActivationStore:
     def _make_room(self, num_bytes: int, unit_name: str) -> None:
         """Room for ``num_bytes`` more on the device, or a RuntimeError naming device_budget
         before anything changed."""
-        # "auto": the earliest complete groups leave first (backward needs them last); then
-        # compute copies not in use (fetched ahead: they are fetched again when needed)
-        while self._resident and not self._device.activations_fit(num_bytes):
+        # "auto": the earliest complete groups leave first (backward needs them last) while the
+        # kept would pass their room; then compute copies not in use make room (fetched
+        # ahead: they are fetched again when needed)
+        while self._resident and self._room_bytes is not None \
+                and self._device.activation_bytes + num_bytes > self._room_bytes:
             self._send_away(self._resident.pop(0))
         while not self._device.activations_fit(num_bytes) and self._evictor is not None \
                 and self._evictor.evict_one():
@@ -334,6 +360,7 @@ class ActivationStore:
             r.tensor = None
             self._dropped(r.num_bytes)
         moved = sum(r.num_bytes for r in records)
+        group.counts.update(moved_bytes=moved, where=self._destination)
         self._pass_moved[self._destination] += moved
         self.moved_bytes[self._destination] += moved
         group.host_buffer, group.event = buffer, event
@@ -510,6 +537,7 @@ class ActivationStore:
         return {
             "mode": self.mode,
             **self.last_pass,
+            "units": [dict(u) for u in self.last_pass_units],
             "moved_to_host_bytes": self.moved_bytes["host"],
             "moved_to_nvme_bytes": self.moved_bytes["nvme"],
             "returned_bytes": self.returned_bytes,

@@ -148,6 +148,18 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
     return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed)
 
 
+def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: DeviceBudget) -> Optional[int]:
+    """[Note: saved activations] What activation_offload="auto" lets the activations kept on
+    the device hold: the arena less the compute copies the budget check above guarantees
+    room for (every unit with param_tier="device", else the root unit and the largest
+    other). None with no device_budget: nothing bounds them."""
+    if layout.device_budget is None:
+        return None
+    element_bytes = layout.compute_element_bytes
+    guaranteed_slot_bytes = arena.minimum_bytes - _gradient_reserve_bytes(units, element_bytes)
+    return arena.capacity_numel * element_bytes - guaranteed_slot_bytes
+
+
 def check_gathered_fits(root_numel: int, wanted: Sequence[Tuple[str, int]], element_bytes: int,
                         capacity_numel: int, budget_bytes: int) -> None:
     """[Note: gathered parameters] A ValueError naming device_budget and the bytes needed

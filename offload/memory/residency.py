@@ -437,6 +437,22 @@ class DeviceResidency:
         self._timeline.span("copy", f"fetch {u.name}", u.fetch_started, time.perf_counter())
         self.bind(u)
 
+    def _land_one_ahead(self, needed: Optional[UnitState]) -> Optional[UnitState]:
+        """[Note: saved activations] Land the prefetch in flight (not ``needed``'s) whose use
+        is farthest, so that its slot can be evicted: it took the slot while the saved
+        activations were fewer. None when none is in flight. A failure is counted and
+        warned about as drain_fetches does (the unit is HOME, its slot free)."""
+        in_flight = [v for v in self.units
+                     if v is not needed and v is not self._root and v.compute_state == Residency.LOADING]
+        if not in_flight:
+            return None
+        ahead = max(in_flight, key=lambda v: self._prefetcher.next_use(v.index))
+        try:
+            self.finish_fetch(ahead)
+        except Exception as error:  # noqa: BLE001 - nothing used it yet
+            self._failed_ahead(ahead, error)
+        return ahead
+
     def _allocate_slot(self, u: UnitState) -> int:
         """A device slot for u, evicting resident units whose next use is farthest (least
         recently used among those the trace does not know)."""
@@ -446,6 +462,12 @@ class DeviceResidency:
                 return offset
             victims = [v for v in self.units
                        if v is not u and v is not self._root and v.compute_state == Residency.LOADED]
+            if not victims and self._device.activation_bytes:
+                landed = self._land_one_ahead(u)  # [Note: saved activations]
+                if landed is not None:
+                    victims = [landed] if landed.compute_state == Residency.LOADED else []
+                    if not victims:
+                        continue  # it failed: its slot is free again
             if not victims:
                 busy = [v.name for v in self.units
                         if v.compute_state.value in (Residency.IN_USE, Residency.LOADING)]
@@ -459,10 +481,18 @@ class DeviceResidency:
 
     def evict_one(self) -> bool:
         """[Note: saved activations] Drop the device copy of the resident unit not in use
-        (not the root) whose next use is farthest, for room on the device; False when none is."""
-        victims = [v for v in self.units if v is not self._root and v.compute_state == Residency.LOADED]
-        if not victims or self._layout.param_tier == "device":
+        (not the root) whose next use is farthest, for room on the device (a prefetch in
+        flight when no copy is resident); False when none is."""
+        if self._layout.param_tier == "device":
             return False
+        victims = [v for v in self.units if v is not self._root and v.compute_state == Residency.LOADED]
+        if not victims:
+            landed = self._land_one_ahead(None)
+            if landed is None:
+                return False
+            victims = [landed]
+            if landed.compute_state != Residency.LOADED:
+                return True  # it failed: its slot is free again
         self.release(max(victims, key=lambda v: (not self._updates.pending(v),
                                                  self._prefetcher.next_use(v.index), -v.last_use)))
         return True
