@@ -37,7 +37,7 @@ from offload.config import OffloadConfig
 from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
 from offload.memory.budget import (
-    UnitSizes, activation_room_bytes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
+    UnitSizes, activation_host_room_bytes, activation_room_bytes, check_device_budget, check_gathered_fits, check_host_budget, prefetch_room, slot_shape, swap_bytes, update_buffer_bytes)
 from offload.memory.activations import ACTIVATIONS_SWAP_SUBDIR, ActivationStore
 from offload.memory.homes import Homes
 from offload.memory.layout import FP32_BYTES, Layout, UnitState
@@ -191,7 +191,8 @@ class Engine:
             self.stats_counters = Stats()
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget,
                                       host_addressable=layout.device_is_host,
-                                      bounds_activations=layout.device_budget is not None)
+                                      bounds_activations=layout.device_budget is not None,
+                                      pages_follow_slots=layout.activation_offload is not None)
             # [Note: pinned buffers] page-locked for a device the host does not address
             self._host = HostTier(layout.host_budget, pinner=None if layout.device_is_host else self._device)
             # [Note: gradient ownership] the gradients, their pool and the loss scale
@@ -210,10 +211,11 @@ class Engine:
                 self._nvme = NvmeTier(self._rank_swap_dir(config.swap_dir), nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
             self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
-            # [Note: saved activations] "nvme": swap space of their own, in a directory of
-            # their own under swap_dir (a swap directory holds one run's lock)
+            # [Note: saved activations] "nvme" (and any mode with a swap_dir, for activations
+            # beyond the host room): swap space of their own, in a directory of their own
+            # under swap_dir (a swap directory holds one run's lock)
             activation_swap_dir = os.path.join(self._rank_swap_dir(config.swap_dir), ACTIVATIONS_SWAP_SUBDIR) \
-                if layout.activation_offload == "nvme" else None
+                if layout.activation_offload is not None and config.swap_dir else None
             made_activation_swap_dir = activation_swap_dir is not None and not os.path.lexists(activation_swap_dir)
             self._activations = ActivationStore(
                 layout.activation_offload, device=self._device, host=self._host, timeline=self._timeline,
@@ -221,6 +223,7 @@ class Engine:
                               config.io_queue_depth, checksums=config.swap_checksums)
                 if activation_swap_dir is not None else None,
                 room_bytes=activation_room_bytes(unit_sizes, layout, arena),
+                host_room_bytes=activation_host_room_bytes(layout, self._host_planned_bytes),
                 remove_dir=activation_swap_dir if made_activation_swap_dir else None)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.

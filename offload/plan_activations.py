@@ -30,8 +30,9 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.hooks import wrap_unit_inputs
-from offload.memory.activations import movable
-from offload.memory.budget import activation_room_bytes, check_device_budget, model_unit_sizes
+from offload.memory.activations import buffer_layout, movable
+from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
+                                   check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout
 from offload.memory.placement import resolve_placement
 from offload.units import split_into_units
@@ -56,6 +57,7 @@ class ActivationPlan:
     seq_len: int
     batch: int
     room_bytes: Optional[int]  # "auto": what the kept may hold (None: no bound)
+    host_room_bytes: Optional[int]  # what the host buffers may hold (None: no host_budget)
     groups: Tuple[GroupPlan, ...]
 
     @property
@@ -72,6 +74,7 @@ class ActivationPlan:
     def as_json(self) -> Dict[str, Any]:
         """``offload plan --json``'s "activations"."""
         return {"mode": self.mode, "seq_len": self.seq_len, "batch": self.batch, "room_bytes": self.room_bytes,
+                "host_room_bytes": self.host_room_bytes,
                 "saved_bytes": self.saved_bytes, "kept_bytes": self.kept_bytes,
                 "to_host_bytes": self.moved_bytes("host"), "to_nvme_bytes": self.moved_bytes("nvme"),
                 "units": [dataclasses.asdict(g) for g in self.groups]}
@@ -96,14 +99,19 @@ class _Group:
     def __init__(self, unit: str) -> None:
         self.counts = {"unit": unit, "saved_bytes": 0, "moved_bytes": 0, "where": "keep"}
         self.records: List["weakref.ref[_Record]"] = []
+        self.num_bytes = 0     # its host buffer
+        self.in_ram = False    # its host buffer is held
 
 
 class _Trace:
     """The store's grouping and decisions over one fake forward ([Note: saved activations])."""
 
-    def __init__(self, mode: str, room_bytes: Optional[int], parameter_storages: set, compute_dtype: torch.dtype,
-                 plain_type: type) -> None:
+    def __init__(self, mode: str, room_bytes: Optional[int], host_room_bytes: Optional[int], has_nvme: bool,
+                 parameter_storages: set, compute_dtype: torch.dtype, plain_type: type) -> None:
         self.mode, self.room_bytes = mode, room_bytes if mode == "auto" else None
+        self.host_room_bytes, self.has_nvme = host_room_bytes, has_nvme
+        self.host_bytes = 0        # host buffers of groups in RAM, and of "nvme"'s staged one
+        self.staged: Optional[_Group] = None
         self.destination = "nvme" if mode == "nvme" else "host"
         self.parameter_storages, self.compute_dtype, self.plain_type = parameter_storages, compute_dtype, plain_type
         self.device_bytes = 0
@@ -140,14 +148,46 @@ class _Trace:
         self.seen[key] = weakref.ref(record)
         return record
 
+    def _host_fits(self, num_bytes: int) -> bool:
+        return self.host_room_bytes is None or self.host_bytes + num_bytes <= self.host_room_bytes
+
     def _send_away(self, group: _Group) -> None:
         records = [r for r in (ref() for ref in group.records) if r is not None and r.on_device]
         if not records:
             return
+        group.num_bytes = buffer_layout([r.num_bytes for r in records])[1]
+        # ActivationStore._make_host_room: the staged write finished, then the earliest
+        # groups in RAM on to NVMe
+        if not self._host_fits(group.num_bytes):
+            self._finish_write()
+            while not self._host_fits(group.num_bytes) and self.has_nvme:
+                earliest = next((g for g in self.groups if g.counts["where"] == "host" and g.in_ram), None)
+                if earliest is None:
+                    break
+                earliest.in_ram = False
+                earliest.counts["where"] = "nvme"
+                self.host_bytes -= earliest.num_bytes
+            if not self._host_fits(group.num_bytes):
+                raise ValueError(
+                    f"host_budget: the saved activations of unit {group.counts['unit']!r} ({group.num_bytes} bytes) "
+                    f"do not fit in host RAM beside {self.host_bytes} bytes of activations there, within the "
+                    f"{self.host_room_bytes} bytes host_budget leaves beside the engine's plan"
+                    + ("" if self.has_nvme else " (set swap_dir so that activations beyond it go on to NVMe)"))
         for r in records:
             r.on_device = False
             self.device_bytes -= r.num_bytes
         group.counts.update(moved_bytes=sum(r.num_bytes for r in records), where=self.destination)
+        self.host_bytes += group.num_bytes
+        group.in_ram = True
+        if self.destination == "nvme":
+            self._finish_write()  # at most two staged: the one before and this one
+            self.staged = group
+
+    def _finish_write(self) -> None:
+        if self.staged is not None:
+            self.staged.in_ram = False
+            self.host_bytes -= self.staged.num_bytes
+            self.staged = None
 
 
 def _unpack(saved: Any) -> torch.Tensor:
@@ -156,13 +196,16 @@ def _unpack(saved: Any) -> torch.Tensor:
 
 def trace_activations(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], forward: Callable[[], Any],
                       mode: str, room_bytes: Optional[int], compute_dtype: torch.dtype,
+                      host_room_bytes: Optional[int] = None, has_nvme: bool = False,
                       plain_type: type = torch.Tensor) -> Tuple[GroupPlan, ...]:
     """The groups of one ``forward()`` of ``model`` (under grad mode, in training mode) whose
     units (name, module; the root excluded) are ``units``, as ``ActivationStore`` in
-    ``mode`` ("host", "nvme", "auto") would form and send them. Parameters are those of
-    ``compute_dtype`` sharing a storage with ``model``'s (the engine's arena views)."""
+    ``mode`` ("host", "nvme", "auto") would form and send them (``room_bytes``: "auto"'s
+    room on the device; ``host_room_bytes``: the host buffers' room, beyond which the
+    earliest groups go on to NVMe where ``has_nvme``, else a ValueError). Parameters are
+    those of ``compute_dtype`` sharing a storage with ``model``'s (the engine's arena views)."""
     parameter_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-    trace = _Trace(mode, room_bytes, parameter_storages, compute_dtype, plain_type)
+    trace = _Trace(mode, room_bytes, host_room_bytes, has_nvme, parameter_storages, compute_dtype, plain_type)
 
     def pre_forward(name: str, module: nn.Module, args: Any) -> Any:
         trace.begin_unit(name)
@@ -235,17 +278,25 @@ def plan_activations(build: "Callable[[], nn.Module] | str", config: "OffloadCon
         sizes = model_unit_sizes(model, element_bytes, unit_classes or config.unit_classes, config.unit_predicate)
         layout = resolve_placement(config, torch.device("cpu"), None, sizes)
         room = activation_room_bytes(sizes, layout, check_device_budget(sizes, layout))
+        host_room = activation_host_room_bytes(layout, check_host_budget(sizes, layout).total)
+        # the engine's activations have swap space beyond the host room where swap_dir is set
+        # (offload plan without --swap-dir sets a placeholder: it writes nothing)
+        from offload.plan import NO_SWAP_DIR
+        has_nvme = bool(config.swap_dir) and config.swap_dir != NO_SWAP_DIR
         specs = split_into_units(model, {p: 0 for p in model.parameters() if p.requires_grad}, element_bytes,
                                  unit_classes or config.unit_classes, config.unit_predicate)
         units = [(s.name, s.module) for s in specs if s.module is not None]
         tokens = torch.zeros(batch, seq_len, dtype=torch.long)
         try:
             groups = trace_activations(model, units, lambda: _call_forward(model, tokens), config.activation_offload,
-                                       room, layout_dtype, plain_type=FakeTensor)
+                                       room, layout_dtype, host_room, has_nvme,
+                                       plain_type=FakeTensor)
+        except ValueError:
+            raise
         except Exception as e:
             raise ValueError(f"--model: its forward cannot run without values (under FakeTensorMode): "
                              f"{type(e).__name__}: {e}") from None
-    return ActivationPlan(config.activation_offload, seq_len, batch, room, groups)
+    return ActivationPlan(config.activation_offload, seq_len, batch, room, host_room, groups)
 
 
 def activation_report(plan: ActivationPlan) -> List[str]:

@@ -392,3 +392,36 @@ def test_a_failed_activation_write_fails_that_forward_and_the_next_one_trains(tm
         engine.step()
         assert loss.item() == plain[0][0]
         assert_same_state(engine.state_dict(), plain[1][0])
+
+
+def test_host_buffers_stay_within_host_budget_and_go_on_to_nvme_beyond_it(tmp_path):
+    """The host buffers of the activations hold at most what host_budget leaves beside the
+    engine's plan (stats: host_room_bytes); beyond it the earliest groups of the forward go
+    on to NVMe under swap_dir, and the run is still the one without offload, bit for bit.
+    Without swap_dir a budget too small for them is a ValueError naming host_budget, raised
+    in that forward before the group it could not place moved."""
+    generous = 1 << 30
+    probe = train(dict(activation_offload="host", host_budget=generous), steps=1)[2]["activations"]
+    planned = generous - probe["host_room_bytes"]
+    group_bytes = max(u["moved_bytes"] for u in probe["units"]) + 4096  # a group's buffer, whole pages
+    budget = planned + 2 * group_bytes  # room for two of the four groups that leave
+    plain = train(dict(host_budget=budget), steps=3)
+    offloaded = train(dict(activation_offload="host", host_budget=budget, swap_dir=str(tmp_path / "swap")), steps=3)
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    assert act["host_room_bytes"] == budget - planned
+    assert 0 < act["host_peak_bytes"] <= act["host_room_bytes"]
+    assert offloaded[2]["host_peak_bytes"] <= budget
+    where = [u["where"] for u in act["units"] if u["where"] != "keep"]
+    assert where == ["nvme", "nvme", "host", "host"]  # the earliest went on, the latest stayed
+    assert act["to_nvme_bytes"] > 0 and act["nvme_bytes_written"] == act["written_to_nvme_bytes"] > 0
+    assert act["moved_to_host_bytes"] + act["moved_to_nvme_bytes"] == act["returned_bytes"]
+    assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    with offload.wrap(model, make_opt(model.parameters()),
+                      config=dict(activation_offload="host", host_budget=planned + group_bytes // 2)) as engine:
+        b = data(1)[0]
+        with pytest.raises(ValueError, match=r"host_budget: the saved activations of unit 'blocks\.\d'.*swap_dir"):
+            engine(b[:, :-1], b[:, 1:])
+        assert engine.stats()["activations"]["host_bytes"] == 0

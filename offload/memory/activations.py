@@ -48,10 +48,18 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   fetched again when needed; a prefetch in flight lands first, and a fetch that finds the
   rest taken by activations does the same); one that does not fit even then (with "auto", after the
   earlier groups have left) is a RuntimeError naming device_budget, the unit and the
-  bytes. Host buffers are counted by the host tier as unplanned bytes (as spilled
-  gradients are): with "host" the activations are an allowance beyond host_budget, not checked at
-  wrap (their size is known only once a forward has run); with "nvme" the host holds the
-  staging of at most two groups. Swap extents come from an NVMe tier of the store's own
+  bytes. Host buffers are counted by the host tier as unplanned bytes (their
+  size is known only once a forward has run) and held within the host room,
+  ``budget.activation_host_room_bytes``: host_budget less what wrap planned (none where
+  gradients spill). A group that would pass it first waits for the swap writes in flight,
+  then the earliest groups of the forward in host RAM are written on to NVMe (the store has
+  an NVMe tier wherever swap_dir is set, whatever the mode), so within a forward the groups
+  on NVMe come before those in RAM and backward reads them back once the later ones have
+  let go of their buffers; a group that does not fit even so is a ValueError naming host_budget,
+  before it moves. "nvme" stages at most two groups there. So host_budget bounds the
+  activations too, and on a CPU device ([Note: device pages follow the slots] in
+  tiers/device.py) the process's RAM adds up to host_budget + device_budget + the runtime's
+  own. Swap extents come from an NVMe tier of the store's own
   (``ActivationStore.nvme``: its I/O counters are the activations' alone) and are reused
   (the smallest free one that holds a group), so the swap space grows with the most bytes
   away at once, not with the number of steps or of batch shapes.
@@ -79,7 +87,7 @@ from offload.memory.layout import sub_extent
 from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
-__all__ = ["ActivationStore", "SavedActivation", "movable", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
+__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
@@ -95,6 +103,15 @@ _PAGE_BYTES = 4096
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def buffer_layout(sizes: List[int]) -> Tuple[List[int], int]:
+    """Where tensors of ``sizes`` bytes lie in their group's host buffer, and its bytes."""
+    offsets, offset = [], 0
+    for size in sizes:
+        offsets.append(offset)
+        offset = _round_up(offset + size, _TENSOR_ALIGN_BYTES)
+    return offsets, _round_up(offset, _PAGE_BYTES)
 
 
 def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
@@ -124,7 +141,7 @@ class Evictor(Protocol):
 # A group's states and the moves between them (``_Group.to`` checks each).
 _GROUP_MOVES = {
     "open": ("host", "nvme", "back"),  # on the device, filling or the last; "back": nothing to move
-    "host": ("returning",),            # in its host buffer
+    "host": ("returning", "nvme"),     # in its host buffer; "nvme": written on for room in RAM
     "nvme": ("returning", "failed"),   # in its swap extent; "failed": the write did not complete
     "returning": ("back", "nvme"),     # on its way back; "nvme": the read failed, read again at the next unpack
     "back": (),                        # on the device again, its buffer and extent let go
@@ -191,15 +208,19 @@ class ActivationStore:
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], timeline: Timeline, room_bytes: Optional[int] = None,
-                 remove_dir: Optional[str] = None) -> None:
+                 host_room_bytes: Optional[int] = None, remove_dir: Optional[str] = None) -> None:
         """``room_bytes``: "auto"'s bound on the activations kept on the device
-        (``budget.activation_room_bytes``; None: no bound). ``remove_dir``: the directory
+        (``budget.activation_room_bytes``; None: no bound). ``host_room_bytes``: what the
+        host buffers may hold (``budget.activation_host_room_bytes``; None: no bound).
+        ``nvme``: the store's own NVMe tier, for "nvme" and, where swap_dir is set, for
+        groups beyond the host room. ``remove_dir``: the directory
         made for ``nvme``'s swap space, removed (when empty) at close."""
-        assert mode in (None, "host", "nvme", "auto") and (nvme is not None) == (mode == "nvme")
+        assert mode in (None, "host", "nvme", "auto") and (nvme is not None or mode != "nvme")
         self.mode = mode
         # where a group that leaves goes: "auto" moves groups to the host only as needed
         self._destination = "nvme" if mode == "nvme" else "host"
         self._room_bytes = room_bytes if mode == "auto" else None
+        self._host_room_bytes = host_room_bytes
         self._device = device
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
@@ -346,11 +367,10 @@ class ActivationStore:
         if not records:
             group.to("back")
             return
-        offset = 0
-        for r in records:
+        offsets, group.num_bytes = buffer_layout([r.num_bytes for r in records])
+        for r, offset in zip(records, offsets):
             r.offset = offset
-            offset = _round_up(offset + r.num_bytes, _TENSOR_ALIGN_BYTES)
-        group.num_bytes = _round_up(offset, _PAGE_BYTES)
+        self._make_host_room(group)  # a ValueError naming host_budget before anything moved
         started = time.perf_counter()
         buffer = self._host_buffer(group.num_bytes)
         event = None
@@ -375,6 +395,59 @@ class ActivationStore:
             self._count_nvme(group.num_bytes)
         self._timeline.span("activations", f"out {group.unit_name} ({moved >> 10} KiB)", started,
                             time.perf_counter())
+
+    def _host_fits(self, num_bytes: int) -> bool:
+        return self._host_room_bytes is None or self.host_bytes + num_bytes <= self._host_room_bytes
+
+    def _make_host_room(self, group: _Group) -> None:
+        """[Note: saved activations] Room in the host room for ``group``'s buffer: the swap
+        writes in flight finished, then the earliest groups of this forward in host RAM
+        written on to NVMe (where the store has an NVMe tier: swap_dir); else a ValueError
+        naming host_budget."""
+        if self._host_fits(group.num_bytes):
+            return
+        self._finish_writes()
+        while not self._host_fits(group.num_bytes) and self.nvme is not None:
+            earliest = next((g for g in (ref() for ref in self._groups)
+                             if g is not None and g is not group and g.state == "host"), None)
+            if earliest is None:
+                break
+            self._write_on(earliest)
+        if not self._host_fits(group.num_bytes):
+            raise ValueError(
+                f"host_budget: the saved activations of unit {group.unit_name!r} ({group.num_bytes} bytes) do not "
+                f"fit in host RAM beside {self.host_bytes} bytes of activations there, within the "
+                f"{self._host_room_bytes} bytes host_budget leaves beside the engine's plan; raise host_budget"
+                + (" (the largest unit's activations need a host buffer on their way to NVMe)"
+                   if self.nvme is not None else
+                   ", or set swap_dir so that activations beyond it go on to NVMe"))
+
+    def _write_on(self, group: _Group) -> None:
+        """A group in host RAM goes on to a swap extent, for room (``_make_host_room``)."""
+        if group.event is not None:
+            group.event.synchronize()  # its copies out landed in the buffer
+            group.event = None
+        group.extent = self._take_extent(group.num_bytes)
+        started = time.perf_counter()
+        try:
+            self.nvme.write(group.host_buffer, sub_extent(group.extent, 0, group.num_bytes),
+                            unit=group.unit_name).wait()
+        except OSError as error:  # the group stays in host RAM, its extent free again
+            extent, group.extent = group.extent, None
+            with self._lock:
+                self._free_extents.append(extent)
+            raise OSError(error.errno, f"writing the saved activations of unit {group.unit_name!r} to "
+                                       f"{extent.path}: {error}") from error
+        self._count_nvme(group.num_bytes)
+        self._release_host(group)
+        moved = group.counts["moved_bytes"]
+        group.counts["where"] = "nvme"
+        self._pass_moved["host"] -= moved
+        self._pass_moved["nvme"] += moved
+        self.moved_bytes["host"] -= moved
+        self.moved_bytes["nvme"] += moved
+        group.to("nvme")
+        self._timeline.span("activations", f"on to NVMe {group.unit_name}", started, time.perf_counter())
 
     def _finish_writes(self) -> None:
         """Wait for the swap writes in flight and let go of their host buffers."""
@@ -431,6 +504,13 @@ class ActivationStore:
         group.return_started = time.perf_counter()
         if group.state == "nvme":
             self._finish_writes()
+            if not self._host_fits(group.num_bytes):
+                if not needed:
+                    return  # at its first unpack
+                raise RuntimeError(
+                    f"host_budget: reading the saved activations of unit {group.unit_name!r} back needs "
+                    f"{group.num_bytes} bytes of host RAM beside {self.host_bytes} bytes of activations there, "
+                    f"within {self._host_room_bytes} bytes; raise host_budget")
             group.host_buffer = self._host_buffer(group.num_bytes)
             group.read = self.nvme.read(group.host_buffer, sub_extent(group.extent, 0, group.num_bytes),
                                         unit=group.unit_name)
@@ -538,6 +618,7 @@ class ActivationStore:
             "mode": self.mode,
             **self.last_pass,
             "units": [dict(u) for u in self.last_pass_units],
+            "host_room_bytes": self._host_room_bytes,
             "moved_to_host_bytes": self.moved_bytes["host"],
             "moved_to_nvme_bytes": self.moved_bytes["nvme"],
             "returned_bytes": self.returned_bytes,

@@ -160,6 +160,15 @@ def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: Dev
     return arena.capacity_numel * element_bytes - guaranteed_slot_bytes
 
 
+def activation_host_room_bytes(layout: Layout, planned_host_bytes: int) -> Optional[int]:
+    """[Note: saved activations] What the saved activations' host buffers may hold: the
+    host budget less what wrap planned (``check_host_budget(...).total``; none left where
+    gradients spill, whose allowance takes the rest). None with no host budget."""
+    if layout.host_budget is None:
+        return None
+    return max(0, layout.host_budget - planned_host_bytes)
+
+
 def check_gathered_fits(root_numel: int, wanted: Sequence[Tuple[str, int]], element_bytes: int,
                         capacity_numel: int, budget_bytes: int) -> None:
     """[Note: gathered parameters] A ValueError naming device_budget and the bytes needed

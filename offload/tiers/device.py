@@ -12,7 +12,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from offload.tiers.host import mapped_empty
+from offload.io.engine import HUGE_PAGE_BYTES
+from offload.tiers.host import mapped_empty, release_pages
 from offload.tiers.streams import CudaStreams, Event, HostStreams, StandInStreams, Streams
 
 
@@ -34,9 +35,11 @@ class DeviceTier:
     fills_wait_for_reads = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, capacity_numel: int,
-                 budget_bytes: int, host_addressable: bool = True, bounds_activations: bool = True) -> None:
+                 budget_bytes: int, host_addressable: bool = True, bounds_activations: bool = True,
+                 pages_follow_slots: bool = False) -> None:
         """``host_addressable``: on a CPU device, False makes it the stand-in of CUDA
-        ([Note: streams], ``Layout.device_is_host``)."""
+        ([Note: streams], ``Layout.device_is_host``). ``pages_follow_slots``: a CPU device
+        whose saved activations share the capacity ([Note: device pages follow the slots])."""
         self.bounds_activations = bounds_activations
         self.device = device
         self.dtype = dtype
@@ -46,7 +49,17 @@ class DeviceTier:
         # unit's buffers are whole pages): the I/O engine reads swap files straight into a
         # slot, where an unaligned one would go through a bounce buffer, synchronously and
         # behind every request in flight.
-        if device.type == "cpu":
+        # [Note: device pages follow the slots] On a CPU device whose saved activations
+        # count in the arena's capacity (activation_offload set), the arena's RAM is only
+        # what its slots hold: untouched at first, the pages of a freed slot given back. The
+        # activations the capacity counts are the model's own allocations, so the process's
+        # RAM for the device is then slots + activations <= device_budget, not the arena
+        # beside them. Pages of arenas under 2 MiB (shared mappings) stay: a rounding.
+        self._pages_follow_slots = pages_follow_slots and device.type == "cpu" and host_addressable \
+            and capacity_numel * self.element_bytes >= HUGE_PAGE_BYTES
+        if device.type == "cpu" and self._pages_follow_slots:
+            self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype)  # fresh zero pages
+        elif device.type == "cpu":
             self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype).zero_()
         else:
             self.arena = torch.zeros(capacity_numel, dtype=dtype, device=device)
@@ -105,6 +118,8 @@ class DeviceTier:
     def free(self, offset: int, numel: int) -> None:
         """Return a slot; neighbours coalesce."""
         self.slot_bytes -= numel * self.element_bytes
+        if self._pages_follow_slots:
+            release_pages(self.arena[offset:offset + numel])
         i = bisect.bisect_left(self._free, (offset, 0))
         self._free.insert(i, (offset, numel))
         if i + 1 < len(self._free) and offset + numel == self._free[i + 1][0]:
@@ -138,7 +153,10 @@ class DeviceTier:
         """The end of a ``borrow``: its bytes are zeros and free again."""
         if self._borrowed is not None:
             start, numel = self._borrowed
-            self.arena[start:start + numel].zero_()
+            if self._pages_follow_slots:
+                release_pages(self.arena[start:start + numel])  # zeros, and not resident
+            else:
+                self.arena[start:start + numel].zero_()
             self._borrowed = None
 
     @property

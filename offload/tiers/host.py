@@ -18,7 +18,9 @@ checkpoints) stay pageable. ``pinned_bytes`` is what the tier holds locked, at i
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import threading
 from typing import Any, Dict, Optional
 
@@ -36,6 +38,29 @@ def mapped_empty(num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
     if num_bytes == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype)  # the tensor keeps the map
+
+
+_PAGE_BYTES = mmap.PAGESIZE
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+_libc: Any = None
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """[Note: device pages follow the slots] Give the whole pages inside ``t`` (a
+    contiguous CPU tensor on a private anonymous mapping: ``aligned_empty``'s from 2 MiB up)
+    back to the kernel: they stop counting in RSS, and read as zeros when touched again."""
+    global _libc
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first = -(-start // _PAGE_BYTES) * _PAGE_BYTES
+    last = end // _PAGE_BYTES * _PAGE_BYTES
+    if last <= first:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if _libc.madvise(first, last - first, _MADV_DONTNEED) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"madvise(MADV_DONTNEED) of {last - first} bytes at {first:#x}: {os.strerror(error)}")
 
 
 class HostTier:
