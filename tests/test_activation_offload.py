@@ -425,3 +425,19 @@ def test_host_buffers_stay_within_host_budget_and_go_on_to_nvme_beyond_it(tmp_pa
         with pytest.raises(ValueError, match=r"host_budget: the saved activations of unit 'blocks\.\d'.*swap_dir"):
             engine(b[:, :-1], b[:, 1:])
         assert engine.stats()["activations"]["host_bytes"] == 0
+
+
+@pytest.mark.parametrize("mode", ["host", "nvme"])
+def test_device_pages_given_back_change_no_number(mode, tmp_path):
+    """[Note: device pages follow the slots] An arena of more than 2 MiB whose units are
+    evicted and fetched again: the pages of every freed slot go back to the kernel, and the
+    run is the one without activation offload (whose arena keeps its pages), bit for bit."""
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=128, num_heads=2, num_layers=4)
+    base = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"), device_budget=3 << 20)
+    follows = []
+    plain = train(base, steps=3, cfg=cfg)
+    offloaded = train(dict(base, activation_offload=mode), steps=3, cfg=cfg,
+                      inspect=lambda e: follows.append(e.debug.device.pages_follow_slots))
+    assert follows == [True] * 3
+    assert_same_run(plain, offloaded)
+    assert offloaded[2]["activations"]["to_host_bytes" if mode == "host" else "to_nvme_bytes"] > 0

@@ -55,9 +55,9 @@ class DeviceTier:
         # activations the capacity counts are the model's own allocations, so the process's
         # RAM for the device is then slots + activations <= device_budget, not the arena
         # beside them. Pages of arenas under 2 MiB (shared mappings) stay: a rounding.
-        self._pages_follow_slots = pages_follow_slots and device.type == "cpu" and host_addressable \
+        self.pages_follow_slots = pages_follow_slots and device.type == "cpu" and host_addressable \
             and capacity_numel * self.element_bytes >= HUGE_PAGE_BYTES
-        if device.type == "cpu" and self._pages_follow_slots:
+        if device.type == "cpu" and self.pages_follow_slots:
             self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype)  # fresh zero pages
         elif device.type == "cpu":
             self.arena = mapped_empty(capacity_numel * self.element_bytes, dtype).zero_()
@@ -118,7 +118,7 @@ class DeviceTier:
     def free(self, offset: int, numel: int) -> None:
         """Return a slot; neighbours coalesce."""
         self.slot_bytes -= numel * self.element_bytes
-        if self._pages_follow_slots:
+        if self.pages_follow_slots:
             release_pages(self.arena[offset:offset + numel])
         i = bisect.bisect_left(self._free, (offset, 0))
         self._free.insert(i, (offset, numel))
@@ -138,7 +138,9 @@ class DeviceTier:
         (offload/memory/homes.py takes the compute copy's in the root unit's slot, the rest
         here): the scratch adds nothing to wrap's peak host memory, and wrap pays no first
         touch of fresh pages for it. No slot is handed out while borrowed (``allocate``
-        asserts it); ``give_back`` zeroes the bytes again, as the arena starts."""
+        asserts it); ``give_back`` zeroes the bytes again, as the arena starts (where the
+        arena's pages follow its slots, it gives them back: the scratch is RAM only while
+        wrap writes through it)."""
         assert self._borrowed is None, "the arena is borrowed already"
         if not self.host_addressable:
             return None
@@ -153,7 +155,7 @@ class DeviceTier:
         """The end of a ``borrow``: its bytes are zeros and free again."""
         if self._borrowed is not None:
             start, numel = self._borrowed
-            if self._pages_follow_slots:
+            if self.pages_follow_slots:
                 release_pages(self.arena[start:start + numel])  # zeros, and not resident
             else:
                 self.arena[start:start + numel].zero_()
