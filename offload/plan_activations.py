@@ -306,6 +306,7 @@ def activation_report(plan: ActivationPlan) -> List[str]:
     room = "no bound" if plan.room_bytes is None else format_size(plan.room_bytes)
     lines = [f"activations (activation_offload={plan.mode!r}, batch {plan.batch} x {plan.seq_len} tokens"
              + (f", room for those kept on the device {room}" if plan.mode == "auto" else "")
+             + (f", host room {format_size(plan.host_room_bytes)}" if plan.host_room_bytes is not None else "")
              + "): saved by one forward, per unit call, root first"]
     width = max(len(g.unit) for g in plan.groups)
     for g in plan.groups:

@@ -134,7 +134,7 @@ def test_cli_prints_and_writes_the_activation_plan(tmp_path, capsys):
                  "host", "--host-budget", "4GiB", "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0
-    assert "activations (activation_offload='host', batch 2 x 64 tokens)" in text
+    assert "activations (activation_offload='host', batch 2 x 64 tokens, host room " in text
     saved = json.loads(out.read_text())["activations"]
     assert saved["mode"] == "host" and saved["units"][0]["unit"] == "root"
     assert saved["to_host_bytes"] == sum(u["moved_bytes"] for u in saved["units"]) > 0
