@@ -302,9 +302,9 @@ class OffloadConfig:
     ([Note: compact optimizer states] in offload/memory/compact_codec.py). Compact changes
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
-    delayed_update, and today every run but one process with every home on the host
-    (optimizer_tier "host", param_tier "host" or "device" on a CPU device; "auto" without a
-    swap_dir) and no speculative updates (checkpoints and weight writes are refused too)."""
+    delayed_update, and today several ranks, an accelerator's "device" param_tier and
+    speculative updates (checkpoints and weight writes are refused too). Host, NVMe and
+    "auto" tiers hold the compact states."""
 
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on

@@ -81,6 +81,12 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
 
 
+def _compact_over(numels: List[int], buffer: torch.Tensor, highs: List[torch.Tensor]) -> CompactUnit:
+    """[Note: compact optimizer states] The homes' CompactUnit over a compact buffer and the
+    high parts (views of a compute copy)."""
+    return CompactUnit(numels, buffer=buffer, highs=highs)
+
+
 class Engine:
     """Trains one model with its state spread over device, host and NVMe tiers.
 
@@ -234,13 +240,9 @@ class Engine:
                 prefetcher=self._prefetcher)
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, release_param=self._residency.released.release,
-                                stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state)
+                                stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state,
+                                compact_over=_compact_over)
             self._homes.allocate()
-            for u in self.units:  # [Note: compact optimizer states] over the homes' buffer and compute copy
-                if u.compact_home is not None:
-                    compute = self._homes.compute_copy(u)
-                    u.compact = CompactUnit([e.numel for e in u.trainable], buffer=u.compact_home,
-                                            highs=[compute[e.offset:e.offset + e.numel] for e in u.trainable])
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
             staging_slots = self._homes.allocate_staging(staging_shape)
@@ -251,7 +253,8 @@ class Engine:
                 adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
                 release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
-                record_failure=self._status.set)
+                record_failure=self._status.set, compact_states=self._homes.compact_states,
+                compact_step=self._adam.compact_step)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(

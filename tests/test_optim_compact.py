@@ -55,10 +55,6 @@ def _model():
     ("adamw", {"dtype": "fp32"}, "needs dtype='bf16'"),
     ("adamw", {"dtype": "bf16", "stage": 1}, "ZeRO stage 1"),
     ("adamw", {"dtype": "bf16", "delayed_update": True, "param_tier": "host"}, "delayed_update=True"),
-    ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "auto", "swap_dir": "/nonexistent-offload"},
-     "live on the host only so far"),
-    ("adam", {"dtype": "bf16", "param_tier": "nvme", "optimizer_tier": "host", "swap_dir": "/nonexistent-offload"},
-     "live on the host only so far"),
     ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "host", "speculative_updates": True},
      "speculative_updates=True"),
 ])
@@ -80,15 +76,17 @@ def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_th
         engine.step()
 
 
-def test_the_layout_takes_compact_on_the_host_only():
+def test_the_layout_takes_compact_on_host_and_nvme_tiers_but_not_an_accelerators_device_tier():
     config = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact",
-                                   swap_dir="/nonexistent-offload")  # tiers "auto", which may place on NVMe
-    with pytest.raises(ValueError, match="optimizer_states: 'compact' states live on the host only"):
-        Layout.resolve(config, torch.device("cpu"), None)
-    assert Layout.resolve(dataclasses.replace(config, swap_dir=None), torch.device("cpu"), None).compact_states
-    host = offload.OffloadConfig(device="cpu", dtype="bf16", optimizer_states="compact", param_tier="host",
-                                 optimizer_tier="host")
-    assert Layout.resolve(host, torch.device("cpu"), None).compact_states
+                                   swap_dir="/nonexistent-offload", max_grad_norm=1.0)  # tiers "auto"
+    for tiers in ({}, {"param_tier": "nvme", "optimizer_tier": "nvme"}, {"param_tier": "host", "optimizer_tier": "nvme"},
+                  {"param_tier": "device", "optimizer_tier": "nvme"}, {"param_tier": "nvme", "optimizer_tier": "host"}):
+        layout = Layout.resolve(dataclasses.replace(config, **tiers), torch.device("cpu"), None)
+        # [Note: compact optimizer states] no spare homes, no split master: the compact home is both
+        assert layout.compact_states and not layout.speculative and not layout.split_master, tiers
+    with pytest.raises(ValueError, match="optimizer_states: 'compact' is not available with param_tier='device' on an "
+                                         "accelerator"):
+        Layout.resolve(dataclasses.replace(config, param_tier="device"), torch.device("cuda"), None)
     assert not Layout.resolve(offload.OffloadConfig(device="cpu"), torch.device("cpu"), None).compact_states
 
 
@@ -734,3 +732,114 @@ def test_re_encoding_decoded_states_keeps_their_values_and_moment_codes_but_not_
     flipped = again.high != states.high
     assert flipped.any()  # this seed reaches midpoints (29 of 16384 elements)
     assert (states.low[flipped].abs() == 127).all() and (again.low[flipped] == -states.low[flipped]).all()
+
+
+# ------------------------------------------------------------------ NVMe tiers
+
+def _compact_run(extra, tmp_path, num_batches=6, inspect=None):
+    """The small GPT trained with compact states under ``extra`` (swap under tmp_path);
+    (losses, state_dict, every trainable parameter's decoded master, moments and high part,
+    placement's (compute tiers, state tiers), what ``inspect(engine)`` gave)."""
+    from offload.gpt import GPT
+    from tests.support import CFG, batches, gpt_loss, make_opt, train_offload
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = offload.OffloadConfig(**{**COMPACT_HOST, "swap_dir": str(tmp_path / "swap"), **extra})
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        losses = train_offload(engine, batches(num_batches))
+        state = engine.state_dict()  # settles the last step's deferred updates first
+        states = {}
+        for u in engine.units:
+            compact = engine.debug.homes.read_compact(u)
+            for k, e in enumerate(u.trainable):
+                states[(u.index, k)] = compact.exact(k) + (compact.param(k).high.clone(),)
+        tiers = tuple(engine.layout.compute_tier(i) for i in range(len(engine.units))), \
+            tuple(engine.layout.state_tier(i) for i in range(len(engine.units)))
+        seen = inspect(engine) if inspect is not None else None
+        return losses, state, states, tiers, seen
+
+
+def _mixed_state_budget(numerics):
+    """A host_budget at which "auto" homes some units' compact states on the host and others
+    on NVMe in a run with ``numerics`` (found by asking the placement: pure arithmetic)."""
+    from offload.gpt import GPT
+    from offload.memory.budget import model_unit_sizes
+    from offload.memory.placement import resolve_placement
+    from tests.support import CFG
+    sizes = model_unit_sizes(GPT(CFG), 2)
+    for budget in range(200_000, 2_000_000, 10_000):
+        config = offload.OffloadConfig(**{**COMPACT_HOST, **numerics, "param_tier": "auto", "optimizer_tier": "auto",
+                                          "swap_dir": "/nonexistent-offload", "host_budget": budget})
+        try:
+            layout = resolve_placement(config, torch.device("cpu"), None, sizes)
+        except ValueError:  # below the floor
+            continue
+        if {"host", "nvme"} <= set(layout.state_tiers):
+            return budget
+    raise AssertionError("no host_budget splits the compact states between host and NVMe")
+
+
+@pytest.mark.parametrize("numerics", [{}, {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}],
+                         ids=["early-updates", "clipped-accumulated"])
+def test_compact_states_on_nvme_train_the_same_bits_as_on_the_host(numerics, tmp_path):
+    """[Note: compact optimizer states] Placement never changes numerics: compact homes and
+    compute copies on NVMe (each combination, and "auto" splitting the states between host
+    and NVMe) give the all-host run's losses, weights, codes (decoded) and high parts bit for
+    bit, through early updates (no clipping) and the step's own staged pipeline."""
+    host = _compact_run(numerics, tmp_path / "host")
+    assert set(host[3][1]) == {"host"}
+    runs = {"states-nvme": {"optimizer_tier": "nvme"},
+            "both-nvme": {"param_tier": "nvme", "optimizer_tier": "nvme"},
+            "compute-nvme": {"param_tier": "nvme"},
+            "auto-mixed": {"param_tier": "auto", "optimizer_tier": "auto", "host_budget": _mixed_state_budget(numerics)}}
+    for name, tiers in runs.items():
+        losses, state, states, placed, _ = _compact_run({**numerics, **tiers}, tmp_path / name)
+        if name == "auto-mixed":
+            assert {"host", "nvme"} <= set(placed[1]), placed
+        else:
+            assert "nvme" in set(placed[0]) | set(placed[1]), placed
+        assert losses == host[0], name
+        assert state.keys() == host[1].keys() and all(torch.equal(state[k], host[1][k]) for k in state), name
+        for key, (master, exp_avg, exp_avg_sq, high) in states.items():
+            want = host[2][key]
+            assert torch.equal(master, want[0]) and torch.equal(exp_avg, want[1]) and \
+                torch.equal(exp_avg_sq, want[2]) and torch.equal(high, want[3]), (name, key)
+        assert not (tmp_path / name / "swap").exists() or not any((tmp_path / name / "swap").rglob("*.swap"))
+
+
+def test_compact_states_on_nvme_move_the_bytes_the_planner_predicts(tmp_path):
+    """[Note: compact optimizer states], [Note: step prediction] With the compact homes on
+    NVMe and the compute copies on the host, a step reads and writes each unit's whole
+    compact home once, exactly what predict_step says, which is under a third of what the
+    exact states' step moves (fp32 master and moments); the swap holds what swap_bytes
+    plans and the staging slots are what slot_shape says. (Updates are not left to the next
+    forward, so each step's traffic falls between two stats() calls.)"""
+    from offload.memory.budget import UnitSizes, compact_home_bytes, slot_shape, swap_bytes
+    from offload.memory.placement import DEFAULT_PROFILE, predict_step
+    from offload.gpt import GPT
+    from tests.support import CFG, batches, gpt_loss
+
+    def inspect(engine):
+        sizes = [UnitSizes.of(u) for u in engine.units]
+        before = engine.stats()
+        for b in batches(2, seed=7):
+            engine.backward(gpt_loss(engine, b))
+            engine.step()
+        after = engine.stats()
+        exact = dataclasses.replace(engine.layout, compact_states=False)
+        shape = slot_shape(sizes, engine.layout)
+        return (sizes, predict_step(sizes, engine.layout, DEFAULT_PROFILE, 1.0),
+                predict_step(sizes, exact, DEFAULT_PROFILE, 1.0),
+                (after["bytes_read_nvme"] - before["bytes_read_nvme"]) / 2,
+                (after["bytes_written_nvme"] - before["bytes_written_nvme"]) / 2,
+                swap_bytes(sizes, engine.layout), engine.placement().bytes_per_tier().get("nvme"), shape)
+
+    for numerics in ({}, {"max_grad_norm": 0.5}):
+        sizes, predicted, exact, read, written, planned_swap, placed_nvme, shape = _compact_run(
+            {"optimizer_tier": "nvme", "overlap_step_with_forward": False, **numerics}, tmp_path / str(len(numerics)), num_batches=2, inspect=inspect)[4]
+        homes = sum(compact_home_bytes(u, "nvme") for u in sizes if u.trainable)
+        assert read == written == predicted.nvme_read_bytes == predicted.nvme_write_bytes == homes, numerics
+        assert 3 * homes < exact.nvme_read_bytes, (homes, exact)
+        assert planned_swap == placed_nvme == homes
+        assert shape.master_numel == 0 and shape.compute_numel == 0
+        assert shape.compact_bytes == max(compact_home_bytes(u, "nvme") for u in sizes if u.trainable)

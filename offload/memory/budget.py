@@ -20,7 +20,7 @@ from offload import units as unit_split
 from offload.config import format_size
 from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
 from offload.memory.layout import DTYPE_NAMES, FP32_BYTES, Layout, UnitState
-from offload.units import padded_numel, split_into_units
+from offload.units import PAGE_BYTES, padded_numel, round_up, split_into_units
 from offload.zero import ParamShard
 
 
@@ -271,9 +271,17 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
         return HomeBytes(compute, 0, 0)
     if layout.compact_states:  # [Note: compact optimizer states] the high part is the compute copy
         low = u.compact_numel  # int8
-        return HomeBytes(compute, state_copies * low, state_copies * (compact_state_bytes(u.compact_numel) - low))
+        return HomeBytes(compute, state_copies * low,
+                         state_copies * (compact_home_bytes(u, layout.state_tier(index)) - low))
     master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
     return HomeBytes(compute, state_copies * master, state_copies * u.state_slots * u.state_numel * FP32_BYTES)
+
+
+def compact_home_bytes(u: UnitSizes, tier: str) -> int:
+    """[Note: compact optimizer states] Bytes of u's compact home on ``tier``: its
+    compact_state_bytes, whole pages on NVMe (a swap extent, moved whole by the step)."""
+    nbytes = compact_state_bytes(u.compact_numel)
+    return round_up(nbytes, PAGE_BYTES) if tier == "nvme" else nbytes
 
 
 # ---------------------------------------------------------------------------- NVMe
@@ -300,13 +308,16 @@ class SlotShape:
     master_numel: int
     compute_numel: int    # 0: the slot has no compute buffer
     low_numel: int        # [Note: split master] 0 without a split master
+    compact_bytes: int = 0  # [Note: compact optimizer states] the largest NVMe-homed compact home
 
     def num_bytes(self, compute_element_bytes: int) -> int:
         return 3 * self.master_numel * FP32_BYTES + self.compute_numel * compute_element_bytes + \
-            self.low_numel * 2
+            self.low_numel * 2 + self.compact_bytes
 
 
 def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
+    if layout.compact_states:
+        return _compact_slot_shape(units, layout)
     master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
     # [Note: whole-parameter optimizers] such a unit's update is one piece, whatever its size
     master = max([master] + [u.master_numel for u in units if u.whole_step])
@@ -318,6 +329,18 @@ def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     # [Note: split master] low halves: a piece, padded as a 16-bit prefix is
     low = master + 2048 if layout.split_master else 0
     return SlotShape(master, compute, low)
+
+
+def _compact_slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
+    """[Note: compact optimizer states] A compact unit's update is one piece, the whole
+    unit: a slot holds the largest NVMe-homed compact home, and where compute copies are on
+    NVMe the largest trainable prefix of one (the high parts, read and written by the
+    update), padded as a 16-bit prefix is. No fp32 buffers."""
+    trainable = [i for i, u in enumerate(units) if u.trainable]
+    compact = max((compact_home_bytes(units[i], "nvme") for i in trainable if layout.state_tier(i) == "nvme"),
+                  default=0)
+    compute = max((units[i].low_numel for i in trainable if layout.compute_tier(i) == "nvme"), default=0)
+    return SlotShape(0, compute, 0, compact)
 
 
 def update_buffer_bytes(units: Sequence[UnitSizes], layout: Layout) -> Dict[str, int]:

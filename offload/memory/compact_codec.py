@@ -37,7 +37,10 @@ NonFiniteStateError naming the state and the first element, before anything is w
 (the native step: before anything is written for a non-finite gradient; an update that
 overflows leaves the block holding such a value as it was, others updated: compact_adam_step).
 Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside the bf16
-compute copy: ``compact_state_bytes``."""
+compute copy: ``compact_state_bytes``.
+Where they live (docs/architecture.md, "Numerics"): a unit's codes, scales and low parts are
+one buffer on its state tier (host, or a swap extent moved whole by the staged step), its
+high parts the compute copy; placement never changes the bits."""
 from __future__ import annotations
 
 from typing import Sequence, Tuple

@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.memory.budget import (SlotShape, UnitSizes, compute_home_numel, gradient_spill, low_numel,
-                                   unit_gradient_bytes)
+from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, compute_home_numel, gradient_spill,
+                                   low_numel, unit_gradient_bytes)
 from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
@@ -44,13 +44,16 @@ class Homes:
     ``release_param``, which points a parameter at its placeholder while its unit is not
     on the device ([Note: released parameters]); ``stats``, which counts the
     waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
-    at its device copy, called once a device-homed unit's initial state is written.
+    at its device copy, called once a device-homed unit's initial state is written;
+    ``compact_over(numels, buffer, highs)``, with compact states: the step's CompactUnit
+    over a compact home's bytes and the high parts (views of a compute copy).
     """
 
     def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], partition: Optional[Partition], release_param: Callable[[ParamEntry], None],
                  stats: Stats, bind: Callable[[UnitState], None],
-                 adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None) -> None:
+                 adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None,
+                 compact_over: Optional[Callable[[List[int], torch.Tensor, List[torch.Tensor]], Any]] = None) -> None:
         self._units = units
         self._adam_state = adam_state or {}  # carried_adam_state: what the optimizer had, by parameter
         self._layout = layout
@@ -61,6 +64,8 @@ class Homes:
         self._release_param = release_param
         self._stats = stats
         self._bind = bind
+        # [Note: compact optimizer states] optim/compact.CompactUnit(numels, buffer=, highs=)
+        self._compact_over = compact_over
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0
         # [Note: wrap scratch in the arena] write_initial_state's buffers in the device arena,
@@ -86,11 +91,12 @@ class Homes:
             if u.trainable:
                 state_numel = u.shard.state_numel  # [zero] shard-sized with stage >= 1
                 state_tier = layout.state_tier(u.index)
-                if layout.compact_states:  # [Note: compact optimizer states] one host buffer, the engine's CompactUnit
-                    assert state_tier == "host" and (isinstance(u.compute_home, torch.Tensor)
-                                                     or layout.device_is_host)
-                    numel = compact_padded_numel([e.numel for e in u.trainable])
-                    u.compact_home = self._host.allocate(compact_state_bytes(numel), torch.uint8)
+                if layout.compact_states:  # [Note: compact optimizer states] one buffer on the state tier
+                    u.compact_home = self._allocate_home(state_tier, compact_home_bytes(UnitSizes.of(u), state_tier),
+                                                         torch.uint8)
+                    if not on_nvme(u.compact_home) and (isinstance(u.compute_home, torch.Tensor)
+                                                        or layout.param_tier == "device"):
+                        u.compact = self.compact_states(u, u.compact_home, self.compute_copy(u))
                     continue
                 if layout.split_master:
                     u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)
@@ -135,7 +141,7 @@ class Homes:
         if not self._layout.staged_step:
             return []
         return [StagingSlot(self._host, shape.master_numel, shape.compute_numel, self._layout.compute_dtype,
-                            shape.low_numel)
+                            shape.low_numel, shape.compact_bytes)
                 for _ in range(self._layout.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial state
@@ -168,15 +174,15 @@ class Homes:
         t = u.spec.trainable_numel
         if layout.split_master and u.trainable and not split_here:
             low = self.split_master_into(u, master, compute[:t], 0)
+        if layout.compact_states and u.trainable:  # the high parts into ``compute`` before it goes home
+            self._store_initial_compact(u, master, compute)
         if layout.param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
             self.store(u.compute_home, self._home_chunks(u, compute))
         else:
             self.store_compute(u, compute)  # merged: compute dtype is fp32, the master
-        if u.compact is not None:
-            self._store_initial_compact(u, master)
-        elif u.trainable:
+        if u.trainable and not layout.compact_states:
             self.store_master(u, master, 0, low)
             self._store_initial_moments(u)
         if layout.param_tier == "device":
@@ -290,24 +296,52 @@ class Homes:
         """[Note: compact optimizer states] u's whole compute copy in host memory, where the
         compact step writes the high parts: its host home, or its slot on a CPU device."""
         if u.compute_home is not None:
+            assert isinstance(u.compute_home, torch.Tensor)
             return u.compute_home
         assert self._layout.device_is_host
         return self._device.view(u.device_offset, u.compute_numel)
 
-    def _store_initial_compact(self, u: UnitState, master: torch.Tensor) -> None:
+    def compact_states(self, u: UnitState, buffer: torch.Tensor, compute: torch.Tensor) -> Any:
+        """[Note: compact optimizer states] u's CompactUnit over ``buffer`` (u's compact home,
+        or a copy of its bytes: at least compact_state_bytes, uint8) and ``compute`` (u's
+        compute copy from element 0, or its trainable prefix), whose views are the high parts."""
+        numels = [e.numel for e in u.trainable]
+        nbytes = compact_state_bytes(compact_padded_numel(numels))
+        return self._compact_over(numels, buffer[:nbytes], [compute[e.offset:e.offset + e.numel] for e in u.trainable])
+
+    def _store_initial_compact(self, u: UnitState, master: torch.Tensor, compute: torch.Tensor) -> None:
         """[Note: compact optimizer states] u's compact states encoded from ``master`` (fp32,
-        u's trainable prefix) and zero moments, or those the optimizer had; the high parts
-        are written into the compute copy (the same bf16 values: both round to nearest even)."""
-        u.compact_home.zero_()  # the padding after each parameter stays 0
+        u's trainable prefix) and zero moments, or those the optimizer had, into its compact
+        home (on NVMe through a page-aligned buffer); the high parts are written into
+        ``compute``, u's initial compute copy (the same bf16 values: both round to nearest even)."""
+        home = u.compact_home
+        buffer = home if isinstance(home, torch.Tensor) else self.buffer("compact", home.nbytes)
+        buffer.zero_()  # the padding after each parameter stays 0
+        states = self.compact_states(u, buffer, compute)
         steps = []
         for k, e in enumerate(u.trainable):
             carried = self._adam_state.get(e.param)
             zeros = torch.zeros(e.numel, dtype=torch.float32)
             exp_avg, exp_avg_sq = (carried[1], carried[2]) if carried is not None else (zeros, zeros)
-            u.compact.load_exact(k, master[e.offset:e.offset + e.numel], zeros if exp_avg is None else exp_avg,
-                                 zeros if exp_avg_sq is None else exp_avg_sq)
+            states.load_exact(k, master[e.offset:e.offset + e.numel], zeros if exp_avg is None else exp_avg,
+                              zeros if exp_avg_sq is None else exp_avg_sq)
             steps.append(carried[0] if carried is not None else 0)
+        if on_nvme(home):
+            self.store(home, buffer)
         u.steps = steps
+
+    def read_compact(self, u: UnitState, compute: Optional[torch.Tensor] = None) -> Any:
+        """[Note: compact optimizer states] u's compact states as they are at home, for
+        reading: over its host home and compute copy, or copies read from NVMe (``compute``:
+        u's whole compute copy, when the caller has it)."""
+        if u.compact is not None:
+            return u.compact
+        home = u.compact_home
+        buffer = home if isinstance(home, torch.Tensor) else self.load(home, home.nbytes, torch.uint8)
+        if compute is None:
+            compute = self.compute_copy(u) if isinstance(u.compute_home, torch.Tensor) or u.compute_home is None \
+                else self.load(u.compute_home, u.spec.trainable_numel, self._layout.compute_dtype)
+        return self.compact_states(u, buffer, compute)
 
     # ------------------------------------------------------------------ the master codec
     def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:
@@ -348,10 +382,11 @@ class Homes:
         layout = self._layout
         if layout.merged:
             return self.load(u.compute_home, u.master_numel, torch.float32)
-        if u.compact is not None:  # [Note: compact optimizer states] high + low, decoded
+        if layout.compact_states:  # [Note: compact optimizer states] high + low, decoded
+            states = self.read_compact(u, compute)
             master = torch.zeros(u.master_numel, dtype=torch.float32)
             for k, e in enumerate(u.trainable):
-                master[e.offset:e.offset + e.numel].copy_(u.compact.exact(k)[0])
+                master[e.offset:e.offset + e.numel].copy_(states.exact(k)[0])
             return master
         if not layout.split_master:
             return self.load(u.master_home, u.shard.state_numel, torch.float32)
@@ -535,7 +570,7 @@ class Homes:
         sums = None if self._nvme is None else self._nvme.checksums
         if sums is None:
             return
-        for home in (u.compute_home, u.master_home, u.moments_home):
+        for home in (u.compute_home, u.master_home, u.moments_home, u.compact_home):
             if home is not None and on_nvme(home):
                 sums.forget(home.path, home.offset, home.nbytes)
 

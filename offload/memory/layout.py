@@ -222,7 +222,7 @@ class Layout:
         # [Note: delayed updates] the norm is known in step(), where every update starts
         speculative = needs_norm_first and partition is None and param_tier != "device" and (
             "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
-            and not config.delayed_update
+            and not config.delayed_update and config.optimizer_states != "compact"  # [Note: compact optimizer states]
         host_budget = config.host_budget
         if host_budget is None:
             host_budget = default_host_budget_bytes if default_host_budget_bytes is not None else default_host_budget()
@@ -242,7 +242,8 @@ class Layout:
             # (the split compute copy rounds ties away from zero): [Note: placement by budget]
             split_master=(config.split_master and config.dtype == "bf16" and on_states == {"nvme"}
                           and len(on_compute) == 1 and param_tier != "device"
-                          and "auto" not in (config.param_tier, config.optimizer_tier)),
+                          and "auto" not in (config.param_tier, config.optimizer_tier)
+                          and config.optimizer_states != "compact"),
             adopts_grads=device_is_host and partition is None,
             device_copy_updates=device_is_host and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
@@ -274,25 +275,18 @@ class Layout:
 
 def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, device_is_host: bool) -> None:
     """[Note: compact optimizer states] The runs the homes hold compact states for so far:
-    one process, every state on the host, every compute copy there too (param_tier "host",
-    or "device" where the device is the host: the step writes the high parts in place).
-    Else a ValueError naming the field and the reason."""
+    one process; compact homes and compute copies on the host or NVMe (explicit or "auto"),
+    or compute copies on the device where the device is the host (the step writes the high
+    parts in place there). Else a ValueError naming the field and the reason."""
     if partition is not None:
         raise ValueError("optimizer_states: 'compact' is not available with several ranks yet; "
                          "use optimizer_states='exact'")
-    # "auto" without a swap_dir places every home on the host (or, on a CPU device, a
-    # compute copy on the device): [Note: placement by budget]
-    auto_on_host = config.swap_dir is None
-    compute_tiers = {"host", "device", "auto"} if device_is_host else {"host"}
+    compute_tiers = {"host", "nvme", "auto"} | ({"device"} if device_is_host else set())
     placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
-    if config.param_tier not in compute_tiers or config.optimizer_tier not in ("host", "auto") \
-            or ("auto" in (config.param_tier, config.optimizer_tier) and not auto_on_host) \
-            or placed - compute_tiers:
-        raise ValueError(f"optimizer_states: 'compact' states live on the host only so far "
-                         f"(param_tier={config.param_tier!r}, optimizer_tier={config.optimizer_tier!r}; "
-                         "NVMe, 'auto' with a swap_dir and an accelerator's 'device' tiers are not "
-                         "available with it yet): use param_tier='host', optimizer_tier='host' or "
-                         "optimizer_states='exact'")
+    if config.param_tier not in compute_tiers or placed - compute_tiers:
+        raise ValueError(f"optimizer_states: 'compact' is not available with param_tier={config.param_tier!r} "
+                         "on an accelerator (the compact step writes the high parts into the compute copy at "
+                         "home): use param_tier='host', 'nvme' or 'auto', or optimizer_states='exact'")
     if config.speculative_updates:
         raise ValueError("optimizer_states: 'compact' is not available with speculative_updates=True yet; "
                          "use optimizer_states='exact' with it")
@@ -481,10 +475,12 @@ class StagingSlot:
     """Host buffers the optimizer pipeline reads one unit's states into."""
 
     def __init__(self, host: HostTier, master_numel: int, compute_numel: int,
-                 compute_dtype: torch.dtype, low_numel: int = 0) -> None:
+                 compute_dtype: torch.dtype, low_numel: int = 0, compact_bytes: int = 0) -> None:
         self.master = host.allocate(master_numel, torch.float32)
         self.moments = host.allocate(2 * master_numel, torch.float32)
         self.compute = host.allocate(compute_numel, compute_dtype) if compute_numel else None
         # [Note: split master] the master's low halves, read and written in its place
         self.low = host.allocate(low_numel, torch.int16) if low_numel else None
+        # [Note: compact optimizer states] a whole NVMe-homed compact home
+        self.compact = host.allocate(compact_bytes, torch.uint8) if compact_bytes else None
         self.pending_writes: List[Any] = []

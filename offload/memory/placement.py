@@ -54,7 +54,7 @@ import torch
 from offload.config import OffloadConfig, format_size
 from offload.errors import warn_at_caller
 from offload.memory.budget import (
-    UnitSizes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
+    UnitSizes, compact_home_bytes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
     swap_bytes, unit_home_bytes)
 from offload.io.swap import usable_bytes
 from offload.memory.layout import FP32_BYTES, Layout
@@ -352,7 +352,9 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
     read in forward and again in backward (the root once, and the last ``resident_units``
     of forward stay for backward); written by the update unless merged (then the update
     reads and writes it as the master). With its states on NVMe: the master (unless
-    merged; its low half when split) and both moments read and written. Gradients beyond the
+    merged; its low half when split) and both moments read and written; compact ([Note:
+    compact optimizer states]): the whole compact home read and written, and the update
+    reads the high parts from a compute copy on NVMe. Gradients beyond the
     host budget's allowance ([Note: gradient spill]), where they wait for the norm or for
     more micro-steps: written and read back. Not modelled: an update that reads a resident
     device copy instead of the home ([Note: updates through the device copy]) and update
@@ -371,8 +373,15 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
                 trainable = u.master_numel * home_element_bytes
                 if layout.merged:
                     read += trainable
+                if layout.compact_states:  # [Note: compact optimizer states] the high parts, read
+                    trainable = u.low_numel * 2  # and written as the padded 16-bit prefix
+                    read += trainable
                 write += trainable
-        if u.trainable and layout.state_tier(i) == "nvme":
+        if u.trainable and layout.compact_states:
+            if layout.state_tier(i) == "nvme":  # the whole compact home, read and written
+                read += compact_home_bytes(u, "nvme")
+                write += compact_home_bytes(u, "nvme")
+        elif u.trainable and layout.state_tier(i) == "nvme":
             state = u.state_slots * u.state_numel * FP32_BYTES
             if layout.split_master:
                 state += u.low_numel * 2

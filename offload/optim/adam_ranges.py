@@ -110,7 +110,9 @@ class UnitAdam:
 
     def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
         n, size = u.master_numel, self._piece_numel
-        if u.whole_step:  # [Note: whole-parameter optimizers] never a piece that cuts a parameter
+        # [Note: whole-parameter optimizers] never a piece that cuts a parameter; [Note: compact
+        # optimizer states] a compact unit's home moves whole
+        if u.whole_step or self._layout.compact_states:
             return [(0, n)] if n else []
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
@@ -212,7 +214,8 @@ class UnitAdam:
         ([Note: out-of-place Adam]), u's own states and its gradients are kept."""
         if u.compact is not None:
             assert not speculative, "Layout.resolve refuses speculative updates with compact states"
-            self._update_compact(u, grad_factor, groups)
+            self.compact_step(u, u.compact, grad_factor, groups)
+            self._gradients.release(u)
             return
         steps = self.next_steps(u)
         target = self.compute_target(u)
@@ -235,9 +238,11 @@ class UnitAdam:
         if not speculative:
             self._gradients.release(u)
 
-    def _update_compact(self, u: UnitState, grad_factor: float, groups: Optional[List[Dict[str, Any]]]) -> None:
-        """[Note: compact optimizer states] u's CompactUnit stepped with its gradients; the
-        new high parts are written into u's compute copy at home (its views)."""
+    def compact_step(self, u: UnitState, compact: Any, grad_factor: float,
+                     groups: Optional[List[Dict[str, Any]]]) -> None:
+        """[Note: compact optimizer states] ``compact`` (u's CompactUnit: over its homes, or
+        over a staging slot's copies of them) stepped with u's gradients, which stay u's; the
+        new high parts are written into the compute copy it holds views of."""
         faults.hit("optim.adam_range", unit=u.name, lo=0, hi=u.master_numel)
         groups = self._optimizer.param_groups if groups is None else groups
         grads = [self._gradients.grad_range(u, k, e.offset, e.offset + e.numel) if u.has_grad[k] else None
@@ -246,7 +251,6 @@ class UnitAdam:
         rules = {self._group_rules[e.group_index] for e in u.trainable}
         assert all(r.rule is None for r in rules) and len({r.adamw for r in rules}) == 1, \
             "compact states are Adam's/AdamW's alone (wrap refuses the rest)"
-        u.steps = u.compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable],
-                                 adamw=next(iter(rules)).adamw, grad_scale=grad_factor)
+        u.steps = compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable],
+                               adamw=next(iter(rules)).adamw, grad_scale=grad_factor)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
-        self._gradients.release(u)

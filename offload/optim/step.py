@@ -97,13 +97,17 @@ class PipelinedStep:
                  read_master: Callable[[UnitState], torch.Tensor],
                  load: Callable[[Any, int, torch.dtype], torch.Tensor],
                  fail_step: Callable[[BaseException, str], NoReturn],
-                 record_failure: Callable[[Dict[str, Any]], None]) -> None:
+                 record_failure: Callable[[Dict[str, Any]], None],
+                 compact_states: Optional[Callable[[UnitState, torch.Tensor, torch.Tensor], Any]] = None,
+                 compact_step: Optional[Callable[..., None]] = None) -> None:
         """``slots``: the staging slots (none without a staged step). ``host_planned_bytes``:
         what the host budget check planned, which the dirty copies may not eat into. The
         callables are the engine's: the step counts and pieces of a unit, Adam over a range
         of a unit (UnitAdam.adam_range), where a separate compute copy is written, giving a
         unit's gradients back, reading a whole master or home, stopping the engine after a
-        step failed part-way (fatal) and recording a non-fatal failure (the failed writes)."""
+        step failed part-way (fatal) and recording a non-fatal failure (the failed writes);
+        with compact states, a unit's CompactUnit over a buffer and a compute copy
+        (Homes.compact_states) and its step (UnitAdam.compact_step)."""
         self.slots = slots
         self._layout = layout
         self._root = root
@@ -122,6 +126,8 @@ class PipelinedStep:
         self._load = load
         self._fail_step = fail_step
         self._record_failure = record_failure
+        self._compact_states = compact_states
+        self._compact_step = compact_step
         # the root's first piece, read into slot 0 under backward (prestage_root)
         self.root_prestaged: Optional[List[Any]] = None
         # where the early updates' ring goes on (slots 1.., [Note: the piece ring])
@@ -145,6 +151,8 @@ class PipelinedStep:
         """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
         (a merged master from u's device copy when ``in_device``; split, the low halves,
         and the high ones from the compute copy at home or, ``in_device``, on the device)."""
+        if self._layout.compact_states:
+            return self._issue_compact_reads(u, slot, in_device)
         handles, n = [], hi - lo
         home = self.master_home(u)
         if self._layout.split_master:  # [Note: split master] the low halves, and the high ones
@@ -166,6 +174,36 @@ class PipelinedStep:
             handles.extend(self._nvme.read(buf, ext, unit=u.name)
                            for buf, ext in self._moment_parts(u, lo, hi, slot, u.moments_home))
         return handles
+
+    def _issue_compact_reads(self, u: UnitState, slot: StagingSlot, in_device: bool) -> List[Any]:
+        """[Note: compact optimizer states] Start reading u's whole compact home into
+        ``slot`` where it is on NVMe, and its high parts (the compute copy's trainable
+        prefix) where the compute copy is: from NVMe, or from the resident device copy
+        (``in_device``, [Note: updates through the device copy])."""
+        handles = []
+        if on_nvme(u.compact_home):
+            handles.append(self._nvme.read(slot.compact[:u.compact_home.nbytes], u.compact_home, unit=u.name))
+        if on_nvme(u.compute_home) and in_device:
+            end = u.spec.trainable_numel
+            slot.compute[:end].copy_(self._device.view(u.device_offset, end))
+            self._stats.add_bytes("device_to_host", end * slot.compute.element_size())
+        elif on_nvme(u.compute_home):
+            end, extent = self._half_extent(u, u.compute_home, 0, u.master_numel)
+            handles.append(self._nvme.read(slot.compute[:end], extent, unit=u.name))
+        return handles
+
+    def _update_compact(self, u: UnitState, slot: StagingSlot, grad_factor: float,
+                        groups: Optional[List[Dict[str, Any]]]) -> None:
+        """[Note: compact optimizer states] u's whole update on its compact states: those at
+        home (host), or the copies read into ``slot`` (NVMe); the high parts in the compute
+        copy at home (host, or the slot of a CPU device) or its copy in ``slot``."""
+        if u.compact is not None:  # compact home and compute copy both in host memory
+            states = u.compact
+        else:
+            buffer = slot.compact if on_nvme(u.compact_home) else u.compact_home
+            compute = slot.compute if on_nvme(u.compute_home) else self._compute_target(u)
+            states = self._compact_states(u, buffer, compute)
+        self._compact_step(u, states, grad_factor, groups)
 
     @staticmethod
     def _half_extent(u: UnitState, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
@@ -193,6 +231,10 @@ class PipelinedStep:
         """Adam over piece [lo, hi) of u, read into ``slot``; host-homed states are updated
         in place, or ([Note: speculative updates]) read from u's homes and written to
         ``spare``'s ([Note: out-of-place Adam]). Staged states are updated in the slot."""
+        if self._layout.compact_states:
+            assert spare is None and (lo, hi) == (0, u.master_numel), "Layout.resolve refuses spares with compact states"
+            self._update_compact(u, slot, grad_factor, groups)
+            return
         n = hi - lo
         home = self.master_home(u)
         master = slot.master[:n] if on_nvme(home) else home[lo:hi]
@@ -272,7 +314,10 @@ class PipelinedStep:
         writes, n = [], hi - lo
         homes = u if spare is None else spare
         home = self.master_home(homes)
-        if self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
+        if self._layout.compact_states:  # [Note: compact optimizer states] the whole home
+            if on_nvme(u.compact_home):
+                writes.append(self._nvme.write(slot.compact[:u.compact_home.nbytes], u.compact_home, unit=u.name))
+        elif self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
             writes.append(self._nvme.write(slot.low[:end - lo], extent, unit=u.name))
         elif on_nvme(home):
@@ -475,7 +520,11 @@ class PipelinedStep:
 
     def _keep_dirty(self, u: UnitState, lo: int, hi: int, slot: StagingSlot, error: Optional[OSError]) -> None:
         """[Note: swap I/O failures] Hold piece [lo, hi) of u's updated states in host RAM
-        (the first failed piece of a unit brings the rest of the unit from disk), or raise."""
+        (the first failed piece of a unit brings the rest of the unit from disk), or raise.
+        Compact states are not held: the failed write is fatal ([Note: compact optimizer states])."""
+        if self._layout.compact_states:
+            raise OSError(error.errno, f"{error}; the compact states of unit {u.name!r} are not held in host RAM "
+                          "after a failed swap write: resume from the last checkpoint")
         master_on_nvme = on_nvme(self.master_home(u))
         moments_on_nvme = on_nvme(u.moments_home)
         dirty = self.dirty.get(u.index)
