@@ -303,8 +303,8 @@ class OffloadConfig:
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
     delayed_update, and today several ranks, an accelerator's "device" param_tier and
-    speculative updates (checkpoints and weight writes are refused too). Host, NVMe and
-    "auto" tiers hold the compact states."""
+    speculative updates (load_state_dict and gathered(modify=True) are refused too). Host,
+    NVMe and "auto" tiers and checkpoints hold the compact states as they are."""
 
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on

@@ -321,7 +321,8 @@ class Engine:
                          store_compute_range=self._homes.store_compute_range, round_master=self._homes.round_master,
                          buffer=self._homes.buffer,
                          drop_buffers=self._homes.drop_buffers,
-                         release=self._residency.release),
+                         release=self._residency.release, read_compact=self._homes.read_compact,
+                         compact_states=self._homes.compact_states, store=self._homes.store),
             state=EngineState(
                 closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
@@ -554,12 +555,11 @@ class Engine:
         self._checkpoint.finish_state_load()
 
     def _refuse_compact(self, what: str) -> None:
-        """[Note: compact optimizer states] What does not read or write compact states yet:
-        checkpoints and writing weights (load_state_dict, gathered(modify=True))."""
+        """[Note: compact optimizer states] What does not write compact states yet: weight
+        writes (load_state_dict, gathered(modify=True))."""
         if self.layout.compact_states:
             raise ValueError(f"optimizer_states: {what} is not available with 'compact' states yet "
-                             "(checkpoints and weight writes go through the exact master and moments); "
-                             "use optimizer_states='exact' for it")
+                             "(weight writes go through the exact master); use optimizer_states='exact' for it")
 
     def _check_weights_access(self, what: str, writes: bool) -> None:
         """Raise unless weights may be gathered (or written: ``writes``) now: the engine open
@@ -629,7 +629,6 @@ class Engine:
         """Write every unit's state, the optimizer's and the RNGs' into the directory
         ``ckpt_dir``, atomically, one piece of a unit at a time; with several ranks every rank calls
         it and writes its own part. See offload/checkpoint/."""
-        self._refuse_compact("save_checkpoint")
         failure = self._status.failure
         if failure is not None and failure["fatal"]:  # before quiesce re-raises what failed the engine
             raise EngineFailedError(f"save_checkpoint: {failure['message']}")
@@ -642,7 +641,6 @@ class Engine:
         stream its states into their tiers (with several ranks: every rank calls it and
         reads the part it keeps, whatever the world size that wrote it). See
         offload/checkpoint/."""
-        self._refuse_compact("load_checkpoint")
         self._residency.refuse_while_held("load_checkpoint()")
         self._updates.quiesce(raise_errors=False)  # what failed before is what the load recovers from
         self._end_restore_or_raise("load_checkpoint()", compare=False)

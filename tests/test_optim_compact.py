@@ -699,12 +699,9 @@ def test_a_compact_run_equals_its_rule_driven_by_hand_over_the_same_gradients(ki
         for name in steps:
             assert torch.equal(saved[name], state[name]), name
         # not available yet: refused before anything is written or read
-        for call in (lambda: engine.save_checkpoint(str(tmp_path / "ckpt")),
-                     lambda: engine.load_checkpoint(str(tmp_path / "ckpt")),
-                     lambda: engine.load_state_dict(state), lambda: engine.gathered(modify=True).__enter__()):
+        for call in (lambda: engine.load_state_dict(state), lambda: engine.gathered(modify=True).__enter__()):
             with pytest.raises(ValueError, match="optimizer_states: .*not available with 'compact' states yet"):
                 call()
-        assert not (tmp_path / "ckpt").exists()
     num_updates = len(data) // extra.get("gradient_accumulation_steps", 1)
     assert set(steps.values()) == {num_updates}
     assert len(seen) == num_updates * len(steps)
@@ -843,3 +840,138 @@ def test_compact_states_on_nvme_move_the_bytes_the_planner_predicts(tmp_path):
         assert planned_swap == placed_nvme == homes
         assert shape.master_numel == 0 and shape.compute_numel == 0
         assert shape.compact_bytes == max(compact_home_bytes(u, "nvme") for u in sizes if u.trainable)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def _train_from(engine, data):
+    from tests.support import train_offload
+    return train_offload(engine, data)
+
+
+def _compact_engine(extra, tmp_path, name):
+    from offload.gpt import GPT
+    from tests.support import CFG, make_opt
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = offload.OffloadConfig(**{**COMPACT_HOST, "swap_dir": str(tmp_path / name), **extra})
+    return model, offload.wrap(model, make_opt(model.parameters()), config=config)
+
+
+def _all_compact_states(engine):
+    out = {}
+    for u in engine.units:
+        compact = engine.debug.homes.read_compact(u)
+        for k in range(len(u.trainable)):
+            out[(u.index, k)] = compact.exact(k) + (compact.param(k).high.clone(),)
+    return out
+
+
+@pytest.mark.parametrize("save_tiers,load_tiers", [
+    ({}, {}),
+    ({"optimizer_tier": "nvme"}, {"optimizer_tier": "nvme"}),
+    ({"param_tier": "nvme", "optimizer_tier": "nvme", "max_grad_norm": 0.5},
+     {"param_tier": "nvme", "optimizer_tier": "nvme", "max_grad_norm": 0.5}),
+    ({"optimizer_tier": "nvme"}, {}),  # saved from NVMe, resumed on the host
+], ids=["host", "states-nvme", "both-nvme-clipped", "nvme-to-host"])
+def test_a_compact_checkpoint_resumes_bit_for_bit(save_tiers, load_tiers, tmp_path, monkeypatch):
+    """[Note: compact optimizer states] Saved at step 3 (the codes, scales, low parts and the
+    compute copy, in pieces of CHUNK_NUMEL: made small here so that parameters span several),
+    loaded into a new engine and continued to step 6: the losses, weights, decoded states and
+    high parts equal an uninterrupted run's bit for bit, on host and NVMe tiers, and across
+    them. The manifest says the states are compact and holds no fp32 master."""
+    import json
+    from offload.checkpoint import access as checkpoint_access
+    from tests.support import batches
+    monkeypatch.setattr(checkpoint_access, "CHUNK_NUMEL", 4 * BLOCK_NUMEL)
+    data = batches(6)
+    _, engine = _compact_engine(save_tiers, tmp_path, "whole")
+    with engine:
+        whole_losses = _train_from(engine, data)
+        whole_state = engine.state_dict()
+        whole_states = _all_compact_states(engine)
+    _, engine = _compact_engine(save_tiers, tmp_path, "first")
+    with engine:
+        first = _train_from(engine, data[:3])
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["optimizer_states"] == "compact"
+    pieces = [p for u in manifest["units"] for r in u["entries"] if r["trainable"] for p in r["pieces"]]
+    assert pieces and all("master" not in p and {"high", "low", "exp_avg_scales"} <= set(p) for p in pieces)
+    assert any(p["start"] > 0 for p in pieces)  # a parameter in several pieces
+    _, engine = _compact_engine(load_tiers, tmp_path, "second")
+    with engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        second = _train_from(engine, data[3:])
+        state = engine.state_dict()
+        states = _all_compact_states(engine)
+    assert first + second == whole_losses
+    assert all(torch.equal(state[k], whole_state[k]) for k in whole_state)
+    for key, got in states.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, whole_states[key])), key
+
+
+def test_a_compact_checkpoint_and_an_exact_engine_refuse_each_other_before_touching_anything(tmp_path):
+    """[Note: compact optimizer states] A compact checkpoint loaded into an exact engine, or
+    an exact one into a compact engine: a ValueError naming optimizer_states and the
+    manifest, and the engine's weights and states are those from before."""
+    from offload.gpt import GPT
+    from tests.support import CFG, batches, make_opt
+    data = batches(2)
+    _, engine = _compact_engine({}, tmp_path, "compact")
+    with engine:
+        _train_from(engine, data)
+        engine.save_checkpoint(str(tmp_path / "compact-ckpt"))
+        torch.manual_seed(0)
+        exact_model = GPT(CFG)
+        exact = offload.wrap(exact_model, make_opt(exact_model.parameters()),
+                             config=offload.OffloadConfig(device="cpu", dtype="bf16", param_tier="host",
+                                                          optimizer_tier="host"))
+        with exact:
+            _train_from(exact, data)
+            exact.save_checkpoint(str(tmp_path / "exact-ckpt"))
+            for target, ckpt, saved, ours in ((exact, "compact-ckpt", "compact", "exact"),
+                                               (engine, "exact-ckpt", "exact", "compact")):
+                before = target.state_dict()
+                manifest = str(tmp_path / ckpt / "manifest.json")
+                with pytest.raises(ValueError, match=f"optimizer_states: checkpoint manifest '{manifest}' holds "
+                                                     f"'{saved}' optimizer states, this engine runs "
+                                                     f"optimizer_states='{ours}'"):
+                    target.load_checkpoint(str(tmp_path / ckpt))
+                after = target.state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+                _train_from(target, data[:1])  # not failed: it trains on
+
+
+@pytest.mark.parametrize("tiers", [{}, {"param_tier": "nvme", "optimizer_tier": "nvme"}], ids=["host", "nvme"])
+def test_export_of_a_compact_checkpoint_writes_the_fp32_master_high_plus_low(tiers, tmp_path, monkeypatch):
+    """[Note: compact optimizer states] offload export of a compact checkpoint (torch and
+    safetensors files, and a model directory) gives master = high + low decoded, the values
+    engine.state_dict() and save_pretrained give, in fp32."""
+    from offload.checkpoint import access as checkpoint_access
+    from offload.checkpoint import export_checkpoint, export_pretrained
+    from safetensors.torch import load_file
+    from tests.support import batches
+    monkeypatch.setattr(checkpoint_access, "CHUNK_NUMEL", 4 * BLOCK_NUMEL)
+    _, engine = _compact_engine(tiers, tmp_path, "swap")
+    with engine:
+        _train_from(engine, batches(3))
+        state = engine.state_dict()
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.save_pretrained(str(tmp_path / "pretrained"), dtype="fp32")
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out.safetensors"))
+    export_pretrained(str(tmp_path / "ckpt"), str(tmp_path / "exported"))
+    from_torch = torch.load(str(tmp_path / "out.pt"))
+    from_safetensors = load_file(str(tmp_path / "out.safetensors"))
+    pretrained, exported = {}, {}
+    for directory, into in ((tmp_path / "pretrained", pretrained), (tmp_path / "exported", exported)):
+        for f in directory.glob("*.safetensors"):
+            into.update(load_file(str(f)))
+    trainable = [k for k, v in state.items() if v.dtype == torch.float32]
+    assert trainable
+    for name in trainable:
+        for got in (from_torch, from_safetensors, pretrained, exported):
+            if name in got:
+                assert got[name].dtype == torch.float32 and torch.equal(got[name], state[name]), name
+        assert name in from_torch and name in from_safetensors

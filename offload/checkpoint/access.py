@@ -70,6 +70,14 @@ class HomeIO:
     """Let go of every buffer ``buffer``, ``load_range`` and ``store_range`` kept."""
     release: Callable[["UnitState"], None]
     """Drop u's device copy (about to be stale)."""
+    read_compact: Optional[Callable[["UnitState"], Any]] = None
+    """[Note: compact optimizer states] ``read_compact(u)``: u's CompactUnit as its homes
+    hold it (over them on the host, over copies read from NVMe)."""
+    compact_states: Optional[Callable[["UnitState", torch.Tensor, torch.Tensor], Any]] = None
+    """``compact_states(u, buffer, compute)``: u's CompactUnit over a compact home's bytes
+    (``buffer``) and a compute copy (``compute``, whose views are the high parts)."""
+    store: Optional[Callable[[Any, torch.Tensor], None]] = None
+    """``store(home, src)``: overwrite a whole home (host or NVMe) with ``src``."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +354,50 @@ class CheckpointAccess:
             self._homes.store_range(u.compute_home, a, lagging.to(home_dtype), "ckpt.bounce")
         u.delayed_pending = True
         return True
+
+    @property
+    def compact(self) -> bool:
+        """[Note: compact optimizer states] The states are compact: a checkpoint keeps their
+        codes, scales and high parts, never fp32 states."""
+        return self._layout.compact_states
+
+    def read_compact(self, u: "UnitState") -> Any:
+        """u's CompactUnit as its homes hold it (the whole unit: a compact home moves whole,
+        as the step moves it); valid until the next call."""
+        return self._homes.read_compact(u)
+
+    @torch.no_grad()
+    def write_compact_unit_state(self, u: "UnitState", fill: Callable[[int, Any], None],
+                                 read: Callable[[str, int, int, torch.Tensor], None], steps: List[int]) -> None:
+        """[Note: compact optimizer states] Replace u's compact states and compute copy by a
+        checkpoint's, and drop u's gradients: ``fill(k, states)`` writes trainable parameter
+        k's saved high parts, low parts, codes and scales into ``states`` (its CompactRange,
+        over a new compact home and compute copy), ``read("value", lo, hi, out)`` the frozen
+        tail's values; both homes are written whole. The bytes are the saved ones: nothing is
+        decoded and encoded again."""
+        on_device = self._layout.param_tier == "device"
+        self._homes.forget_contents(u)
+        if not on_device:
+            self._homes.release(u)  # a device copy of this unit is stale from now on
+        dtype = self.compute_dtype
+        compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
+        tail = u.spec.frozen_start
+        for a, b in self.chunks(0, u.spec.total_numel - tail):
+            read("value", a, b, compute[tail + a:tail + b])
+        if u.trainable:
+            home = u.compact_home
+            nbytes = home.numel() if isinstance(home, torch.Tensor) else home.nbytes
+            buffer = self._homes.buffer("ckpt.compact", nbytes).zero_()
+            states = self._homes.compact_states(u, buffer, compute)
+            for k in range(len(u.trainable)):
+                fill(k, states.param(k))
+            self._homes.store(home, buffer)
+        if on_device:
+            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+        else:
+            self._homes.store_compute_range(u, 0, compute)
+        u.steps = list(steps)
+        u.has_grad = [False] * len(u.trainable)
 
     def training_counters(self) -> Dict[str, Any]:
         """The engine's scalar training state, as a checkpoint keeps it (EngineState.counters)."""

@@ -48,11 +48,12 @@ from torch import nn
 from offload import faults
 from offload.checkpoint.directory import DIR_MODE, FILE_MODE, refuse_missing
 from offload.checkpoint.format import (
-    CHUNK_BYTES, DTYPES, PieceReader, checked_path, numel_of, read_manifest)
+    CHUNK_BYTES, DTYPES, PieceReader, checked_path, numel_of, optimizer_states_of, read_manifest)
 from offload.config import parse_size
 from offload.errors import CheckpointError
 from offload.io.safetensors import INDEX_NAME, SAVE_ID_KEY, SINGLE_NAME, SafetensorsWriter, open_regular
 from offload.io.swap import pid_alive
+from offload.memory.compact_codec import decode_master
 from offload.memory.layout import UnitState
 from offload.memory.weights import iter_weights
 
@@ -106,16 +107,20 @@ def _export_items(manifest: Dict[str, Any]) -> List[Dict[str, Any]]:
     """(names, shape, output dtype, pieces as (file, offset, numel, file dtype)) of every
     tensor to export."""
     items = []
+    compact = optimizer_states_of(manifest) == "compact"
     for u in manifest["units"]:
         for r in u["entries"]:
-            key = "master" if r["trainable"] else "value"
-            pieces = [(p["file"], p[key], p["numel"], "float32" if r["trainable"] else p["file_dtype"])
-                      for p in r["pieces"]]
+            if r["trainable"] and compact:  # [Note: compact optimizer states] master = high + low
+                pieces = [(p["file"], p["high"], p["numel"], "bfloat16", p["low"]) for p in r["pieces"]]
+            else:
+                key = "master" if r["trainable"] else "value"
+                pieces = [(p["file"], p[key], p["numel"], "float32" if r["trainable"] else p["file_dtype"], None)
+                          for p in r["pieces"]]
             items.append({"names": r["names"], "shape": r["shape"], "pieces": pieces,
                           "dtype": "float32" if r["trainable"] else r["dtype"]})
     for b in manifest["buffers"]:
         items.append({"names": [b["name"]], "shape": b["shape"], "dtype": b["dtype"],
-                      "pieces": [("buffers.bin", b["offset"], numel_of(b["shape"]), b["dtype"])]})
+                      "pieces": [("buffers.bin", b["offset"], numel_of(b["shape"]), b["dtype"], None)]})
     return items
 
 
@@ -127,17 +132,22 @@ def _write_torch_save(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[
     for item in items:
         dtype = DTYPES[item["dtype"]]
         parts = []
-        for file_name, offset, numel, file_dtype_name in item["pieces"]:
+        for file_name, offset, numel, file_dtype_name, low_offset in item["pieces"]:
             file_dtype = DTYPES[file_dtype_name]
-            nbytes = numel * file_dtype.itemsize
-            if offset + nbytes > manifest["files"][file_name]["bytes"]:
-                raise CheckpointError(f"checkpoint file {file_name!r}: an entry lies outside the file")
-            raw = np.memmap(checked_path(ckpt_dir, file_name), dtype=np.uint8, mode="r",
-                            offset=offset, shape=(nbytes,))
-            maps.append(raw)
-            with warnings.catch_warnings():  # read-only map: torch warns that it is not writable
-                warnings.simplefilter("ignore", UserWarning)
-                parts.append(torch.from_numpy(raw).view(file_dtype))
+
+            def mapped(at: int, dtype: torch.dtype) -> torch.Tensor:
+                nbytes = numel * dtype.itemsize
+                if at + nbytes > manifest["files"][file_name]["bytes"]:
+                    raise CheckpointError(f"checkpoint file {file_name!r}: an entry lies outside the file")
+                raw = np.memmap(checked_path(ckpt_dir, file_name), dtype=np.uint8, mode="r", offset=at, shape=(nbytes,))
+                maps.append(raw)
+                with warnings.catch_warnings():  # read-only map: torch warns that it is not writable
+                    warnings.simplefilter("ignore", UserWarning)
+                    return torch.from_numpy(raw).view(dtype)
+            if low_offset is None:
+                parts.append(mapped(offset, file_dtype))
+            else:  # [Note: compact optimizer states] decoded one piece at a time
+                parts.append(decode_master(mapped(offset, file_dtype), mapped(low_offset, torch.int8)))
         if not parts:
             tensor = torch.empty(item["shape"], dtype=dtype)
         elif len(parts) == 1 and parts[0].dtype == dtype:
@@ -166,12 +176,16 @@ def _write_torch_save(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[
 
 def _chunks(reader: PieceReader, item: Dict[str, Any]) -> Iterator[torch.Tensor]:
     dtype = DTYPES[item["dtype"]]
-    for file_name, offset, numel, file_dtype_name in item["pieces"]:
+    for file_name, offset, numel, file_dtype_name, low_offset in item["pieces"]:
         file_dtype = DTYPES[file_dtype_name]
         per_chunk = max(1, CHUNK_BYTES // file_dtype.itemsize)
         for done in range(0, numel, per_chunk):
             chunk = torch.empty(min(per_chunk, numel - done), dtype=file_dtype)
             reader.read(file_name, offset + done * file_dtype.itemsize, chunk)
+            if low_offset is not None:  # [Note: compact optimizer states] master = high + low
+                low = torch.empty(chunk.numel(), dtype=torch.int8)
+                reader.read(file_name, low_offset + done, low)
+                chunk = decode_master(chunk, low)
             yield chunk.to(dtype)
 
 

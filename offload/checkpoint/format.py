@@ -23,6 +23,13 @@ A checkpoint is a directory of raw little-endian files plus ``manifest.json``:
                       manifest record) has a fourth section in each trainable piece, "lagging": the fp32
                       values of the compute copy the next forward reads, one update behind
                       the master ([Note: delayed updates] in offload/optim/delayed.py).
+                      With compact optimizer states ("optimizer_states": "compact" in the
+                      manifest; absent: "exact"), each trainable parameter's pieces start on
+                      a block of BLOCK_NUMEL elements and hold its states as the engine does
+                      ([Note: compact optimizer states]): "high" (the bf16 compute copy),
+                      "low" (int8), "exp_avg" (int8 codes), "exp_avg_sq" (uint8 codes),
+                      "exp_avg_scales" and "exp_avg_sq_scales" (fp32, one per block):
+                      not fp32 states, whose re-encoding may flip the high/low split.
   buffers.bin         the model's persistent buffers (byte offsets in the manifest).
   rng-torch-cpu.bin, rng-torch-cuda-N.bin   torch's RNG states (``-rank-RRRRR`` per rank).
 
@@ -45,6 +52,7 @@ from torch import nn
 from offload.checkpoint.files import file_digests, reading_engine
 from offload.errors import CheckpointError
 from offload.io import IOEngine
+from offload.memory.compact_codec import BLOCK_NUMEL, num_blocks
 
 FORMAT = "offload-checkpoint"
 VERSION = 2
@@ -56,6 +64,31 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
                torch.float64: "float64", torch.int64: "int64", torch.int32: "int32",
                torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+# [Note: compact optimizer states] the sections of a compact trainable piece: (dtype, per
+# block) where per block means one value per BLOCK_NUMEL elements, else one per element
+COMPACT_SECTIONS = {"high": (torch.bfloat16, False), "low": (torch.int8, False), "exp_avg": (torch.int8, False),
+                    "exp_avg_sq": (torch.uint8, False), "exp_avg_scales": (torch.float32, True),
+                    "exp_avg_sq_scales": (torch.float32, True)}
+
+
+def optimizer_states_of(manifest: Dict[str, Any]) -> str:
+    """"exact" or "compact": how the checkpoint holds the optimizer states."""
+    return manifest.get("optimizer_states", "exact")
+
+
+def section_bytes(key: str, numel: int, compact: bool) -> int:
+    """Bytes of a trainable piece's section ``key`` of ``numel`` elements."""
+    if not compact:
+        return numel * 4
+    dtype, per_block = COMPACT_SECTIONS[key]
+    return (num_blocks(numel) if per_block else numel) * dtype.itemsize
+
+
+def trainable_sections(manifest: Dict[str, Any], delayed_pending: bool) -> Tuple[str, ...]:
+    """The sections of a trainable piece of a unit of ``manifest``."""
+    if optimizer_states_of(manifest) == "compact":
+        return tuple(COMPACT_SECTIONS)
+    return ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if delayed_pending else ())
 
 
 # ---------------------------------------------------------------------- small helpers
@@ -222,6 +255,9 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
         f.an_int(manifest, "world_size", "world_size", lo=1)
         f.an_int(manifest, "stage", "stage", lo=0, hi=3)
     f.an_object(manifest, "config", "config")
+    if "optimizer_states" in manifest:  # [Note: compact optimizer states] absent: "exact"
+        f.get(manifest, "optimizer_states", "optimizer_states", lambda v: v in ("exact", "compact"),
+              "'exact' or 'compact'")
     f.a_dtype(manifest, "compute_dtype", "compute_dtype")
     engine = f.an_object(manifest, "engine", "engine")
     f.an_int(engine, "micro_step", "engine.micro_step")
@@ -278,8 +314,7 @@ def check_fields(manifest: Dict[str, Any], manifest_path: str) -> None:
                     f.a_string(piece, "file", f"{field}.pieces[{k}].file")
                     f.an_int(piece, "start", f"{field}.pieces[{k}].start")
                     f.an_int(piece, "numel", f"{field}.pieces[{k}].numel", lo=1)
-                    keys = ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if pending else ()) \
-                        if trainable else ("value",)
+                    keys = trainable_sections(manifest, pending) if trainable else ("value",)
                     for key in keys:
                         f.an_int(piece, key, f"{field}.pieces[{k}].{key}")
                     if not trainable:
@@ -356,9 +391,9 @@ def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
     two sections (nor buffers) share a byte."""
     files = manifest["files"]
     ranges: Dict[str, List[Tuple[int, int, str]]] = {}  # file -> (offset, bytes, what)
+    compact = optimizer_states_of(manifest) == "compact"
     for u in manifest["units"]:
-        keys = {True: ("master", "exp_avg", "exp_avg_sq") + (("lagging",) if u.get("delayed_pending") else ()),
-                False: ("value",)}
+        keys = {True: trainable_sections(manifest, u.get("delayed_pending", False)), False: ("value",)}
         for r in u["entries"]:
             covered = 0
             for piece in r["pieces"]:
@@ -370,13 +405,18 @@ def _check_pieces(manifest: Dict[str, Any], ckpt_dir: str) -> None:
                 if piece.get("start") != covered or not isinstance(piece.get("numel"), int) or piece["numel"] <= 0:
                     raise CheckpointError(f"checkpoint {ckpt_dir!r}: the pieces of parameter {r['fqn']!r} "
                                           "do not cover it exactly once")
+                if compact and r["trainable"] and piece["start"] % BLOCK_NUMEL:
+                    raise CheckpointError(f"checkpoint {ckpt_dir!r}: a piece of parameter {r['fqn']!r} starts "
+                                          f"at element {piece['start']}, not on a block of {BLOCK_NUMEL} "
+                                          "(compact states are kept in blocks)")
                 covered += piece["numel"]
                 dtype = DTYPES.get("float32" if r["trainable"] else piece.get("file_dtype"))
                 if dtype is None:
                     raise CheckpointError(f"checkpoint file {file_name!r}: parameter {r['fqn']!r} "
                                           f"has unknown dtype {piece.get('file_dtype')!r}")
                 for key in keys[r["trainable"]]:
-                    nbytes = piece["numel"] * dtype.itemsize
+                    nbytes = section_bytes(key, piece["numel"], compact) if r["trainable"] else \
+                        piece["numel"] * dtype.itemsize
                     check_range(file_name, files[file_name]["bytes"], piece.get(key), nbytes)
                     ranges.setdefault(file_name, []).append((piece[key], nbytes, f"{r['fqn']!r} {key}"))
             if covered != r["numel"]:

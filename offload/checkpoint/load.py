@@ -13,7 +13,8 @@ import torch
 from offload.checkpoint.access import Ranks, attempt
 from offload.checkpoint.directory import refuse_missing
 from offload.checkpoint.format import (
-    DTYPES, MANIFEST, PieceReader, checked_path, numel_of, read_manifest, read_range, state_dict_aliases)
+    COMPACT_SECTIONS, DTYPES, MANIFEST, PieceReader, checked_path, numel_of, optimizer_states_of, read_manifest,
+    read_range, state_dict_aliases)
 from offload.errors import CheckpointError, warn_at_caller
 from offload.optim.generic import step_from_json
 
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
 
 def _match_model(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: str) -> Dict[str, Dict[str, Any]]:
     """Checkpoint entry for each engine parameter, or a CheckpointError naming the parameter."""
+    saved_states, ours = optimizer_states_of(manifest), access.config.optimizer_states
+    if saved_states != ours:  # [Note: compact optimizer states] codes are not fp32 states, nor the reverse
+        raise CheckpointError(f"optimizer_states: checkpoint manifest {os.path.join(ckpt_dir, MANIFEST)!r} holds "
+                              f"{saved_states!r} optimizer states, this engine runs optimizer_states={ours!r}; "
+                              f"load it into an engine with optimizer_states={saved_states!r}")
     saved: Dict[str, Dict[str, Any]] = {}
     for u in manifest["units"]:
         for record in u["entries"]:
@@ -202,8 +208,12 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
         try:
             for u in access.units:               # 2. unit by unit into the tiers
                 read = _unit_reader(u, saved, reader)
-                access.write_unit_state(u, read, [step_from_json(saved[e.fqn]["step"], saved[e.fqn].get("optimizer_scalars"))
-                                                  for e in u.trainable])
+                steps = [step_from_json(saved[e.fqn]["step"], saved[e.fqn].get("optimizer_scalars"))
+                         for e in u.trainable]
+                if access.compact:  # [Note: compact optimizer states] the saved bytes, as they are
+                    access.write_compact_unit_state(u, _compact_filler(u, saved, reader), read, steps)
+                    continue
+                access.write_unit_state(u, read, steps)
                 if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
                     access.restore_lagging(u, lambda lo, hi, out, read=read: read("lagging", lo, hi, out))
         finally:
@@ -233,6 +243,18 @@ def _unit_reader(u: "UnitState", saved: Dict[str, Dict[str, Any]],
             if a < b:
                 reader.read_param(saved[e.fqn], section, a - start, b - start, out[a - lo:b - lo])
     return read
+
+
+def _compact_filler(u: "UnitState", saved: Dict[str, Dict[str, Any]], reader: PieceReader) -> Callable[[int, Any], None]:
+    """``fill(k, states)`` for CheckpointAccess.write_compact_unit_state: every saved piece of
+    u's trainable parameter k read into the same elements of ``states`` (its CompactRange),
+    section by section (each piece starts on a block: format.py checks it)."""
+    def fill(k: int, states: Any) -> None:
+        for piece in saved[u.trainable[k].fqn]["pieces"]:
+            view = states.range(piece["start"], piece["start"] + piece["numel"])
+            for key in COMPACT_SECTIONS:
+                reader.read(piece["file"], piece[key], getattr(view, key))
+    return fill
 
 
 def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: str, rng: Dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from offload.checkpoint.access import Ranks, attempt
 from offload.checkpoint.directory import (
     clean_stale, create_file, fsync_dir, make_partial, os_step, put_in_place, remove_checkpoint)
 from offload.checkpoint.format import (
-    FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
+    COMPACT_SECTIONS, FORMAT, MANIFEST, VERSION, as_bytes, dtype_name, manifest_checksum, state_dict_aliases)
 from offload.errors import warn_at_caller
 from offload.optim.generic import scalars_to_json
 
@@ -393,10 +393,30 @@ def _manifest(access: "CheckpointAccess", everyone: List[Dict[str, Any]]) -> Dic
         "buffers": everyone[0]["buffers"],
         "files": files,
     }
+    if access.compact:  # [Note: compact optimizer states] absent: "exact"
+        manifest["optimizer_states"] = "compact"
     if access.optimizer_state is not None:  # [Note: elementwise optimizers] Adam's layout is the default
         manifest["optimizer_state"] = access.optimizer_state
     manifest["checksum"] = manifest_checksum(manifest)
     return manifest
+
+
+def _write_compact_states(access: "CheckpointAccess", u: "UnitState", writer: _HashingWriter,
+                          file_name: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """[Note: compact optimizer states] u's compact states as the engine holds them, each
+    trainable parameter in pieces of ``access.chunks`` of its own elements (so each starts
+    on a block): its COMPACT_SECTIONS one after the other."""
+    states = access.read_compact(u)
+    pieces = []
+    for k, e in enumerate(u.trainable):
+        param = states.param(k)
+        for a, b in access.chunks(0, e.numel):
+            view = param.range(a, b)
+            piece = {"file": file_name, "start": a, "numel": b - a}
+            for key in COMPACT_SECTIONS:
+                piece[key] = writer.write(getattr(view, key))
+            pieces.append((e.fqn, piece))
+    return pieces
 
 
 @torch.no_grad()
@@ -412,7 +432,9 @@ def _write_unit(access: "CheckpointAccess", u: "UnitState", tmp: str, suffix: st
     writer = _DirectWriter(os.path.join(tmp, file_name))
     pieces = []
     try:
-        for a, b in access.chunks(t_lo, t_hi):  # a piece of each state at a time: master | exp_avg | exp_avg_sq
+        if access.compact and t_lo < t_hi:
+            pieces.extend(_write_compact_states(access, u, writer, file_name))
+        for a, b in ([] if access.compact else access.chunks(t_lo, t_hi)):  # master | exp_avg | exp_avg_sq
             master, exp_avg, exp_avg_sq = access.read_trainable_state(u, a, b)
             sections = [writer.write(master), writer.write(exp_avg), writer.write(exp_avg_sq)]
             del master, exp_avg, exp_avg_sq

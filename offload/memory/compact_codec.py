@@ -40,7 +40,9 @@ Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside
 compute copy: ``compact_state_bytes``.
 Where they live (docs/architecture.md, "Numerics"): a unit's codes, scales and low parts are
 one buffer on its state tier (host, or a swap extent moved whole by the staged step), its
-high parts the compute copy; placement never changes the bits."""
+high parts the compute copy; placement never changes the bits. A checkpoint keeps those
+bytes as they are, never fp32 states: re-encoding a decoded master may flip the high/low
+split at a tie."""
 from __future__ import annotations
 
 from typing import Sequence, Tuple
