@@ -302,8 +302,8 @@ class OffloadConfig:
     ([Note: compact optimizer states] in offload/memory/compact_codec.py). Compact changes
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
-    delayed_update, and today several ranks, an accelerator's "device" param_tier and
-    speculative updates (load_state_dict and gathered(modify=True) are refused too). Host,
+    delayed_update, and today several ranks and an accelerator's "device" param_tier
+    (load_state_dict and gathered(modify=True) are refused too). Host,
     NVMe and "auto" tiers and checkpoints hold the compact states as they are."""
 
     split_master: bool = True

@@ -55,8 +55,6 @@ def _model():
     ("adamw", {"dtype": "fp32"}, "needs dtype='bf16'"),
     ("adamw", {"dtype": "bf16", "stage": 1}, "ZeRO stage 1"),
     ("adamw", {"dtype": "bf16", "delayed_update": True, "param_tier": "host"}, "delayed_update=True"),
-    ("adam", {"dtype": "bf16", "param_tier": "host", "optimizer_tier": "host", "speculative_updates": True},
-     "speculative_updates=True"),
 ])
 def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_the_model(optimizer, values, why):
     model = _model()
@@ -82,8 +80,10 @@ def test_the_layout_takes_compact_on_host_and_nvme_tiers_but_not_an_accelerators
     for tiers in ({}, {"param_tier": "nvme", "optimizer_tier": "nvme"}, {"param_tier": "host", "optimizer_tier": "nvme"},
                   {"param_tier": "device", "optimizer_tier": "nvme"}, {"param_tier": "nvme", "optimizer_tier": "host"}):
         layout = Layout.resolve(dataclasses.replace(config, **tiers), torch.device("cpu"), None)
-        # [Note: compact optimizer states] no spare homes, no split master: the compact home is both
-        assert layout.compact_states and not layout.speculative and not layout.split_master, tiers
+        # [Note: compact optimizer states] no split master: the compact home holds the low parts
+        assert layout.compact_states and not layout.split_master, tiers
+        # [Note: speculative updates] by default where the states are on NVMe, as exact states
+        assert layout.speculative == (layout.optimizer_tier == "nvme" and layout.param_tier != "device"), tiers
     with pytest.raises(ValueError, match="optimizer_states: 'compact' is not available with param_tier='device' on an "
                                          "accelerator"):
         Layout.resolve(dataclasses.replace(config, param_tier="device"), torch.device("cuda"), None)
@@ -808,8 +808,9 @@ def test_compact_states_on_nvme_move_the_bytes_the_planner_predicts(tmp_path):
     """[Note: compact optimizer states], [Note: step prediction] With the compact homes on
     NVMe and the compute copies on the host, a step reads and writes each unit's whole
     compact home once, exactly what predict_step says, which is under a third of what the
-    exact states' step moves (fp32 master and moments); the swap holds what swap_bytes
-    plans and the staging slots are what slot_shape says. (Updates are not left to the next
+    exact states' step moves (fp32 master and moments), also where speculative updates that
+    are never dropped write the spare homes instead; the swap holds what swap_bytes plans
+    (two compact homes a unit with spares) and the staging slots are what slot_shape says. (Updates are not left to the next
     forward, so each step's traffic falls between two stats() calls.)"""
     from offload.memory.budget import UnitSizes, compact_home_bytes, slot_shape, swap_bytes
     from offload.memory.placement import DEFAULT_PROFILE, predict_step
@@ -825,19 +826,25 @@ def test_compact_states_on_nvme_move_the_bytes_the_planner_predicts(tmp_path):
         after = engine.stats()
         exact = dataclasses.replace(engine.layout, compact_states=False)
         shape = slot_shape(sizes, engine.layout)
+        # [Note: speculative updates] a unit with spare homes has two compact homes
+        copies = [engine.layout.home_copies(i, u.trainable)[1] for i, u in enumerate(sizes)]
+        spared = sum(c * compact_home_bytes(u, "nvme") for c, u in zip(copies, sizes) if u.trainable)
         return (sizes, predict_step(sizes, engine.layout, DEFAULT_PROFILE, 1.0),
                 predict_step(sizes, exact, DEFAULT_PROFILE, 1.0),
                 (after["bytes_read_nvme"] - before["bytes_read_nvme"]) / 2,
                 (after["bytes_written_nvme"] - before["bytes_written_nvme"]) / 2,
-                swap_bytes(sizes, engine.layout), engine.placement().bytes_per_tier().get("nvme"), shape)
+                swap_bytes(sizes, engine.layout), engine.placement().bytes_per_tier().get("nvme"), shape, spared)
 
-    for numerics in ({}, {"max_grad_norm": 0.5}):
-        sizes, predicted, exact, read, written, planned_swap, placed_nvme, shape = _compact_run(
-            {"optimizer_tier": "nvme", "overlap_step_with_forward": False, **numerics}, tmp_path / str(len(numerics)), num_batches=2, inspect=inspect)[4]
+    # clipped: not speculative, whose redone updates the prediction leaves out
+    for run, numerics in enumerate(({}, {"max_grad_norm": 0.5, "speculative_updates": False},
+                                    {"max_grad_norm": 1e9})):
+        sizes, predicted, exact, read, written, planned_swap, placed_nvme, shape, spared = _compact_run(
+            {"optimizer_tier": "nvme", "overlap_step_with_forward": False, **numerics}, tmp_path / f"run{run}", num_batches=2, inspect=inspect)[4]
         homes = sum(compact_home_bytes(u, "nvme") for u in sizes if u.trainable)
         assert read == written == predicted.nvme_read_bytes == predicted.nvme_write_bytes == homes, numerics
         assert 3 * homes < exact.nvme_read_bytes, (homes, exact)
-        assert planned_swap == placed_nvme == homes
+        assert planned_swap == placed_nvme == spared >= homes
+        assert (spared > homes) == ("max_grad_norm" in numerics and "speculative_updates" not in numerics)
         assert shape.master_numel == 0 and shape.compute_numel == 0
         assert shape.compact_bytes == max(compact_home_bytes(u, "nvme") for u in sizes if u.trainable)
 
@@ -975,3 +982,40 @@ def test_export_of_a_compact_checkpoint_writes_the_fp32_master_high_plus_low(tie
             if name in got:
                 assert got[name].dtype == torch.float32 and torch.equal(got[name], state[name]), name
         assert name in from_torch and name in from_safetensors
+
+
+@pytest.mark.parametrize("tiers", [{"speculative_updates": True},
+                                   {"optimizer_tier": "nvme"},
+                                   {"param_tier": "nvme", "optimizer_tier": "nvme"},
+                                   {"param_tier": "nvme", "speculative_updates": True}],
+                         ids=["host", "states-nvme", "both-nvme", "compute-nvme"])
+def test_speculative_compact_updates_equal_the_serialized_run_bit_for_bit(tiers, tmp_path):
+    """[Note: compact optimizer states], [Note: speculative updates] Clipped runs whose
+    early updates speculate into the spare compact homes (and spare compute copies): steps
+    that do not clip commit them, a step that clips drops and redoes them; either way every
+    loss, weight, code and high part equals the all-host serialized run (no speculation)
+    bit for bit, and a checkpoint saved after such steps holds the committed states."""
+    from offload.gpt import GPT
+    from tests.support import CFG, batches, make_opt
+    data = batches(8)
+    # a norm bound the first steps exceed and the later ones do not: both outcomes happen
+    numerics = {"max_grad_norm": 6.0}
+    serial = _compact_run({**numerics, "speculative_updates": False}, tmp_path / "serial", num_batches=8)
+
+    def counts(engine):
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        s = engine.stats()
+        return s.get("speculative_updates", 0), s.get("redone_updates", 0)
+    losses, state, states, _, (speculated, redone) = _compact_run(
+        {**numerics, **tiers}, tmp_path / "speculative", num_batches=8, inspect=counts)
+    assert speculated > 0 and redone > 0 and speculated > redone, (speculated, redone)
+    assert losses == serial[0]
+    assert all(torch.equal(state[k], serial[1][k]) for k in serial[1])
+    for key, got in states.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, serial[2][key])), key
+    _, engine = _compact_engine(numerics, tmp_path, "loaded")
+    with engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        loaded = _all_compact_states(engine)
+    for key, got in loaded.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, serial[2][key])), key

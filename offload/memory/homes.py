@@ -97,6 +97,11 @@ class Homes:
                     if not on_nvme(u.compact_home) and (isinstance(u.compute_home, torch.Tensor)
                                                         or layout.param_tier == "device"):
                         u.compact = self.compact_states(u, u.compact_home, self.compute_copy(u))
+                    if layout.has_spare(u.index, True):  # [Note: speculative updates] (never param_tier "device")
+                        u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home), None, None,
+                                             list(u.steps), self._like(state_tier, u.compact_home))
+                        if u.compact is not None:
+                            u.spare.compact = self.compact_states(u, u.spare.compact_home, u.spare.compute_home)
                     continue
                 if layout.split_master:
                     u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)

@@ -222,7 +222,7 @@ class Layout:
         # [Note: delayed updates] the norm is known in step(), where every update starts
         speculative = needs_norm_first and partition is None and param_tier != "device" and (
             "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
-            and not config.delayed_update and config.optimizer_states != "compact"  # [Note: compact optimizer states]
+            and not config.delayed_update
         host_budget = config.host_budget
         if host_budget is None:
             host_budget = default_host_budget_bytes if default_host_budget_bytes is not None else default_host_budget()
@@ -287,9 +287,6 @@ def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, dev
         raise ValueError(f"optimizer_states: 'compact' is not available with param_tier={config.param_tier!r} "
                          "on an accelerator (the compact step writes the high parts into the compute copy at "
                          "home): use param_tier='host', 'nvme' or 'auto', or optimizer_states='exact'")
-    if config.speculative_updates:
-        raise ValueError("optimizer_states: 'compact' is not available with speculative_updates=True yet; "
-                         "use optimizer_states='exact' with it")
 
 
 def _summary(tiers: Any, default: str) -> str:
@@ -443,6 +440,8 @@ class UnitState:
         self.compute_home, spare.compute_home = spare.compute_home, self.compute_home
         self.master_home, spare.master_home = spare.master_home, self.master_home
         self.moments_home, spare.moments_home = spare.moments_home, self.moments_home
+        self.compact_home, spare.compact_home = spare.compact_home, self.compact_home
+        self.compact, spare.compact = spare.compact, self.compact
         self.steps, spare.steps = spare.steps, self.steps
 
     def take_shards(self, shards: Any) -> None:
@@ -464,11 +463,16 @@ class SpareHomes:
     updates (``Layout.spare_states`` false) master_home and moments_home are the unit's
     own homes, which the update thus writes in place ([Note: delayed updates])."""
 
-    def __init__(self, compute_home: Any, master_home: Any, moments_home: Any, steps: List[int]) -> None:
+    def __init__(self, compute_home: Any, master_home: Any, moments_home: Any, steps: List[int],
+                 compact_home: Any = None, compact: Any = None) -> None:
         self.compute_home = compute_home
         self.master_home = master_home
         self.moments_home = moments_home
         self.steps = steps
+        # [Note: compact optimizer states] a second compact home, and its CompactUnit over it
+        # and the spare compute copy where both are in host memory
+        self.compact_home = compact_home
+        self.compact = compact
 
 
 class StagingSlot:

@@ -212,10 +212,17 @@ class UnitAdam:
         """Adam on a unit whose master and moments live on the host. ``speculative``
         ([Note: speculative updates]): the update reads u's homes and writes its spare ones
         ([Note: out-of-place Adam]), u's own states and its gradients are kept."""
-        if u.compact is not None:
-            assert not speculative, "Layout.resolve refuses speculative updates with compact states"
-            self.compact_step(u, u.compact, grad_factor, groups)
-            self._gradients.release(u)
+        if u.compact is not None:  # [Note: compact optimizer states]
+            states = u.compact
+            if speculative:  # the spare homes take a copy of the homes and are stepped in place
+                states = u.spare.compact
+                u.spare.compact_home.copy_(u.compact_home)
+                t = u.spec.trainable_numel
+                u.spare.compute_home[:t].copy_(u.compute_home[:t])
+            steps = self.compact_step(u, states, grad_factor, groups)
+            (u.spare if speculative else u).steps = steps
+            if not speculative:
+                self._gradients.release(u)
             return
         steps = self.next_steps(u)
         target = self.compute_target(u)
@@ -239,10 +246,11 @@ class UnitAdam:
             self._gradients.release(u)
 
     def compact_step(self, u: UnitState, compact: Any, grad_factor: float,
-                     groups: Optional[List[Dict[str, Any]]]) -> None:
-        """[Note: compact optimizer states] ``compact`` (u's CompactUnit: over its homes, or
-        over a staging slot's copies of them) stepped with u's gradients, which stay u's; the
-        new high parts are written into the compute copy it holds views of."""
+                     groups: Optional[List[Dict[str, Any]]]) -> List[int]:
+        """[Note: compact optimizer states] ``compact`` (u's CompactUnit: over its homes, its
+        spare homes, or a staging slot's copies of them) stepped from u's step counts with u's
+        gradients, which stay u's; the new high parts are written into the compute copy it
+        holds views of. Returns the step counts after it (u's are left alone)."""
         faults.hit("optim.adam_range", unit=u.name, lo=0, hi=u.master_numel)
         groups = self._optimizer.param_groups if groups is None else groups
         grads = [self._gradients.grad_range(u, k, e.offset, e.offset + e.numel) if u.has_grad[k] else None
@@ -251,6 +259,7 @@ class UnitAdam:
         rules = {self._group_rules[e.group_index] for e in u.trainable}
         assert all(r.rule is None for r in rules) and len({r.adamw for r in rules}) == 1, \
             "compact states are Adam's/AdamW's alone (wrap refuses the rest)"
-        u.steps = compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable],
-                               adamw=next(iter(rules)).adamw, grad_scale=grad_factor)
+        steps = compact.step(grads, u.steps, [groups[e.group_index] for e in u.trainable],
+                             adamw=next(iter(rules)).adamw, grad_scale=grad_factor)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
+        return steps

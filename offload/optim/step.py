@@ -193,15 +193,26 @@ class PipelinedStep:
         return handles
 
     def _update_compact(self, u: UnitState, slot: StagingSlot, grad_factor: float,
-                        groups: Optional[List[Dict[str, Any]]]) -> None:
+                        groups: Optional[List[Dict[str, Any]]], spare: Optional[SpareHomes]) -> None:
         """[Note: compact optimizer states] u's whole update on its compact states: those at
         home (host), or the copies read into ``slot`` (NVMe); the high parts in the compute
-        copy at home (host, or the slot of a CPU device) or its copy in ``slot``."""
-        if u.compact is not None:  # compact home and compute copy both in host memory
-            states = u.compact
+        copy at home (host, or the slot of a CPU device) or its copy in ``slot``. With
+        ``spare`` ([Note: speculative updates]) host-homed parts are copied to the spare
+        homes first and stepped there, and the slot's are written to the spare homes; u's
+        homes and step counts are left as they are."""
+        homes = u if spare is None else spare
+        if spare is not None:
+            if not on_nvme(u.compact_home):
+                spare.compact_home.copy_(u.compact_home)
+            if not on_nvme(u.compute_home):  # a host home (speculation never has a device-homed copy)
+                t = u.spec.trainable_numel
+                spare.compute_home[:t].copy_(u.compute_home[:t])
+        if homes.compact is not None:  # compact home and compute copy both in host memory
+            states = homes.compact
         else:
-            buffer = slot.compact if on_nvme(u.compact_home) else u.compact_home
-            compute = slot.compute if on_nvme(u.compute_home) else self._compute_target(u)
+            buffer = slot.compact if on_nvme(u.compact_home) else homes.compact_home
+            compute = slot.compute if on_nvme(u.compute_home) else \
+                homes.compute_home if spare is not None else self._compute_target(u)
             states = self._compact_states(u, buffer, compute)
         self._compact_step(u, states, grad_factor, groups)
 
@@ -232,8 +243,8 @@ class PipelinedStep:
         in place, or ([Note: speculative updates]) read from u's homes and written to
         ``spare``'s ([Note: out-of-place Adam]). Staged states are updated in the slot."""
         if self._layout.compact_states:
-            assert spare is None and (lo, hi) == (0, u.master_numel), "Layout.resolve refuses spares with compact states"
-            self._update_compact(u, slot, grad_factor, groups)
+            assert (lo, hi) == (0, u.master_numel), "a compact unit is one piece"
+            self._update_compact(u, slot, grad_factor, groups, spare)
             return
         n = hi - lo
         home = self.master_home(u)
@@ -315,8 +326,9 @@ class PipelinedStep:
         homes = u if spare is None else spare
         home = self.master_home(homes)
         if self._layout.compact_states:  # [Note: compact optimizer states] the whole home
-            if on_nvme(u.compact_home):
-                writes.append(self._nvme.write(slot.compact[:u.compact_home.nbytes], u.compact_home, unit=u.name))
+            if on_nvme(homes.compact_home):
+                writes.append(self._nvme.write(slot.compact[:homes.compact_home.nbytes], homes.compact_home,
+                                               unit=u.name))
         elif self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
             writes.append(self._nvme.write(slot.low[:end - lo], extent, unit=u.name))

@@ -14,9 +14,10 @@ the global gradient norm before any update, and the norm is known only when back
 Instead of holding every update until then (the serialized path: norm, then Adam over every
 unit in step()), a unit done in backward is updated at once on the optimizer worker as if
 the step's gradient factor were the loss scale's inverse alone (clip coefficient 1, no
-skip), into its *spare homes* (``UnitState.spare``: a second master, moments and compute
-copy at home, same tiers and sizes, allocated at wrap; host-homed states are read at home
-and the results written there in one pass, [Note: out-of-place Adam]). Its homes, its step
+skip), into its *spare homes* (``UnitState.spare``: a second master, moments (or compact
+home, [Note: compact optimizer states]) and compute copy at home, same tiers and sizes,
+allocated at wrap; host-homed states are read at home and the results written there in
+one pass, [Note: out-of-place Adam]; compact ones are copied there and stepped). Its homes, its step
 counts and its gradients are left as they were. It never fills a slot, but it writes a
 resident device copy as a non-speculative update does, once the pass needs no other unit
 ([Note: updates through the device copy]): that copy then holds the speculative result, and
