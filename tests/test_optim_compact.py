@@ -1019,3 +1019,37 @@ def test_speculative_compact_updates_equal_the_serialized_run_bit_for_bit(tiers,
         loaded = _all_compact_states(engine)
     for key, got in loaded.items():
         assert all(torch.equal(a, b) for a, b in zip(got, serial[2][key])), key
+
+
+def test_a_failed_swap_write_of_compact_states_stops_the_run_until_a_checkpoint_is_loaded(tmp_path):
+    """[Note: compact optimizer states], [Note: swap I/O failures] Compact states are not
+    held in host RAM after a failed swap write (exact ones are): the step fails, naming the
+    unit; training and saving are refused (EngineFailedError) until a checkpoint is loaded,
+    after which the run ends where an uninterrupted one does, bit for bit."""
+    import errno
+    from offload.errors import EngineFailedError
+    from tests.support import FaultyIO, batches, gpt_loss, unwrap_swap_io, wrap_swap_io
+    data = batches(5)
+    extra = {"optimizer_tier": "nvme", "overlap_step_with_forward": False}
+    _, engine = _compact_engine(extra, tmp_path, "reference")
+    with engine:
+        _train_from(engine, data)
+        final = _all_compact_states(engine)
+    _, engine = _compact_engine(extra, tmp_path, "failing")
+    with engine:
+        _train_from(engine, data[:2])
+        engine.save_checkpoint(str(tmp_path / "before"))
+        wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=2)
+        with pytest.raises(Exception, match="compact states of unit .* are not held in host RAM"):
+            engine.backward(gpt_loss(engine, data[2]))
+            engine.step()
+        unwrap_swap_io(engine)
+        with pytest.raises(EngineFailedError):
+            engine.save_checkpoint(str(tmp_path / "mixed"))
+        assert not (tmp_path / "mixed").exists()
+        with pytest.raises(EngineFailedError):
+            engine.backward(gpt_loss(engine, data[2]))
+        engine.load_checkpoint(str(tmp_path / "before"))
+        _train_from(engine, data[2:])
+        for key, got in _all_compact_states(engine).items():
+            assert all(torch.equal(a, b) for a, b in zip(got, final[key])), key
