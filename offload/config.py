@@ -303,7 +303,7 @@ class OffloadConfig:
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
     delayed_update, and today several ranks and an accelerator's "device" param_tier
-    (load_state_dict and gathered(modify=True) are refused too). Host,
+    (and gathered(modify=True) with param_tier "device"). Host,
     NVMe and "auto" tiers and checkpoints hold the compact states as they are."""
 
     split_master: bool = True

@@ -526,6 +526,11 @@ class Engine:
     def _begin_gathered(self, params_or_modules: Any, modify: bool) -> List[UnitState]:
         """[Note: gathered parameters] Check, settle, and hold the units asked for."""
         what = "engine.gathered()"
+        if modify and self.layout.compact_states and self.layout.param_tier == "device":
+            # [Note: compact optimizer states] an edit is found against the compute copy at home,
+            # which here is the device copy being edited
+            raise ValueError("optimizer_states: engine.gathered(modify=True) is not available with 'compact' states "
+                             "and param_tier='device'; use engine.load_state_dict, or param_tier='host'")
         self._check_weights_access(what, modify)
         self._end_restore_or_raise(what)
         wanted = self._units_of(params_or_modules, what)
@@ -554,20 +559,11 @@ class Engine:
             self._checkpoint.release_buffers()
         self._checkpoint.finish_state_load()
 
-    def _refuse_compact(self, what: str) -> None:
-        """[Note: compact optimizer states] What does not write compact states yet: weight
-        writes (load_state_dict, gathered(modify=True))."""
-        if self.layout.compact_states:
-            raise ValueError(f"optimizer_states: {what} is not available with 'compact' states yet "
-                             "(weight writes go through the exact master); use optimizer_states='exact' for it")
-
     def _check_weights_access(self, what: str, writes: bool) -> None:
         """Raise unless weights may be gathered (or written: ``writes``) now: the engine open
         and not failed, one rank, no pass running, no gradients pending; the last step's
         deferred updates are settled here, as state_dict() settles them."""
         self._status.check(what)
-        if writes:
-            self._refuse_compact(what)
         if self._partition is not None:
             raise ValueError(f"{what}: not with several ranks (this run has {self._partition.world_size}): "
                              "each rank holds a part of the states; use engine.state_dict() to read the "

@@ -698,10 +698,6 @@ def test_a_compact_run_equals_its_rule_driven_by_hand_over_the_same_gradients(ki
             saved.update(load_file(str(f)))
         for name in steps:
             assert torch.equal(saved[name], state[name]), name
-        # not available yet: refused before anything is written or read
-        for call in (lambda: engine.load_state_dict(state), lambda: engine.gathered(modify=True).__enter__()):
-            with pytest.raises(ValueError, match="optimizer_states: .*not available with 'compact' states yet"):
-                call()
     num_updates = len(data) // extra.get("gradient_accumulation_steps", 1)
     assert set(steps.values()) == {num_updates}
     assert len(seen) == num_updates * len(steps)
@@ -1053,3 +1049,53 @@ def test_a_failed_swap_write_of_compact_states_stops_the_run_until_a_checkpoint_
         _train_from(engine, data[2:])
         for key, got in _all_compact_states(engine).items():
             assert all(torch.equal(a, b) for a, b in zip(got, final[key])), key
+
+
+@pytest.mark.parametrize("tiers", [{}, {"param_tier": "nvme", "optimizer_tier": "nvme"}], ids=["host", "nvme"])
+def test_weight_writes_encode_new_masters_and_keep_every_other_byte(tiers, tmp_path):
+    """[Note: compact optimizer states] load_state_dict of some parameters: theirs become
+    encode(value) (state_dict gives high + low decoded from it), every other parameter keeps
+    its high and low parts bit for bit (no decode and re-encode, which may flip a tie), and
+    every moment code is kept. gathered(modify=True) with one element edited: that element
+    gets the edited bf16 value as its master (low part 0), the rest keep their bytes."""
+    from tests.support import batches
+    _, engine = _compact_engine(tiers, tmp_path, "swap")
+    with engine:
+        _train_from(engine, batches(3))
+        engine.state_dict()  # settles the last step's deferred updates
+        before = _all_compact_states(engine)
+        names = {e.fqn: (u.index, k) for u in engine.units for k, e in enumerate(u.trainable)}
+        new_name = next(n for n in engine.state_dict() if n.endswith("weight") and n in names)
+        shape = engine.state_dict()[new_name].shape
+        value = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+        engine.load_state_dict({new_name: value}, strict=False)
+        after = _all_compact_states(engine)
+        high, low = encode_master(value.reshape(-1).float())
+        assert torch.equal(after[names[new_name]][3], high)
+        assert torch.equal(after[names[new_name]][0], decode_master(high, low))
+        assert torch.equal(engine.state_dict()[new_name].reshape(-1), decode_master(high, low))
+        for key, got in after.items():
+            assert torch.equal(got[1], before[key][1]) and torch.equal(got[2], before[key][2]), key  # moments
+            if key != names[new_name]:
+                assert all(torch.equal(a, b) for a, b in zip(got, before[key])), key
+        # an edit of one element in place
+        u_index, k = names[new_name]
+        param = engine.units[u_index].trainable[k].param
+        with engine.gathered([param], modify=True):
+            with torch.no_grad():
+                param.view(-1)[0] = 0.5
+        edited = _all_compact_states(engine)
+        mine = edited[names[new_name]]
+        assert float(mine[0][0]) == 0.5 and float(mine[3][0]) == 0.5
+        assert torch.equal(mine[0][1:], after[names[new_name]][0][1:])
+        assert torch.equal(mine[3][1:], after[names[new_name]][3][1:])
+        for key, got in edited.items():
+            if key != names[new_name]:
+                assert all(torch.equal(a, b) for a, b in zip(got, after[key])), key
+        _train_from(engine, batches(1, seed=5))  # trains on
+    # param_tier "device": the edit would be found against the copy being edited
+    _, engine = _compact_engine({"param_tier": "device"}, tmp_path, "device")
+    with engine:
+        with pytest.raises(ValueError, match="optimizer_states: engine.gathered.modify=True. is not available with "
+                                             "'compact' states and param_tier='device'"):
+            engine.gathered(modify=True).__enter__()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from offload.errors import CheckpointError, EngineFailedError
+from offload.memory.compact_codec import decode_master, encode_master
 
 # [Note: bounded checkpoint memory] The elements a save or load moves at once: 32 MiB of
 # fp32, a whole number of pages in any dtype.
@@ -279,6 +280,9 @@ class CheckpointAccess:
         Trainable compute values are derived from the master (rounded as the Adam kernel
         rounds it). Adam's moments, step counts and u's gradients are left alone. One piece
         (``chunks``) at a time; the compute home is written whole, its padding zeros."""
+        if self.compact:
+            self._write_compact_weights(u, read)
+            return
         s, p = u.shard, u.param_shard
         on_device = self._layout.param_tier == "device"
         if not on_device:
@@ -316,6 +320,48 @@ class CheckpointAccess:
         if u.trainable:
             self._homes.zero_master_padding(u)
 
+    def _write_compact_weights(self, u: "UnitState", read: Callable[[str, int, int, torch.Tensor], None]) -> None:
+        """[Note: compact optimizer states] write_unit_weights of compact states: an element
+        whose new master (``read("master", ...)``) differs from the one its high and low
+        parts decode to gets them encoded from it; the others keep their bytes (re-encoding
+        a decoded master may flip the split at a tie). Codes and scales are left alone; the
+        compact home and the compute copy are written whole."""
+        on_device = self._layout.param_tier == "device"
+        if not on_device:
+            self._homes.release(u)  # a device copy of this unit is stale from now on
+        dtype, t = self.compute_dtype, u.spec.trainable_numel
+        compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
+        tail = u.spec.frozen_start
+        for a, b in self.chunks(0, u.spec.total_numel - tail):
+            read("value", a, b, compute[tail + a:tail + b])
+        if u.trainable:
+            # the current high parts, and a copy of the compact home's bytes
+            current = self._device.view(u.device_offset, t) if on_device else \
+                self._homes.load_range(u.compute_home, 0, t, dtype, "ckpt.high")
+            compute[:t].copy_(current)
+            home = u.compact_home
+            if isinstance(home, torch.Tensor):
+                buffer = self._homes.buffer("ckpt.compact", home.numel()).copy_(home)
+            else:
+                buffer = self._homes.load_range(home, 0, home.nbytes, torch.uint8, "ckpt.compact")
+            states = self._homes.compact_states(u, buffer, compute)
+            for k, e in enumerate(u.trainable):
+                param = states.param(k)
+                for a, b in self.chunks(0, e.numel):
+                    new = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
+                    read("master", e.offset + a, e.offset + b, new)
+                    high, low = param.high[a:b], param.low[a:b]
+                    changed = new.view(torch.int32) != decode_master(high, low).view(torch.int32)
+                    if bool(changed.any()):
+                        new_high, new_low = encode_master(new.contiguous())
+                        high.copy_(torch.where(changed, new_high, high))
+                        low.copy_(torch.where(changed, new_low, low))
+            self._homes.store(home, buffer)
+        if on_device:
+            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+        else:
+            self._homes.store_compute_range(u, 0, compute)
+
     @torch.no_grad()
     def write_edited_weights(self, u: "UnitState", edited: torch.Tensor) -> None:
         """[Note: gathered parameters] Write home u's compute copy as edited in place
@@ -331,8 +377,13 @@ class CheckpointAccess:
                 out.copy_(edited[tail + lo:tail + hi])
                 return
             new = edited[lo:hi]
+            if self.compact:  # [Note: compact optimizer states] the high parts at home, not a rounding:
+                # a master decoded from low = +-127 rounds to the other neighbour at a tie
+                current = self._homes.load_range(u.compute_home, lo, hi - lo, self.compute_dtype, "ckpt.stored")
             master = self._homes.read_master_range(u, lo, hi)  # valid until the next read
-            kept = self._homes.round_master(master).view(compare) == new.view(compare)
+            if not self.compact:
+                current = self._homes.round_master(master)
+            kept = current.view(compare) == new.view(compare)
             torch.where(kept, master, new.to(torch.float32), out=out)
         self.write_unit_weights(u, read)
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, compute_home_numel, gradient_spill,
                                    low_numel, unit_gradient_bytes)
-from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
+from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes, decode_master
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.tiers.nvme import wait_all
@@ -526,6 +526,16 @@ class Homes:
         as ``read_master`` gives them (uses the buffers "master", "high" and "low")."""
         layout, s = self._layout, u.shard
         base = 0 if u.param_shard is None else s.lo  # [zero] stage 3: the rank's chunk starts with its shard
+        if layout.compact_states:  # [Note: compact optimizer states] decoded from the whole unit's states
+            states = self.read_compact(u)
+            master = self.buffer("master", (hi - lo) * FP32_BYTES).view(torch.float32).zero_()
+            for k, e in enumerate(u.trainable):
+                a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+                if a < b:
+                    param = states.param(k)
+                    master[a - lo:b - lo].copy_(decode_master(param.high[a - e.offset:b - e.offset],
+                                                              param.low[a - e.offset:b - e.offset]))
+            return master
         if layout.merged:
             return self.load_range(u.compute_home, lo - base, hi - lo, torch.float32, "master")
         if not layout.split_master:
