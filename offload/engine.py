@@ -365,6 +365,10 @@ class Engine:
         self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
             (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0 and \
             (self._updates.speculate or not self.layout.speculative)
+        if self._partition is not None:  # [Note: early updates across ranks] from what every rank
+            # has alike (the prefetcher's state is the rank's own)
+            self._partition.settle_in_backward = self.layout.early_allowed and \
+                (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0
         self._hooks.begin_backward()
         updates, root = self._updates, self._root
         if updates.early_updates and self.layout.staged_step and root.trainable and not updates.defers_updates() \
@@ -384,6 +388,8 @@ class Engine:
             updates.abort_backward(error)  # [Note: failures inside a step]
         finally:
             self._updates.early_updates = False
+            if self._partition is not None:
+                self._partition.settle_in_backward = False
             self._backward_running = False
         self._hooks.end_backward()
         self._timeline.span("phase", "backward", start, time.perf_counter())

@@ -94,8 +94,8 @@ class Layout:
     staged_step: bool
     # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward).
     # With global clipping or fp16 overflow checks (which need every gradient first) only
-    # as speculative updates; [zero] not with several ranks: collectives must run in the
-    # same order on every rank.
+    # as speculative updates; [zero] with several ranks at stage 3 only, without clipping,
+    # fp16 or skips ([Note: early updates across ranks] in zero/partition.py).
     early_allowed: bool
     # [Note: speculative updates] early updates write a second set of homes, committed or
     # redone when step() knows the global norm
@@ -248,7 +248,8 @@ class Layout:
             device_copy_updates=device_is_host and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
-            early_allowed=partition is None and (speculative or not needs_norm_first) and not config.delayed_update,
+            early_allowed=(partition is None or partition.shards_params) and (speculative or not needs_norm_first)
+            and not config.delayed_update,
             speculative=speculative,
             spare_units=(),
             accumulation_steps=config.gradient_accumulation_steps,

@@ -606,7 +606,10 @@ class Gradients:
         first_nonfinite: Optional[Tuple[UnitState, ParamEntry]] = None
         scanned = self._units
         if self._partition is not None:  # [zero] each rank its part; one all-reduce per step
-            squares = self._partition.global_grad_squares(self._units)
+            # ([Note: early updates across ranks]: an early update took its unit's terms)
+            squares = self._partition.sum_grad_squares([
+                u.early_grad_squares if u.update.updated else self._partition.local_grad_squares(u)
+                for u in self._units])
             scanned = []  # (a NaN is then reported without the parameter that has it)
         for u in scanned:
             if u.update.updated:

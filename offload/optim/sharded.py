@@ -76,13 +76,15 @@ class ShardedStep:
         self._update_buffers: Dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def run(self, units: List[UnitState], grad_factor: float, micro_step: int) -> None:
+    def run(self, units: List[UnitState], grad_factor: float, micro_step: int,
+            groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
         (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
         are in flight while this one is updated (and, stages 1-2, gathered), and the
         previous one's writes drain meanwhile. A swap I/O error leaves some units updated
         and others not: the engine refuses to go on, as after a failed read in its
-        _staged_update. ``micro_step``: for the failure's message."""
+        _staged_update. ``micro_step``: for the failure's message; ``groups``: the
+        hyperparameters taken when an early update was queued (None: the optimizer's now)."""
         work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
         writes: List[List[Any]] = [[], []]  # per buffer set
         reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
@@ -101,9 +103,9 @@ class ShardedStep:
                 if lo == 0:
                     steps = self._next_steps(u)
                 if u.param_shard is not None:
-                    self._update_param_piece(u, lo, hi, steps, grad_factor, views)
+                    self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups)
                 else:
-                    self._update_shard(u, steps, grad_factor, views)
+                    self._update_shard(u, steps, grad_factor, views, groups)
                 writes[i % 2] = self._start_shard_writes(u, lo, hi, views)
                 if hi == u.shard.state_numel:
                     u.steps = steps
@@ -179,7 +181,8 @@ class ShardedStep:
         return [self._nvme.write(views[role], extent, unit=u.name) for role, extent, _ in self._shard_homes(u, lo, hi)]
 
     # ------------------------------------------------------------------ Adam over shards
-    def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor]) -> None:
+    def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor],
+                      groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
         then the other ranks' parts are all-gathered. The moments and a separate master
         are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
@@ -209,7 +212,7 @@ class ShardedStep:
         if s.numel:
             self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
                              None if layout.split_master else compute_out, False, grad_factor,
-                             copy_to_device=False)
+                             copy_to_device=False, groups=groups)
         if layout.split_master and s.numel:
             split_master(master[:s.numel], compute_out, views["low"][:s.numel])
         self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
@@ -223,7 +226,7 @@ class ShardedStep:
 
     @torch.no_grad()
     def _update_param_piece(self, u: UnitState, lo: int, hi: int, steps: List[int], grad_factor: float,
-                            views: Dict[str, torch.Tensor]) -> None:
+                            views: Dict[str, torch.Tensor], groups: Optional[List[Dict[str, Any]]] = None) -> None:
         """[zero] Stage 3: Adam on elements [lo, hi) of this rank's shard (shard coordinates);
         the new values of the rank's trainable chunk of the compute copy go home (merged:
         the chunk is the master itself). No all-gather: the next fetch gathers every rank's
@@ -246,7 +249,7 @@ class ShardedStep:
             join_master(chunk[:numel], views["low"][:numel], master[:numel])
         self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
                          exp_avg_sq[:numel], None if layout.merged or layout.split_master else chunk[:numel],
-                         False, grad_factor, copy_to_device=False)
+                         False, grad_factor, copy_to_device=False, groups=groups)
         if layout.split_master:
             split_master(master[:numel], chunk[:numel], views["low"][:numel])
         self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())

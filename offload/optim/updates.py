@@ -402,6 +402,8 @@ class UpdateScheduler:
                 continue
             if self._layout.speculative and u.spare is None:  # no spare homes: updated after the norm
                 continue
+            if self._partition is not None and not self._partition.settled(u):  # [zero] [Note: early
+                continue  # updates across ranks] not reduced and agreed on by every rank yet
             trace_done = self._prefetcher.used_later(u.index) is False
             calls_done = 0 < u.calls <= u.backward_done
             if trace_done or calls_done:
@@ -566,13 +568,17 @@ class UpdateScheduler:
         # norm does not depend on which units were updated early ([Note: speculative updates]:
         # the clip coefficient is the serialized path's).
         u.early_grad_squares, u.early_nonfinite = [], None
-        for k, e in enumerate(u.trainable):
+        if self._partition is not None:  # [zero] this rank's terms ([Note: early updates across ranks])
+            u.early_grad_squares = [term.item() for term in self._partition.local_grad_squares(u)]
+        for k, e in enumerate(u.trainable if self._partition is None else ()):
             if u.has_grad[k]:
                 square = self._gradients.squares(u, k).item()
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares.append(square)
-        if self._layout.staged_step:
+        if self._sharded_step is not None:  # [zero] stage 3: Adam over this rank's shard, no collective
+            self._sharded_step.run([u], grad_factor, self.micro_step, groups)
+        elif self._layout.staged_step:
             self._step_ring.update_early(u, groups, grad_factor)
         else:
             self._update_in_place(u, grad_factor, groups, speculative=u.update.speculative)

@@ -47,6 +47,17 @@ peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (
 squares, stage 0/1 gradients, the sum across groups, the main thread's parameter gathers
 for state_dict and checkpoints) stay on gloo.
 
+[Note: early updates across ranks] With early updates (stage 3 only) a unit's update may
+start on the optimizer worker in the backward before a step once its gradient is final on
+this rank: its reduce-scatter of that backward is done, the groups' sum of its shard taken
+and its has-gradient flags agreed (``settle_in_backward``: both right after the reduce-
+scatter, on the thread and in the order the reduce-scatters run, so in the same order on
+every rank; ``settled`` says which units are). The update itself issues no collective (at
+stage 3 the next fetch gathers the chunks), and its squares for the norm are this rank's
+terms of ``local_grad_squares``, summed in unit order in step() exactly as for a unit
+updated there. Stages 1-2 all-gather the updated shards after Adam, on the thread that ran
+it, and stages 0-1 reduce in step(): no early updates there.
+
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
 connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
@@ -94,7 +105,7 @@ class Partition:
     (``assign``), initial state (``broadcast_initial``), buffers before each training
     forward (``broadcast_buffers``), backward (``gradient_bucket`` /
     ``gradient_arrived``, stage >= 2), fetches (``gather_params``, stage 3), the optimizer
-    step (``finish_gradients``, ``global_grad_squares``, ``all_gather_shards``) and
+    step (``finish_gradients``, ``sum_grad_squares``, ``all_gather_shards``) and
     ``zero_grad``.
     """
 
@@ -131,6 +142,10 @@ class Partition:
         self._reduced_this_backward: set = set()
         self._reduced_this_window: set = set()
         self._flush_queued = False
+        # [Note: early updates across ranks] set by the engine for the backward before an
+        # update that may update units early; the units settled in it
+        self.settle_in_backward = False
+        self._settled: set = set()
         self.timeout_seconds: Optional[float] = None
         self.bucket_bytes = 0
         self.bucket_peak_bytes = 0
@@ -335,6 +350,8 @@ class Partition:
             i += len(row)
             if not any(u.has_grad):
                 continue
+            if u.index in self._settled:  # [Note: early updates across ranks] summed in backward
+                continue
             if self.shards_gradients:  # reduce-scattered in each backward; the groups' sum now
                 self._sum_replicas(u, self._gradients.host_buffer(u)[:u.shard.numel])
                 continue
@@ -366,20 +383,30 @@ class Partition:
                              lambda: dist.all_reduce(shard, group=self.replica_group))
 
     @torch.no_grad()
-    def global_grad_squares(self, units: Sequence[Any]) -> torch.Tensor:
-        """Sum of squares of the averaged gradients of all ranks: each rank adds its own
-        even part of every unit, summed inside its group (which holds all of them); one
-        all-reduce per step."""
+    def local_grad_squares(self, u: Any) -> List[torch.Tensor]:
+        """This rank's terms of the norm's squares for u (float64, 0-d, in the order
+        ``sum_grad_squares`` adds them): one per parameter with a gradient that reaches
+        into this rank's even part of u's averaged gradient."""
+        terms: List[torch.Tensor] = []
+        if not u.trainable:
+            return terms
+        own = even_range(u.spec.trainable_numel, self.shard_rank, self.shard_size)
+        for k, e in enumerate(u.trainable):
+            a, b = max(e.offset, own.lo), min(e.offset + e.numel, own.hi)
+            if u.has_grad[k] and a < b:
+                g = u.grad[a - u.grad_base:b - u.grad_base]
+                terms.append(torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2)
+        return terms
+
+    @torch.no_grad()
+    def sum_grad_squares(self, terms: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Sum of squares of the averaged gradients of all ranks: each rank adds its terms
+        of every unit (``local_grad_squares``, in unit order), summed inside its group
+        (which holds all of them); one all-reduce per step."""
         local = torch.zeros((), dtype=torch.float64)
-        for u in units:
-            if not u.trainable:
-                continue
-            own = even_range(u.spec.trainable_numel, self.shard_rank, self.shard_size)
-            for k, e in enumerate(u.trainable):
-                a, b = max(e.offset, own.lo), min(e.offset + e.numel, own.hi)
-                if u.has_grad[k] and a < b:
-                    g = u.grad[a - u.grad_base:b - u.grad_base]
-                    local += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+        for unit_terms in terms:
+            for term in unit_terms:
+                local += term
         squares = local.reshape(1)
         self._collective("gradient norm all-reduce",
                          lambda: dist.all_reduce(squares, group=self.shard_group))
@@ -430,11 +457,31 @@ class Partition:
         self._gradients.land_shard(u, out[:s.numel], add=u.index in self._reduced_this_window)
         self._reduced_this_window.add(u.index)
         self._reduced_this_backward.add(u.index)
+        if self.settle_in_backward:  # [Note: early updates across ranks]
+            self._settle(u)
         self._free_buckets.append(bucket)
         # Free buckets beyond the ones a unit may still need: keep at most two spare.
         while len(self._free_buckets) > 2:
             spare = self._free_buckets.pop(0)
             self.bucket_bytes -= spare.numel() * FP32_BYTES
+
+    def _settle(self, u: Any) -> None:
+        """[Note: early updates across ranks] u's gradient is final: its flags agreed
+        ([Note: no gradient across ranks]) and its shard summed across the groups now,
+        right after its reduce-scatter, instead of in finish_gradients."""
+        flags = torch.tensor([int(f) for f in u.has_grad], dtype=torch.int32)
+        if flags.numel():
+            self._collective(f"has-gradient flags all-reduce of unit {u.name!r}", lambda: dist.all_reduce(
+                flags, op=dist.ReduceOp.MAX, group=self.group))
+        u.has_grad = [bool(f) for f in flags.tolist()]
+        if any(u.has_grad):
+            self._sum_replicas(u, self._gradients.host_buffer(u)[:u.shard.numel])
+        self._settled.add(u.index)
+
+    def settled(self, u: Any) -> bool:
+        """[Note: early updates across ranks] u's gradient of this step is final and agreed
+        on by every rank: its update may start."""
+        return u.index in self._settled
 
     def _after_backward(self) -> None:
         """End of a backward (stage 2): reduce every unit not reduced yet, in unit order
@@ -447,6 +494,7 @@ class Partition:
 
     def zero_grad(self) -> None:
         self._reduced_this_window.clear()
+        self._settled.clear()
 
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()

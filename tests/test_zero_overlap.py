@@ -1,0 +1,124 @@
+"""[Note: early updates across ranks] Issue 38, the optimizer overlapped with backward with
+several ranks: at stage 3 a unit's shard update starts on the optimizer worker once its
+reduce-scatter of the last micro-step is done, while backward goes on. Each run equals one
+process on the whole batch, equals bit for bit the same ranks with every update in step()
+(prefetch=False: no early updates), and counts early updates on every rank."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload
+from offload.gpt import GPT
+
+from support import CFG, REL_TOL, free_port, make_opt, max_rel_error, train_offload
+from support import batches as _batches
+
+GLOBAL_BATCH = 4
+STEPS = 4
+
+
+def reference(data, accumulation=1, max_grad_norm=None):
+    """Plain PyTorch on the whole batch."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = make_opt(model.parameters())
+    for i, b in enumerate(data):
+        (model(b[:, :-1], b[:, 1:]) / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+            opt.zero_grad()
+    return model.state_dict()
+
+
+def _worker(rank, port, world, config, data, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if config.get("swap_dir"):
+            config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"rank{rank}"))
+            os.makedirs(config["swap_dir"])
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        per_rank = data[0].shape[0] // world
+        norms = []
+        accumulation = config.get("gradient_accumulation_steps", 1)
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for i, b in enumerate(data):
+                train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank]])
+                if (i + 1) % accumulation == 0:
+                    norms.append(engine.stats()["grad_norm"])
+            result = {"state": engine.state_dict(), "stats": engine.stats(), "norms": norms}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world, config, data, out_dir):
+    """``world`` gloo ranks training ``config`` on their parts of ``data``: each rank's result."""
+    os.makedirs(out_dir, exist_ok=True)
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir)),
+                       nprocs=world, join=True, start_method="forkserver")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def run_both(world, config, data, tmp_path):
+    """The run with early updates and its serialized twin (prefetch=False: every update in step())."""
+    runs = []
+    for name, prefetch in (("early", True), ("serialized", False)):
+        run_config = dict(config, prefetch=prefetch)
+        if config.get("param_tier") == "nvme":
+            swap = tmp_path / name / "swap"
+            swap.mkdir(parents=True)
+            run_config["swap_dir"] = str(swap)
+        runs.append(run_ranks(world, run_config, data, tmp_path / name))
+    return runs
+
+
+def assert_same_states(a, b):
+    for r, (x, y) in enumerate(zip(a, b)):
+        for k, v in x["state"].items():
+            assert torch.equal(v, y["state"][k]), (r, k)
+
+
+CASES = [  # (world, shard_group_size, tier, dtype, gradient_accumulation_steps)
+    (2, None, "host", "fp32", 1),
+    (2, None, "nvme", "bf16", 2),
+    (4, 2, "host", "fp32", 2),  # two groups: the shard's sum across them in backward
+]
+
+
+@pytest.mark.parametrize("world,group,tier,dtype,accumulation", CASES)
+def test_stage_3_early_updates_overlap_backward_and_equal_the_serialized_step(
+        world, group, tier, dtype, accumulation, tmp_path):
+    config = dict(stage=3, param_tier=tier, optimizer_tier=tier, dtype=dtype, shard_group_size=group,
+                  gradient_accumulation_steps=accumulation)
+    data = _batches(STEPS * accumulation, batch=GLOBAL_BATCH)
+    early, serialized = run_both(world, config, data, tmp_path)
+    for r in range(world):
+        assert early[r]["stats"]["early_updates"] > 0, f"rank {r}: no unit was updated during backward"
+        assert serialized[r]["stats"]["early_updates"] == 0, f"rank {r}"
+        assert early[r]["norms"] == serialized[r]["norms"], f"rank {r}"
+    assert_same_states(early, serialized)
+    if dtype == "fp32":
+        ref = reference(data, accumulation)
+        for r, res in enumerate(early):
+            assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
+
+
+def test_stages_1_and_2_keep_every_update_in_step(tmp_path):
+    """Stages 1-2 all-gather the updated shards after Adam (on the thread that runs it):
+    no early updates there, and the run still equals one process."""
+    data = _batches(STEPS, batch=GLOBAL_BATCH)
+    for stage in (1, 2):
+        results = run_ranks(2, dict(stage=stage, param_tier="host", optimizer_tier="host"), data,
+                            tmp_path / f"stage{stage}")
+        ref = reference(data)
+        for r, res in enumerate(results):
+            assert res["stats"]["early_updates"] == 0, (stage, r)
+            assert max_rel_error(res["state"], ref) < REL_TOL, (stage, r)
