@@ -2,7 +2,8 @@
 several ranks: at stage 3 a unit's shard update starts on the optimizer worker once its
 reduce-scatter of the last micro-step is done, while backward goes on. Each run equals one
 process on the whole batch, equals bit for bit the same ranks with every update in step()
-(prefetch=False: no early updates), and counts early updates on every rank."""
+(prefetch=False: no early updates), and counts early updates on every rank. Under clipping
+they are speculative ([Note: speculative updates]): committed or redone alike on every rank."""
 import os
 
 import pytest
@@ -20,11 +21,19 @@ GLOBAL_BATCH = 4
 STEPS = 4
 
 
-def reference(data, accumulation=1, max_grad_norm=None):
-    """Plain PyTorch on the whole batch."""
+def gpt(frozen=()):
+    """The test GPT (seed 0), parameters whose names contain one of ``frozen`` frozen."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    opt = make_opt(model.parameters())
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(f in name for f in frozen))
+    return model
+
+
+def reference(data, accumulation=1, max_grad_norm=None, frozen=()):
+    """Plain PyTorch on the whole batch."""
+    model = gpt(frozen)
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
     for i, b in enumerate(data):
         (model(b[:, :-1], b[:, 1:]) / accumulation).backward()
         if (i + 1) % accumulation == 0:
@@ -35,19 +44,19 @@ def reference(data, accumulation=1, max_grad_norm=None):
     return model.state_dict()
 
 
-def _worker(rank, port, world, config, data, out_dir):
+def _worker(rank, port, world, config, data, out_dir, frozen):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         if config.get("swap_dir"):
             config = dict(config, swap_dir=os.path.join(config["swap_dir"], f"rank{rank}"))
             os.makedirs(config["swap_dir"])
-        torch.manual_seed(0)
-        model = GPT(CFG)
+        model = gpt(frozen)
         per_rank = data[0].shape[0] // world
         norms = []
         accumulation = config.get("gradient_accumulation_steps", 1)
-        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        with offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]),
+                          config=config) as engine:
             for i, b in enumerate(data):
                 train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank]])
                 if (i + 1) % accumulation == 0:
@@ -58,16 +67,16 @@ def _worker(rank, port, world, config, data, out_dir):
         dist.destroy_process_group()
 
 
-def run_ranks(world, config, data, out_dir):
+def run_ranks(world, config, data, out_dir, frozen=()):
     """``world`` gloo ranks training ``config`` on their parts of ``data``: each rank's result."""
     os.makedirs(out_dir, exist_ok=True)
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
-    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir)),
+    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), frozen),
                        nprocs=world, join=True, start_method="forkserver")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def run_both(world, config, data, tmp_path):
+def run_both(world, config, data, tmp_path, frozen=()):
     """The run with early updates and its serialized twin (prefetch=False: every update in step())."""
     runs = []
     for name, prefetch in (("early", True), ("serialized", False)):
@@ -76,7 +85,7 @@ def run_both(world, config, data, tmp_path):
             swap = tmp_path / name / "swap"
             swap.mkdir(parents=True)
             run_config["swap_dir"] = str(swap)
-        runs.append(run_ranks(world, run_config, data, tmp_path / name))
+        runs.append(run_ranks(world, run_config, data, tmp_path / name, frozen))
     return runs
 
 
@@ -122,3 +131,36 @@ def test_stages_1_and_2_keep_every_update_in_step(tmp_path):
         for r, res in enumerate(results):
             assert res["stats"]["early_updates"] == 0, (stage, r)
             assert max_rel_error(res["state"], ref) < REL_TOL, (stage, r)
+
+
+CLIP_NORM = 5.0  # the test batches' norms fall from about 8 to 3: the first steps clip, the later ones not
+CLIP_CASES = [  # (world, shard_group_size, tier, dtype, gradient_accumulation_steps, frozen)
+    (2, None, "host", "fp32", 1, (".ln",)),  # a frozen tail in each block: the spare homes hold it too
+    (2, None, "nvme", "bf16", 2, ()),
+    (4, 2, "nvme", "fp32", 1, ()),
+]
+
+
+@pytest.mark.parametrize("world,group,tier,dtype,accumulation,frozen", CLIP_CASES)
+def test_stage_3_speculative_updates_under_clipping_equal_the_serialized_step(
+        world, group, tier, dtype, accumulation, frozen, tmp_path):
+    """[Note: speculative updates] with several ranks: every rank takes the same commit or
+    redo decision (the norm is all-reduced), committed on the steps that do not clip and
+    redone on those that do, bit for bit the serialized step either way."""
+    config = dict(stage=3, param_tier=tier, optimizer_tier=tier, dtype=dtype, shard_group_size=group,
+                  gradient_accumulation_steps=accumulation, max_grad_norm=CLIP_NORM, speculative_updates=True)
+    data = _batches(8 * accumulation, batch=GLOBAL_BATCH)
+    early, serialized = run_both(world, config, data, tmp_path, frozen)
+    norms = early[0]["norms"]
+    assert any(n > CLIP_NORM for n in norms) and any(n < CLIP_NORM for n in norms), norms
+    for r in range(world):
+        stats = early[r]["stats"]
+        assert stats["redone_updates"] > 0, f"rank {r}: no speculation was redone after clipping"
+        assert stats["speculative_updates"] > stats["redone_updates"], f"rank {r}: none was committed"
+        assert serialized[r]["stats"]["speculative_updates"] == 0, f"rank {r}"
+        assert early[r]["norms"] == serialized[r]["norms"] == norms, f"rank {r}"
+    assert_same_states(early, serialized)
+    if dtype == "fp32":
+        ref = reference(data, accumulation, CLIP_NORM, frozen)
+        for r, res in enumerate(early):
+            assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"

@@ -315,8 +315,10 @@ class CheckpointAccess:
                 self._device.view(u.device_offset, u.compute_numel)[a:b].copy_(compute)
             elif p is None:
                 self._homes.store_compute_range(u, a, compute)  # merged: fp32, the master itself
-            else:
+            else:  # [zero] stage 3: the rank's chunks, the spare's too (its frozen chunk is never updated)
                 self._homes.store_range(u.compute_home, a, compute, "ckpt.bounce")
+                if u.spare is not None:
+                    self._homes.store_range(u.spare.compute_home, a, compute, "ckpt.bounce")
         if u.trainable:
             self._homes.zero_master_padding(u)
 

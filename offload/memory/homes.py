@@ -184,7 +184,10 @@ class Homes:
         if layout.param_tier == "device":
             self._device.view(u.device_offset, u.compute_numel).copy_(compute)
         elif u.param_shard is not None:  # [zero] stage 3: this rank's chunks only
-            self.store(u.compute_home, self._home_chunks(u, compute))
+            chunks = self._home_chunks(u, compute)
+            self.store(u.compute_home, chunks)
+            if u.spare is not None:  # its frozen chunk, which no update writes ([Note: speculative updates])
+                self.store(u.spare.compute_home, chunks)
         else:
             self.store_compute(u, compute)  # merged: compute dtype is fp32, the master
         if u.trainable and not layout.compact_states:

@@ -94,8 +94,8 @@ class Layout:
     staged_step: bool
     # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward).
     # With global clipping or fp16 overflow checks (which need every gradient first) only
-    # as speculative updates; [zero] with several ranks at stage 3 only, without clipping,
-    # fp16 or skips ([Note: early updates across ranks] in zero/partition.py).
+    # as speculative updates; [zero] with several ranks at stage 3 only ([Note: early
+    # updates across ranks] in zero/partition.py).
     early_allowed: bool
     # [Note: speculative updates] early updates write a second set of homes, committed or
     # redone when step() knows the global norm
@@ -220,7 +220,8 @@ class Layout:
             raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}): "
                              "the ZeRO steps run their collectives on the main thread, in step()")
         # [Note: delayed updates] the norm is known in step(), where every update starts
-        speculative = needs_norm_first and partition is None and param_tier != "device" and (
+        # [zero] with several ranks at stage 3 only ([Note: early updates across ranks])
+        speculative = needs_norm_first and (partition is None or partition.shards_params) and param_tier != "device" and (
             "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
             and not config.delayed_update
         host_budget = config.host_budget

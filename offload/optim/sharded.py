@@ -16,6 +16,7 @@ import torch
 from offload.memory.budget import low_numel
 from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
+from offload.optim.adam_ranges import OutOfPlace
 from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.zero.partition import Partition
@@ -77,14 +78,17 @@ class ShardedStep:
 
     @torch.no_grad()
     def run(self, units: List[UnitState], grad_factor: float, micro_step: int,
-            groups: Optional[List[Dict[str, Any]]] = None) -> None:
+            groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False) -> None:
         """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
         (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
         are in flight while this one is updated (and, stages 1-2, gathered), and the
         previous one's writes drain meanwhile. A swap I/O error leaves some units updated
         and others not: the engine refuses to go on, as after a failed read in its
         _staged_update. ``micro_step``: for the failure's message; ``groups``: the
-        hyperparameters taken when an early update was queued (None: the optimizer's now)."""
+        hyperparameters taken when an early update was queued (None: the optimizer's now).
+        ``speculative`` (stage 3, [Note: speculative updates]): read the units' homes, write
+        their spare homes and step counts, keep their gradients."""
+        assert not speculative or all(u.param_shard is not None and u.spare is not None for u in units)
         work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
         writes: List[List[Any]] = [[], []]  # per buffer set
         reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
@@ -103,13 +107,16 @@ class ShardedStep:
                 if lo == 0:
                     steps = self._next_steps(u)
                 if u.param_shard is not None:
-                    self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups)
+                    self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups, speculative)
                 else:
                     self._update_shard(u, steps, grad_factor, views, groups)
-                writes[i % 2] = self._start_shard_writes(u, lo, hi, views)
+                writes[i % 2] = self._start_shard_writes(u, lo, hi, views, u.spare if speculative else u)
                 if hi == u.shard.state_numel:
-                    u.steps = steps
-                    self._release_grad(u)
+                    if speculative:  # the gradients wait for the norm: kept for a redo
+                        u.spare.steps = steps
+                    else:
+                        u.steps = steps
+                        self._release_grad(u)
             current = None
             for handles in writes:
                 self._wait_all(handles)
@@ -130,31 +137,33 @@ class ShardedStep:
             return [(0, n)]
         return [(lo, min(lo + self._piece_numel, n)) for lo in range(0, n, self._piece_numel)]
 
-    def _shard_homes(self, u: UnitState, lo: int, hi: int) -> List[Tuple[str, Any, torch.dtype]]:
+    def _shard_homes(self, u: UnitState, lo: int, hi: int, homes: Any = None) -> List[Tuple[str, Any, torch.dtype]]:
         """[zero] (role, swap extent, dtype) of each NVMe-homed buffer that the update of
-        elements [lo, hi) of u's shard reads and writes."""
+        elements [lo, hi) of u's shard reads and writes; in ``homes`` (u's spare ones, say;
+        the same sizes and tiers), by default u's own."""
         layout = self._layout
-        homes = []
+        homes = u if homes is None else homes
+        found = []
         n, state_numel = hi - lo, u.shard.state_numel
-        if u.compute_home is not None and on_nvme(u.compute_home) and \
+        if homes.compute_home is not None and on_nvme(homes.compute_home) and \
                 (layout.merged or layout.compute_dtype != torch.float32):
             dtype = torch.float32 if layout.merged else layout.compute_dtype
             size = torch.empty(0, dtype=dtype).element_size()
             if u.param_shard is None:  # stages 1-2: the whole compute copy
-                homes.append(("compute", u.compute_home, dtype))
+                found.append(("compute", homes.compute_home, dtype))
             elif lo < u.param_shard.trainable_chunk_numel:  # stage 3: the rank's chunk
                 end = min(hi, u.param_shard.trainable_chunk_numel)
-                homes.append(("compute", sub_extent(u.compute_home, lo * size, (end - lo) * size), dtype))
+                found.append(("compute", sub_extent(homes.compute_home, lo * size, (end - lo) * size), dtype))
         if layout.split_master:  # [Note: split master] the low halves, to whole pages
             end = low_numel(u.shard.numel) if hi == state_numel else hi
-            homes.append(("low", sub_extent(u.master_home, lo * 2, (end - lo) * 2), torch.int16))
-        elif not layout.merged and on_nvme(u.master_home):
-            homes.append(("master", sub_extent(u.master_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
-        if on_nvme(u.moments_home):
-            homes.append(("exp_avg", sub_extent(u.moments_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
-            homes.append(("exp_avg_sq", sub_extent(u.moments_home, (state_numel + lo) * FP32_BYTES,
-                                             n * FP32_BYTES), torch.float32))
-        return homes
+            found.append(("low", sub_extent(homes.master_home, lo * 2, (end - lo) * 2), torch.int16))
+        elif not layout.merged and on_nvme(homes.master_home):
+            found.append(("master", sub_extent(homes.master_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
+        if on_nvme(homes.moments_home):
+            found.append(("exp_avg", sub_extent(homes.moments_home, lo * FP32_BYTES, n * FP32_BYTES), torch.float32))
+            found.append(("exp_avg_sq", sub_extent(homes.moments_home, (state_numel + lo) * FP32_BYTES,
+                                                   n * FP32_BYTES), torch.float32))
+        return found
 
     def _start_shard_reads(self, u: UnitState, lo: int, hi: int,
                            buffer_set: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
@@ -177,8 +186,10 @@ class ShardedStep:
             self._update_buffers[f"{role}{buffer_set}"] = buf
         return buf
 
-    def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor]) -> List[Any]:
-        return [self._nvme.write(views[role], extent, unit=u.name) for role, extent, _ in self._shard_homes(u, lo, hi)]
+    def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor],
+                            homes: Any) -> List[Any]:
+        return [self._nvme.write(views[role], extent, unit=u.name)
+                for role, extent, _ in self._shard_homes(u, lo, hi, homes)]
 
     # ------------------------------------------------------------------ Adam over shards
     def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor],
@@ -226,30 +237,40 @@ class ShardedStep:
 
     @torch.no_grad()
     def _update_param_piece(self, u: UnitState, lo: int, hi: int, steps: List[int], grad_factor: float,
-                            views: Dict[str, torch.Tensor], groups: Optional[List[Dict[str, Any]]] = None) -> None:
+                            views: Dict[str, torch.Tensor], groups: Optional[List[Dict[str, Any]]] = None,
+                            speculative: bool = False) -> None:
         """[zero] Stage 3: Adam on elements [lo, hi) of this rank's shard (shard coordinates);
         the new values of the rank's trainable chunk of the compute copy go home (merged:
         the chunk is the master itself). No all-gather: the next fetch gathers every rank's
-        chunk. ``views``: the NVMe-homed states of the piece, written back by run."""
+        chunk. ``views``: the NVMe-homed states of the piece, written back by run (to the
+        spare homes when ``speculative``: [Note: speculative updates]; a host-homed state
+        is then read at home and written to its spare, [Note: out-of-place Adam])."""
         layout = self._layout
         s = u.shard
         numel = min(hi, s.numel) - lo  # elements the rank owns in this piece
         if numel <= 0:
             return
         start = time.perf_counter()
-        moments = u.moments_home
 
         def host_or_view(role: str, home: Any, begin: int) -> torch.Tensor:
             return views[role] if role in views else home[begin:begin + numel]
-        chunk = host_or_view("compute", u.compute_home, lo)
-        master = chunk if layout.merged else host_or_view("master", u.master_home, lo)
-        exp_avg = host_or_view("exp_avg", moments, lo)
-        exp_avg_sq = host_or_view("exp_avg_sq", moments, s.state_numel + lo)
+
+        def pieces(homes: Any) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            chunk = host_or_view("compute", homes.compute_home, lo)
+            master = chunk if layout.merged else host_or_view("master", homes.master_home, lo)
+            return (chunk, master, host_or_view("exp_avg", homes.moments_home, lo),
+                    host_or_view("exp_avg_sq", homes.moments_home, s.state_numel + lo))
+        chunk, master, exp_avg, exp_avg_sq = pieces(u)
+        chunk_out, out = chunk, None
+        if speculative:  # an entry that is a view is updated in place there and written to the spare
+            chunk_out, master_out, exp_avg_out, exp_avg_sq_out = pieces(u.spare)
+            out = OutOfPlace(master_out[:numel], exp_avg_out[:numel], exp_avg_sq_out[:numel],
+                             None if layout.merged or layout.split_master else chunk[:numel])
         if layout.split_master:  # [Note: split master] the high halves are the chunk
             join_master(chunk[:numel], views["low"][:numel], master[:numel])
         self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
-                         exp_avg_sq[:numel], None if layout.merged or layout.split_master else chunk[:numel],
-                         False, grad_factor, copy_to_device=False, groups=groups)
-        if layout.split_master:
-            split_master(master[:numel], chunk[:numel], views["low"][:numel])
+                         exp_avg_sq[:numel], None if layout.merged or layout.split_master else chunk_out[:numel],
+                         False, grad_factor, copy_to_device=False, groups=groups, out=out)
+        if layout.split_master:  # the master the update wrote (in place: it is a view)
+            split_master(master[:numel], chunk_out[:numel], views["low"][:numel])
         self._timeline.span("adam", f"adam {u.name}[{lo}:{hi}] (shard)", start, time.perf_counter())

@@ -66,8 +66,8 @@ speculation takes only the swap space there is: when the swap directory cannot h
 spare beside the run, the units backward finishes first get theirs while they fit
 (``memory.placement.fit_spares_to_swap``, with a warning) and the others are updated once
 the norm is known, deferred to the next forward ([Note: deferred updates]). Not with
-param_tier "device" (the update writes the device copy itself) or [zero] several ranks (no
-early updates).
+param_tier "device" (the update writes the device copy itself) or [zero] with several
+ranks below stage 3 (no early updates there: [Note: early updates across ranks]).
 """
 from __future__ import annotations
 
@@ -577,7 +577,8 @@ class UpdateScheduler:
                     u.early_nonfinite = e
                 u.early_grad_squares.append(square)
         if self._sharded_step is not None:  # [zero] stage 3: Adam over this rank's shard, no collective
-            self._sharded_step.run([u], grad_factor, self.micro_step, groups)
+            # ([Note: early updates across ranks])
+            self._sharded_step.run([u], grad_factor, self.micro_step, groups, speculative=u.update.speculative)
         elif self._layout.staged_step:
             self._step_ring.update_early(u, groups, grad_factor)
         else:

@@ -55,8 +55,11 @@ scatter, on the thread and in the order the reduce-scatters run, so in the same 
 every rank; ``settled`` says which units are). The update itself issues no collective (at
 stage 3 the next fetch gathers the chunks), and its squares for the norm are this rank's
 terms of ``local_grad_squares``, summed in unit order in step() exactly as for a unit
-updated there. Stages 1-2 all-gather the updated shards after Adam, on the thread that ran
-it, and stages 0-1 reduce in step(): no early updates there.
+updated there. Under clipping, fp16 or skips the early updates are speculative ([Note:
+speculative updates]): the norm is all-reduced, so every rank takes the same commit-or-redo
+decision, and a redo (or a speculation that failed on one rank, redone there alone) runs no
+collective either. Stages 1-2 all-gather the updated shards after Adam, on the thread that
+ran it, and stages 0-1 reduce in step(): no early updates there.
 
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
