@@ -276,8 +276,9 @@ class OffloadConfig:
     optimizer states are on NVMe (disk is cheap), for as many units as the free space of
     swap_dir holds (the last ones first, with a warning when not all), off when they are
     on the host (it would double their RAM); True/False force it. Never with
-    param_tier="device", several ranks below stage 3 (no early updates there) or
-    delayed_update (its updates start in step(), with the norm known)."""
+    param_tier="device", several ranks at stage 0-1 or at stage 2 with compute copies not
+    on the host (no early updates there) or delayed_update (its updates start in step(),
+    with the norm known)."""
 
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed parameter update (Ren et al., USENIX ATC 2021):

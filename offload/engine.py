@@ -369,6 +369,7 @@ class Engine:
             # has alike (the prefetcher's state is the rank's own)
             self._partition.settle_in_backward = self.layout.early_allowed and \
                 (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0
+            self._updates.gathers_owed = self._partition.settle_in_backward and not self._partition.shards_params
         self._hooks.begin_backward()
         updates, root = self._updates, self._root
         if updates.early_updates and self.layout.staged_step and root.trainable and not updates.defers_updates() \

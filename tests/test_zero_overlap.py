@@ -1,6 +1,7 @@
 """[Note: early updates across ranks] Issue 38, the optimizer overlapped with backward with
-several ranks: at stage 3 a unit's shard update starts on the optimizer worker once its
-reduce-scatter of the last micro-step is done, while backward goes on. Each run equals one
+several ranks: at stage 3 (and at stage 2 with host compute copies, its all-gather left to
+step()) a unit's shard update starts on the optimizer worker once its reduce-scatter of the
+last micro-step is done, while backward goes on. Each run equals one
 process on the whole batch, equals bit for bit the same ranks with every update in step()
 (prefetch=False: no early updates), and counts early updates on every rank. Under clipping
 they are speculative ([Note: speculative updates]): committed or redone alike on every rank."""
@@ -44,7 +45,7 @@ def reference(data, accumulation=1, max_grad_norm=None, frozen=()):
     return model.state_dict()
 
 
-def _worker(rank, port, world, config, data, out_dir, frozen):
+def _worker(rank, port, world, config, data, out_dir, frozen, zero_grad_at=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -57,21 +58,29 @@ def _worker(rank, port, world, config, data, out_dir, frozen):
         accumulation = config.get("gradient_accumulation_steps", 1)
         with offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]),
                           config=config) as engine:
+            probes = []
             for i, b in enumerate(data):
-                train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank]])
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                if i == zero_grad_at:  # zero_grad() in place of the step; then the same batch on every rank
+                    engine.backward(engine(mine[:, :-1], mine[:, 1:]))
+                    engine.zero_grad()
+                    with torch.no_grad():
+                        probes.append(engine(b[:, :-1], b[:, 1:]).item())
+                    continue
+                train_offload(engine, [mine])
                 if (i + 1) % accumulation == 0:
                     norms.append(engine.stats()["grad_norm"])
-            result = {"state": engine.state_dict(), "stats": engine.stats(), "norms": norms}
+            result = {"state": engine.state_dict(), "stats": engine.stats(), "norms": norms, "probes": probes}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world, config, data, out_dir, frozen=()):
+def run_ranks(world, config, data, out_dir, frozen=(), zero_grad_at=None):
     """``world`` gloo ranks training ``config`` on their parts of ``data``: each rank's result."""
     os.makedirs(out_dir, exist_ok=True)
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
-    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), frozen),
+    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), frozen, zero_grad_at),
                        nprocs=world, join=True, start_method="forkserver")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
@@ -81,7 +90,7 @@ def run_both(world, config, data, tmp_path, frozen=()):
     runs = []
     for name, prefetch in (("early", True), ("serialized", False)):
         run_config = dict(config, prefetch=prefetch)
-        if config.get("param_tier") == "nvme":
+        if "nvme" in (config.get("param_tier"), config.get("optimizer_tier")):
             swap = tmp_path / name / "swap"
             swap.mkdir(parents=True)
             run_config["swap_dir"] = str(swap)
@@ -95,17 +104,19 @@ def assert_same_states(a, b):
             assert torch.equal(v, y["state"][k]), (r, k)
 
 
-CASES = [  # (world, shard_group_size, tier, dtype, gradient_accumulation_steps)
-    (2, None, "host", "fp32", 1),
-    (2, None, "nvme", "bf16", 2),
-    (4, 2, "host", "fp32", 2),  # two groups: the shard's sum across them in backward
+CASES = [  # (stage, world, shard_group_size, (param_tier, optimizer_tier), dtype, gradient_accumulation_steps)
+    (3, 2, None, ("host", "host"), "fp32", 1),
+    (3, 2, None, ("nvme", "nvme"), "bf16", 2),
+    (3, 4, 2, ("host", "host"), "fp32", 2),  # two groups: the shard's sum across them in backward
+    (2, 2, None, ("host", "host"), "fp32", 2),
+    (2, 2, None, ("host", "nvme"), "bf16", 1),
 ]
 
 
-@pytest.mark.parametrize("world,group,tier,dtype,accumulation", CASES)
-def test_stage_3_early_updates_overlap_backward_and_equal_the_serialized_step(
-        world, group, tier, dtype, accumulation, tmp_path):
-    config = dict(stage=3, param_tier=tier, optimizer_tier=tier, dtype=dtype, shard_group_size=group,
+@pytest.mark.parametrize("stage,world,group,tiers,dtype,accumulation", CASES)
+def test_early_updates_overlap_backward_and_equal_the_serialized_step(
+        stage, world, group, tiers, dtype, accumulation, tmp_path):
+    config = dict(stage=stage, param_tier=tiers[0], optimizer_tier=tiers[1], dtype=dtype, shard_group_size=group,
                   gradient_accumulation_steps=accumulation)
     data = _batches(STEPS * accumulation, batch=GLOBAL_BATCH)
     early, serialized = run_both(world, config, data, tmp_path)
@@ -120,12 +131,15 @@ def test_stage_3_early_updates_overlap_backward_and_equal_the_serialized_step(
             assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
 
 
-def test_stages_1_and_2_keep_every_update_in_step(tmp_path):
-    """Stages 1-2 all-gather the updated shards after Adam (on the thread that runs it):
-    no early updates there, and the run still equals one process."""
+def test_stage_1_and_stage_2_with_compute_copies_on_nvme_keep_every_update_in_step(tmp_path):
+    """Stage 1 reduces the gradients in step(), and at stage 2 with the compute copies on
+    NVMe the owed all-gather would have to read and write them again: no early updates
+    there, and the run still equals one process."""
     data = _batches(STEPS, batch=GLOBAL_BATCH)
-    for stage in (1, 2):
-        results = run_ranks(2, dict(stage=stage, param_tier="host", optimizer_tier="host"), data,
+    for stage, tier in ((1, "host"), (2, "nvme")):
+        swap = tmp_path / f"stage{stage}" / "swap"
+        swap.mkdir(parents=True)
+        results = run_ranks(2, dict(stage=stage, param_tier=tier, optimizer_tier=tier, swap_dir=str(swap)), data,
                             tmp_path / f"stage{stage}")
         ref = reference(data)
         for r, res in enumerate(results):
@@ -134,20 +148,22 @@ def test_stages_1_and_2_keep_every_update_in_step(tmp_path):
 
 
 CLIP_NORM = 5.0  # the test batches' norms fall from about 8 to 3: the first steps clip, the later ones not
-CLIP_CASES = [  # (world, shard_group_size, tier, dtype, gradient_accumulation_steps, frozen)
-    (2, None, "host", "fp32", 1, (".ln",)),  # a frozen tail in each block: the spare homes hold it too
-    (2, None, "nvme", "bf16", 2, ()),
-    (4, 2, "nvme", "fp32", 1, ()),
+CLIP_CASES = [  # (stage, world, shard_group_size, (param_tier, optimizer_tier), dtype, accumulation, frozen)
+    (3, 2, None, ("host", "host"), "fp32", 1, (".ln",)),  # a frozen tail in each block: the spare homes hold it too
+    (3, 2, None, ("nvme", "nvme"), "bf16", 2, ()),
+    (3, 4, 2, ("nvme", "nvme"), "fp32", 1, ()),
+    (2, 2, None, ("host", "host"), "fp32", 1, (".ln",)),
+    (2, 4, 2, ("host", "nvme"), "bf16", 2, ()),
 ]
 
 
-@pytest.mark.parametrize("world,group,tier,dtype,accumulation,frozen", CLIP_CASES)
-def test_stage_3_speculative_updates_under_clipping_equal_the_serialized_step(
-        world, group, tier, dtype, accumulation, frozen, tmp_path):
+@pytest.mark.parametrize("stage,world,group,tiers,dtype,accumulation,frozen", CLIP_CASES)
+def test_speculative_updates_under_clipping_equal_the_serialized_step(
+        stage, world, group, tiers, dtype, accumulation, frozen, tmp_path):
     """[Note: speculative updates] with several ranks: every rank takes the same commit or
     redo decision (the norm is all-reduced), committed on the steps that do not clip and
     redone on those that do, bit for bit the serialized step either way."""
-    config = dict(stage=3, param_tier=tier, optimizer_tier=tier, dtype=dtype, shard_group_size=group,
+    config = dict(stage=stage, param_tier=tiers[0], optimizer_tier=tiers[1], dtype=dtype, shard_group_size=group,
                   gradient_accumulation_steps=accumulation, max_grad_norm=CLIP_NORM, speculative_updates=True)
     data = _batches(8 * accumulation, batch=GLOBAL_BATCH)
     early, serialized = run_both(world, config, data, tmp_path, frozen)
@@ -164,3 +180,16 @@ def test_stage_3_speculative_updates_under_clipping_equal_the_serialized_step(
         ref = reference(data, accumulation, CLIP_NORM, frozen)
         for r, res in enumerate(early):
             assert max_rel_error(res["state"], ref) < REL_TOL, f"rank {r}"
+
+
+def test_a_zero_grad_in_place_of_the_step_after_early_updates_keeps_the_ranks_alike(tmp_path):
+    """Stage 2: units updated early owe their all-gathers to the step; a zero_grad() that
+    comes instead (the units updated early keep their update, as with one process) runs
+    them, so every rank's compute copies agree: a forward of one batch gives one loss on
+    every rank, and training goes on alike."""
+    data = _batches(4, batch=GLOBAL_BATCH)
+    results = run_ranks(2, dict(stage=2, param_tier="host", optimizer_tier="host"), data, tmp_path, zero_grad_at=2)
+    assert all(res["stats"]["early_updates"] > 0 for res in results)
+    assert results[0]["probes"] == results[1]["probes"]
+    for k, v in results[0]["state"].items():
+        assert torch.equal(v, results[1]["state"][k]), k

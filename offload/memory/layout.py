@@ -94,8 +94,9 @@ class Layout:
     staged_step: bool
     # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward).
     # With global clipping or fp16 overflow checks (which need every gradient first) only
-    # as speculative updates; [zero] with several ranks at stage 3 only ([Note: early
-    # updates across ranks] in zero/partition.py).
+    # as speculative updates; [zero] with several ranks at stage 3, or at stage 2 where
+    # every compute copy is homed on the host ([Note: early updates across ranks] in
+    # zero/partition.py).
     early_allowed: bool
     # [Note: speculative updates] early updates write a second set of homes, committed or
     # redone when step() knows the global norm
@@ -220,8 +221,11 @@ class Layout:
             raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}): "
                              "the ZeRO steps run their collectives on the main thread, in step()")
         # [Note: delayed updates] the norm is known in step(), where every update starts
-        # [zero] with several ranks at stage 3 only ([Note: early updates across ranks])
-        speculative = needs_norm_first and (partition is None or partition.shards_params) and param_tier != "device" and (
+        # [zero] with several ranks at stage 3, or 2 with host compute copies ([Note: early
+        # updates across ranks])
+        early_with_ranks = partition is None or partition.shards_params or (
+            partition.shards_gradients and on_compute == {"host"})
+        speculative = needs_norm_first and early_with_ranks and param_tier != "device" and (
             "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
             and not config.delayed_update
         host_budget = config.host_budget
@@ -249,7 +253,7 @@ class Layout:
             device_copy_updates=device_is_host and "nvme" in on_compute and partition is None,
             gathers=partition is not None and partition.shards_params,
             staged_step=needs_nvme and not (partition is not None and partition.shards_state),
-            early_allowed=(partition is None or partition.shards_params) and (speculative or not needs_norm_first)
+            early_allowed=early_with_ranks and (speculative or not needs_norm_first)
             and not config.delayed_update,
             speculative=speculative,
             spare_units=(),

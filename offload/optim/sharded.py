@@ -9,7 +9,7 @@ drain meanwhile.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,7 +78,8 @@ class ShardedStep:
 
     @torch.no_grad()
     def run(self, units: List[UnitState], grad_factor: float, micro_step: int,
-            groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False) -> None:
+            groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False, early: bool = False,
+            updated_early: Sequence[UnitState] = ()) -> None:
         """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
         (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
         are in flight while this one is updated (and, stages 1-2, gathered), and the
@@ -86,30 +87,45 @@ class ShardedStep:
         and others not: the engine refuses to go on, as after a failed read in its
         _staged_update. ``micro_step``: for the failure's message; ``groups``: the
         hyperparameters taken when an early update was queued (None: the optimizer's now).
-        ``speculative`` (stage 3, [Note: speculative updates]): read the units' homes, write
-        their spare homes and step counts, keep their gradients."""
-        assert not speculative or all(u.param_shard is not None and u.spare is not None for u in units)
-        work = [(u, lo, hi) for u in units for lo, hi in self._shard_pieces(u)]
+        [Note: early updates across ranks] ``early``: an update on the optimizer worker,
+        which runs no collective (stages 1-2: Adam alone, its gather owed to the step);
+        ``updated_early``: units whose Adam ran so (stages 1-2: only their gathers, at
+        their place in unit order, so every rank gathers every unit in one order whichever
+        ran early). ``speculative`` ([Note: speculative updates]): read the units' homes,
+        write their spare homes and step counts, keep their gradients."""
+        assert not speculative or all(u.spare is not None for u in units)
+        owed = {u.index: u for u in updated_early if u.param_shard is None}  # stage 3: nothing to gather
+        work = [(u, lo, hi, u.index not in owed) for u in sorted(list(units) + list(owed.values()),
+                                                                  key=lambda u: u.index)
+                for lo, hi in (self._shard_pieces(u) if u.index not in owed else [(0, 0)])]
         writes: List[List[Any]] = [[], []]  # per buffer set
         reads: Tuple[Dict[str, torch.Tensor], List[Any]] = ({}, [])
         current: Optional[UnitState] = None
         steps: List[int] = []
+
+        def start_reads(i: int) -> Tuple[Dict[str, torch.Tensor], List[Any]]:
+            u, lo, hi, adam = work[i]
+            return self._start_shard_reads(u, lo, hi, i % 2) if adam else ({}, [])
         try:
             if work:
-                reads = self._start_shard_reads(*work[0], 0)
-            for i, (u, lo, hi) in enumerate(work):
+                reads = start_reads(0)
+            for i, (u, lo, hi, adam) in enumerate(work):
                 current = u
                 views, handles = reads
                 self._wait_all(handles)
                 if i + 1 < len(work):
                     self._wait_all(writes[(i + 1) % 2])
-                    reads = self._start_shard_reads(*work[i + 1], (i + 1) % 2)
+                    reads = start_reads(i + 1)
+                if not adam:
+                    writes[i % 2] = []
+                    self._gather_owed(u)
+                    continue
                 if lo == 0:
                     steps = self._next_steps(u)
                 if u.param_shard is not None:
                     self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups, speculative)
                 else:
-                    self._update_shard(u, steps, grad_factor, views, groups)
+                    self._update_shard(u, steps, grad_factor, views, groups, speculative, gather=not early)
                 writes[i % 2] = self._start_shard_writes(u, lo, hi, views, u.spare if speculative else u)
                 if hi == u.shard.state_numel:
                     if speculative:  # the gradients wait for the norm: kept for a redo
@@ -193,47 +209,83 @@ class ShardedStep:
 
     # ------------------------------------------------------------------ Adam over shards
     def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor],
-                      groups: Optional[List[Dict[str, Any]]] = None) -> None:
+                      groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False,
+                      gather: bool = True) -> None:
         """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
-        then the other ranks' parts are all-gathered. The moments and a separate master
-        are shard-sized (element ``shard.lo`` at index 0); a merged master and the compute
-        copy are in full coordinates. ``views``: the NVMe-homed buffers, read whole by
-        run (a shard starts anywhere in the compute copy, so it cannot be cut into
-        page-aligned pieces), which also writes them back."""
+        then (with ``gather``) the other ranks' parts are all-gathered. The moments and a
+        separate master are shard-sized (element ``shard.lo`` at index 0); a merged master
+        and the compute copy are in full coordinates. ``views``: the NVMe-homed buffers,
+        read whole by run (a shard starts anywhere in the compute copy, so it cannot be cut
+        into page-aligned pieces), which also writes them back (to the spare homes when
+        ``speculative``: then the host-homed ones are read at home and written to the
+        spares, and the compute copy is a host home: [Note: early updates across ranks])."""
         layout = self._layout
-        s, t = u.shard, u.spec.trainable_numel
+        s = u.shard
+        n = s.numel
         start = time.perf_counter()
-        # Full-coordinate buffer that receives the gathered parameters: the compute copy
-        # (the master too when merged), or None when the compute copy is a separate fp32
-        # buffer on the device (then the fp32 master is gathered and copied there).
-        full: Optional[torch.Tensor] = None
-        if layout.merged or layout.compute_dtype != torch.float32:
-            full = self._compute_target(u) if not layout.merged else None
-            if full is None:
-                if layout.param_tier == "device":  # a slot the host does not address: update a host copy
-                    full = self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
-                else:
-                    full = views.get("compute", u.compute_home)
-        master = full[s.lo:s.lo + s.state_numel] if layout.merged else views.get("master", u.master_home)
-        exp_avg = views.get("exp_avg", u.moments_home[:s.state_numel] if not on_nvme(u.moments_home) else None)
-        exp_avg_sq = views.get("exp_avg_sq", u.moments_home[s.state_numel:] if not on_nvme(u.moments_home) else None)
-        compute_out = None if layout.merged or full is None else full[s.lo:s.hi]
-        if layout.split_master and s.numel:  # [Note: split master] the high halves are the shard's compute copy
-            join_master(compute_out, views["low"][:s.numel], master[:s.numel])
-        if s.numel:
-            self._adam_range(u, s.lo, s.hi, steps, master[:s.numel], exp_avg[:s.numel], exp_avg_sq[:s.numel],
+        full = self._full_copy(u, views)
+
+        def states(homes: Any, full: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Any, Any]:
+            moments = homes.moments_home
+            return (full[s.lo:s.lo + s.state_numel] if layout.merged else views.get("master", homes.master_home),
+                    views.get("exp_avg", moments[:s.state_numel] if not on_nvme(moments) else None),
+                    views.get("exp_avg_sq", moments[s.state_numel:] if not on_nvme(moments) else None))
+        master, exp_avg, exp_avg_sq = states(u, full)
+        compute_in = compute_out = None if layout.merged or full is None else full[s.lo:s.hi]
+        out = None
+        if speculative:
+            spare_full = u.spare.compute_home
+            assert full is not None and isinstance(spare_full, torch.Tensor), "a host compute copy only"
+            master_out, exp_avg_out, exp_avg_sq_out = states(u.spare, spare_full)
+            compute_out = None if compute_in is None else spare_full[s.lo:s.hi]
+            out = OutOfPlace(master_out[:n], exp_avg_out[:n], exp_avg_sq_out[:n],
+                             None if layout.split_master or compute_in is None else compute_in)
+        if layout.split_master and n:  # [Note: split master] the high halves are the shard's compute copy
+            join_master(compute_in, views["low"][:n], master[:n])
+        if n:
+            self._adam_range(u, s.lo, s.hi, steps, master[:n], exp_avg[:n], exp_avg_sq[:n],
                              None if layout.split_master else compute_out, False, grad_factor,
-                             copy_to_device=False, groups=groups)
-        if layout.split_master and s.numel:
-            split_master(master[:s.numel], compute_out, views["low"][:s.numel])
+                             copy_to_device=False, groups=groups, out=out)
+        if layout.split_master and n:  # the master the update wrote (a view: in place)
+            split_master(master[:n], compute_out, views["low"][:n])
         self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
+        if gather:
+            self._gather_shards(u, full, master)
+
+    def _full_copy(self, u: UnitState, views: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """[zero] Stages 1-2: the full-coordinate buffer that receives u's gathered
+        parameters: the compute copy (the master too when merged), or None when the
+        compute copy is a separate fp32 buffer on the device (then the fp32 master is
+        gathered and copied there)."""
+        layout = self._layout
+        if not (layout.merged or layout.compute_dtype != torch.float32):
+            return None
+        full = self._compute_target(u) if not layout.merged else None
+        if full is not None:
+            return full
+        if layout.param_tier == "device":  # a slot the host does not address: update a host copy
+            return self._device.view(u.device_offset, u.compute_numel).to("cpu", copy=True)
+        return views.get("compute", u.compute_home)
+
+    def _gather_shards(self, u: UnitState, full: Optional[torch.Tensor], master: torch.Tensor) -> None:
+        """[zero] Stages 1-2: every rank's updated part of u into ``full`` (see _full_copy;
+        None: the gathered master into the device copy)."""
+        layout = self._layout
         if full is not None:
             self._partition.all_gather_shards(u, full, in_full_coordinates=True)
         else:
             gathered = self._partition.all_gather_shards(u, master, in_full_coordinates=False)
-            self._device.view(u.device_offset, t).copy_(gathered)
+            self._device.view(u.device_offset, u.spec.trainable_numel).copy_(gathered)
         if full is not None and layout.param_tier == "device" and not layout.device_is_host:
             self._device.view(u.device_offset, u.compute_numel).copy_(full)
+
+    def _gather_owed(self, u: UnitState) -> None:
+        """[Note: early updates across ranks] Stages 1-2: the all-gather that u, updated
+        early (Adam alone, on the optimizer worker), still owes; its compute copy is a host
+        home, which that update wrote."""
+        full = self._full_copy(u, {})
+        assert isinstance(full, torch.Tensor), "early stage 1-2 updates need host compute copies"
+        self._partition.all_gather_shards(u, full, in_full_coordinates=True)
 
     @torch.no_grad()
     def _update_param_piece(self, u: UnitState, lo: int, hi: int, steps: List[int], grad_factor: float,

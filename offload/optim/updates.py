@@ -67,7 +67,8 @@ spare beside the run, the units backward finishes first get theirs while they fi
 (``memory.placement.fit_spares_to_swap``, with a warning) and the others are updated once
 the norm is known, deferred to the next forward ([Note: deferred updates]). Not with
 param_tier "device" (the update writes the device copy itself) or [zero] with several
-ranks below stage 3 (no early updates there: [Note: early updates across ranks]).
+ranks where they have no early updates (below stage 2, or stage 2 with compute copies not
+on the host: [Note: early updates across ranks]).
 """
 from __future__ import annotations
 
@@ -163,6 +164,9 @@ class UpdateScheduler:
         self.lock = threading.Lock()
         self._sequence = itertools.count()
         self.step_pending = False  # a deferred step's updates or bookkeeping are not done
+        # [Note: early updates across ranks] stages 1-2: the last backward settled its units,
+        # whose early updates (on any rank) owe their all-gathers to the step (set by the engine)
+        self.gathers_owed = False
         # [Note: delayed updates] None unless delayed_update
         self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
             units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
@@ -179,6 +183,10 @@ class UpdateScheduler:
         self.settle_all()
         self.wait_queued()
         self.release_speculative_copies()
+        if self.gathers_owed:  # [zero] a zero_grad() in place of the step after early updates
+            self.gathers_owed = False
+            self._sharded_step.run([], 1.0, self.micro_step,
+                                   updated_early=[u for u in self._units if any(u.has_grad)])
         for u in self._units:
             for e in u.trainable:  # one a failed hand-off left ([Note: failures inside a step])
                 e.param.grad = None  # never a delayed update's: those took theirs off the parameter
@@ -238,6 +246,7 @@ class UpdateScheduler:
         to the worker when it can be, else the updates not run early, here and now."""
         self._check_not_failed("step")
         self.settle_all()
+        self.gathers_owed = False  # [Note: early updates across ranks] this step gathers (or skips)
         if self.delayed is not None:  # [Note: delayed updates] steps 1-3: the last step's updates committed
             self.delayed.wait()
             self.delayed.take_back_all()
@@ -270,8 +279,9 @@ class UpdateScheduler:
         units = [u for u in self._units if any(u.has_grad) and not u.update.updated]
         try:
             with self._stats.timed("optimizer"):
-                if self._sharded_step is not None:  # [zero] stage >= 1
-                    self._sharded_step.run(units, grad_factor, self.micro_step)
+                if self._sharded_step is not None:  # [zero] stage >= 1 ([Note: early updates across ranks])
+                    self._sharded_step.run(units, grad_factor, self.micro_step, updated_early=[
+                        u for u in self._units if any(u.has_grad) and u.update.updated])
                 elif self._layout.staged_step:
                     self._step_ring.staged_update(units, grad_factor, self.micro_step)
                 else:
@@ -364,6 +374,8 @@ class UpdateScheduler:
         others never will) or consistent (none was: the partial gradients are dropped as by
         zero_grad, the weights and states are those before this backward)."""
         self.early_updates = False
+        # [zero] a failed backward runs no more collectives: the other ranks may be anywhere
+        self.gathers_owed = False
         self._step_ring.drain_root_reads()  # nothing is left reading into a slot
         # [Note: speculative updates] a speculative update wrote spare homes only
         queued = [u.name for u in self._units if u.update.updated and not u.update.speculative]
@@ -578,7 +590,8 @@ class UpdateScheduler:
                 u.early_grad_squares.append(square)
         if self._sharded_step is not None:  # [zero] stage 3: Adam over this rank's shard, no collective
             # ([Note: early updates across ranks])
-            self._sharded_step.run([u], grad_factor, self.micro_step, groups, speculative=u.update.speculative)
+            self._sharded_step.run([u], grad_factor, self.micro_step, groups, speculative=u.update.speculative,
+                                   early=True)
         elif self._layout.staged_step:
             self._step_ring.update_early(u, groups, grad_factor)
         else:

@@ -47,19 +47,26 @@ peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (
 squares, stage 0/1 gradients, the sum across groups, the main thread's parameter gathers
 for state_dict and checkpoints) stay on gloo.
 
-[Note: early updates across ranks] With early updates (stage 3 only) a unit's update may
-start on the optimizer worker in the backward before a step once its gradient is final on
-this rank: its reduce-scatter of that backward is done, the groups' sum of its shard taken
-and its has-gradient flags agreed (``settle_in_backward``: both right after the reduce-
-scatter, on the thread and in the order the reduce-scatters run, so in the same order on
-every rank; ``settled`` says which units are). The update itself issues no collective (at
-stage 3 the next fetch gathers the chunks), and its squares for the norm are this rank's
+[Note: early updates across ranks] With early updates (stage 3; stage 2 where every
+compute copy is homed on the host) a unit's update may start on the optimizer worker in the
+backward before a step once its gradient is final on this rank: its reduce-scatter of that
+backward is done, the groups' sum of its shard taken and its has-gradient flags agreed
+(``settle_in_backward``: both right after the reduce-scatter, on the thread and in the
+order the reduce-scatters run, so in the same order on every rank; ``settled`` says which
+units are). Which units a rank updates early depends on its own timing, so the update
+itself issues no collective: at stage 3 the next fetch gathers the chunks; at stage 2 the
+all-gather of the updated shards is owed to step(), which gathers every unit with a
+gradient in unit order, Adam first for those not updated early (``ShardedStep.run``'s
+``updated_early``), so every rank issues the same gathers in the same order; a zero_grad()
+in place of that step runs the owed gathers (``UpdateScheduler.gathers_owed``; gathering
+a unit not updated changes nothing). The update's squares for the norm are this rank's
 terms of ``local_grad_squares``, summed in unit order in step() exactly as for a unit
 updated there. Under clipping, fp16 or skips the early updates are speculative ([Note:
 speculative updates]): the norm is all-reduced, so every rank takes the same commit-or-redo
-decision, and a redo (or a speculation that failed on one rank, redone there alone) runs no
-collective either. Stages 1-2 all-gather the updated shards after Adam, on the thread that
-ran it, and stages 0-1 reduce in step(): no early updates there.
+decision, and a redo (or a speculation that failed on one rank, redone there alone) is an
+update of step(), gathered in its place. Not at stage 1 (its gradients are reduced in
+step()) nor at stage 2 with a compute copy on NVMe or the device (the owed gather would
+read and write it again).
 
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
