@@ -456,8 +456,7 @@ class Engine:
         ``step_finished``: close() waited for a deferred step whose bookkeeping it skips,
         so units marked updated hold that whole step)."""
         self._updates.settle_for_reading()  # [Note: delayed updates] read through read_committed
-        # [Note: early updates]; a speculative one wrote spare homes only ([Note: speculative updates])
-        early = [] if step_finished else [u.name for u in self.units if u.update.updated and not u.update.speculative]
+        early = [] if step_finished else self._updates.updated_early()
         if early:
             raise RuntimeError(
                 f"{what}() between backward() and step(): the optimizer already updated {len(early)} "

@@ -45,7 +45,7 @@ def reference(data, accumulation=1, max_grad_norm=None, frozen=()):
     return model.state_dict()
 
 
-def _worker(rank, port, world, config, data, out_dir, frozen, zero_grad_at=None):
+def _worker(rank, port, world, config, data, out_dir, frozen, zero_grad_at=None, read_at=None):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -58,9 +58,21 @@ def _worker(rank, port, world, config, data, out_dir, frozen, zero_grad_at=None)
         accumulation = config.get("gradient_accumulation_steps", 1)
         with offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]),
                           config=config) as engine:
-            probes = []
+            probes, refusals = [], []
             for i, b in enumerate(data):
                 mine = b[rank * per_rank:(rank + 1) * per_rank]
+                if i == read_at:  # state_dict() between backward and step: refused alike on every rank
+                    prefetcher = engine.debug.prefetcher
+                    prefetcher.enabled = rank != 0  # early updates on rank 1 only ([Note: early updates])
+                    engine.backward(engine(mine[:, :-1], mine[:, 1:]))
+                    prefetcher.enabled = True
+                    engine.debug.updates.wait_optimizer()
+                    try:
+                        engine.state_dict()
+                    except RuntimeError as exc:
+                        refusals.append(str(exc))
+                    engine.step()
+                    continue
                 if i == zero_grad_at:  # zero_grad() in place of the step; then the same batch on every rank
                     engine.backward(engine(mine[:, :-1], mine[:, 1:]))
                     engine.zero_grad()
@@ -70,17 +82,19 @@ def _worker(rank, port, world, config, data, out_dir, frozen, zero_grad_at=None)
                 train_offload(engine, [mine])
                 if (i + 1) % accumulation == 0:
                     norms.append(engine.stats()["grad_norm"])
-            result = {"state": engine.state_dict(), "stats": engine.stats(), "norms": norms, "probes": probes}
+            result = {"state": engine.state_dict(), "stats": engine.stats(), "norms": norms, "probes": probes,
+                      "refusals": refusals}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world, config, data, out_dir, frozen=(), zero_grad_at=None):
+def run_ranks(world, config, data, out_dir, frozen=(), zero_grad_at=None, read_at=None):
     """``world`` gloo ranks training ``config`` on their parts of ``data``: each rank's result."""
     os.makedirs(out_dir, exist_ok=True)
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
-    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), frozen, zero_grad_at),
+    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), frozen, zero_grad_at,
+                                                   read_at),
                        nprocs=world, join=True, start_method="forkserver")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
@@ -193,3 +207,17 @@ def test_a_zero_grad_in_place_of_the_step_after_early_updates_keeps_the_ranks_al
     assert results[0]["probes"] == results[1]["probes"]
     for k, v in results[0]["state"].items():
         assert torch.equal(v, results[1]["state"][k]), k
+
+
+def test_a_read_between_backward_and_step_is_refused_on_every_rank_when_one_updated_early(tmp_path):
+    """state_dict() between backward and step() mixes two steps where units were updated
+    early; every rank refuses it when any rank did (here rank 1 alone), instead of the
+    others waiting in its gathers, and the run goes on equal to one process."""
+    data = _batches(3, batch=GLOBAL_BATCH)
+    results = run_ranks(2, dict(stage=2, param_tier="host", optimizer_tier="host", collective_timeout_seconds=60),
+                        data, tmp_path, read_at=1)
+    assert results[0]["refusals"] and results[1]["refusals"], [res["refusals"] for res in results]
+    assert all("between backward() and step()" in res["refusals"][0] for res in results)
+    ref = reference(data)
+    for r, res in enumerate(results):
+        assert max_rel_error(res["state"], ref) < REL_TOL, r

@@ -223,10 +223,13 @@ class Layout:
         # [Note: delayed updates] the norm is known in step(), where every update starts
         # [zero] with several ranks at stage 3, or 2 with host compute copies ([Note: early
         # updates across ranks])
+        # [zero] from the config alone, the same on every rank ("auto" places each rank's
+        # units under its own budget): each backward's collectives follow it
         early_with_ranks = partition is None or partition.shards_params or (
-            partition.shards_gradients and on_compute == {"host"})
+            partition.shards_gradients and config.param_tier == "host")
+        speculate_by_default = "nvme" in on_states if partition is None else config.optimizer_tier == "nvme"
         speculative = needs_norm_first and early_with_ranks and param_tier != "device" and (
-            "nvme" in on_states if config.speculative_updates is None else config.speculative_updates) \
+            speculate_by_default if config.speculative_updates is None else config.speculative_updates) \
             and not config.delayed_update
         host_budget = config.host_budget
         if host_budget is None:

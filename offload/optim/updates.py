@@ -350,6 +350,17 @@ class UpdateScheduler:
             if u.update.speculative and u.update.in_device:
                 self._release(u)
 
+    def updated_early(self) -> List[str]:
+        """The units updated during backward whose step has not come ([Note: early updates];
+        a speculative update wrote spare homes only). [zero] Between a backward that settled
+        its units and the step, any rank's list, agreed on by a collective, so that every
+        rank refuses a read alike ([Note: early updates across ranks])."""
+        names = [u.name for u in self._units if u.update.updated and not u.update.speculative]
+        if self._partition is not None and self._partition.settled_any:
+            everyone = self._partition.all_gather_object("early-update check", names)
+            names = next((n for n in everyone if n), [])
+        return names
+
     def wait_before_forward(self) -> None:
         """What a forward waits for when no deferred or delayed step is pending: every
         queued update, and the release of speculative device copies."""

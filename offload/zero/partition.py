@@ -64,9 +64,13 @@ terms of ``local_grad_squares``, summed in unit order in step() exactly as for a
 updated there. Under clipping, fp16 or skips the early updates are speculative ([Note:
 speculative updates]): the norm is all-reduced, so every rank takes the same commit-or-redo
 decision, and a redo (or a speculation that failed on one rank, redone there alone) is an
-update of step(), gathered in its place. Not at stage 1 (its gradients are reduced in
-step()) nor at stage 2 with a compute copy on NVMe or the device (the owed gather would
-read and write it again).
+update of step(), gathered in its place. Whether a backward settles its units (with
+``Layout.early_allowed``, and whether updates speculate by default) follows from the config
+alone, never from a rank's own placement, so it is alike on every rank. A read of the
+weights between such a backward and its step() agrees across ranks whether any updated a
+unit early (``UpdateScheduler.updated_early``): every rank refuses it alike. Not at stage 1
+(its gradients are reduced in step()) nor at stage 2 with a compute copy on NVMe or the
+device (the owed gather would read and write it again).
 
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
@@ -401,10 +405,13 @@ class Partition:
         if not u.trainable:
             return terms
         own = even_range(u.spec.trainable_numel, self.shard_rank, self.shard_size)
+        grad = None
         for k, e in enumerate(u.trainable):
             a, b = max(e.offset, own.lo), min(e.offset + e.numel, own.hi)
             if u.has_grad[k] and a < b:
-                g = u.grad[a - u.grad_base:b - u.grad_base]
+                if grad is None:  # [Note: collectives on the device] the shard copied out has landed
+                    grad = self._gradients.host_buffer(u)
+                g = grad[a - u.grad_base:b - u.grad_base]
                 terms.append(torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2)
         return terms
 
@@ -484,9 +491,15 @@ class Partition:
             self._collective(f"has-gradient flags all-reduce of unit {u.name!r}", lambda: dist.all_reduce(
                 flags, op=dist.ReduceOp.MAX, group=self.group))
         u.has_grad = [bool(f) for f in flags.tolist()]
-        if any(u.has_grad):
+        if any(u.has_grad) and self.replica_group is not None:
             self._sum_replicas(u, self._gradients.host_buffer(u)[:u.shard.numel])
         self._settled.add(u.index)
+
+    @property
+    def settled_any(self) -> bool:
+        """[Note: early updates across ranks] The last backward settled its units and no
+        step or zero_grad came since (alike on every rank: each settles every unit)."""
+        return bool(self._settled)
 
     def settled(self, u: Any) -> bool:
         """[Note: early updates across ranks] u's gradient of this step is final and agreed
