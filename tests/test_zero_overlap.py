@@ -22,9 +22,9 @@ GLOBAL_BATCH = 4
 STEPS = 4
 
 
-def gpt(frozen=()):
-    """The test GPT (seed 0), parameters whose names contain one of ``frozen`` frozen."""
-    torch.manual_seed(0)
+def gpt(frozen=(), seed=0):
+    """The test GPT (``seed``), parameters whose names contain one of ``frozen`` frozen."""
+    torch.manual_seed(seed)
     model = GPT(CFG)
     for name, p in model.named_parameters():
         p.requires_grad_(not any(f in name for f in frozen))
@@ -221,3 +221,46 @@ def test_a_read_between_backward_and_step_is_refused_on_every_rank_when_one_upda
     ref = reference(data)
     for r, res in enumerate(results):
         assert max_rel_error(res["state"], ref) < REL_TOL, r
+
+
+def _resume_worker(rank, port, world, config, data, out_dir, frozen, resume):
+    """Train on ``data`` with a checkpoint after half of it; ``resume``: a model of other
+    values (frozen ones too) loads that checkpoint and trains the second half."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = gpt(frozen, seed=7 if resume else 0)
+        per_rank = data[0].shape[0] // world
+        half = len(data) // 2
+        ckpt = os.path.join(out_dir, "ckpt")
+        with offload.wrap(model, make_opt([p for p in model.parameters() if p.requires_grad]),
+                          config=config) as engine:
+            if resume:
+                engine.load_checkpoint(ckpt)
+            else:
+                train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank] for b in data[:half]])
+                engine.save_checkpoint(ckpt)
+            train_offload(engine, [b[rank * per_rank:(rank + 1) * per_rank] for b in data[half:]])
+            result = {"state": engine.state_dict(), "stats": engine.stats()}
+        torch.save(result, os.path.join(out_dir, f"{'resumed' if resume else 'saved'}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_resumes_stage_3_speculation_exactly_with_frozen_parameters(tmp_path):
+    """The spare homes' frozen chunk, which no update writes, is loaded with the homes: the
+    resumed run (from a model of other values, frozen ones too: random, not LayerNorm's
+    ones) commits speculative updates and equals the uninterrupted one bit for bit."""
+    config = dict(stage=3, param_tier="host", optimizer_tier="host", max_grad_norm=CLIP_NORM,
+                  speculative_updates=True)
+    data = _batches(8, batch=GLOBAL_BATCH)
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    for resume in (False, True):
+        mp.start_processes(_resume_worker, args=(free_port(), 2, config, data, str(tmp_path), (".proj.",), resume),
+                           nprocs=2, join=True, start_method="forkserver")
+    for r in range(2):
+        saved = torch.load(tmp_path / f"saved-rank{r}.pt", weights_only=False)
+        resumed = torch.load(tmp_path / f"resumed-rank{r}.pt", weights_only=False)
+        assert resumed["stats"]["speculative_updates"] > resumed["stats"]["redone_updates"], r  # some committed
+        for k, v in saved["state"].items():
+            assert torch.equal(v, resumed["state"][k]), (r, k)
