@@ -218,8 +218,11 @@ class Layout:
         needs_nvme = "nvme" in on_compute | on_states
         needs_norm_first = config.needs_norm_first()
         if config.delayed_update and partition is not None:
-            raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}): "
-                             "the ZeRO steps run their collectives on the main thread, in step()")
+            raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}) yet: "
+                             "a delayed shard update (its spare compute chunks at stage 3, its all-gathers "
+                             "owed to the next step at stages 1-2, its lagging copy in a sharded checkpoint) "
+                             "is not built; early updates overlap backward at stage 3, and at stage 2 with "
+                             "param_tier='host'")
         # [Note: delayed updates] the norm is known in step(), where every update starts
         # [zero] with several ranks at stage 3, or 2 with host compute copies ([Note: early
         # updates across ranks])

@@ -67,7 +67,9 @@ always, then swaps it into the spare homes and writes the lagging copy into the 
 without the field load with nothing pending.
 
 Not with param_tier "device" (the update would write the copy the forward reads), several
-ranks (the ZeRO steps' collectives run in step()), or early and speculative updates (the
+ranks (not built: the sharded update into spare compute chunks, the stage 1-2 all-gathers
+owed to the next step, a sharded checkpoint's lagging copy; [Note: early updates across
+ranks] has what early updates do instead), or early and speculative updates (the
 norm is known in step(), where every update starts): the warm-up and fallback steps thus
 run the serialized step, without the overlap with backward that early updates give.
 """
