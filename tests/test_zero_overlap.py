@@ -264,3 +264,21 @@ def test_a_checkpoint_resumes_stage_3_speculation_exactly_with_frozen_parameters
         assert resumed["stats"]["speculative_updates"] > resumed["stats"]["redone_updates"], r  # some committed
         for k, v in saved["state"].items():
             assert torch.equal(v, resumed["state"][k]), (r, k)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_drops_speculative_updates_alike_on_every_rank(stage, tmp_path):
+    """fp16 loss scaling: a step whose gradients overflow is skipped on every rank (the norm
+    is all-reduced) and its speculative updates dropped; the run equals the serialized one
+    bit for bit."""
+    config = dict(stage=stage, param_tier="host", optimizer_tier="host", dtype="fp16", speculative_updates=True,
+                  initial_loss_scale=2.0 ** 17)
+    data = _batches(6, batch=GLOBAL_BATCH)
+    early, serialized = run_both(2, config, data, tmp_path)
+    for r in range(2):
+        stats = early[r]["stats"]
+        assert 0 < stats["skipped_steps"] < len(data), stats["skipped_steps"]
+        assert stats["skipped_steps"] == serialized[r]["stats"]["skipped_steps"]
+        assert stats["speculative_updates"] > stats["redone_updates"], r  # some committed
+        assert early[r]["norms"] == serialized[r]["norms"], r
+    assert_same_states(early, serialized)
