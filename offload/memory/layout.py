@@ -224,10 +224,9 @@ class Layout:
                              "is not built; early updates overlap backward at stage 3, and at stage 2 with "
                              "param_tier='host'")
         # [Note: delayed updates] the norm is known in step(), where every update starts
-        # [zero] with several ranks at stage 3, or 2 with host compute copies ([Note: early
-        # updates across ranks])
-        # [zero] from the config alone, the same on every rank ("auto" places each rank's
-        # units under its own budget): each backward's collectives follow it
+        # [zero] with several ranks at stage 3, or 2 with host compute copies, decided from
+        # the config alone, alike on every rank ("auto" places each rank's units under its
+        # own budget): each backward's collectives follow it ([Note: early updates across ranks])
         early_with_ranks = partition is None or partition.shards_params or (
             partition.shards_gradients and config.param_tier == "host")
         speculate_by_default = "nvme" in on_states if partition is None else config.optimizer_tier == "nvme"
