@@ -178,8 +178,15 @@ def test_two_ranks_on_half_batches_equal_one_process_and_shard_memory(
         expected = sum(2 * 4 * even_range(t, r, WORLD).state_numel for t in trainable)
         assert opt_bytes[r] == expected
         assert opt_bytes[r] <= single["optimizer_state_bytes"] / 2 + num_units * 2 * 4096
-    # Host buffers are made once: none is added after the first steps.
-    assert all(res["stats"]["host_peak_bytes"] == res["host_peak_midway"] for res in results)
+    # Host buffers are made once: none is added after the first steps. With early updates
+    # (stage 3 here) the pool of gradient buffers fills lazily up to as many as units wait
+    # for the optimizer worker at once, which depends on how far it got: at most one each.
+    for res in results:
+        grown = res["stats"]["host_peak_bytes"] - res["host_peak_midway"]
+        if res["stats"]["early_updates"]:
+            assert 0 <= grown <= res["stats"]["gradient_bytes"] + num_units * 4096, grown
+        else:
+            assert grown == 0, grown
     param_bytes = [res["stats"]["parameter_bytes"] for res in results]
     if stage == 3:  # fp32: each rank's compute chunks are its master shards
         assert param_bytes == [sum(4 * even_range(t, r, WORLD).state_numel for t in trainable)

@@ -197,9 +197,12 @@ class ShardedStep:
 
     def _update_buffer(self, role: str, buffer_set: int) -> torch.Tensor:
         buf = self._update_buffers.get(f"{role}{buffer_set}")
-        if buf is None:
-            buf = self._host.allocate(self._update_buffer_bytes[role], torch.uint8)
-            self._update_buffers[f"{role}{buffer_set}"] = buf
+        if buf is None:  # both sets at once (wrap budgeted two): made at the first update whichever
+            # set it uses, never later ([Note: early updates across ranks]: a unit updated early uses one)
+            for other in (0, 1):
+                self._update_buffers[f"{role}{other}"] = self._host.allocate(self._update_buffer_bytes[role],
+                                                                             torch.uint8)
+            buf = self._update_buffers[f"{role}{buffer_set}"]
         return buf
 
     def _start_shard_writes(self, u: UnitState, lo: int, hi: int, views: Dict[str, torch.Tensor],
