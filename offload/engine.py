@@ -441,10 +441,16 @@ class Engine:
         argument is a ValueError before anything is written. ``directory`` holds the earlier
         save or the new one whole at every instant, and keeps its other files; the files are
         0600 (a new directory 0700) like a checkpoint's. [Note: atomic model directory] in
-        checkpoint/export.py"""
+        checkpoint/export.py
+
+        [Note: save_pretrained with several ranks] Every rank calls it, with the same
+        arguments (like state_dict: at stage >= 1 reading the values gathers shards, in
+        unit order); rank 0 alone writes ``directory``, the others read the values and
+        drop them. The others return without waiting for rank 0's files to be in place."""
         checkpoint.export.save_pretrained(
             directory, self.module, self.units, self._settled("save_pretrained"),
-            torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size)
+            torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size,
+            write=self._partition is None or self._partition.rank == 0)
 
     def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
         """The reader of a unit's current values, once this step's updates are all done or none started."""

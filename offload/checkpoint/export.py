@@ -239,7 +239,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def save_pretrained(directory: "str | os.PathLike[str]", module: nn.Module, units: List[UnitState],
                     unit_values: UnitValues, frozen_dtype: torch.dtype, dtype: Any = None,
-                    max_shard_size: "int | str" = "5GB") -> None:
+                    max_shard_size: "int | str" = "5GB", write: bool = True) -> None:
     """An engine's weights as a Hugging Face model directory (``Engine.save_pretrained``):
     ``model.safetensors``, or shards of at most ``max_shard_size`` and
     ``model.safetensors.index.json``, plus ``config.json`` (and ``generation_config.json``)
@@ -248,7 +248,10 @@ def save_pretrained(directory: "str | os.PathLike[str]", module: nn.Module, unit
     trainable parameters; ``frozen_dtype``: that of frozen ones), read one unit at a time as
     the files are written; a parameter tied to others is written once, under its first name
     (transformers ties it again on load). ``dtype`` (see ``export_dtype``) converts
-    floating-point tensors. Arguments are checked before anything is written."""
+    floating-point tensors. Arguments are checked before anything is written. ``write=False``
+    (the ranks other than 0 of a run with several): the values are read, unit by unit as
+    the writer reads them, and nothing is written ([Note: save_pretrained with several ranks]
+    in engine.py)."""
     target = _target(directory, "save_pretrained")
     limit = _shard_limit(max_shard_size)
     out_dtype = export_dtype(dtype)
@@ -268,6 +271,10 @@ def save_pretrained(directory: "str | os.PathLike[str]", module: nn.Module, unit
         layout.append((name, out_dtype if out_dtype is not None and kind.is_floating_point else kind, shape))
     shards = [[layout[i] for i in run] for run in _cut([_nbytes(s, d) for _, d, s in layout], limit)]
     values = iter_weights(module, units, unit_values, aliases=False)
+    if not write:
+        for _ in values:  # the reads' collectives, in the writer's order
+            pass
+        return
 
     def tensors() -> Iterator[Tuple[str, Iterable[torch.Tensor]]]:
         for (name, want, _), (got, value) in zip(layout, values):

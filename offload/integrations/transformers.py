@@ -47,6 +47,38 @@ the Trainer would do to the model and the optimizer:
    loads it once the scheduler exists (its param groups, learning rates included, come from
    the checkpoint).
 
+[Note: OffloadTrainer with several ranks] Under ``torchrun --nproc-per-node N`` (or a gloo /
+NCCL process group initialized before the Trainer) every rank builds the same OffloadTrainer
+and wraps the same model; the engine shards by ``offload_config``'s ``stage`` and averages
+the ranks' gradients itself ([Note: gradient averaging] in zero/partition.py). What the
+Trainer and accelerate would do with ranks, and what happens instead:
+
+1. accelerate's ``prepare_model`` would wrap the model in DistributedDataParallel, whose
+   gradient hooks would reduce a second time (and see no gradients: the engine keeps them
+   out of ``p.grad``). OffloadTrainer's accelerator prepares it as for evaluation: no DDP;
+   ``trainer.model_wrapped`` is the model.
+2. Kept as the Trainer has them: the data loaders (accelerate gives rank r the r-th of each
+   run of N batches of ``per_device_*_batch_size``, padding the last), ``num_items_in_batch``
+   summed over the ranks and each rank's loss times N (the engine's average then gives the
+   gradient of the whole batch), the logged loss (the mean over ranks), and evaluation
+   (each rank its batches, ``gather_for_metrics``). ``grad_norm`` is the engine's global
+   norm, the same on every rank.
+3. Checkpoints: every rank calls ``engine.save_checkpoint`` (a collective: [Note: sharded
+   checkpoints]) and writes its ``rng_state_R.pth``; rank 0 writes the rest. Barriers put
+   the marker of [Note: complete Trainer checkpoints] around them: rank 0 takes it out
+   before any rank writes, and writes it after every rank has written, so it lists every
+   rank's files. Every rank loads the engine checkpoint on resume.
+4. ``save_model``: every rank reads the weights (``engine.save_pretrained``, or peft's
+   ``save_pretrained`` with ``is_main_process``: at stage >= 1 reading gathers shards, so
+   every rank calls the collectives in one order), rank 0 writes them ([Note:
+   save_pretrained with several ranks] in engine.py).
+5. Refused: ``n_gpu > 1`` (nn.DataParallel: one process, several devices) and
+   ``save_on_each_node`` (an engine checkpoint is one directory on a file system the ranks
+   share). ``optimizer.state_dict()`` raises (each rank holds a shard of the moments), and
+   after ``train()`` the parameters keep placeholders (``engine.restore_model()`` refuses
+   several ranks; a warning says so): read the weights through ``save_model`` or
+   ``engine.state_dict()`` on every rank.
+
 [Note: complete Trainer checkpoints] A ``checkpoint-N`` directory is a checkpoint only once
 it holds COMPLETE_MARKER. The Trainer writes its files into ``checkpoint-N`` under their
 final names, so a save killed part-way leaves a directory that looks like a checkpoint;
@@ -185,6 +217,12 @@ class EngineAdam(torch.optim.Optimizer):
         from offload.checkpoint.format import PieceReader, read_manifest
         from offload.memory.layout import DEFAULT_HOST_FRACTION, available_memory_bytes
 
+        world_size = self.engine.stats()["world_size"]
+        if world_size > 1:  # each rank would save into a temporary directory of its own
+            raise RuntimeError(
+                f"optimizer.state_dict(): not with several ranks (this run has {world_size}): each rank holds a "
+                "shard of the moments; save them on every rank with trainer.engine.save_checkpoint(DIR), DIR one "
+                "path on a file system the ranks share (the Trainer's checkpoints do)")
         if not isinstance(self.adam, ADAM_CLASSES):
             raise RuntimeError(
                 f"optimizer.state_dict(): the state of {type(self.adam).__name__} lives in the engine's tiers and "
@@ -274,9 +312,15 @@ def unsupported_settings(args: TrainingArguments, config: OffloadConfig, *, mode
          "with model= per trial"),
     ]
     problems += [f"{name}={value!r}: {why}" for name, value, why in named if value]
-    if args.world_size > 1 or args.n_gpu > 1:
-        problems.append(f"world_size={args.world_size}, n_gpu={args.n_gpu}: OffloadTrainer trains on one "
-                        "process and one device")
+    if args.world_size > 1 and args.save_on_each_node:
+        problems.append("save_on_each_node=True: with several ranks an engine checkpoint is one directory into "
+                        "which every rank writes its shard and rank 0 the manifest ([Note: sharded checkpoints]), "
+                        "so output_dir must be on a file system every node shares, where one save serves all")
+    if args.n_gpu > 1:
+        problems.append(f"n_gpu={args.n_gpu}: the Trainer would wrap the model in nn.DataParallel (one process, "
+                        "several devices), and an engine computes on one device; launch one process per device "
+                        "(torchrun --nproc-per-node N), each rank trains through its engine ([Note: OffloadTrainer "
+                        "with several ranks])")
     defaults = OffloadConfig()
     wanted = trainer_owned_fields(args)
     for field, arg_name in _FIELDS_FROM_ARGS.items():
@@ -448,7 +492,9 @@ class OffloadTrainer(Trainer):
                                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         if problems:
             raise ValueError("OffloadTrainer cannot honour these settings:\n  " + "\n  ".join(problems))
-        config = dataclasses.replace(config, device=str(args.device), **trainer_owned_fields(args))
+        # (a distributed run's CPU device is "cpu:0"; the engine's is "cpu")
+        device = "cpu" if args.device.type == "cpu" else str(args.device)
+        config = dataclasses.replace(config, device=device, **trainer_owned_fields(args))
         if optimizer_cls_and_kwargs is None and optimizers[0] is None:
             # The Trainer's own AdamW and hyperparameters; "fused" names a kernel the engine replaces.
             adam_cls, adam_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
@@ -486,6 +532,21 @@ class OffloadTrainer(Trainer):
             raise RuntimeError(f"{what}: the OffloadTrainer is closed (its engine let go of the model's states)")
 
     # ------------------------------------------------------------------ setup
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's, with an accelerator that prepares the model without DistributedDataParallel
+        ([Note: OffloadTrainer with several ranks] 1)."""
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        prepare_model = accelerator.prepare_model
+
+        def prepare_model_without_ddp(model: nn.Module, device_placement: Optional[bool] = None,
+                                      evaluation_mode: bool = False) -> nn.Module:
+            # evaluation_mode=True is prepare_model without the DDP (and torch.compile, refused
+            # anyway) wrapping; autocast and device placement are off already (step 2).
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+        accelerator.prepare_model = prepare_model_without_ddp
+
     def _build_accelerator_args(self, **kwargs: Any) -> Dict[str, Any]:
         # [Note: the Trainer's loop around the engine] step 2
         accelerator_args = super()._build_accelerator_args(**kwargs)
@@ -648,6 +709,8 @@ class OffloadTrainer(Trainer):
         checkpoint_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             _unmark(checkpoint_dir)
+        # [Note: OffloadTrainer with several ranks] 3: no rank writes before the marker is out
+        self.accelerator.wait_for_everyone()
         # The Trainer's rotation would run before the marker: it sees a copy of the arguments
         # without save_total_limit (the caller's stay untouched, and _save writes them).
         args = self._args_outside_save = self.args
@@ -657,9 +720,11 @@ class OffloadTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args, self._args_outside_save = args, None
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are written
         if self.args.should_save:
             _mark_complete(checkpoint_dir, engine_checkpoint=not self.args.save_only_model)
             self._rotate_complete_checkpoints(run_dir, checkpoint_dir)
+        self.accelerator.wait_for_everyone()  # every rank sees the checkpoint complete
 
     def _rotate_complete_checkpoints(self, run_dir: str, saved_dir: str) -> None:
         """[Note: complete Trainer checkpoints] step 4: trainer_utils.rotate_checkpoints over
@@ -694,13 +759,15 @@ class OffloadTrainer(Trainer):
         saves its adapters with its own save_pretrained. Then what Trainer._save adds."""
         self._check_open("save_model")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        os.makedirs(output_dir, exist_ok=True)
+        # Every rank reads the weights, rank 0 writes them ([Note: OffloadTrainer with several ranks] 4)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
         if isinstance(self.model, PreTrainedModel) or not hasattr(self.model, "save_pretrained"):
             self.engine.save_pretrained(output_dir)
         else:  # peft: the adapters only, read through the wrapped model's state_dict
-            self.model.save_pretrained(output_dir)
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        if not self.args.should_save:
+            return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:

@@ -1,0 +1,180 @@
+"""OffloadTrainer under several ranks ([Note: OffloadTrainer with several ranks]): 2 gloo
+ranks on the CPU, each with per_device_train_batch_size=1, log the losses and gradient
+norms of one process with per_device_train_batch_size=2 on the same rows, save the same
+weights (rank 0 writes them), and resume from their own checkpoint as the uninterrupted
+run; the settings that cannot work with ranks are refused by name.
+
+Why 2 ranks x 1 row == 1 process x 2 rows: accelerate hands rank r the r-th of each
+consecutive pair of the sampler's 1-row batches, so each optimizer step sees the same rows
+as the one process's. The tiny Llama takes num_items_in_batch, which the Trainer sums over
+the ranks, and it multiplies each rank's loss by the world size; the engine averages the
+ranks' gradients ([Note: gradient averaging] in offload/zero/partition.py), so the gradient
+is the one process's sum over the same tokens divided by the same count. The logged loss is
+the Trainer's mean over ranks of those scaled losses: the same sum over the same count.
+Only the order of the fp32 sums differs (two partial sums added by the all-reduce, a
+multiplication by 1/2 and by 2, which are exact), a few ulps (6e-8 each) per step; Adam's
+normalized updates carry such differences along without growing them much over 6 steps,
+so the engine's own parity tolerance (REL_TOL, as tests/test_zero.py's) bounds them.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from support import free_port, max_rel_error
+from test_hf_trainer import CONFIG, REL_TOL, TokenDataset, logged, training_args
+
+WORLD = 2
+STEPS = 6
+
+
+def _worker(rank, port, base_dir, spec, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    dist.init_process_group("gloo")
+    from offload.integrations.transformers import OffloadTrainer
+    trainer = None
+    try:
+        args = training_args(os.path.join(out_dir, "out"), per_device_train_batch_size=1,
+                             per_device_eval_batch_size=1, **spec.get("args", {}))
+        trainer = OffloadTrainer(model=LlamaForCausalLM.from_pretrained(base_dir), args=args,
+                                 offload_config=spec["config"], train_dataset=TokenDataset(24, seed=1),
+                                 eval_dataset=TokenDataset(7, seed=2))
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        result = {"log_history": trainer.state.log_history, "stats": trainer.engine.stats(),
+                  "model_wrapped": type(trainer.model_wrapped).__name__}
+        try:
+            trainer.optimizer.state_dict()
+        except RuntimeError as error:
+            result["optimizer_state_dict"] = str(error)
+        if spec.get("evaluate"):
+            result["eval"] = trainer.evaluate()
+        trainer.save_model(os.path.join(out_dir, "final"))
+        result["state"] = trainer.engine.state_dict()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist.destroy_process_group()
+
+
+def run_ranks(base_dir, spec, out_dir):
+    """The OffloadTrainer of ``spec`` on 2 ranks; each rank's results."""
+    os.makedirs(out_dir, exist_ok=True)
+    # forkserver, as tests/test_zero.py: fresh processes forked from one that imported torch
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_worker, args=(free_port(), str(base_dir), spec, str(out_dir)), nprocs=WORLD, join=True,
+                       start_method="forkserver")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "base"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_process(base_dir, tmp_path_factory):
+    """One OffloadTrainer process on the whole batch (2 rows per step); its final weights saved."""
+    from offload.integrations.transformers import OffloadTrainer
+    out = tmp_path_factory.mktemp("one")
+    trainer = OffloadTrainer(model=LlamaForCausalLM.from_pretrained(base_dir), args=training_args(out / "out", per_device_eval_batch_size=1),
+                             offload_config={}, train_dataset=TokenDataset(24, seed=1),
+                             eval_dataset=TokenDataset(7, seed=2))
+    try:
+        trainer.train()
+        metrics = trainer.evaluate()
+        trainer.save_model(out / "final")
+    finally:
+        trainer.close()
+    return trainer.state.log_history, metrics, out / "final"
+
+
+def _saved(directory):
+    return LlamaForCausalLM.from_pretrained(directory).state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,tier", [(1, "host"), (2, "nvme"), (3, "host"), (0, "host")])
+def test_two_ranks_log_and_save_what_one_process_does_on_the_whole_batch(stage, tier, base_dir, one_process,
+                                                                          tmp_path):
+    log, metrics, final = one_process
+    config = dict(stage=stage, param_tier=tier, optimizer_tier=tier)
+    if tier == "nvme":
+        config["swap_dir"] = str(tmp_path / "swap")  # one for both ranks: each takes rank-N inside
+    results = run_ranks(base_dir, dict(config=config, evaluate=True), tmp_path)
+    for rank, result in enumerate(results):
+        assert result["stats"]["world_size"] == WORLD and result["stats"]["rank"] == rank
+        # not DistributedDataParallel: the engine reduces the gradients
+        assert result["model_wrapped"] == "LlamaForCausalLM"
+        assert "not with several ranks (this run has 2)" in result["optimizer_state_dict"]
+        ranks_log = result["log_history"]
+        assert len(logged_in(ranks_log, "loss")) == STEPS
+        assert logged_in(ranks_log, "loss") == pytest.approx(logged_in(log, "loss"), rel=REL_TOL)
+        # the engine's global norm (every step clips: above MAX_GRAD_NORM)
+        assert logged_in(ranks_log, "grad_norm") == pytest.approx(logged_in(log, "grad_norm"), rel=REL_TOL)
+        assert logged_in(ranks_log, "learning_rate") == logged_in(log, "learning_rate")
+        # evaluate: each rank its share of the 7 rows (accelerate pads rank 1's last batch with a
+        # copy of row 0, and gather_for_metrics drops it), one row per batch so that the batches'
+        # losses are the rows' losses in both runs (the Trainer weights each batch's mean loss
+        # by its size: batches of 2 would group other rows with 2 ranks than with one process)
+        assert result["eval"]["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=REL_TOL)
+    reference = _saved(final)
+    assert max_rel_error(_saved(tmp_path / "final"), reference) < REL_TOL
+    assert max_rel_error(results[1]["state"], results[0]["state"]) == 0  # the ranks agree exactly
+
+
+def logged_in(log_history, key):
+    return [entry[key] for entry in log_history if key in entry]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_resume_from_their_checkpoint_as_the_uninterrupted_run(stage, base_dir, tmp_path):
+    config = dict(stage=stage, param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"))
+    saving = dict(config=config, args=dict(save_strategy="steps", save_steps=3))
+    whole = run_ranks(base_dir, saving, tmp_path / "whole")  # 6 steps, checkpoints at 3 and 6
+    checkpoint = tmp_path / "whole" / "out" / "checkpoint-3"
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    from offload.integrations.transformers import COMPLETE_MARKER, checkpoint_missing
+    assert checkpoint_missing(str(checkpoint)) == []
+    # the marker, written once every rank had saved, lists both ranks' RNG states
+    marker = json.loads((checkpoint / COMPLETE_MARKER).read_text())
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(marker["files"])
+    # A new pair of processes, from checkpoint-3 alone (their own output_dir)
+    resumed = run_ranks(base_dir, dict(saving, resume=str(checkpoint)), tmp_path / "resumed")
+    for r in range(WORLD):
+        tail = [e for e in whole[r]["log_history"] if e.get("step", 0) > 3 and "loss" in e]
+        resumed_tail = [e for e in resumed[r]["log_history"] if e.get("step", 0) > 3 and "loss" in e]
+        assert len(tail) == STEPS - 3
+        assert [e["loss"] for e in resumed_tail] == [e["loss"] for e in tail]
+        assert [e["grad_norm"] for e in resumed_tail] == [e["grad_norm"] for e in tail]
+        for name, value in whole[r]["state"].items():
+            assert torch.equal(resumed[r]["state"][name], value), (r, name)
+    assert max_rel_error(_saved(tmp_path / "resumed" / "final"), _saved(tmp_path / "whole" / "final")) == 0
+
+
+@pytest.mark.parametrize("setting", ["save_on_each_node", "n_gpu"])
+def test_settings_that_cannot_work_with_ranks_are_refused_by_name(setting, base_dir, tmp_path, monkeypatch):
+    """Checked in one process: TrainingArguments told it has 2 ranks (or 2 GPUs)."""
+    from offload.integrations.transformers import OffloadTrainer
+    args = training_args(tmp_path / "out", save_on_each_node=setting == "save_on_each_node")
+    if setting == "save_on_each_node":
+        monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+        expected = "save_on_each_node=True: with several ranks"
+    else:
+        monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+        expected = "n_gpu=2: the Trainer would wrap the model in nn.DataParallel"
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=expected):
+        OffloadTrainer(model=model, args=args, offload_config={}, train_dataset=TokenDataset(4, seed=1))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
