@@ -1,8 +1,9 @@
 """OffloadTrainer under several ranks ([Note: OffloadTrainer with several ranks]): 2 gloo
 ranks on the CPU, each with per_device_train_batch_size=1, log the losses and gradient
 norms of one process with per_device_train_batch_size=2 on the same rows, save the same
-weights (rank 0 writes them), and resume from their own checkpoint as the uninterrupted
-run; the settings that cannot work with ranks are refused by name.
+weights (rank 0 writes them), load the best checkpoint at the end and train LoRA adapters
+as one process does, and resume from their own checkpoint as the uninterrupted run; the
+settings that cannot work with ranks are refused by name.
 
 Why 2 ranks x 1 row == 1 process x 2 rows: accelerate hands rank r the r-th of each
 consecutive pair of the sampler's 1-row batches, so each optimizer step sees the same rows
@@ -23,6 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from support import free_port, max_rel_error
@@ -42,11 +45,12 @@ def _worker(rank, port, base_dir, spec, out_dir):
     try:
         args = training_args(os.path.join(out_dir, "out"), per_device_train_batch_size=1,
                              per_device_eval_batch_size=1, **spec.get("args", {}))
-        trainer = OffloadTrainer(model=LlamaForCausalLM.from_pretrained(base_dir), args=args,
+        trainer = OffloadTrainer(model=make_model(base_dir, spec.get("lora")), args=args,
                                  offload_config=spec["config"], train_dataset=TokenDataset(24, seed=1),
                                  eval_dataset=TokenDataset(7, seed=2))
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         result = {"log_history": trainer.state.log_history, "stats": trainer.engine.stats(),
+                  "best_model_checkpoint": trainer.state.best_model_checkpoint,
                   "model_wrapped": type(trainer.model_wrapped).__name__}
         try:
             trainer.optimizer.state_dict()
@@ -61,6 +65,16 @@ def _worker(rank, port, base_dir, spec, out_dir):
         if trainer is not None:
             trainer.close()
         dist.destroy_process_group()
+
+
+def make_model(base_dir, lora=False):
+    """The saved tiny Llama; with ``lora``, LoRA adapters on it (initialized from seed 1)."""
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    if not lora:
+        return model
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
 
 
 def run_ranks(base_dir, spec, out_dir):
@@ -160,6 +174,46 @@ def test_two_ranks_resume_from_their_checkpoint_as_the_uninterrupted_run(stage, 
         for name, value in whole[r]["state"].items():
             assert torch.equal(resumed[r]["state"][name], value), (r, name)
     assert max_rel_error(_saved(tmp_path / "resumed" / "final"), _saved(tmp_path / "whole" / "final")) == 0
+
+
+BEST = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["load_best_model_at_end", "lora"])
+def test_two_ranks_equal_one_process_with_best_model_at_end_and_with_lora_adapters(variant, base_dir, tmp_path):
+    from offload.integrations.transformers import OffloadTrainer
+    lora = variant == "lora"
+    arguments = BEST if variant == "load_best_model_at_end" else {}
+    config = dict(stage=2, param_tier="nvme", optimizer_tier="nvme")
+    one = OffloadTrainer(model=make_model(base_dir, lora),
+                         offload_config=dict(config, stage=0, swap_dir=str(tmp_path / "swap1")), args=training_args(tmp_path / "one" / "out", per_device_eval_batch_size=1, **arguments),
+                         train_dataset=TokenDataset(24, seed=1), eval_dataset=TokenDataset(7, seed=2))
+    try:
+        one.train()
+        one.save_model(tmp_path / "one" / "final")
+    finally:
+        one.close()
+    results = run_ranks(base_dir, dict(config=dict(config, swap_dir=str(tmp_path / "swap2")), lora=lora,
+                                       args=arguments), tmp_path / "ranks")
+    for result in results:
+        assert logged_in(result["log_history"], "loss") == pytest.approx(logged(one, "loss"), rel=REL_TOL)
+    if lora:  # the adapters only, as one process saves them
+        adapter = load_file(str(tmp_path / "ranks" / "final" / "adapter_model.safetensors"))
+        reference = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+        assert adapter.keys() == reference.keys() and max_rel_error(adapter, reference) < REL_TOL
+        return
+    best = results[0]["best_model_checkpoint"]
+    # an earlier step than the last: loading it changes the weights
+    assert os.path.basename(best) != f"checkpoint-{STEPS}"
+    assert os.path.basename(best) == os.path.basename(one.state.best_model_checkpoint)
+    assert all(result["best_model_checkpoint"] == best for result in results)
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    for result in results:  # the engine holds the best checkpoint's weights on every rank
+        assert result["state"].keys() == saved.keys()
+        assert all(torch.equal(result["state"][k], saved[k]) for k in saved)
+    assert max_rel_error(_saved(tmp_path / "ranks" / "final"), _saved(tmp_path / "one" / "final")) < REL_TOL
 
 
 @pytest.mark.parametrize("setting", ["save_on_each_node", "n_gpu"])
