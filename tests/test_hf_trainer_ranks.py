@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+import offload
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from support import free_port, max_rel_error
@@ -174,6 +175,33 @@ def test_two_ranks_resume_from_their_checkpoint_as_the_uninterrupted_run(stage, 
         for name, value in whole[r]["state"].items():
             assert torch.equal(resumed[r]["state"][name], value), (r, name)
     assert max_rel_error(_saved(tmp_path / "resumed" / "final"), _saved(tmp_path / "whole" / "final")) == 0
+
+
+@pytest.mark.slow
+def test_under_torchrun_as_users_launch_it(base_dir, one_process, tmp_path):
+    """`torchrun --nproc-per-node 2` running a user's script (tests/scripts/torchrun_trainer.py):
+    accelerate starts the process group from torchrun's environment, the engine finds it."""
+    import subprocess
+    import sys
+
+    log, _, final = one_process
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(offload.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    config = dict(stage=3, param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"))
+    launcher = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), os.path.join(os.path.dirname(__file__), "scripts", "torchrun_trainer.py"),
+         str(base_dir), json.dumps(config), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    assert launcher.returncode == 0, launcher.stdout
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["stats"]["world_size"] == WORLD and result["stats"]["rank"] == rank
+        assert logged_in(result["log_history"], "loss") == pytest.approx(logged_in(log, "loss"), rel=REL_TOL)
+    assert max_rel_error(_saved(tmp_path / "final"), _saved(final)) < REL_TOL
+    # one swap_dir served both ranks; close() emptied each rank's subdirectory (which it leaves)
+    assert sorted(os.listdir(tmp_path / "swap")) == ["rank-0", "rank-1"]
+    assert [os.listdir(tmp_path / "swap" / f"rank-{r}") for r in range(WORLD)] == [[], []]
 
 
 BEST = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
