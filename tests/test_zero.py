@@ -734,3 +734,33 @@ def test_the_default_host_budget_is_a_share_of_the_node():
     assert host_budget_share(8 << 30, 1) == 6 << 30
     assert host_budget_share(8 << 30, 4) == (6 << 30) // 4
     assert local_world_size({"LOCAL_WORLD_SIZE": "8"}) == 8 and local_world_size({}) == 1
+
+
+def _save_pretrained_worker(rank, port, stage, data, out_dir):
+    _init(rank, port)
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        per_rank = GLOBAL_BATCH // WORLD
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(stage=stage)) as engine:
+            for b in data:
+                mine = b[rank * per_rank:(rank + 1) * per_rank]
+                engine.backward(engine(mine[:, :-1], mine[:, 1:]))
+                engine.step()
+            # a directory per rank: the one of rank 1 must not appear
+            engine.save_pretrained(os.path.join(out_dir, f"saved-by-rank{rank}"))
+            torch.save(engine.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_pretrained_reads_on_every_rank_and_writes_on_rank_0(stage, tmp_path):
+    """[Note: save_pretrained with several ranks]: every rank reads (at stage >= 1 reading
+    gathers shards: a rank that skipped it would leave the other waiting), rank 0 writes."""
+    from safetensors.torch import load_file
+    run_ranks(_save_pretrained_worker, stage, batches(3), str(tmp_path))
+    assert not (tmp_path / "saved-by-rank1").exists()
+    saved = load_file(str(tmp_path / "saved-by-rank0" / "model.safetensors"))
+    state = torch.load(tmp_path / "rank0.pt")
+    assert saved.keys() <= state.keys() and all(torch.equal(saved[k], state[k]) for k in saved)
