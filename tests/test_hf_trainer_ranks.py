@@ -26,8 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
 import offload
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from support import free_port, max_rel_error
 from test_hf_trainer import CONFIG, REL_TOL, TokenDataset, logged, training_args
@@ -117,7 +118,6 @@ def _saved(directory):
     return LlamaForCausalLM.from_pretrained(directory).state_dict()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage,tier", [(1, "host"), (2, "nvme"), (3, "host"), (0, "host")])
 def test_two_ranks_log_and_save_what_one_process_does_on_the_whole_batch(stage, tier, base_dir, one_process,
                                                                           tmp_path):
@@ -151,7 +151,6 @@ def logged_in(log_history, key):
     return [entry[key] for entry in log_history if key in entry]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_resume_from_their_checkpoint_as_the_uninterrupted_run(stage, base_dir, tmp_path):
     config = dict(stage=stage, param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path / "swap"))
@@ -177,7 +176,6 @@ def test_two_ranks_resume_from_their_checkpoint_as_the_uninterrupted_run(stage, 
     assert max_rel_error(_saved(tmp_path / "resumed" / "final"), _saved(tmp_path / "whole" / "final")) == 0
 
 
-@pytest.mark.slow
 def test_under_torchrun_as_users_launch_it(base_dir, one_process, tmp_path):
     """`torchrun --nproc-per-node 2` running a user's script (tests/scripts/torchrun_trainer.py):
     accelerate starts the process group from torchrun's environment, the engine finds it."""
@@ -208,7 +206,6 @@ BEST = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_ste
             metric_for_best_model="eval_loss")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["load_best_model_at_end", "lora", "bf16"])
 def test_two_ranks_equal_one_process_with_best_model_at_end_lora_adapters_and_bf16(variant, base_dir, tmp_path):
     from offload.integrations.transformers import OffloadTrainer
