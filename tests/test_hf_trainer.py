@@ -12,47 +12,18 @@ import sys
 import textwrap
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainerState
 
 import offload.faults
 from offload.integrations.transformers import (COMPLETE_MARKER, ENGINE_CHECKPOINT_DIR, OffloadTrainer,
                                                checkpoint_missing)
+from hf_support import CONFIG, MAX_GRAD_NORM, REL_TOL, REPO, TokenDataset, logged, training_args
 from support import max_rel_error
-
-CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, tie_word_embeddings=False)
-REL_TOL = 1e-5  # the fp32 parity tolerance of the engine's tests
-MAX_GRAD_NORM = 0.5  # below the tiny model's gradient norms (about 2): every step clips
-REPO = Path(__file__).resolve().parent.parent
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Random token rows, labels = inputs (causal LM)."""
-
-    def __init__(self, num_rows, seed, length=12):
-        self.rows = torch.randint(0, CONFIG["vocab_size"], (num_rows, length),
-                                  generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-def training_args(output_dir, **overrides):
-    values = dict(output_dir=str(output_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                  gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear",
-                  warmup_steps=2, weight_decay=0.1, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
-                  save_strategy="no", report_to=[], optim="adamw_torch", seed=3, disable_tqdm=True, use_cpu=True)
-    values.update(overrides)
-    return TrainingArguments(**values)
 
 
 def model_from(base_dir, meta=False):
@@ -71,10 +42,6 @@ def nvme(tmp_path):
 def offload_trainer(base_dir, args, offload_config, meta=False, **kwargs):
     return OffloadTrainer(model=model_from(base_dir, meta), args=args, offload_config=offload_config,
                           weights=base_dir if meta else None, **kwargs)
-
-
-def logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
 @pytest.fixture(scope="module")

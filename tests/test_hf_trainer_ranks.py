@@ -30,8 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import offload
 
+from hf_support import CONFIG, REL_TOL, TokenDataset, logged, training_args
 from support import free_port, max_rel_error
-from test_hf_trainer import CONFIG, REL_TOL, TokenDataset, logged, training_args
 
 WORLD = 2
 STEPS = 6

@@ -1,0 +1,40 @@
+"""Helpers shared by the OffloadTrainer tests (tests/test_hf_trainer.py, one process, and
+tests/test_hf_trainer_ranks.py, several ranks): a tiny Llama's config, random token rows,
+the TrainingArguments both start from, and the logged values."""
+from pathlib import Path
+
+import torch
+from transformers import TrainingArguments
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, tie_word_embeddings=False)
+REL_TOL = 1e-5  # the fp32 parity tolerance of the engine's tests
+MAX_GRAD_NORM = 0.5  # below the tiny model's gradient norms (about 2): every step clips
+REPO = Path(__file__).resolve().parent.parent
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token rows, labels = inputs (causal LM)."""
+
+    def __init__(self, num_rows, seed, length=12):
+        self.rows = torch.randint(0, CONFIG["vocab_size"], (num_rows, length),
+                                  generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def training_args(output_dir, **overrides):
+    values = dict(output_dir=str(output_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                  gradient_accumulation_steps=2, max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear",
+                  warmup_steps=2, weight_decay=0.1, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
+                  save_strategy="no", report_to=[], optim="adamw_torch", seed=3, disable_tqdm=True, use_cpu=True)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def logged(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
