@@ -734,7 +734,7 @@ def _compact_run(extra, tmp_path, num_batches=6, inspect=None):
     (losses, state_dict, every trainable parameter's decoded master, moments and high part,
     placement's (compute tiers, state tiers), what ``inspect(engine)`` gave)."""
     from offload.gpt import GPT
-    from tests.support import CFG, batches, gpt_loss, make_opt, train_offload
+    from tests.support import CFG, batches, make_opt, train_offload
     torch.manual_seed(0)
     model = GPT(CFG)
     config = offload.OffloadConfig(**{**COMPACT_HOST, "swap_dir": str(tmp_path / "swap"), **extra})
@@ -810,8 +810,7 @@ def test_compact_states_on_nvme_move_the_bytes_the_planner_predicts(tmp_path):
     forward, so each step's traffic falls between two stats() calls.)"""
     from offload.memory.budget import UnitSizes, compact_home_bytes, slot_shape, swap_bytes
     from offload.memory.placement import DEFAULT_PROFILE, predict_step
-    from offload.gpt import GPT
-    from tests.support import CFG, batches, gpt_loss
+    from tests.support import batches, gpt_loss
 
     def inspect(engine):
         sizes = [UnitSizes.of(u) for u in engine.units]
@@ -991,9 +990,6 @@ def test_speculative_compact_updates_equal_the_serialized_run_bit_for_bit(tiers,
     that do not clip commit them, a step that clips drops and redoes them; either way every
     loss, weight, code and high part equals the all-host serialized run (no speculation)
     bit for bit, and a checkpoint saved after such steps holds the committed states."""
-    from offload.gpt import GPT
-    from tests.support import CFG, batches, make_opt
-    data = batches(8)
     # a norm bound the first steps exceed and the later ones do not: both outcomes happen
     numerics = {"max_grad_norm": 6.0}
     serial = _compact_run({**numerics, "speculative_updates": False}, tmp_path / "serial", num_batches=8)

@@ -201,7 +201,7 @@ def test_a_bf16_engine_run_with_clipping_equals_the_generic_path(name, make, tmp
     on the kernels equals the run with kernel_for routing nothing, bit for bit."""
     import offload
     from offload.gpt import GPT
-    from support import CFG, batches, gpt_loss, train_offload
+    from support import CFG, batches, train_offload
 
     calls = []
     results = []

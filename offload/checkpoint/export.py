@@ -171,7 +171,8 @@ def _write_torch_save(ckpt_dir: str, manifest: Dict[str, Any], items: List[Dict[
         except FileNotFoundError:
             pass
         raise
-    del result, maps
+    result.clear()  # the maps' tensors go before the maps
+    maps.clear()
 
 
 def _chunks(reader: PieceReader, item: Dict[str, Any]) -> Iterator[torch.Tensor]:
