@@ -81,12 +81,6 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
 
 
-def _compact_over(numels: List[int], buffer: torch.Tensor, highs: List[torch.Tensor]) -> CompactUnit:
-    """[Note: compact optimizer states] The homes' CompactUnit over a compact buffer and the
-    high parts (views of a compute copy)."""
-    return CompactUnit(numels, buffer=buffer, highs=highs)
-
-
 class Engine:
     """Trains one model with its state spread over device, host and NVMe tiers.
 
@@ -241,7 +235,7 @@ class Engine:
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, release_param=self._residency.released.release,
                                 stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state,
-                                compact_over=_compact_over)
+                                compact_over=CompactUnit)
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
@@ -362,14 +356,13 @@ class Engine:
             scaled = scaled * self._gradients.loss_scale
         # The backward before an update may start Adam on units whose gradients are final.
         # Speculative ones only while they pay: not after a step that clipped.
-        self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and \
-            (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0 and \
-            (self._updates.speculate or not self.layout.speculative)
+        last_micro_step = (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0
+        self._updates.early_updates = self.layout.early_allowed and self._prefetcher.enabled and last_micro_step \
+            and (self._updates.speculate or not self.layout.speculative)
         if self._partition is not None:  # [Note: early updates across ranks] from what every rank
             # has alike (the prefetcher's state is the rank's own)
-            self._partition.settle_in_backward = self.layout.early_allowed and \
-                (self._updates.micro_step + 1) % self.layout.accumulation_steps == 0
-            self._updates.gathers_owed = self._partition.settle_in_backward and not self._partition.shards_params
+            settle = self._partition.settle_in_backward = self.layout.early_allowed and last_micro_step
+            self._updates.gathers_owed = settle and not self._partition.shards_params
         self._hooks.begin_backward()
         updates, root = self._updates, self._root
         if updates.early_updates and self.layout.staged_step and root.trainable and not updates.defers_updates() \

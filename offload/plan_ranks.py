@@ -27,28 +27,16 @@ from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, host_bytes, low_numel, minimum_device_budget, swap_bytes
 from offload.memory.layout import Layout
 from offload.plan import _ELEMENT_BYTES, CONFIGURATIONS, NO_SWAP_DIR, ModelShape
-from offload.zero.shards import UnitShards
+from offload.zero.shards import StageShards, UnitShards
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedRanks:
+class PlannedRanks(StageShards):
     """What Layout.resolve and the budget arithmetic read of a ``Partition``: the ranks and
     the stage, without a process group."""
 
     world_size: int
     stage: int
-
-    @property
-    def shards_state(self) -> bool:
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        return self.stage >= 2
-
-    @property
-    def shards_params(self) -> bool:
-        return self.stage >= 3
 
 
 def check_ranks(ranks: int, stage: int, shard_group_size: Optional[int], ranks_per_node: Optional[int]) -> tuple:

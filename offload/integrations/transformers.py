@@ -536,16 +536,11 @@ class OffloadTrainer(Trainer):
         """Trainer's, with an accelerator that prepares the model without DistributedDataParallel
         ([Note: OffloadTrainer with several ranks] 1)."""
         super().create_accelerator_and_postprocess()
-        accelerator = self.accelerator
-        prepare_model = accelerator.prepare_model
-
-        def prepare_model_without_ddp(model: nn.Module, device_placement: Optional[bool] = None,
-                                      evaluation_mode: bool = False) -> nn.Module:
-            # evaluation_mode=True is prepare_model without the DDP (and torch.compile, refused
-            # anyway) wrapping; autocast and device placement are off already (step 2).
-            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-
-        accelerator.prepare_model = prepare_model_without_ddp
+        # evaluation_mode=True is prepare_model without the DDP (and torch.compile, refused
+        # anyway) wrapping; autocast and device placement are off already (step 2).
+        prepare = self.accelerator.prepare_model
+        self.accelerator.prepare_model = lambda model, device_placement=None, evaluation_mode=False: prepare(
+            model, device_placement=device_placement, evaluation_mode=True)
 
     def _build_accelerator_args(self, **kwargs: Any) -> Dict[str, Any]:
         # [Note: the Trainer's loop around the engine] step 2

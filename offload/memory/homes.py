@@ -45,7 +45,7 @@ class Homes:
     on the device ([Note: released parameters]); ``stats``, which counts the
     waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
     at its device copy, called once a device-homed unit's initial state is written;
-    ``compact_over(numels, buffer, highs)``, with compact states: the step's CompactUnit
+    ``compact_over(numels, buffer=, highs=)``, with compact states: the step's CompactUnit
     over a compact home's bytes and the high parts (views of a compute copy).
     """
 
@@ -53,7 +53,7 @@ class Homes:
                  nvme: Optional[NvmeTier], partition: Optional[Partition], release_param: Callable[[ParamEntry], None],
                  stats: Stats, bind: Callable[[UnitState], None],
                  adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None,
-                 compact_over: Optional[Callable[[List[int], torch.Tensor, List[torch.Tensor]], Any]] = None) -> None:
+                 compact_over: Optional[Callable[..., Any]] = None) -> None:
         self._units = units
         self._adam_state = adam_state or {}  # carried_adam_state: what the optimizer had, by parameter
         self._layout = layout
@@ -315,7 +315,8 @@ class Homes:
         compute copy from element 0, or its trainable prefix), whose views are the high parts."""
         numels = [e.numel for e in u.trainable]
         nbytes = compact_state_bytes(compact_padded_numel(numels))
-        return self._compact_over(numels, buffer[:nbytes], [compute[e.offset:e.offset + e.numel] for e in u.trainable])
+        return self._compact_over(numels, buffer=buffer[:nbytes],
+                                  highs=[compute[e.offset:e.offset + e.numel] for e in u.trainable])
 
     def _store_initial_compact(self, u: UnitState, master: torch.Tensor, compute: torch.Tensor) -> None:
         """[Note: compact optimizer states] u's compact states encoded from ``master`` (fp32,

@@ -89,7 +89,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 import torch
 import torch.distributed as dist
 
-from offload.zero.shards import FP32_BYTES, UnitShards, even_range
+from offload.zero.shards import FP32_BYTES, StageShards, UnitShards, even_range
 
 # torch >= 2.10 names them *_single; the older names warn there.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,7 +112,7 @@ class GradientShards(Protocol):
         """u's reduce-scattered shard, on the device, into (or added to) its host buffer."""
 
 
-class Partition:
+class Partition(StageShards):
     """This rank's place among ``world_size`` ranks and the collectives of one engine.
 
     The engine calls it at a few marked places ("[zero]" in engine.py): unit buffer sizes
@@ -209,21 +209,6 @@ class Partition:
             partition.device_group = _subgroup(groups, timeout, backend="nccl")
             partition.device_param_group = _subgroup(groups, timeout, backend="nccl")
         return partition
-
-    @property
-    def shards_state(self) -> bool:
-        """Master weights and moments are sharded (stage >= 1)."""
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        """The fp32 gradient buffer is shard-sized; reduce-scatter in backward (stage >= 2)."""
-        return self.stage >= 2
-
-    @property
-    def shards_params(self) -> bool:
-        """The compute copy at home is shard-sized; all-gathered on every fetch (stage 3)."""
-        return self.stage >= 3
 
     def assign(self, u: Any, home_element_bytes: int) -> Optional[UnitShards]:
         """What this rank keeps of unit ``u`` (None at stage 0: everything), for the engine

@@ -18,6 +18,28 @@ from offload._sizes import FP32_BYTES
 from offload.units import padded_numel
 
 
+class StageShards:
+    """What a ZeRO stage shards, from ``self.stage``: Partition's, and the planner's stand-in
+    of one (plan_ranks.PlannedRanks)."""
+
+    stage: int
+
+    @property
+    def shards_state(self) -> bool:
+        """Master weights and moments are sharded (stage >= 1)."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """The fp32 gradient buffer is shard-sized; reduce-scatter in backward (stage >= 2)."""
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        """The compute copy at home is shard-sized; all-gathered on every fetch (stage 3)."""
+        return self.stage >= 3
+
+
 @dataclass(frozen=True)
 class ShardRange:
     """The part ``[lo, hi)`` of a unit's trainable prefix whose master weights and moments
