@@ -8,46 +8,20 @@
 #include <cstring>
 
 #include "adam/adam_kernels.h"
+#include "common/float_bits.h"
 #include "adam/elementwise_kernels.h"
 
 namespace offload::adam::detail {
 namespace {
 
-inline std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
+using bits::bf16_to_float;
+using bits::bits_of;
+using bits::float_of;
+using bits::float_to_bf16;
+using bits::fp16_to_float;
 
-inline float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(std::uint16_t h) { return float_of(std::uint32_t{h} << 16); }
-
-// Round to nearest even, as c10::BFloat16 does; NaN becomes the canonical quiet NaN.
-inline std::uint16_t float_to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  std::uint32_t u = bits_of(f);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-// IEEE half <-> float without hardware support (the algorithm of the FP16 library that
-// c10::Half also uses): exact widening, round-to-nearest-even narrowing.
-inline float fp16_to_float(std::uint16_t h) {
-  const std::uint32_t w = std::uint32_t{h} << 16;
-  const std::uint32_t sign = w & 0x80000000u;
-  const std::uint32_t two_w = w + w;
-  const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
-  const std::uint32_t result =
-      sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized));
-  return float_of(result);
-}
-
+// float to IEEE half, round-to-nearest-even, without hardware support (the FP16 library's
+// algorithm, as c10::Half).
 inline std::uint16_t float_to_fp16(float f) {
   float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
   const std::uint32_t w = bits_of(f);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/float_bits.h"
 #include "compact/compact_kernels.h"
 
 namespace offload::compact::detail {
@@ -14,36 +15,11 @@ namespace {
 
 using adam::DType;
 
-inline std::uint32_t bits_of(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-inline float float_of(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(std::uint16_t h) { return float_of(std::uint32_t{h} << 16); }
-
-// Round to nearest even, as c10::BFloat16 does (only finite values reach it here).
-inline std::uint16_t float_to_bf16(float f) {
-  std::uint32_t u = bits_of(f);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-// IEEE half to float, exactly (adam_scalar.cpp's, the FP16 library's algorithm).
-inline float fp16_to_float(std::uint16_t h) {
-  const std::uint32_t w = std::uint32_t{h} << 16;
-  const std::uint32_t sign = w & 0x80000000u;
-  const std::uint32_t two_w = w + w;
-  const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
-  return float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
-}
+using bits::bf16_to_float;
+using bits::bits_of;
+using bits::float_of;
+using bits::float_to_bf16;  // only finite values reach it here
+using bits::fp16_to_float;
 
 template <DType G>
 inline float load_grad(const void* grad, std::size_t i) {
