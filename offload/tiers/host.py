@@ -22,7 +22,7 @@ import ctypes
 import mmap
 import os
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -75,6 +75,12 @@ class HostTier:
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
+        # [Note: planned host bytes] What the wrap-time plan allocates is checked against
+        # the budget apart from the soft overshoots (``planned=False``): those may hold
+        # ``used_bytes`` past the budget for a while, which must not fail a planned buffer
+        # made in the meantime (the gradient pool's, made when units wait for updates).
+        self.planned_bytes = 0
+        self._unplanned: Dict[Tuple[int, int], int] = {}  # (data_ptr, bytes) -> how many held
         self._pinner = pinner
         self._pinned: Dict[int, torch.Tensor] = {}  # data_ptr -> the buffer, while locked
         self._lock = threading.Lock()
@@ -107,14 +113,28 @@ class HostTier:
         spill]), which may overshoot it while units wait for their updates."""
         num_bytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            assert not planned or self.budget_bytes is None or self.used_bytes + num_bytes <= self.budget_bytes, \
-                "host budget exceeded: the wrap-time plan should have refused this configuration"
+            if planned:  # [Note: planned host bytes]
+                assert self.budget_bytes is None or self.planned_bytes + num_bytes <= self.budget_bytes, \
+                    "host budget exceeded: the wrap-time plan should have refused this configuration"
+                self.planned_bytes += num_bytes
+            elif num_bytes:
+                key = (tensor.data_ptr(), num_bytes)
+                self._unplanned[key] = self._unplanned.get(key, 0) + 1
             self.used_bytes += num_bytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def release(self, tensor: torch.Tensor) -> None:
+        num_bytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            self.used_bytes -= tensor.numel() * tensor.element_size()
+            self.used_bytes -= num_bytes
+            key = (tensor.data_ptr(), num_bytes)
+            held = self._unplanned.get(key, 0)
+            if held:
+                self._unplanned[key] = held - 1
+                if held == 1:
+                    del self._unplanned[key]
+            else:
+                self.planned_bytes -= num_bytes
             pinned = self._pinned.pop(tensor.data_ptr(), None) if tensor.numel() else None
         if pinned is not None:
             self._pinner.unpin(pinned)
