@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer-state-tensors", type=int, choices=(0, 1, 2), default=2,
                       help="fp32 optimizer state tensors per parameter: 2 Adam/AdamW/NAdam (default), "
                            "1 SGD with momentum/Adagrad, 0 plain SGD")
+    plan.add_argument("--optimizer-states", choices=("exact", "compact"), default="exact",
+                      help="the run's optimizer_states: exact (default) fp32 master and moments; compact an "
+                           "int8 master low part and 8-bit moments beside the bf16 compute copy (bf16, Adam)")
     plan.add_argument("--ranks", type=_positive_int, default=None,
                       help="also plan each of N ZeRO ranks (torchrun's world size) and the node's sum")
     plan.add_argument("--stage", type=int, default=3, help="with --ranks: the ZeRO stage (default 3)")
@@ -233,6 +236,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             return _error(str(e))
     elif args.shard_group_size is not None or args.ranks_per_node is not None:
         return _error("--shard-group-size and --ranks-per-node plan several ranks: give --ranks too")
+    try:
+        plan.check_optimizer_states(args.optimizer_states, args.dtype, args.optimizer_state_tensors,
+                                    args.delayed_update, args.ranks)
+    except ValueError as e:
+        return _error(str(e))
     if host_budget is None:
         from offload.memory.layout import available_memory_bytes, default_host_budget, host_budget_share
         host_budget = default_host_budget()  # what wrap takes without one
@@ -245,14 +253,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         nvme_budget = shutil.disk_usage(args.swap_dir).free
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step,
-                                 host_budget_default=host_budget_default, state_slots=args.optimizer_state_tensors)
+                                 host_budget_default=host_budget_default, state_slots=args.optimizer_state_tensors,
+                                 optimizer_states=args.optimizer_states)
     compute = args.compute_seconds
     if compute is None and args.flops_per_second:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
     auto_config = dict(device="cpu", dtype=args.dtype, param_tier="auto", optimizer_tier="auto",
                        host_budget=host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
-                       optimizer_pipeline_depth=max(2, args.pipeline_depth))
+                       optimizer_pipeline_depth=max(2, args.pipeline_depth), optimizer_states=args.optimizer_states)
     auto = plan.auto_plan(shape, auto_config, profile, compute, args.optimizer_state_tensors)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     rank_plan = None
@@ -276,7 +285,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             report = plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
                                   host_budget_default=host_budget_default,
-                                  state_slots=args.optimizer_state_tensors)
+                                  state_slots=args.optimizer_state_tensors, optimizer_states=args.optimizer_states)
             report["activations"] = None if activations is None else activations.as_json()
             if rank_plan is not None:
                 report["ranks"] = {"world_size": args.ranks, "stage": args.stage, "shard_group_size": ranks[0],

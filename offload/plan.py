@@ -20,6 +20,13 @@ plus, whenever a tier is "nvme", ``optimizer_pipeline_depth`` host staging slots
 param_tier="device", every unit's compute copy; otherwise the root unit plus the largest
 other unit; in both cases plus one largest parameter's gradient on its way out.
 
+With --optimizer-states compact ([Note: compact optimizer states]; bf16 and Adam only, as
+wrap) the master is the bf16 compute copy plus an int8 low part (1 B) and the moments are
+8-bit codes with an fp32 scale per block each (2 B + 8 B a block), every parameter padded to
+whole blocks, a unit's compact home whole pages on NVMe (budget.unit_home_bytes); the step
+reads and writes each NVMe-homed compact home whole, and reads the high parts from a compute
+copy on NVMe (budget.slot_shape: a staging slot holds a whole unit's compact home).
+
 [Note: step time model] The predicted time of one optimizer step (one micro-batch) is
 
   sum over links of (bytes moved on the link per step / the link's bandwidth)
@@ -46,8 +53,9 @@ import torch
 
 from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
-from offload.memory.budget import UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes
-from offload.memory.compact_codec import compact_padded_numel
+from offload.memory.budget import (UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes,
+                                   unit_home_bytes)
+from offload.memory.compact_codec import BLOCK_NUMEL, compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
 from offload.units import padded_numel
@@ -192,13 +200,13 @@ NO_SWAP_DIR = "<offload plan: writes no swap files>"
 
 
 def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
-            split_master: bool) -> Layout:
+            split_master: bool, optimizer_states: str = "exact") -> Layout:
     """The Layout of a run of these settings on a CPU device and one process, the run the
     plan models. (On a CUDA device the host also holds fetch staging buffers, and with
     param_tier="device" every staging slot a compute piece; the plan leaves them out.)"""
     config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier,
                            optimizer_tier=optimizer_tier, split_master=split_master,
-                           swap_dir=NO_SWAP_DIR)
+                           optimizer_states=optimizer_states, swap_dir=NO_SWAP_DIR)
     # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it.
     # No host budget: the table sets each configuration's whole need against --host-budget.
     return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
@@ -212,15 +220,49 @@ def optimizer_state_name(state_slots: int) -> str:
     return "Adam moments" if state_slots == 2 else f"optimizer state ({state_slots} x fp32)"
 
 
+# [Note: compact optimizer states] the plan's names of the compact homes' two parts: the int8
+# low parts (the master's high part is the bf16 compute copy) and the moments' 8-bit codes
+# with an fp32 scale per block each (budget.HomeBytes' master and moments)
+COMPACT_MASTER_NAME = "master low parts (int8)"
+COMPACT_MOMENTS_NAME = "Adam moments (8-bit)"
+
+
+def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, delayed_update: bool = False,
+                           ranks: Optional[int] = None) -> None:
+    """A ValueError naming --optimizer-states where wrap would refuse the states for every
+    configuration the plan shows, before anything is planned ([Note: compact optimizer
+    states]: wrap's own config checks, check_compact_config; ``ranks``: --ranks)."""
+    from offload.optim.compact import check_compact_config
+
+    if optimizer_states != "compact":
+        return
+    if state_slots != 2:
+        raise ValueError(f"--optimizer-states compact: keeps Adam's two moments only, not "
+                         f"--optimizer-state-tensors {state_slots} (use --optimizer-states exact)")
+    if ranks is not None:
+        raise ValueError(f"--optimizer-states compact: --ranks plans exact states only (compact states are not "
+                         f"available with several ranks yet); leave out --ranks {ranks} or use --optimizer-states "
+                         "exact")
+    try:
+        check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update,
+                                           optimizer_states=optimizer_states))
+    except ValueError as error:
+        raise ValueError(f"--optimizer-states compact: {error}") from None
+
+
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
-          pipeline_depth: int = 3, split_master: bool = True, state_slots: int = 2) -> Placement:
+          pipeline_depth: int = 3, split_master: bool = True, state_slots: int = 2,
+          optimizer_states: str = "exact") -> Placement:
     """``state_slots``: fp32 optimizer state tensors per parameter (Adam's 2; an elementwise
-    optimizer's own, 0 for plain SGD: [Note: elementwise optimizers])."""
+    optimizer's own, 0 for plain SGD: [Note: elementwise optimizers]); ``optimizer_states``
+    "compact": [Note: compact optimizer states] (bf16, Adam; check_optimizer_states)."""
+    check_optimizer_states(optimizer_states, dtype, state_slots)
     e = _ELEMENT_BYTES[dtype]
-    layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master)
+    layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master, optimizer_states)
     merged = layout.merged
     # [Note: split master] (Config.split_master): the master at home is its low half
     split = layout.split_master
+    compact = layout.compact_states
     units = shape.units
     sizes = [dataclasses.replace(u.sizes(e), state_slots=state_slots) for u in units]
     compute_numel = [u.compute_numel for u in sizes]
@@ -229,11 +271,12 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     trainable = [u.trainable for u in sizes]
 
     compute_bytes = sum(n * home_element for n in compute_numel)
-    master_bytes = 0 if merged else sum(m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
-    prefix_bytes = sum(u.low_numel * 2 for u in sizes if u.trainable)
-    if split:
-        master_bytes = prefix_bytes
-    moments_bytes = sum(state_slots * m * FP32_BYTES for m, t in zip(master_numel, trainable) if t)
+    # the homes wrap allocates (budget.unit_home_bytes): the fp32 master (none when merged,
+    # its low halves when split; compact: the int8 low parts) and the moments
+    homes = [unit_home_bytes(u, layout, i) for i, u in enumerate(sizes)]
+    master_bytes = sum(h.master for h in homes)
+    moments_bytes = sum(h.moments for h in homes)
+    prefix_bytes = sum(u.low_numel * 2 for u in sizes if u.trainable)  # trainable 16-bit prefixes
     grad_bytes = sum(u.trainable_numel for u in units) * layout.grad_element_bytes
     grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"  # [Note: 16-bit gradients]
 
@@ -245,14 +288,16 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     del host_parts["fetch staging buffers"]
     nvme_bytes = swap_bytes(sizes, layout)
 
-    moments = optimizer_state_name(state_slots)
-    state_tier = {"compute copy": param_tier, grads: "host",
-                  "fp32 master": "merged with compute copy" if merged else
-                  f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier,
-                  moments: optimizer_tier}
+    if compact:
+        master_name, moments = COMPACT_MASTER_NAME, COMPACT_MOMENTS_NAME
+        master_tier = f"{optimizer_tier} (high part: compute copy)"
+    else:
+        master_name, moments = "fp32 master", optimizer_state_name(state_slots)
+        master_tier = "merged with compute copy" if merged else \
+            f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier
+    state_tier = {"compute copy": param_tier, grads: "host", master_name: master_tier, moments: optimizer_tier}
     state_bytes = {"compute copy": compute_bytes if param_tier != "device" else sum(device_compute),
-                   grads: grad_bytes, "fp32 master": master_bytes,
-                   moments: moments_bytes}
+                   grads: grad_bytes, master_name: master_bytes, moments: moments_bytes}
 
     # Traffic per optimizer step ([Note: step time model]).
     traffic = {link: 0 for link in LINKS}
@@ -260,14 +305,19 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
         fetched = compute_numel[0] * home_element + 2 * sum(n * home_element for n in compute_numel[1:])
         traffic["nvme_read" if param_tier == "nvme" else "host_to_device"] += fetched
     traffic["device_to_host"] += shape.num_trainable * e
-    master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
-    trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
-    optimizer_io = (trainable_master * FP32_BYTES if master_on_nvme and not split else 0) + \
-        (state_slots * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
-    if split:  # the low halves, and the high ones: the compute copy, read from its home
-        optimizer_io += prefix_bytes
-        if param_tier == "nvme":
+    if compact:  # the whole compact home, read and written; the high parts: the compute copy
+        optimizer_io = master_bytes + moments_bytes if optimizer_tier == "nvme" else 0
+        if param_tier == "nvme":  # read by the update from the compute copy at home
             traffic["nvme_read"] += prefix_bytes
+    else:
+        master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
+        trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
+        optimizer_io = (trainable_master * FP32_BYTES if master_on_nvme and not split else 0) + \
+            (state_slots * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
+        if split:  # the low halves, and the high ones: the compute copy, read from its home
+            optimizer_io += prefix_bytes
+            if param_tier == "nvme":
+                traffic["nvme_read"] += prefix_bytes
     traffic["nvme_read"] += optimizer_io
     traffic["nvme_write"] += optimizer_io
     if param_tier == "nvme" and not merged:
@@ -284,7 +334,13 @@ def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slot
     model of ``shape``, every parameter trainable, on one process with a CPU device: the
     same function as wrap's ([Note: placement by budget]); with it the Layout and the unit
     sizes (for ``unit_placement.predict_step``). ValueError as wrap raises it."""
+    from offload.optim.compact import check_compact_config
+
     config = OffloadConfig.from_any(config)
+    check_compact_config(config)  # [Note: compact optimizer states] wrap's refusals
+    if config.optimizer_states == "compact" and state_slots != 2:
+        raise ValueError("optimizer_states: 'compact' keeps Adam's two moments only, not "
+                         f"{state_slots} fp32 state tensors per parameter")
     e = _ELEMENT_BYTES[config.dtype]
     sizes = [dataclasses.replace(u.sizes(e), state_slots=state_slots) for u in shape.units]
     layout = unit_placement.resolve_placement(config, torch.device("cpu"), None, sizes)
@@ -414,15 +470,26 @@ def _prefetch_room(shape: ModelShape, dtype: str) -> Optional[dict]:
             "device_budget_for_units_ahead": {k: max(floor, room.budget_for(k)) for k in (1, 2, 4)}}
 
 
+def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str) -> Dict[str, float]:
+    """Bytes of each state per trainable parameter, before padding (to pages; compact: each
+    parameter to whole blocks)."""
+    if optimizer_states == "compact":  # [Note: compact optimizer states] two fp32 scales a block
+        return {"compute copy": element_bytes, "gradients": element_bytes, COMPACT_MASTER_NAME: 1,
+                COMPACT_MOMENTS_NAME: 2 + 2 * FP32_BYTES / BLOCK_NUMEL}
+    return {"compute copy": element_bytes, "gradients": element_bytes, "fp32 master": FP32_BYTES,
+            optimizer_state_name(state_slots): state_slots * FP32_BYTES}
+
+
 def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
             host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
             flops_per_second: Optional[float], tokens_per_step: int, auto: dict,
-            host_budget_default: bool = False, state_slots: int = 2) -> dict:
+            host_budget_default: bool = False, state_slots: int = 2, optimizer_states: str = "exact") -> dict:
     """What `offload plan --json` writes: every number of the text report (``auto``:
     ``auto_plan``'s answer, made under the same host budget)."""
     configurations = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
+                  optimizer_states=optimizer_states)
         pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
         configurations.append({
             "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
@@ -437,14 +504,13 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "predicted_compute_seconds": pred.compute_seconds})
     e = _ELEMENT_BYTES[dtype]
     return {"model": shape.description, "num_params": shape.num_params, "num_trainable": shape.num_trainable,
-            "exact": shape.exact, "dtype": dtype,
+            "exact": shape.exact, "dtype": dtype, "optimizer_states": optimizer_states,
             "profile_source": profile.get("source", "measured"),
             "bandwidth_bytes_per_second": dict(profile["bandwidth_bytes_per_second"]),
             "adam_params_per_second": profile["adam_params_per_second"],
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
             "host_budget_default": host_budget_default,
-            "bytes_per_param": {"compute copy": e, "gradients": e, "fp32 master": FP32_BYTES,
-                                optimizer_state_name(state_slots): state_slots * FP32_BYTES},
+            "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states),
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
             "prefetch": _prefetch_room(shape, dtype),
@@ -454,7 +520,8 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
 def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
            flops_per_second: Optional[float], tokens_per_step: int,
-           host_budget_default: bool = False, state_slots: int = 2) -> Tuple[str, bool]:
+           host_budget_default: bool = False, state_slots: int = 2,
+           optimizer_states: str = "exact") -> Tuple[str, bool]:
     """The text `offload plan` prints (the auto placement's lines come from auto_report),
     and whether any configuration fits."""
     from offload.config import format_size
@@ -466,18 +533,30 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
     if host_budget_default and host_budget is not None:
         budgets[1] += f" ({_HOST_DEFAULT_NOTE})"
     lines = [f"model: {shape.description}", f"dtype: {dtype} (compute copy {e} B/param)",
+             f"optimizer states: {optimizer_states}",
              f"profile: {profile.get('source', 'measured')}",
              "budgets: " + ", ".join(budgets),
              "",
              "bytes per state (per trainable parameter, before 4 KiB page padding):",
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
              "   (4 B and no separate master when fp32 and param_tier != device)",
-             f"  gradients       {e} B/param   {format_size(n * e):>12}   (host; 4 B summed over micro-steps)",
-             f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
-             ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
-             f"  {optimizer_state_name(state_slots) if state_slots == 2 else 'optimizer state':<15} "
-             f"{state_slots * 4} B/param   {format_size(n * state_slots * 4):>12}",
-             ""]
+             f"  gradients       {e} B/param   {format_size(n * e):>12}   (host; 4 B summed over micro-steps)"]
+    if optimizer_states == "compact":  # [Note: compact optimizer states]
+        per_param = _bytes_per_param(e, state_slots, optimizer_states)
+        low, moments = per_param[COMPACT_MASTER_NAME], per_param[COMPACT_MOMENTS_NAME]
+        lines += [f"  master low part {low} B/param   {format_size(n * low):>12}"
+                  "   (int8, optimizer_states compact: the high part is the bf16 compute copy)",
+                  f"  Adam moments    {moments:.2f} B/param{format_size(int(n * moments)):>12}"
+                  f"   (8-bit codes, an fp32 scale per {BLOCK_NUMEL} elements each; every parameter "
+                  "padded to whole blocks)",
+                  "  (compact with param_tier device: only where the device is the host, a CPU run; "
+                  "an accelerator's is refused at wrap)"]
+    else:
+        lines += [f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
+                  ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
+                  f"  {optimizer_state_name(state_slots) if state_slots == 2 else 'optimizer state':<15} "
+                  f"{state_slots * 4} B/param   {format_size(n * state_slots * 4):>12}"]
+    lines.append("")
     header = (f"{'param_tier':<11}{'opt_tier':<9}{'device':>12}{'host':>12}{'nvme':>12}  "
               f"{'fits':<5}{'step (serial)':>14}{'(overlap)':>11}  placement")
     lines.append(header)
@@ -485,7 +564,8 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
     any_fits = False
     missing: List[str] = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
+                  optimizer_states=optimizer_states)
         short = shortfalls(p, device_budget, host_budget, nvme_budget)
         fits = not short
         any_fits = any_fits or fits
@@ -507,7 +587,8 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                       + f" (units of the median size, {format_size(room['unit_bytes'])})"]
     lines += ["", "bytes moved per optimizer step (one micro-batch):"]
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots)
+        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
+                  optimizer_states=optimizer_states)
         moved = ", ".join(f"{link} {format_size(b)}" for link, b in p.traffic.items() if b)
         lines.append(f"  {param_tier}/{optimizer_tier}: {moved}")
     bw = profile["bandwidth_bytes_per_second"]

@@ -5,6 +5,7 @@ The plan's byte counts are also checked in-process against what the engine reall
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -228,6 +229,147 @@ def test_plan_bytes_agree_with_what_the_engine_allocates(tiers, dtype, tmp_path)
     else:
         with pytest.raises(ValueError, match="host_budget"):
             wrap(host_budget=placement.host_bytes - 1)
+
+
+def _compact_plan_gpt():
+    cfg = GPTConfig(d_model=64, num_layers=3, num_heads=2, seq_len=32)
+    with torch.device("meta"):
+        return cfg, shape_from_module(GPT(cfg), "gpt")
+
+
+@pytest.mark.parametrize("tiers", [("host", "host"), ("host", "nvme"), ("nvme", "host"), ("nvme", "nvme"),
+                                   ("device", "host")])
+def test_plan_of_compact_states_agrees_with_what_the_engine_allocates_and_moves(tiers, tmp_path):
+    """[Note: compact optimizer states] The plan of optimizer_states="compact" (bf16) is what
+    wrap plans and allocates: swap bytes, the smallest device and host budgets, each state's
+    bytes and the bytes on each tier; a step writes to NVMe what the plan says, and reads it
+    too where the compute copies are not on NVMe (with them there the plan is the upper
+    bound [Note: step time model] states: every unit fetched in forward and again in
+    backward). The plan's compact states on NVMe move under half the exact ones' bytes."""
+    from offload.plan import COMPACT_MASTER_NAME, COMPACT_MOMENTS_NAME
+    cfg, shape = _compact_plan_gpt()
+    p = place(shape, "bf16", *tiers, optimizer_states="compact")
+    exact = place(shape, "bf16", *tiers)
+    states = p.state_bytes[COMPACT_MASTER_NAME] + p.state_bytes[COMPACT_MOMENTS_NAME]
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=generator) for _ in range(3)]
+
+    def wrap(**budgets):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return offload.wrap(model, opt, dict(device="cpu", param_tier=tiers[0], optimizer_tier=tiers[1], dtype="bf16",
+                                             optimizer_states="compact", swap_dir=str(tmp_path / "swap"),
+                                             overlap_step_with_forward=False, prefetch=False, **budgets))
+
+    with wrap(device_budget=p.device_bytes, host_budget=p.host_bytes) as engine:
+        stats = engine.stats()
+        assert stats["nvme_bytes"] == p.nvme_bytes
+        assert stats["optimizer_state_bytes"] == states
+        assert states < (exact.state_bytes["fp32 master"] + exact.state_bytes["Adam moments"]) / 2
+        on_tiers = {"device": 0, "host": 0, "nvme": 0}
+        on_tiers[tiers[0]] += p.state_bytes["compute copy"]
+        on_tiers[tiers[1]] += states
+        assert engine.placement().bytes_per_tier() == on_tiers
+        for b in data:
+            before = engine.stats()
+            engine.backward(engine(b[:, :-1], b[:, 1:]))
+            engine.step()
+            after = engine.stats()
+            read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
+            assert after["bytes_written_nvme"] - before["bytes_written_nvme"] == p.traffic["nvme_write"]
+            if tiers[0] == "nvme":
+                assert read <= p.traffic["nvme_read"]
+            else:
+                assert read == p.traffic["nvme_read"]
+    if tiers[1] == "nvme":  # the states' share of the writes: the compact homes, under half the exact states'
+        compute_written = p.state_bytes["compute copy"] if tiers[0] == "nvme" else 0
+        assert p.traffic["nvme_write"] - compute_written == states
+        assert 2 * states < exact.traffic["nvme_write"] - compute_written
+    with pytest.raises(ValueError, match="device_budget"):
+        wrap(device_budget=p.device_bytes - 1)
+    if "nvme" in tiers:  # [Note: gradient spill] one byte less spills gradients, or is refused
+        try:
+            with wrap(host_budget=p.host_bytes - 1) as engine:
+                assert engine.stats()["nvme_bytes"] > p.nvme_bytes  # the gradient extents
+        except ValueError as error:
+            assert "host_budget" in str(error)
+    else:
+        with pytest.raises(ValueError, match="host_budget"):
+            wrap(host_budget=p.host_bytes - 1)
+
+
+def test_plan_of_compact_states_places_auto_as_wrap_does_and_refuses_what_wrap_refuses(tmp_path):
+    """[Note: compact optimizer states] With tiers "auto" the plan's placement of compact
+    states is wrap's, unit by unit, at the smallest host budget it finds possible (which
+    puts compact states on NVMe); with
+    fp32 (or another optimizer's state tensors, or delayed updates) the plan refuses as wrap
+    does, naming --optimizer-states and the reason, and plans nothing."""
+    from offload.plan import auto_plan, load_profile
+    cfg, shape = _compact_plan_gpt()
+    config = dict(device="cpu", dtype="bf16", param_tier="auto", optimizer_tier="auto", optimizer_states="compact",
+                  swap_dir=str(tmp_path / "swap"))
+    all_host = place(shape, "bf16", "host", "host", optimizer_states="compact").host_bytes
+    for budget in range(all_host // 2, all_host, 4096):  # the smallest the plan finds possible
+        planned = auto_plan(shape, dict(config, host_budget=budget), load_profile(None), None)
+        if planned["possible"]:
+            break
+    else:
+        raise AssertionError("no host budget below the all-host run's is possible")
+    assert "nvme" in {u["state_tier"] for u in planned["units"]}
+    config["host_budget"] = budget
+    model = GPT(cfg)
+    with offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config) as engine:
+        placed = engine.placement()
+        assert [dataclasses.asdict(u) for u in placed.units] == planned["units"]
+        assert placed.bytes_per_tier() == planned["bytes_per_tier"]
+        assert engine.stats()["nvme_bytes"] == planned["bytes_per_tier"]["nvme"] > 0
+    assert not auto_plan(shape, dict(config, dtype="fp32"), load_profile(None), None)["possible"]
+    with pytest.raises(ValueError, match="dtype='bf16'"):
+        place(shape, "fp32", "host", "nvme", optimizer_states="compact")
+    with pytest.raises(ValueError, match="two moments"):
+        place(shape, "bf16", "host", "nvme", state_slots=1, optimizer_states="compact")
+    for flags, why in ((("--dtype", "fp32"), "dtype='bf16'"), (("--optimizer-state-tensors", "1"), "two moments"),
+                       (("--delayed-update",), "delayed_update"), (("--ranks", "2"), "--ranks")):
+        out_json = tmp_path / "plan.json"
+        result = run_cli("plan", "--params", "1e6", "--optimizer-states", "compact", *flags, "--json", str(out_json))
+        assert result.returncode == 1 and "--optimizer-states compact" in result.stderr and why in result.stderr, \
+            result.stderr
+        assert "Traceback" not in result.stderr and not out_json.exists()
+    model = GPT(cfg)
+    with pytest.raises(ValueError, match="dtype='bf16'"):
+        offload.wrap(model, torch.optim.AdamW(model.parameters()), dict(config, dtype="fp32"))
+
+
+def test_plan_prints_and_writes_compact_state_bytes_per_parameter_and_tier(tmp_path):
+    """`offload plan --optimizer-states compact` prints each compact state's bytes per
+    parameter and its tier per configuration, and --json holds the same numbers."""
+    from offload.plan import COMPACT_MASTER_NAME, COMPACT_MOMENTS_NAME
+    out_json = tmp_path / "plan.json"
+    n = 25 << 20
+    result = run_cli("plan", "--params", str(n), "--num-units", "24", "--optimizer-states", "compact",
+                     "--host-budget", "1GiB", "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    assert "optimizer states: compact" in result.stdout
+    assert re.search(r"master low part 1 B/param .*int8", result.stdout)
+    assert re.search(r"Adam moments +2\.03 B/param", result.stdout)
+    plan = json.loads(out_json.read_text())
+    assert plan["optimizer_states"] == "compact"
+    assert plan["bytes_per_param"] == {"compute copy": 2, "gradients": 2, COMPACT_MASTER_NAME: 1,
+                                       COMPACT_MOMENTS_NAME: 2 + 8 / 256}
+    shape = offload.plan.shape_from_count(n, 24)
+    for c in plan["configurations"]:
+        want = place(shape, "bf16", c["param_tier"], c["optimizer_tier"], optimizer_states="compact")
+        assert c["state_bytes"] == want.state_bytes and c["state_tier"] == want.state_tier
+        assert c["nvme_bytes"] == want.nvme_bytes and c["traffic_bytes_per_step"] == want.traffic
+        assert c["state_tier"][COMPACT_MOMENTS_NAME] == c["optimizer_tier"]
+        # 1 Mi parameters a unit, four parameters: whole blocks; the scales fill the pages on NVMe
+        low = n
+        assert c["state_bytes"][COMPACT_MASTER_NAME] == low
+        moments = 2 * n + 8 * (n // 256)
+        assert c["state_bytes"][COMPACT_MOMENTS_NAME] - moments in ((0,) if c["optimizer_tier"] == "host" else
+                                                                     range(0, 25 * 4096))
+    assert plan["auto"]["possible"]
 
 
 def test_doctor_passes_on_a_writable_directory(tmp_path):

@@ -286,6 +286,15 @@ def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> No
         raise ValueError(f"optimizer_states: 'compact' keeps Adam's two moments only; "
                          f"{type(optimizer).__name__} is not torch.optim.Adam/AdamW or offload.CPUAdam "
                          "(use optimizer_states='exact')")
+    check_compact_config(config)
+
+
+def check_compact_config(config: Any) -> None:
+    """The refusals of optimizer_states="compact" that the config alone decides (wrap's,
+    and offload plan's, which has no optimizer): a ValueError naming the field and the
+    reason."""
+    if config.optimizer_states != "compact":
+        return
     if config.dtype != "bf16":
         raise ValueError(f"optimizer_states: 'compact' keeps the master as the bf16 compute copy plus an "
                          f"8-bit low part, so it needs dtype='bf16' (got dtype={config.dtype!r})")
