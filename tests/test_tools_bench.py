@@ -779,3 +779,35 @@ def test_bench_train_activations_rows_keep_recompute_and_move(tmp_path):
     assert nvme["activations"]["to_nvme_bytes"] == host["activations"]["to_host_bytes"]
     assert nvme["activations"]["nvme_bytes_written"] > 0
     assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_the_compact_plan_of_the_3b_shape_in_docs_performance_is_what_offload_plan_prints(tmp_path):
+    """docs/performance.md's answer for compact states at the 3B shape, from its own command
+    line: compact does not fit host_budget 3.5 GiB (the floor is 7.80 GiB, whole-unit staging
+    slots), exact does; the table's NVMe bytes per parameter (both tiers "nvme") are those
+    the doc's table gives."""
+    pytest.importorskip("transformers")
+    doc = (REPO_ROOT / "docs" / "performance.md").read_text()
+    section = doc[doc.index("## Issue #41: what `offload plan` predicts"):]
+    command = re.search(r"```\npython3 -m offload (plan .*?)   #", section, re.S).group(1).replace("\\\n", " ").split()
+    num_params = 3_212_749_824
+    per_param = {}
+    for states in ("compact", "exact"):
+        args = command if states == "compact" else command[:command.index("--optimizer-states")]
+        result = subprocess.run([sys.executable, "-m", "offload", *args, "--json", str(tmp_path / "plan.json")],
+                                capture_output=True, text=True, cwd=REPO_ROOT, timeout=600,
+                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+        plan = json.loads((tmp_path / "plan.json").read_text())
+        assert plan["num_trainable"] == num_params and plan["optimizer_states"] == states
+        auto = plan["auto"]
+        if states == "compact":
+            assert not auto["possible"] and "keeps 7.80 GiB (" in auto["error"], result.stdout
+        else:
+            assert auto["possible"], auto["error"]
+        nvme = next(c for c in plan["configurations"] if c["param_tier"] == c["optimizer_tier"] == "nvme")
+        per_param[states] = tuple(round(nvme["traffic_bytes_per_step"][link] / num_params, 2)
+                                  for link in ("nvme_read", "nvme_write"))
+    assert per_param == {"exact": (15.75, 12.0), "compact": (8.79, 5.03)}
+    for states in ("exact", "compact"):
+        read, written = per_param[states]
+        assert re.search(rf"\| {states} \| table, .* \| {read:.2f} \| {written:.2f} \|", section)

@@ -131,6 +131,12 @@ def llama(layers: int, meta: bool):
     return LlamaForCausalLM(config)
 
 
+def llama_3b():
+    """The 28-layer model, for `offload plan --model tools.bench_scale:llama_3b` (run from the
+    repository root; plan builds it on the meta device)."""
+    return llama(28, meta=True)
+
+
 def batch(spec: dict):
     import torch
 
