@@ -303,9 +303,10 @@ class OffloadConfig:
     ([Note: compact optimizer states] in offload/memory/compact_codec.py). Compact changes
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, ZeRO stage >= 1,
-    delayed_update, and today several ranks and an accelerator's "device" param_tier
+    delayed_update, and today an accelerator's "device" param_tier
     (and gathered(modify=True) with param_tier "device"). Host,
-    NVMe and "auto" tiers and checkpoints hold the compact states as they are."""
+    NVMe and "auto" tiers and checkpoints hold the compact states as they are; several ranks
+    at stage 0 each hold them whole, as DDP would."""
 
     split_master: bool = True
     """bf16 compute with the optimizer states on NVMe and the compute copies at home on

@@ -240,9 +240,10 @@ def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, 
         raise ValueError(f"--optimizer-states compact: keeps Adam's two moments only, not "
                          f"--optimizer-state-tensors {state_slots} (use --optimizer-states exact)")
     if ranks is not None:
-        raise ValueError(f"--optimizer-states compact: --ranks plans exact states only (compact states are not "
-                         f"available with several ranks yet); leave out --ranks {ranks} or use --optimizer-states "
-                         "exact")
+        raise ValueError(f"--optimizer-states compact: --ranks plans exact states only (compact states run with "
+                         f"several ranks at stage 0 alone, each rank holding the states this plan shows without "
+                         f"--ranks, beside fp32 gradients); leave out --ranks "
+                         f"{ranks} or use --optimizer-states exact")
     try:
         check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update,
                                            optimizer_states=optimizer_states))

@@ -286,12 +286,14 @@ class Layout:
 
 def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, device_is_host: bool) -> None:
     """[Note: compact optimizer states] The runs the homes hold compact states for so far:
-    one process; compact homes and compute copies on the host or NVMe (explicit or "auto"),
-    or compute copies on the device where the device is the host (the step writes the high
-    parts in place there). Else a ValueError naming the field and the reason."""
-    if partition is not None:
-        raise ValueError("optimizer_states: 'compact' is not available with several ranks yet; "
-                         "use optimizer_states='exact'")
+    one process, or several ranks at ZeRO stage 0 (each holds whole compact states and steps
+    them with the averaged gradients); compact homes and compute copies on the host or NVMe
+    (explicit or "auto"), or compute copies on the device where the device is the host (the
+    step writes the high parts in place there). Else a ValueError naming the field and the
+    reason."""
+    if partition is not None and partition.shards_state:  # stage >= 1: check_compact_config names the stage
+        raise ValueError(f"optimizer_states: 'compact' is not available with ZeRO stage {partition.stage} "
+                         "(the sharded step moves fp32 states); use stage=0 or optimizer_states='exact'")
     compute_tiers = {"host", "nvme", "auto"} | ({"device"} if device_is_host else set())
     placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
     if config.param_tier not in compute_tiers or placed - compute_tiers:
