@@ -131,8 +131,9 @@ def test_two_ranks_at_stage_0_step_whole_compact_states_with_the_averaged_gradie
             assert torch.equal(exp_avg, mine.moments()[0]) and torch.equal(exp_avg_sq, mine.moments()[1])
     one = one_process(dict(COMPACT, param_tier="host", optimizer_tier="host"), data)
     assert runs[0]["stats"]["optimizer_state_bytes"] == one["stats"]["optimizer_state_bytes"]
-    # The ranks sum each half batch's gradients, one process the whole batch's: other
-    # roundings of the same sums. With exact states the same comparison gives 1.2e-3 and
+    # The ranks sum each half batch's gradients, one process the whole batch's (on more
+    # threads): other roundings of the same sums (test_two_ranks_given_the_same_batches_...
+    # shows stage 0 adds none of its own). With exact states the same comparison gives 1.2e-3 and
     # 0.067 here (2 ranks' mean loss against one process's; a parameter's largest
     # difference against its largest value); compact ones 7.6e-4 and 0.077.
     losses = [sum(pair) / WORLD for pair in zip(*(run["losses"] for run in runs))]
@@ -158,3 +159,33 @@ def test_two_ranks_with_compact_states_on_nvme_and_clipping_equal_the_host_run_a
         assert_same(run["resumed_states"], run["states"])
         assert_same(run["resumed_state"], run["state"])
     assert nvme[0]["stats"]["nvme_bytes"] > 0
+
+
+def test_two_ranks_given_the_same_batches_equal_one_process_bit_for_bit(tmp_path):
+    """With the same batch on both ranks the averaged gradient is each rank's own, so stage
+    0 adds no arithmetic of its own: the compact states, weights and losses are one
+    process's on that batch, bit for bit, host and NVMe homes, clipped. (Both with torch on
+    one thread, as the ranks run: a CPU kernel's reductions, a LayerNorm bias's gradient
+    among them, round by its thread count.)"""
+    halves = batches(4, batch=2)
+    data = [torch.cat([b, b]) for b in halves]  # each rank's half is the same batch
+    threads = torch.get_num_threads()
+    for tiers in ({"param_tier": "host", "optimizer_tier": "host"},
+                  {"param_tier": "nvme", "optimizer_tier": "nvme", "max_grad_norm": 0.5}):
+        config = dict(COMPACT, **tiers)
+        runs = run_ranks(config, data, tmp_path / tiers["param_tier"])
+        torch.set_num_threads(1)
+        try:
+            (tmp_path / "one").mkdir(exist_ok=True)
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            with offload.wrap(model, make_opt(model.parameters()),
+                              config=dict(config, swap_dir=str(tmp_path / "one"))) as engine:
+                losses = train_offload(engine, halves)
+                state, states = engine.state_dict(), _compact_states(engine)
+        finally:
+            torch.set_num_threads(threads)
+        for run in runs:
+            assert run["losses"] == losses, tiers
+            assert_same(run["states"], states)
+            assert_same(run["state"], state)
