@@ -238,7 +238,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _error("--shard-group-size and --ranks-per-node plan several ranks: give --ranks too")
     try:
         plan.check_optimizer_states(args.optimizer_states, args.dtype, args.optimizer_state_tensors,
-                                    args.delayed_update, args.ranks)
+                                    args.delayed_update, args.stage if args.ranks is not None else 0)
     except ValueError as e:
         return _error(str(e))
     if host_budget is None:
@@ -266,7 +266,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     rank_plan = None
     if ranks is not None:
-        rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth)
+        rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth,
+                                          args.optimizer_states)
         text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
                                                             host_budget, host_budget_default))
     activations = None

@@ -228,10 +228,11 @@ COMPACT_MOMENTS_NAME = "Adam moments (8-bit)"
 
 
 def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, delayed_update: bool = False,
-                           ranks: Optional[int] = None) -> None:
+                           stage: int = 0) -> None:
     """A ValueError naming --optimizer-states where wrap would refuse the states for every
     configuration the plan shows, before anything is planned ([Note: compact optimizer
-    states]: wrap's own config checks, check_compact_config; ``ranks``: --ranks)."""
+    states]: wrap's own config checks, check_compact_config; ``stage``: --stage, with
+    --ranks)."""
     from offload.optim.compact import check_compact_config
 
     if optimizer_states != "compact":
@@ -239,13 +240,8 @@ def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, 
     if state_slots != 2:
         raise ValueError(f"--optimizer-states compact: keeps Adam's two moments only, not "
                          f"--optimizer-state-tensors {state_slots} (use --optimizer-states exact)")
-    if ranks is not None:
-        raise ValueError(f"--optimizer-states compact: --ranks plans exact states only (compact states run with "
-                         f"several ranks at stage 0 alone, each rank holding the states this plan shows without "
-                         f"--ranks, beside fp32 gradients); leave out --ranks "
-                         f"{ranks} or use --optimizer-states exact")
     try:
-        check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update,
+        check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update, stage=stage,
                                            optimizer_states=optimizer_states))
     except ValueError as error:
         raise ValueError(f"--optimizer-states compact: {error}") from None

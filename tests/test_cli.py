@@ -304,7 +304,8 @@ def test_plan_of_compact_states_places_auto_as_wrap_does_and_refuses_what_wrap_r
     states is wrap's, unit by unit, at the smallest host budget it finds possible (which
     puts compact states on NVMe); with
     fp32 (or another optimizer's state tensors, or delayed updates) the plan refuses as wrap
-    does, naming --optimizer-states and the reason, and plans nothing."""
+    does, naming --optimizer-states and the reason (with --ranks: a stage other than 0), and
+    plans nothing."""
     from offload.plan import auto_plan, load_profile
     cfg, shape = _compact_plan_gpt()
     config = dict(device="cpu", dtype="bf16", param_tier="auto", optimizer_tier="auto", optimizer_states="compact",
@@ -330,7 +331,7 @@ def test_plan_of_compact_states_places_auto_as_wrap_does_and_refuses_what_wrap_r
     with pytest.raises(ValueError, match="two moments"):
         place(shape, "bf16", "host", "nvme", state_slots=1, optimizer_states="compact")
     for flags, why in ((("--dtype", "fp32"), "dtype='bf16'"), (("--optimizer-state-tensors", "1"), "two moments"),
-                       (("--delayed-update",), "delayed_update"), (("--ranks", "2"), "--ranks")):
+                       (("--delayed-update",), "delayed_update"), (("--ranks", "2"), "ZeRO stage 3")):
         out_json = tmp_path / "plan.json"
         result = run_cli("plan", "--params", "1e6", "--optimizer-states", "compact", *flags, "--json", str(out_json))
         assert result.returncode == 1 and "--optimizer-states compact" in result.stderr and why in result.stderr, \
@@ -370,6 +371,12 @@ def test_plan_prints_and_writes_compact_state_bytes_per_parameter_and_tier(tmp_p
         assert c["state_bytes"][COMPACT_MOMENTS_NAME] - moments in ((0,) if c["optimizer_tier"] == "host" else
                                                                      range(0, 25 * 4096))
     assert plan["auto"]["possible"]
+    # several ranks at stage 0: each holds the whole compact states (test_plan_ranks checks the bytes)
+    result = run_cli("plan", "--params", str(n), "--num-units", "24", "--optimizer-states", "compact", "--ranks", "2",
+                     "--stage", "0", "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    ranks = json.loads(out_json.read_text())["ranks"]["configurations"]
+    assert len(ranks) == 6 and not any("refused" in c for c in ranks)
 
 
 def test_doctor_passes_on_a_writable_directory(tmp_path):

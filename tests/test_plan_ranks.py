@@ -17,14 +17,16 @@ from support import free_port
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
 WORLD = 2
-CASES = [(1, "host", "nvme", "bf16"), (2, "nvme", "nvme", "bf16"), (3, "host", "host", "fp32"),
-         (2, "device", "host", "bf16")]
+CASES = [(1, "host", "nvme", "bf16", "exact"), (2, "nvme", "nvme", "bf16", "exact"), (3, "host", "host", "fp32", "exact"),
+         (2, "device", "host", "bf16", "exact"),
+         # [Note: compact optimizer states] at stage 0 each rank holds the whole compact states
+         (0, "host", "nvme", "bf16", "compact"), (0, "nvme", "host", "bf16", "compact")]
 
 
-def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD):
+def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD, optimizer_states="exact"):
     with torch.device("meta"):
         shape = plan.shape_from_module(GPT(CFG), "gpt")
-    configurations = plan_ranks.plan_ranks(shape, dtype, world, stage, group, world)
+    configurations = plan_ranks.plan_ranks(shape, dtype, world, stage, group, world, optimizer_states=optimizer_states)
     return next(c for c in configurations if (c["param_tier"], c["optimizer_tier"]) == (param_tier, optimizer_tier))
 
 
@@ -33,12 +35,12 @@ def _worker(rank, port, swap_root, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = []
     try:
-        for stage, param_tier, optimizer_tier, dtype in CASES:
-            row = planned(stage, param_tier, optimizer_tier, dtype)["rows"][rank]
-            swap = os.path.join(swap_root, f"s{stage}{param_tier}{optimizer_tier}-rank{rank}")
+        for stage, param_tier, optimizer_tier, dtype, optimizer_states in CASES:
+            row = planned(stage, param_tier, optimizer_tier, dtype, optimizer_states=optimizer_states)["rows"][rank]
+            swap = os.path.join(swap_root, f"s{stage}{param_tier}{optimizer_tier}{optimizer_states}-rank{rank}")
             os.makedirs(swap)
             config = dict(device="cpu", stage=stage, dtype=dtype, param_tier=param_tier,
-                          optimizer_tier=optimizer_tier, swap_dir=swap)
+                          optimizer_tier=optimizer_tier, swap_dir=swap, optimizer_states=optimizer_states)
 
             def wrap(**budgets):
                 torch.manual_seed(0)
@@ -62,7 +64,8 @@ def _worker(rank, port, swap_root, out_dir):
 def test_each_ranks_planned_bytes_are_what_its_wrap_checks_its_budgets_against(tmp_path):
     """Each rank wraps at exactly its row's host and device bytes (accepted, and the NVMe
     bytes it holds are the row's) and refuses one byte less of either, naming the budget:
-    stage 1 (host, nvme), 2 (nvme, nvme) and (device, host), 3 (host, host)."""
+    stage 1 (host, nvme), 2 (nvme, nvme) and (device, host), 3 (host, host); compact states
+    at stage 0 (host, nvme) and (nvme, host). Compact states at stage >= 1 are refused rows."""
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
     mp.start_processes(_worker, args=(free_port(), str(tmp_path / "swap"), str(tmp_path)), nprocs=WORLD,
                        join=True, start_method="forkserver")
@@ -71,6 +74,12 @@ def test_each_ranks_planned_bytes_are_what_its_wrap_checks_its_budgets_against(t
             assert got["nvme"] == got["row"]["nvme_bytes"], (rank, case)
             assert got["device"] == got["row"]["device_bytes"], (rank, case)
             assert got["refused"] == ["host_budget", "device_budget"], (rank, case)
+    compact = planned(0, "host", "nvme", "bf16", optimizer_states="compact")["rows"][0]
+    assert compact["nvme_bytes"] == plan.place(plan.shape_from_module(GPT(CFG), "gpt"), "bf16", "host", "nvme",
+                                               optimizer_states="compact").nvme_bytes  # whole states on each rank
+    refused = plan_ranks.plan_ranks(plan.shape_from_count(10**6, 4), "bf16", WORLD, 1, WORLD, WORLD,
+                                    optimizer_states="compact")
+    assert all("ZeRO stage 1" in c["refused"] for c in refused)
     # the sharded states shrink each rank's bytes against one process's
     one = plan.place(plan.shape_from_count(10**6, 4), "bf16", "host", "host")
     two = planned(1, "host", "host", "bf16")
