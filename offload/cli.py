@@ -113,12 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", metavar="PATH", default=None,
                       help="profile JSON from `offload profile --json` (default: documented round numbers)")
     plan.add_argument("--json", metavar="PATH", default=None, help="also write the plan as JSON")
-    plan.add_argument("--optimizer-state-tensors", type=int, choices=(0, 1, 2), default=2,
+    plan.add_argument("--optimizer-state-tensors", type=int, choices=(0, 1, 2), default=None,
                       help="fp32 optimizer state tensors per parameter: 2 Adam/AdamW/NAdam (default), "
                            "1 SGD with momentum/Adagrad, 0 plain SGD")
     plan.add_argument("--optimizer-states", choices=("exact", "compact"), default="exact",
                       help="the run's optimizer_states: exact (default) fp32 master and moments; compact an "
                            "int8 master low part and 8-bit moments beside the bf16 compute copy (bf16, Adam)")
+    plan.add_argument("--optimizer", default=None, metavar="NAME",
+                      help="plan for this optimizer, built over the model and probed as wrap probes it "
+                           "(its state tensors, and whether it steps whole parameters): adamw, sgd, "
+                           "sgd-momentum, adagrad, rmsprop, adafactor (transformers'), muon (Muon for the "
+                           "blocks' matrices, AdamW for the rest); see offload/plan_optimizers.py")
     plan.add_argument("--ranks", type=_positive_int, default=None,
                       help="also plan each of N ZeRO ranks (torchrun's world size) and the node's sum")
     plan.add_argument("--stage", type=int, default=3, help="with --ranks: the ZeRO stage (default 3)")
@@ -215,11 +220,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = plan.load_profile(args.profile)
     if args.seq_len is not None and args.model is None:
         return _error("--seq-len: needs --model (the activations come from a forward of the model)")
+    if args.optimizer is not None and args.optimizer_state_tensors is not None:
+        return _error("--optimizer and --optimizer-state-tensors both say what the optimizer keeps: give one")
     if args.params is not None:
-        shape = plan.shape_from_count(args.params, args.num_units)
+        shape = plan.shape_from_count(args.params, args.num_units, args.optimizer)
     else:
         sys.path.insert(0, os.getcwd())  # factories in the user's current project
-        shape = plan.shape_from_model(args.model)
+        shape = plan.shape_from_model(args.model, optimizer=args.optimizer)
+    # fp32 state tensors per element: the optimizer's, as wrap learns them, or as given
+    state_slots = shape.optimizer.state_slots if shape.optimizer is not None else \
+        2 if args.optimizer_state_tensors is None else args.optimizer_state_tensors
     device_budget = args.device_budget
     if device_budget is None:
         import torch
@@ -237,7 +247,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif args.shard_group_size is not None or args.ranks_per_node is not None:
         return _error("--shard-group-size and --ranks-per-node plan several ranks: give --ranks too")
     try:
-        plan.check_optimizer_states(args.optimizer_states, args.dtype, args.optimizer_state_tensors,
+        if args.optimizer_states == "compact" and args.optimizer not in (None, "adamw"):
+            raise ValueError(f"--optimizer-states compact: keeps Adam's states only, not --optimizer {args.optimizer}'s "
+                             "(use --optimizer-states exact)")
+        plan.check_optimizer_states(args.optimizer_states, args.dtype, state_slots,
                                     args.delayed_update, args.stage if args.ranks is not None else 0)
     except ValueError as e:
         return _error(str(e))
@@ -253,7 +266,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         nvme_budget = shutil.disk_usage(args.swap_dir).free
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step,
-                                 host_budget_default=host_budget_default, state_slots=args.optimizer_state_tensors,
+                                 host_budget_default=host_budget_default, state_slots=state_slots,
                                  optimizer_states=args.optimizer_states)
     compute = args.compute_seconds
     if compute is None and args.flops_per_second:
@@ -262,7 +275,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        host_budget=host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth), optimizer_states=args.optimizer_states)
-    auto = plan.auto_plan(shape, auto_config, profile, compute, args.optimizer_state_tensors)
+    auto = plan.auto_plan(shape, auto_config, profile, compute, state_slots)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     rank_plan = None
     if ranks is not None:
@@ -286,7 +299,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             report = plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
                                   host_budget_default=host_budget_default,
-                                  state_slots=args.optimizer_state_tensors, optimizer_states=args.optimizer_states)
+                                  state_slots=state_slots, optimizer_states=args.optimizer_states)
             report["activations"] = None if activations is None else activations.as_json()
             if rank_plan is not None:
                 report["ranks"] = {"world_size": args.ranks, "stage": args.stage, "shard_group_size": ranks[0],

@@ -130,7 +130,7 @@ class Engine:
             if rule is not None and rule.whole and layout.delayed_update:
                 raise ValueError(f"delayed_update: {rule.name} steps whole parameters ([Note: whole-parameter "
                                  "optimizers]), which delayed updates do not support yet; set delayed_update=False")
-        state_slots = max(2 if rule is None else len(rule.slots) for rule in rules)
+        state_slots = OptimizerSet.state_slots(rules)  # the plan's too (plan_optimizers.py)
         group_rules = [GroupRule(rule, local, adamw) for opt, rule, adamw in zip(self.optimizers, rules, adamws)
                        for local in range(len(opt.param_groups))]
         group_of: Dict[nn.Parameter, int] = {}

@@ -58,6 +58,7 @@ from offload.memory.budget import (UnitSizes, floor_prefetch_room, host_bytes, m
 from offload.memory.compact_codec import BLOCK_NUMEL, compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
+from offload.plan_optimizers import OptimizerLayout, describe, state_layout
 from offload.units import padded_numel
 
 # The machine profile's schema lives with the placement that weighs tiers by it; offload
@@ -78,11 +79,13 @@ class UnitShape:
     largest_param_numel: int
     shared_numel: int = 0  # trainable elements of tied parameters ([Note: shared parameter gradients])
     compact_numel: Optional[int] = None  # [Note: compact optimizer states] None: parameter sizes unknown
+    whole_step: bool = False  # it holds a parameter stepped whole ([Note: whole-parameter optimizers])
 
     def sizes(self, element_bytes: int) -> UnitSizes:
         """The unit's sizes as wrap has them on one process."""
-        return UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
-                                   element_bytes, self.shared_numel, self.compact_numel)
+        sizes = UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
+                                    element_bytes, self.shared_numel, self.compact_numel)
+        return dataclasses.replace(sizes, whole_step=self.whole_step)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class ModelShape:
     description: str
     units: Tuple[UnitShape, ...]
     exact: bool                  # False when synthesized from a parameter count
+    optimizer: Optional[OptimizerLayout] = None  # --optimizer: its state, learned as wrap learns it
 
     @property
     def num_params(self) -> int:
@@ -102,27 +106,45 @@ class ModelShape:
         return sum(u.trainable_numel for u in self.units)
 
 
-def shape_from_count(num_params: int, num_units: int) -> ModelShape:
+def shape_from_count(num_params: int, num_units: int, optimizer: Optional[str] = None) -> ModelShape:
     """A transformer-like shape for a bare parameter count: ``num_units`` equal blocks plus a
     root unit of the same size (embeddings, head), the largest parameter a third of a unit
-    (a block's MLP matrix is 4d^2 of its 12d^2)."""
+    (a block's MLP matrix is 4d^2 of its 12d^2). ``optimizer``: a name of
+    plan_optimizers.OPTIMIZERS, probed over a stand-in of such a model (``_StandIn``); where
+    it steps whole parameters every unit is counted as holding one (the staging slots' bound)."""
     if num_params < 1:
         raise ValueError(f"--params: expected a positive parameter count, got {num_params}")
     if num_units < 1:
         raise ValueError(f"--num-units: expected an int >= 1, got {num_units}")
+    layout = None if optimizer is None else state_layout(optimizer, _StandIn())
     per_unit, rest = divmod(num_params, num_units + 1)
     units = []
     for i in range(num_units + 1):
         numel = per_unit + (rest if i == 0 else 0)
-        units.append(UnitShape("<root>" if i == 0 else f"unit{i}", numel, numel, max(1, numel // 3)))
+        units.append(UnitShape("<root>" if i == 0 else f"unit{i}", numel, numel, max(1, numel // 3),
+                               whole_step=layout is not None and layout.whole))
     return ModelShape(f"{num_params:,} parameters (assumed: {num_units} equal units plus a root "
                       f"unit of the same size; largest parameter a third of a unit)",
-                      tuple(units), exact=False)
+                      tuple(units), exact=False, optimizer=layout)
 
 
-def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
+class _StandIn(torch.nn.Module):
+    """One parameter of each kind a transformer has, to probe an optimizer over when the
+    plan has only a parameter count: an embedding, a block in a ModuleList (a norm, a matrix,
+    a bias), a final norm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(4, 2)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.LayerNorm(2), torch.nn.Linear(2, 2))])
+        self.ln_f = torch.nn.LayerNorm(2)
+        self.head = torch.nn.Linear(2, 4, bias=False)
+
+
+def shape_from_model(spec: str, unit_classes: Sequence[str] = (), optimizer: Optional[str] = None) -> ModelShape:
     """Build ``module:factory`` on the meta device and cut it into units as the engine does
-    (every parameter trainable, one optimizer param group). The factory is called with no
+    (every parameter trainable; ``optimizer``: a name of plan_optimizers.OPTIMIZERS, built over
+    it and probed as wrap probes it, else Adam's two slots). The factory is called with no
     arguments (``offload.gpt:GPT`` builds the default GPTConfig); one that needs some is a
     ValueError naming them, before it is called."""
     import torch
@@ -147,7 +169,7 @@ def shape_from_model(spec: str, unit_classes: Sequence[str] = ()) -> ModelShape:
         raise ValueError(f"--model: calling {spec}() failed: {type(e).__name__}: {e}") from None
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model: {spec} returned {type(model).__name__}, not an nn.Module")
-    return shape_from_module(model, spec, unit_classes)
+    return shape_from_module(model, spec, unit_classes, optimizer)
 
 
 def _required_arguments(factory) -> List[str]:
@@ -160,19 +182,23 @@ def _required_arguments(factory) -> List[str]:
             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def shape_from_module(model, name: str, unit_classes: Sequence[str] = ()) -> ModelShape:
-    """Units of ``model`` (meta or real) as the engine cuts them, every parameter trainable
-    in one optimizer param group."""
+def shape_from_module(model, name: str, unit_classes: Sequence[str] = (), optimizer: Optional[str] = None
+                      ) -> ModelShape:
+    """Units of ``model`` (meta or real) as the engine cuts them, every parameter trainable;
+    ``optimizer``: as shape_from_model's."""
     from offload.units import split_into_units
 
+    layout = None if optimizer is None else state_layout(optimizer, model)
+    whole = frozenset() if layout is None else layout.whole_params
     group_of = {p: 0 for p in model.parameters() if p.requires_grad}
     specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
     units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
                             max((e.numel for e in s.entries if e.trainable), default=0),
-                            s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]))
+                            s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]),
+                            whole_step=any(e.param in whole for e in s.entries if e.trainable))
                   for s in specs)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
-                      units, exact=True)
+                      units, exact=True, optimizer=layout)
 
 
 # ---------------------------------------------------------------------------- placement
@@ -212,6 +238,25 @@ def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: in
     return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
                                optimizer_pipeline_depth=pipeline_depth, host_budget=None,
                                host_budget_default=False)
+
+
+def optimizer_lines(layout: Optional[OptimizerLayout]) -> List[str]:
+    """What the report says of --optimizer's state (nothing without it)."""
+    if layout is None:
+        return []
+    names = ", ".join(n for slots in layout.slots for n in slots) or "none"
+    side = ", ".join(n for names in layout.side for n in names)
+    return [f"optimizer: {layout.name}: {describe(layout.name)}",
+            f"  per-element state: {names}; every unit's state home holds {layout.state_slots} fp32 "
+            f"tensor{'' if layout.state_slots == 1 else 's'} per parameter (the most any of its optimizers keeps)"
+            + (f"; per parameter in host RAM: {side}" if side else "")
+            + ("; updates whole parameters (one piece per unit that holds one)" if layout.whole else "")]
+
+
+def optimizer_json(layout: OptimizerLayout) -> dict:
+    return {"name": layout.name, "description": describe(layout.name), "state_slots": layout.state_slots,
+            "slots": [list(s) for s in layout.slots], "side": [list(s) for s in layout.side],
+            "whole_step": layout.whole}
 
 
 def optimizer_state_name(state_slots: int) -> str:
@@ -508,6 +553,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
             "host_budget_default": host_budget_default,
             "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states),
+            "optimizer": None if shape.optimizer is None else optimizer_json(shape.optimizer),
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
             "prefetch": _prefetch_room(shape, dtype),
@@ -532,7 +578,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
     lines = [f"model: {shape.description}", f"dtype: {dtype} (compute copy {e} B/param)",
              f"optimizer states: {optimizer_states}",
              f"profile: {profile.get('source', 'measured')}",
-             "budgets: " + ", ".join(budgets),
+             "budgets: " + ", ".join(budgets)] + optimizer_lines(shape.optimizer) + [
              "",
              "bytes per state (per trainable parameter, before 4 KiB page padding):",
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"

@@ -41,7 +41,8 @@ LAYERS: List[List[str]] = [
     ["offload.optim"],
     ["offload.checkpoint"],
     ["offload.hooks", "offload.engine"],
-    ["offload.plan", "offload.plan_activations", "offload.plan_ranks", "offload.profile", "offload.doctor",
+    ["offload.plan", "offload.plan_activations", "offload.plan_optimizers", "offload.plan_ranks", "offload.profile",
+     "offload.doctor",
      "offload.gpt", "offload.demo",
      "offload.cli", "offload.__init__", "offload.__main__", "offload.integrations"],
 ]

@@ -85,6 +85,12 @@ class OptimizerSet:
                 raise ValueError(f"optimizer: trainable parameter {name!r} is in none of the {len(self.optimizers)} "
                                  "optimizers of the list; add it to one or set requires_grad=False")
 
+    @staticmethod
+    def state_slots(rules: Sequence[Optional[Any]]) -> int:
+        """The fp32 state slots of every unit's state home: the most any optimizer needs,
+        Adam's kernel two, a rule its own (``rules``: one per optimizer, None for Adam's)."""
+        return max(2 if rule is None else len(rule.slots) for rule in rules)
+
     def layout(self, rules: Sequence[Optional[Any]]) -> Optional[Dict[str, Any]]:
         """What a checkpoint records of the optimizers' state, so that a load into other
         optimizers is refused: None for one Adam (the default), one ElementwiseRule's layout,
