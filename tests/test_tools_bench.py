@@ -635,7 +635,7 @@ def test_bench_train_compares_the_new_default_tiers_with_the_old(tmp_path):
 # tools/bench_train.py's docstring draws them: split by what each measures, no circle.
 TOOLS_IMPORTS = {
     "bench_train": {"bench_activations", "bench_defaults", "bench_sweep", "train_deepspeed", "train_harness",
-                    "train_ranks", "train_replay", "train_rows"},
+                    "train_optimizers", "train_ranks", "train_replay", "train_rows"},
     "train_rows": {"train_deepspeed", "train_harness", "train_replay", "trace_summary"},
     "train_ranks": {"train_harness"},
     "train_deepspeed": {"train_harness"},
@@ -643,6 +643,7 @@ TOOLS_IMPORTS = {
     "bench_sweep": {"train_harness"},
     "bench_defaults": {"train_harness"},
     "bench_activations": {"train_harness"},
+    "train_optimizers": {"train_harness"},
     "bench_scale": {"train_replay"},
     "bench_compact": {"bench_adam"},
     "bench_optim": {"bench_adam"},
@@ -811,3 +812,29 @@ def test_the_compact_plan_of_the_3b_shape_in_docs_performance_is_what_offload_pl
     for states in ("exact", "compact"):
         read, written = per_param[states]
         assert re.search(rf"\| {states} \| table, .* \| {read:.2f} \| {written:.2f} \|", section)
+
+
+def test_bench_train_optimizer_rows_count_each_optimizers_state_and_traffic(tmp_path):
+    """--optimizer: the plain row, then the NVMe row of each named optimizer: its state bytes
+    per parameter at home (8 for AdamW's two moments, 0 for plain SGD, 4 for SGD's momentum)
+    and its NVMe traffic per step (SGD's writes only the merged master, AdamW's the moments
+    too); an unknown name is refused before any row runs."""
+    out = tmp_path / "optimizers.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--quick", "--optimizer", "adamw", "sgd", "sgd-momentum", "--dtypes", "fp32",
+         "--steps", "2", "--warmup", "1", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "x AdamW" in proc.stdout and "state B/p" in proc.stdout
+    rows = {r["optimizer"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "adamw", "sgd", "sgd-momentum"]
+    assert all("error" not in r for r in rows.values()), rows
+    per_param = {k: rows[k]["optimizer_state_bytes"] / rows[k]["trainable_params"] for k in ("adamw", "sgd", "sgd-momentum")}
+    assert per_param["sgd"] == 0 and 4 <= per_param["sgd-momentum"] < 4.1 and 8 <= per_param["adamw"] < 8.2  # pages
+    written = {k: rows[k]["nvme_written_mean_per_step"] for k in per_param}
+    assert 0 < written["sgd"] < written["sgd-momentum"] < written["adamw"]
+    assert list((tmp_path / "swap").iterdir()) == []
+    proc = subprocess.run([sys.executable, str(TOOL), "--quick", "--optimizer", "lamb"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "--optimizer: lamb not among adamw" in proc.stderr

@@ -54,6 +54,13 @@ timed steps before the pairs.
     python tools/bench_train.py --quick               # tiny GPT, 2+2 steps, < 1 minute
     python tools/bench_train.py --rows plain nvme-prefetch io-only --dtypes bf16 --json out.json
 
+Optimizers (--optimizer NAME ...; issue 40): the nvme-prefetch row with each named optimizer
+(offload.plan_optimizers, what `offload plan --optimizer NAME` plans), AdamW the baseline of
+the ratio, beside the plain row; step time, NVMe bytes per step and the optimizer's state
+bytes per parameter (tools/train_optimizers.py).
+
+    python tools/bench_train.py --optimizer adamw sgd-momentum adafactor muon --dtypes fp32
+
 Several ranks (--nproc N, N >= 2; ZeRO stages, issue 8). Each row is a fresh set of N worker
 processes on this node (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in their environment,
 as torchrun sets them; a free port per row), every rank on global_batch / N of the same global
@@ -92,7 +99,8 @@ thread count before offload sizes its native pool from it):
 
     bench_train.py     the command line and a worker's row dispatch (--worker)
       -> train_rows.py, train_ranks.py, train_deepspeed.py, train_replay.py,
-         bench_sweep.py, bench_defaults.py, bench_activations.py, train_harness.py
+         bench_sweep.py, bench_defaults.py, bench_activations.py, train_optimizers.py,
+         train_harness.py
     train_rows.py      plain and offload rows; a single-process run and its table
       -> train_replay.py, train_deepspeed.py, train_harness.py, trace_summary.py
     train_ranks.py     ddp, fsdp2 and the stage rows (--nproc); the per-rank table  -> train_harness.py
@@ -101,6 +109,7 @@ thread count before offload sizes its native pool from it):
     bench_sweep.py     --sweep-host-budget                                   -> train_harness.py
     bench_defaults.py  --compare-defaults                                    -> train_harness.py
     bench_activations.py --activations                                       -> train_harness.py
+    train_optimizers.py --optimizer                                          -> train_harness.py
     train_harness.py   models, batches, the timing loop, a row in a worker process, table
                        helpers, constants; imports nothing from tools/
     (tools/bench_scale.py -> train_replay.py: its io-only row replays the same way;
@@ -126,6 +135,7 @@ sys.path.insert(0, str(TOOLS_DIR))
 import bench_activations  # noqa: E402 - after the path above
 import bench_defaults  # noqa: E402
 import bench_sweep  # noqa: E402
+import train_optimizers  # noqa: E402
 import train_ranks  # noqa: E402
 import train_rows  # noqa: E402
 from train_deepspeed import DS_ROWS, run_deepspeed  # noqa: E402
@@ -231,6 +241,10 @@ def parse_args(argv=None):
                         "sequence length (tools/bench_activations.py)")
     p.add_argument("--seq-lens", nargs="+", type=int, default=None,
                    help="--activations: sequence lengths (default 256 512 1024 2048 4096; --quick 32 64)")
+    p.add_argument("--optimizer", nargs="+", default=None, metavar="NAME",
+                   help="the GPT on NVMe with each named optimizer (offload.plan_optimizers: adamw, sgd, "
+                        "sgd-momentum, adagrad, rmsprop, adafactor, muon) beside plain PyTorch "
+                        "(tools/train_optimizers.py)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -239,6 +253,11 @@ def parse_args(argv=None):
         p.error("--warmup must be >= 0")
     if not 0 < args.budget_fraction <= 1:
         p.error("--budget-fraction must be in (0, 1]")
+    if args.optimizer is not None and args.worker is None:
+        try:
+            train_optimizers.check_names(args.optimizer)
+        except ValueError as e:
+            p.error(str(e))
     if args.nproc is None:
         given = [f"--{name.replace('_', '-')}" for name, default in (
             ("stages", list(train_ranks.STAGES)), ("tier", "nvme"), ("device", "cpu"), ("no_fsdp2", False))
@@ -265,6 +284,8 @@ def main(argv=None) -> int:
         return train_ranks.main(args)
     if args.activations:
         return bench_activations.main(args)
+    if args.optimizer is not None:
+        return train_optimizers.main(args)
     if args.sweep_host_budget:
         return bench_sweep.main(args)
     if args.compare_defaults:

@@ -111,7 +111,9 @@ def wrap_with_budget(spec: dict):
     from offload.memory.budget import minimum_device_budget, model_unit_sizes
 
     element_bytes = compute_element_bytes(spec["dtype"])
-    model = build_gpt(spec["model"], meta=True)
+    # --optimizer builds a real model: wrap cannot use Adagrad's state made in its constructor
+    # over meta parameters (meta tensors, without values)
+    model = build_gpt(spec["model"], meta=not spec.get("optimizer"))
     compute_bytes = sum(p.numel() for p in model.parameters()) * element_bytes
     wanted = int(spec["budget_fraction"] * compute_bytes)
     budget, note = wanted, f"budget {spec['budget_fraction']:.0%}"
@@ -129,7 +131,12 @@ def wrap_with_budget(spec: dict):
         note = (f"budget=min+2 blocks {budget / MiB:.0f} MiB = {budget / compute_bytes:.0%} "
                 f"(> {spec['budget_fraction']:.0%})")
         config = offload.OffloadConfig(**offload_config(spec, budget))
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS)
+    if spec.get("optimizer"):  # --optimizer (tools/train_optimizers.py): what `offload plan --optimizer` plans
+        from offload.plan_optimizers import build_optimizers
+
+        opt = build_optimizers(spec["optimizer"], model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW_OPTIONS)
     engine = offload.wrap(model, opt, config=config)
     if config.device_budget is None:
         note = "no budget"
@@ -183,6 +190,7 @@ def run_offload(spec: dict) -> dict:
         units = [{"name": u.name, "compute_bytes": u.compute_numel * element_bytes,
                   "master_bytes": u.master_numel * FP32_BYTES} for u in engine.units]
         phases = median_phases(probes)
+        trainable_params = sum(e.numel for u in engine.units for e in u.trainable)
         rss = peak_rss_bytes()  # the replay's buffers below are not the row's
         if spec["row"] == "auto":
             info = dict(info, **placement_report(engine, spec))
@@ -196,9 +204,15 @@ def run_offload(spec: dict) -> dict:
     finally:
         engine.close()
     read = phases["forward_read"] + phases["backward_read"] + phases["optimizer_read"]
+    # every timed step's traffic over their number: an update deferred into the next step counts once
+    mean_read, mean_written = (sum(p[f"{phase}_{k}"] for p in probes for phase in ("forward", "backward", "optimizer"))
+                               / len(probes) for k in ("read", "written"))
     written = phases["forward_written"] + phases["backward_written"] + phases["optimizer_written"]
     return dict(info, **paired, peak_rss_bytes=rss, step_seconds_all=seconds, phases=phases, units=units,
                 nvme_read_per_step=read, nvme_written_per_step=written,
+                nvme_read_mean_per_step=mean_read, nvme_written_mean_per_step=mean_written,
+                trainable_params=trainable_params,
+                optimizer_side_bytes=stats.get("optimizer_side_bytes", 0),
                 io_wait_seconds=phases["io_wait_seconds"],
                 host_to_device_per_step=phases["bytes_host_to_device"],
                 device_to_host_per_step=phases["bytes_device_to_host"],
