@@ -393,6 +393,23 @@ def test_what_cannot_be_offloaded_is_refused_before_anything_is_touched(make, ma
         assert torch.equal(v, before[k]), k
 
 
+def test_an_optimizer_holding_state_of_a_meta_model_is_refused_naming_why(tmp_path):
+    """Adagrad makes its state in its constructor; over a meta model that state is meta,
+    without values to carry into the homes: a ValueError naming the class and the reason
+    (not the probe's step failing on mixed devices), no file created. With the model on the
+    CPU it wraps."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    with pytest.raises(ValueError, match="Adagrad cannot be offloaded: it holds state on the meta device"):
+        offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=dict(TIERS["nvme"], swap_dir=str(swap)))
+    assert os.listdir(swap) == []
+    model = GPT(CFG)
+    with offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=dict(TIERS["nvme"], swap_dir=str(swap))):
+        pass
+
+
 @pytest.mark.parametrize("tiers", ["host", "nvme"])
 @pytest.mark.parametrize("name", ["sgd", "sgd-momentum-nesterov-wd", "nadam"])
 def test_state_bytes_on_each_tier_are_what_the_planner_predicts(name, tiers, tmp_path):

@@ -247,6 +247,13 @@ def probe(optimizer: torch.optim.Optimizer) -> ElementwiseRule:
                       "offloaded step (a unit at a time) cannot call")
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise _refuse(optimizer, "it needs sparse gradients; the engine's gradients are dense flat buffers")
+    for state in optimizer.state.values():
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in state.values()):
+            # Adagrad makes its state in its constructor: over a meta model that state has no
+            # values for wrap to carry into the homes
+            raise _refuse(optimizer, "it holds state on the meta device (made in its constructor over the "
+                          "meta model's parameters), which has no values to carry over; build the model "
+                          "on the CPU for this optimizer")
     slots: List[str] = []
     group_slots: List[Tuple[str, ...]] = []
     scalar_names: List[str] = []
