@@ -402,11 +402,12 @@ def test_an_optimizer_holding_state_of_a_meta_model_is_refused_naming_why(tmp_pa
         model = GPT(CFG)
     swap = tmp_path / "swap"
     swap.mkdir()
+    config = dict(TIERS["nvme"], swap_dir=str(swap))
     with pytest.raises(ValueError, match="Adagrad cannot be offloaded: it holds state on the meta device"):
-        offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=dict(TIERS["nvme"], swap_dir=str(swap)))
+        offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=config)
     assert os.listdir(swap) == []
     model = GPT(CFG)
-    with offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=dict(TIERS["nvme"], swap_dir=str(swap))):
+    with offload.wrap(model, torch.optim.Adagrad(model.parameters(), lr=0.01), config=config):
         pass
 
 

@@ -830,7 +830,8 @@ def test_bench_train_optimizer_rows_count_each_optimizers_state_and_traffic(tmp_
     rows = {r["optimizer"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["plain", "adamw", "sgd", "sgd-momentum"]
     assert all("error" not in r for r in rows.values()), rows
-    per_param = {k: rows[k]["optimizer_state_bytes"] / rows[k]["trainable_params"] for k in ("adamw", "sgd", "sgd-momentum")}
+    per_param = {k: rows[k]["optimizer_state_bytes"] / rows[k]["trainable_params"]
+                 for k in ("adamw", "sgd", "sgd-momentum")}
     assert per_param["sgd"] == 0 and 4 <= per_param["sgd-momentum"] < 4.1 and 8 <= per_param["adamw"] < 8.2  # pages
     written = {k: rows[k]["nvme_written_mean_per_step"] for k in per_param}
     assert 0 < written["sgd"] < written["sgd-momentum"] < written["adamw"]

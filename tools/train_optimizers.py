@@ -107,6 +107,7 @@ def print_table(results: list, out=sys.stdout) -> None:
         side = r["optimizer_side_bytes"] / params if params else None
         read, written = r.get("nvme_read_mean_per_step"), r.get("nvme_written_mean_per_step")
         print(f"{head} {r['step_seconds']:8.3f} {fmt(ratio, '7.2f')} "
-              f"{fmt(None if read is None else read / GB, '8.3f')} {fmt(None if written is None else written / GB, '8.3f')} "
+              f"{fmt(None if read is None else read / GB, '8.3f')} "
+              f"{fmt(None if written is None else written / GB, '8.3f')} "
               f"{fmt(state, '9.2f')} {fmt(side, '8.3f')} {r['peak_rss_bytes'] / GiB:7.2f}  {r.get('note', '')}",
               file=out)
