@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=_positive_int, default=1, help="with --seq-len: sequences per batch (default 1)")
     plan.add_argument("--activation-offload", choices=("host", "nvme", "auto"), default="auto",
                       help="with --seq-len: the run's activation_offload (default auto)")
+    plan.add_argument("--activation-host-bytes", type=_size, default=None,
+                      help="with --seq-len: the run's activation_host_bytes, the host_budget kept for activations "
+                           "(default: what the predicted forward needs, as far as host_budget holds it; the "
+                           "auto placement above is then made beside it)")
     plan.add_argument("--param-tier", choices=("auto", "device", "host", "nvme"), default="auto",
                       help="with --seq-len: the run's param_tier, which sets the compute copies that 'auto' "
                            "keeps room for (default auto)")
@@ -275,6 +279,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        host_budget=host_budget, device_budget=device_budget, swap_dir=args.swap_dir or plan.NO_SWAP_DIR,
                        max_grad_norm=args.max_grad_norm, delayed_update=args.delayed_update, machine_profile=args.profile,
                        optimizer_pipeline_depth=max(2, args.pipeline_depth), optimizer_states=args.optimizer_states)
+    activations = None
+    if args.seq_len is not None:
+        # [Note: activation host room] the activations' share of host_budget first (the
+        # forward's need, as far as the budget holds it), then every placement beside it
+        from offload.plan_activations import activation_host_share, activation_report, plan_activations
+        activation_config = dict(auto_config, param_tier=args.param_tier, activation_offload=args.activation_offload)
+        share = args.activation_host_bytes
+        if share is None:
+            share = activation_host_share(args.model, activation_config, args.seq_len, args.batch)
+        auto_config.update(activation_offload=args.activation_offload, activation_host_bytes=share)
+        activations = plan_activations(args.model, dict(activation_config, activation_host_bytes=share),
+                                       args.seq_len, args.batch)
     auto = plan.auto_plan(shape, auto_config, profile, compute, state_slots)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     rank_plan = None
@@ -283,14 +299,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                           args.optimizer_states)
         text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
                                                             host_budget, host_budget_default))
-    activations = None
-    if args.seq_len is not None:
-        from offload.plan_activations import activation_report, plan_activations
-        activations = plan_activations(
-            args.model, dict(device="cpu", dtype=args.dtype, param_tier=args.param_tier, optimizer_tier="auto",
-                             host_budget=host_budget, device_budget=device_budget,
-                             swap_dir=args.swap_dir or plan.NO_SWAP_DIR, activation_offload=args.activation_offload),
-            args.seq_len, args.batch)
+    if activations is not None:
         text += "\n\n" + "\n".join(activation_report(activations))
     print(text)
     if args.json:

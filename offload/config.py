@@ -169,6 +169,15 @@ class OffloadConfig:
     Results do not change (the bytes are copied, not converted). What moves, when, and
     what does not: [Note: saved activations] in offload/memory/activations.py."""
 
+    activation_host_bytes: Size = None
+    """With activation_offload set: bytes of host_budget kept for the saved activations'
+    host buffers. The engine's own host needs (and "auto" placement, which moves state into
+    RAM while host_budget holds it: [Note: placement by budget]) fit in host_budget less
+    this, so that those buffers find at least this much room; beyond their room the
+    earliest units' activations go on to NVMe. None (0): the activations get what the plan
+    leaves. ``offload plan --model M --seq-len N --batch B`` prints the bytes one forward
+    needs in RAM ([Note: activation host room] in offload/memory/budget.py)."""
+
     machine_profile: Optional[str] = None
     """Path of an ``offload profile --json`` file: the bandwidths "auto" placement weighs
     tiers by. None: documented round numbers (offload/memory/placement.py, DEFAULT_PROFILE).
@@ -333,7 +342,7 @@ class OffloadConfig:
         device = self.device
         if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise ValueError(f"device: got {device!r}; accepted values are 'auto', 'cpu', 'cuda', 'cuda:N'")
-        for name in ("device_budget", "host_budget", "io_block_bytes", "prefetch_bytes"):
+        for name in ("device_budget", "host_budget", "io_block_bytes", "prefetch_bytes", "activation_host_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         _one_of("param_tier", self.param_tier, ("device", "host", "nvme", "auto"))
         _one_of("optimizer_tier", self.optimizer_tier, ("host", "nvme", "auto"))
@@ -363,6 +372,14 @@ class OffloadConfig:
         if self.activation_offload == "nvme" and not self.swap_dir:
             raise ValueError("swap_dir: required when activation_offload is 'nvme' (the saved tensors "
                              "are written to swap files there)")
+        if self.activation_host_bytes is not None:
+            if self.activation_offload is None:
+                raise ValueError("activation_host_bytes: keeps host RAM for the saved activations, which "
+                                 "only activation_offload ('host', 'nvme' or 'auto') puts there; set it or "
+                                 "leave activation_host_bytes None")
+            if self.host_budget is not None and self.activation_host_bytes > self.host_budget:
+                raise ValueError(f"activation_host_bytes: {self.activation_host_bytes} bytes is more than "
+                                 f"host_budget ({self.host_budget} bytes), which it is part of")
         if self.swap_dir is not None:
             if not isinstance(self.swap_dir, (str, os.PathLike)) or \
                     not isinstance(os.fspath(self.swap_dir), str) or "\0" in os.fspath(self.swap_dir):

@@ -399,7 +399,7 @@ def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
     step prediction]); ``possible`` False with ``error`` where wrap would refuse the config."""
     config = OffloadConfig.from_any(config)
     settings = {"host_budget": config.host_budget, "host_budget_default": False, "max_grad_norm": config.max_grad_norm,
-                "delayed_update": config.delayed_update}
+                "delayed_update": config.delayed_update, "activation_host_bytes": config.activation_host_bytes}
     try:
         placement, layout, sizes = auto_placement(shape, config, state_slots)
     except ValueError as error:
@@ -431,7 +431,9 @@ def auto_report(auto: dict, host_budget_default: bool = False) -> List[str]:
              f"{format_size(budget) if budget is not None else 'none'}"
              f"{' (' + _HOST_DEFAULT_NOTE + ')' if auto['host_budget_default'] or host_budget_default else ''}"
              f"{', max_grad_norm ' + format(auto['max_grad_norm'], 'g') if auto['max_grad_norm'] else ''}"
-             f"{', delayed_update' if auto['delayed_update'] else ''}): "
+             f"{', delayed_update' if auto['delayed_update'] else ''}"
+             + (f", of it {format_size(auto['activation_host_bytes'])} kept for activations"
+                if auto.get("activation_host_bytes") else "") + "): "
              "what wrap places, per unit, root first"]
     placement = unit_placement.Placement(tuple(unit_placement.UnitPlacement(**u) for u in auto["units"]))
     lines += ["  " + line for line in placement.describe()]

@@ -10,7 +10,11 @@ root's, then one group per unit call; a unit's tensor inputs go through the engi
 ``hooks.wrap_unit_inputs``, saved views of parameters are references, a tensor saved twice
 is one record, records end when autograd drops them. What leaves is decided by the store's
 rules: "host" and "nvme" send every complete group away, "auto" the earliest ones while the
-kept would pass ``budget.activation_room_bytes``. ``tests/test_plan_activations.py`` checks
+kept would pass ``budget.activation_room_bytes``; beyond the host room
+(``budget.activation_host_room_bytes``) the earliest in RAM go on to NVMe. The plan also
+gives the host RAM the groups take at their peak with no bound on it, and the share of
+host_budget (``activation_host_bytes``) that keeps them there ([Note: activation host room]
+in memory/budget.py). ``tests/test_plan_activations.py`` checks
 each group's bytes and destination against the store's counters of a real forward.
 
 What the trace cannot see, as the store cannot: tensors saved under other saved-tensor
@@ -34,10 +38,11 @@ from offload.memory.activations import buffer_layout, movable
 from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
                                    check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout
-from offload.memory.placement import resolve_placement
+from offload.memory.placement import minimum_state_host_bytes, resolve_placement
 from offload.units import split_into_units
 
-__all__ = ["GroupPlan", "ActivationPlan", "trace_activations", "plan_activations", "activation_report"]
+__all__ = ["GroupPlan", "ActivationPlan", "trace_activations", "plan_activations", "activation_host_share",
+           "activation_report"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class ActivationPlan:
     room_bytes: Optional[int]  # "auto": what the kept may hold (None: no bound)
     host_room_bytes: Optional[int]  # what the host buffers may hold (None: no host_budget)
     groups: Tuple[GroupPlan, ...]
+    host_peak_bytes: int = 0   # the host buffers' peak within host_room_bytes (the store's host_peak_bytes)
+    # [Note: activation host room] their peak with no bound on their room: every group that
+    # leaves in RAM ("nvme": the two staged), what activation_host_bytes keeps them all there with
+    host_needed_bytes: int = 0
+    # host_needed_bytes, or less where host_budget cannot hold that beside the engine's least
+    # own needs: the activation_host_bytes `offload plan --seq-len` gives a run
+    host_share_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -74,7 +86,8 @@ class ActivationPlan:
     def as_json(self) -> Dict[str, Any]:
         """``offload plan --json``'s "activations"."""
         return {"mode": self.mode, "seq_len": self.seq_len, "batch": self.batch, "room_bytes": self.room_bytes,
-                "host_room_bytes": self.host_room_bytes,
+                "host_room_bytes": self.host_room_bytes, "host_peak_bytes": self.host_peak_bytes,
+                "host_needed_bytes": self.host_needed_bytes, "host_share_bytes": self.host_share_bytes,
                 "saved_bytes": self.saved_bytes, "kept_bytes": self.kept_bytes,
                 "to_host_bytes": self.moved_bytes("host"), "to_nvme_bytes": self.moved_bytes("nvme"),
                 "units": [dataclasses.asdict(g) for g in self.groups]}
@@ -111,6 +124,7 @@ class _Trace:
         self.mode, self.room_bytes = mode, room_bytes if mode == "auto" else None
         self.host_room_bytes, self.has_nvme = host_room_bytes, has_nvme
         self.host_bytes = 0        # host buffers of groups in RAM, and of "nvme"'s staged one
+        self.host_peak_bytes = 0
         self.staged: Optional[_Group] = None
         self.destination = "nvme" if mode == "nvme" else "host"
         self.parameter_storages, self.compute_dtype, self.plain_type = parameter_storages, compute_dtype, plain_type
@@ -178,6 +192,7 @@ class _Trace:
             self.device_bytes -= r.num_bytes
         group.counts.update(moved_bytes=sum(r.num_bytes for r in records), where=self.destination)
         self.host_bytes += group.num_bytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
         group.in_ram = True
         if self.destination == "nvme":
             self._finish_write()  # at most two staged: the one before and this one
@@ -197,13 +212,14 @@ def _unpack(saved: Any) -> torch.Tensor:
 def trace_activations(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], forward: Callable[[], Any],
                       mode: str, room_bytes: Optional[int], compute_dtype: torch.dtype,
                       host_room_bytes: Optional[int] = None, has_nvme: bool = False,
-                      plain_type: type = torch.Tensor) -> Tuple[GroupPlan, ...]:
+                      plain_type: type = torch.Tensor) -> Tuple[Tuple[GroupPlan, ...], int]:
     """The groups of one ``forward()`` of ``model`` (under grad mode, in training mode) whose
     units (name, module; the root excluded) are ``units``, as ``ActivationStore`` in
     ``mode`` ("host", "nvme", "auto") would form and send them (``room_bytes``: "auto"'s
     room on the device; ``host_room_bytes``: the host buffers' room, beyond which the
-    earliest groups go on to NVMe where ``has_nvme``, else a ValueError). Parameters are
-    those of ``compute_dtype`` sharing a storage with ``model``'s (the engine's arena views)."""
+    earliest groups go on to NVMe where ``has_nvme``, else a ValueError), and the peak of
+    their host buffers. Parameters are those of ``compute_dtype`` sharing a storage with
+    ``model``'s (the engine's arena views)."""
     parameter_storages = {p.untyped_storage()._cdata for p in model.parameters()}
     trace = _Trace(mode, room_bytes, host_room_bytes, has_nvme, parameter_storages, compute_dtype, plain_type)
 
@@ -221,7 +237,7 @@ def trace_activations(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], 
     finally:
         for h in handles:
             h.remove()
-    return groups
+    return groups, trace.host_peak_bytes
 
 
 def _call_forward(model: nn.Module, tokens: torch.Tensor) -> Any:
@@ -251,7 +267,24 @@ def plan_activations(build: "Callable[[], nn.Module] | str", config: "OffloadCon
     device_budget, tiers; a CPU device, one process) does with the activations of one
     forward of ``batch`` sequences of ``seq_len`` tokens, the model built by ``build()``
     (or ``"module:factory"``) without memory. ValueError for a bad argument, for a config
-    wrap refuses, or a model that cannot run without values."""
+    wrap refuses, or a model that cannot run without values, and where the run's forward
+    would raise one (activations beyond their host room without a swap_dir)."""
+    return _plan(build, config, seq_len, batch, unit_classes, bounded=True)
+
+
+def activation_host_share(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict", seq_len: int,
+                          batch: int, unit_classes: Sequence[str] = ()) -> int:
+    """[Note: activation host room] The activation_host_bytes that keeps the host buffers of
+    one forward (as ``plan_activations``) in RAM beside the engine's own host needs:
+    their peak with no bound, or as much as host_budget holds beside those needs at their
+    least. ``config``'s own activation_host_bytes plays no part."""
+    config = dataclasses.replace(OffloadConfig.from_any(config), activation_host_bytes=None)
+    return _plan(build, config, seq_len, batch, unit_classes, bounded=False).host_share_bytes
+
+
+def _plan(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict", seq_len: int, batch: int,
+          unit_classes: Sequence[str], bounded: bool) -> ActivationPlan:
+    """The plan; with ``bounded`` False the groups as if the host room had no bound."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     config = OffloadConfig.from_any(config)
@@ -279,6 +312,9 @@ def plan_activations(build: "Callable[[], nn.Module] | str", config: "OffloadCon
         layout = resolve_placement(config, torch.device("cpu"), None, sizes)
         room = activation_room_bytes(sizes, layout, check_device_budget(sizes, layout))
         host_room = activation_host_room_bytes(layout, check_host_budget(sizes, layout).total)
+        # [Note: activation host room] what host_budget can give the activations at most
+        share_cap = None if layout.host_budget is None else \
+            max(0, layout.host_budget - minimum_state_host_bytes(config, torch.device("cpu"), None, sizes))
         # the engine's activations have swap space beyond the host room where swap_dir is set
         # (offload plan without --swap-dir sets a placeholder: it writes nothing)
         from offload.plan import NO_SWAP_DIR
@@ -287,16 +323,23 @@ def plan_activations(build: "Callable[[], nn.Module] | str", config: "OffloadCon
                                  unit_classes or config.unit_classes, config.unit_predicate)
         units = [(s.name, s.module) for s in specs if s.module is not None]
         tokens = torch.zeros(batch, seq_len, dtype=torch.long)
-        try:
-            groups = trace_activations(model, units, lambda: _call_forward(model, tokens), config.activation_offload,
-                                       room, layout_dtype, host_room, has_nvme,
-                                       plain_type=FakeTensor)
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"--model: its forward cannot run without values (under FakeTensorMode): "
-                             f"{type(e).__name__}: {e}") from None
-    return ActivationPlan(config.activation_offload, seq_len, batch, room, host_room, groups)
+
+        def trace(host_room_bytes: Optional[int]) -> Tuple[Tuple[GroupPlan, ...], int]:
+            try:
+                return trace_activations(model, units, lambda: _call_forward(model, tokens),
+                                         config.activation_offload, room, layout_dtype, host_room_bytes, has_nvme,
+                                         plain_type=FakeTensor)
+            except ValueError:
+                raise
+            except Exception as e:
+                raise ValueError(f"--model: its forward cannot run without values (under FakeTensorMode): "
+                                 f"{type(e).__name__}: {e}") from None
+
+        unbounded, needed = trace(None)
+        fits = not bounded or host_room is None or needed <= host_room
+        groups, peak = (unbounded, needed) if fits else trace(host_room)
+    share = needed if share_cap is None else min(needed, share_cap)
+    return ActivationPlan(config.activation_offload, seq_len, batch, room, host_room, groups, peak, needed, share)
 
 
 def activation_report(plan: ActivationPlan) -> List[str]:
@@ -314,4 +357,10 @@ def activation_report(plan: ActivationPlan) -> List[str]:
                      + (f"-> {g.where} {format_size(g.moved_bytes)}" if g.where != "keep" else "kept"))
     lines.append(f"  total: saved {format_size(plan.saved_bytes)}, kept on the device {format_size(plan.kept_bytes)}, "
                  f"to host {format_size(plan.moved_bytes('host'))}, to NVMe {format_size(plan.moved_bytes('nvme'))}")
+    if plan.host_needed_bytes:
+        lines.append(f"  in host RAM at once: {format_size(plan.host_peak_bytes)} ({plan.host_peak_bytes} bytes); "
+                     f"all of them there would take {plan.host_needed_bytes} bytes: "
+                     f"activation_host_bytes={plan.host_share_bytes} keeps "
+                     + ("them" if plan.host_share_bytes == plan.host_needed_bytes else "as much as host_budget can")
+                     + " beside the engine's own host needs, placement included")
     return lines

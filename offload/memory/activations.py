@@ -50,8 +50,9 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   earlier groups have left) is a RuntimeError naming device_budget, the unit and the
   bytes. Host buffers are counted by the host tier as unplanned bytes (their
   size is known only once a forward has run) and held within the host room,
-  ``budget.activation_host_room_bytes``: host_budget less what wrap planned (none where
-  gradients spill). A group that would pass it first waits for the swap writes in flight,
+  ``budget.activation_host_room_bytes``: host_budget less what wrap planned, at least the
+  activations' share, activation_host_bytes ([Note: activation host room] in budget.py).
+  A group that would pass it first waits for the swap writes in flight,
   then the earliest groups of the forward in host RAM are written on to NVMe (the store has
   an NVMe tier wherever swap_dir is set, whatever the mode), so within a forward the groups
   on NVMe come before those in RAM and backward reads them back once the later ones have

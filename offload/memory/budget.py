@@ -160,13 +160,25 @@ def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: Dev
     return arena.capacity_numel * element_bytes - guaranteed_slot_bytes
 
 
+# [Note: activation host room] host_budget bounds the engine's own host needs (homes,
+# staging, gradients: ``host_bytes``) and the saved activations' host buffers ([Note: saved
+# activations] in memory/activations.py) together. The engine's needs are planned at wrap,
+# the activations only seen in forward, so the two share the budget by one rule:
+# ``Layout.activation_host_bytes`` (the config's activation_host_bytes, else 0) is the
+# activations'; the engine's needs fit in the rest (``Layout.state_host_budget``: checked by
+# check_host_budget, met by spilling gradients in gradient_spill, and filled by "auto"
+# placement, placement.place_units); the activations may hold whatever the rest leaves
+# (``activation_host_room_bytes``), at least their share. So "auto" placement never takes
+# the activations' share, and the two never pass host_budget. ``offload plan --seq-len``
+# (plan_activations.host_bytes_needed) gives the share one forward needs.
 def activation_host_room_bytes(layout: Layout, planned_host_bytes: int) -> Optional[int]:
-    """[Note: saved activations] What the saved activations' host buffers may hold: the
-    host budget less what wrap planned (``check_host_budget(...).total``; none left where
-    gradients spill, whose allowance takes the rest). None with no host budget."""
+    """[Note: activation host room] What the saved activations' host buffers may hold: the
+    host budget less what wrap planned (``check_host_budget(...).total``), at least
+    ``layout.activation_host_bytes`` (where gradients spill their allowance takes the rest
+    of the engine's share, and the activations get theirs). None with no host budget."""
     if layout.host_budget is None:
         return None
-    return max(0, layout.host_budget - planned_host_bytes)
+    return layout.host_budget - min(planned_host_bytes, layout.state_host_budget)
 
 
 def check_gathered_fits(root_numel: int, wanted: Sequence[Tuple[str, int]], element_bytes: int,
@@ -499,7 +511,7 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
     host_budget and the sizes when even spilling cannot fit the run: the fixed host needs
     plus a bounce buffer, one unit's gradients (the unit backward is producing) and the
     tied gradients held through backward ([Note: shared parameter gradients])."""
-    budget = layout.host_budget
+    budget = layout.state_host_budget  # [Note: activation host room]
     if budget is None or not _can_spill(layout):
         return None
     planned = host_bytes(units, layout)
@@ -510,7 +522,7 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
     grads = f"{DTYPE_NAMES[layout.grad_dtype]} gradients"
     if not layout.needs_nvme:
         raise ValueError(
-            f"host_budget: {format_size(budget)} ({budget} bytes) is below the step's {grads} "
+            f"host_budget: {_budget_text(layout)} is below the step's {grads} "
             f"({format_size(planned.gradients)}) plus the rest of the host needs ({detail or 'none'}); "
             "gradients beyond the budget are spilled to NVMe, which needs a tier on NVMe "
             "(param_tier or optimizer_tier 'nvme' and swap_dir)")
@@ -518,12 +530,13 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
     needed = fixed + bounce + room + held
     if budget < needed:
         raise ValueError(
-            f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this configuration "
+            f"host_budget: {_budget_text(layout)} is too small: this configuration "
             f"holds {detail or 'nothing else'} on the host, plus {format_size(room)} for the gradients of "
             f"the unit backward is producing (and of one an update reads back meanwhile), "
             f"{format_size(bounce)} to spill them to NVMe"
             + (f" and {format_size(held)} for tied parameters' gradients, held through backward" if held else "")
-            + f" (of {format_size(planned.gradients)} {grads} in all); at least {needed} bytes are needed")
+            + f" (of {format_size(planned.gradients)} {grads} in all); at least "
+            f"{needed + layout.activation_host_bytes} bytes are needed")
     # The room (_spill_floor) is kept free: a unit's gradient arrives whole from autograd
     # before it can be spilled, and an update may read another back meanwhile, so RAM holds
     # the allowance plus those. The held tied gradients count inside the allowance, which the
@@ -534,23 +547,35 @@ def gradient_spill(units: Sequence[UnitSizes], layout: Layout) -> Optional[Gradi
 def minimum_host_budget(units: Sequence[UnitSizes], layout: Layout) -> int:
     """The smallest ``host_budget`` wrap accepts: every byte of ``host_bytes``, or, where
     gradients can be spilled (a CPU device, one rank, a tier on NVMe), the fixed needs and
-    the spill's floor (``_spill_floor``) ([Note: gradient spill])."""
+    the spill's floor (``_spill_floor``) ([Note: gradient spill]); plus the activations'
+    share ([Note: activation host room])."""
     planned = host_bytes(units, layout)
     if not (_can_spill(layout) and layout.needs_nvme):
-        return planned.total
+        return planned.total + layout.activation_host_bytes
     bounce, room, held = _spill_floor(units, layout)
-    return min(planned.total, planned.total - planned.gradients + bounce + room + held)
+    fixed_and_floor = planned.total - planned.gradients + bounce + room + held
+    return min(planned.total, fixed_and_floor) + layout.activation_host_bytes
+
+
+def _budget_text(layout: Layout) -> str:
+    """host_budget for an error, with the activations' share ([Note: activation host room])."""
+    budget = layout.host_budget
+    text = f"{format_size(budget)} ({budget} bytes)"
+    if layout.activation_host_bytes:
+        text += (f" less activation_host_bytes {format_size(layout.activation_host_bytes)} "
+                 f"({layout.activation_host_bytes} bytes) kept for activations")
+    return text
 
 
 def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     """What a run holds on the host, or a ValueError naming host_budget when that is more
     (gradients beyond the budget spilled to NVMe are not: see ``gradient_spill``)."""
     planned = host_bytes(units, layout)
-    budget = layout.host_budget
+    budget = layout.state_host_budget  # [Note: activation host room]
     needed = planned.total
     if budget is not None and needed > budget and gradient_spill(units, layout) is None:
         detail = ", ".join(f"{k} {format_size(v)}" for k, v in planned.parts().items() if v)
         raise ValueError(
-            f"host_budget: {format_size(budget)} ({budget} bytes) is too small: this "
+            f"host_budget: {_budget_text(layout)} is too small: this "
             f"configuration holds {detail} on the host, {needed} bytes in all")
     return planned

@@ -127,6 +127,9 @@ class Layout:
     delayed_update_warmup_steps: int
     # [Note: saved activations] None, "host", "nvme" or "auto"
     activation_offload: Optional[str] = None
+    # [Note: activation host room] (memory/budget.py) host_budget bytes kept for the saved
+    # activations' host buffers: the rest holds the engine's own host needs
+    activation_host_bytes: int = 0
     # [Note: compact optimizer states] (memory/compact_codec.py) optimizer_states="compact"
     compact_states: bool = False
 
@@ -186,6 +189,12 @@ class Layout:
         if self.delayed_update:
             return True
         return index != 0 and (not self.spare_units or self.spare_units[index])
+
+    @property
+    def state_host_budget(self) -> Optional[int]:
+        """[Note: activation host room] What the engine's own host needs (homes, staging,
+        gradients) may hold: host_budget less the activations' share. None: no budget."""
+        return None if self.host_budget is None else self.host_budget - self.activation_host_bytes
 
     def home_copies(self, index: int, trainable: bool) -> Tuple[int, int]:
         """How many compute copies, and how many masters and moments, unit ``index`` keeps
@@ -280,8 +289,19 @@ class Layout:
             delayed_update=config.delayed_update,
             delayed_update_warmup_steps=config.delayed_update_warmup_steps,
             activation_offload=config.activation_offload,
+            activation_host_bytes=_activation_host_bytes(config, host_budget),
             compact_states=config.optimizer_states == "compact",
         )
+
+
+def _activation_host_bytes(config: OffloadConfig, host_budget: Optional[int]) -> int:
+    """[Note: activation host room] config.activation_host_bytes (0 when None), checked
+    against the host budget the run takes (the default one too: the config checked a given one)."""
+    reserved = config.activation_host_bytes or 0
+    if host_budget is not None and reserved > host_budget:
+        raise ValueError(f"activation_host_bytes: {reserved} bytes is more than the host budget "
+                         f"({host_budget} bytes: 3/4 of the memory available now), which it is part of")
+    return reserved
 
 
 def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, device_is_host: bool) -> None:

@@ -13,7 +13,8 @@ process). Otherwise the choice is per unit, host RAM or NVMe: it starts from eve
 (or, without a swap_dir, on the host) and moves roles to the host one at a time, best first,
 as long as the host budget still holds everything else the run keeps there, counted by the
 one budget arithmetic (memory/budget.py ``host_bytes``: staging slots, spare homes of
-speculative updates, gradients):
+speculative updates, gradients), less the saved activations' share of it
+(activation_host_bytes: [Note: activation host room] in memory/budget.py):
 
 - A role's worth is the NVMe time it saves per step per byte of RAM it takes, from the
   profile's bandwidths: a compute copy is read in forward and again in backward (the root
@@ -195,15 +196,18 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
     assert host_budget is not None, "Layout gives host_budget a default when a tier is auto"
     everything = (tuple("host" if auto_compute else t for t in compute),
                   tuple("host" if auto_states and t else t for t in states))
-    if host_bytes(units, layout_for(*everything)).total <= host_budget:
-        return everything  # no NVMe traffic at all (and no staging slots or spare homes)
     layout = layout_for(tuple(compute), tuple(states))
+    # [Note: activation host room] the activations' share is never placed into
+    reserved = layout.activation_host_bytes
+    if host_bytes(units, layout_for(*everything)).total + reserved <= host_budget:
+        return everything  # no NVMe traffic at all (and no staging slots or spare homes)
     floor = minimum_host_budget(units, layout)
     if host_budget < floor:
         raise ValueError(
             f"host_budget: {format_size(host_budget)} ({host_budget} bytes) is too small even with every "
             f"'auto' state on NVMe: the run keeps {format_size(floor)} ({floor} bytes) in RAM "
-            "(staging buffers, the gradients of the units in flight and whatever an explicit tier puts there)")
+            "(staging buffers, the gradients of the units in flight and whatever an explicit tier puts there"
+            + (f", and activation_host_bytes {format_size(reserved)} for activations" if reserved else "") + ")")
     bandwidth = profile["bandwidth_bytes_per_second"]
     read, write = 1.0 / bandwidth["nvme_read"], 1.0 / bandwidth["nvme_write"]
     gradient_worth = read + write  # a spilled gradient byte is written and read back once a step
@@ -226,7 +230,8 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
         trial = layout_for(tuple(trial_compute), tuple(trial_states))
         # worth more than a spilled gradient: only the spill's floor of gradients stays in RAM
         # (where gradients can spill: [zero] several ranks keep them all)
-        need = minimum_host_budget(units, trial) if worth > gradient_worth else host_bytes(units, trial).total
+        need = minimum_host_budget(units, trial) if worth > gradient_worth \
+            else host_bytes(units, trial).total + reserved
         if need <= host_budget:
             compute, states, layout = trial_compute, trial_states, trial
     return tuple(compute), tuple(states)
@@ -252,21 +257,44 @@ def resolve_placement(config: OffloadConfig, device: torch.device, partition: An
     if auto and base.host_budget is None and config.swap_dir is not None:
         raise ValueError("host_budget: 'auto' tiers with a swap_dir need a host budget, and the memory "
                          "available could not be read on this system; give host_budget")
-    param_tier = config.param_tier
-    # Not with delayed updates, which keep a lagging compute copy at home, nor where the run
-    # may update speculatively (clipping, fp16 or skips), which a device-homed compute copy
-    # rules out: there the compute copies stay at home, as with param_tier "host".
-    if param_tier == "auto" and not config.delayed_update and not (partition is not None and partition.shards_params) \
-            and not (config.needs_norm_first() and config.speculative_updates is not False) and (
-            config.device_budget is None
-            or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):
-        param_tier = "device"  # every compute copy fits the device budget: no fetch at all
+    param_tier = _param_tier(config, partition, units, base)
     tiers = place_units(units, layout_for, param_tier=param_tier, optimizer_tier=config.optimizer_tier,
                         host_budget=base.host_budget, has_swap=config.swap_dir is not None, profile=profile)
     layout = layout_for(*tiers)
     if config.speculative_updates is None and layout.speculative and config.swap_dir is not None:
         layout = fit_spares_to_swap(units, layout, usable_bytes(config.swap_dir))
     return layout
+
+
+def _param_tier(config: OffloadConfig, partition: Any, units: Sequence[UnitSizes], base: Layout) -> str:
+    """config.param_tier, or "device" for an "auto" one where every compute copy fits the
+    device budget. Not with delayed updates, which keep a lagging compute copy at home, nor
+    where the run may update speculatively (clipping, fp16 or skips), which a device-homed
+    compute copy rules out: there the compute copies stay at home, as with param_tier "host"."""
+    if config.param_tier == "auto" and not config.delayed_update \
+            and not (partition is not None and partition.shards_params) \
+            and not (config.needs_norm_first() and config.speculative_updates is not False) and (
+            config.device_budget is None
+            or config.device_budget >= minimum_device_budget(units, "device", base.compute_element_bytes)):
+        return "device"  # no fetch at all
+    return config.param_tier
+
+
+def minimum_state_host_bytes(config: OffloadConfig, device: torch.device, partition: Any,
+                             units: Sequence[UnitSizes]) -> int:
+    """[Note: activation host room] The host RAM the engine's own needs take at least under
+    ``config``'s tiers (every "auto" role where placement starts: on NVMe with a swap_dir,
+    else on the host; gradients spilled where they can be): what host_budget holds beside
+    activation_host_bytes at the most (``minimum_host_budget`` less that share)."""
+    config = dataclasses.replace(config, activation_host_bytes=None)
+    base = Layout.resolve(config, device, partition)
+    param_tier = _param_tier(config, partition, units, base)
+    start = "nvme" if config.swap_dir is not None else "host"
+    compute = tuple(start if param_tier == "auto" else param_tier for _ in units)
+    states = tuple((start if config.optimizer_tier == "auto" else config.optimizer_tier) if u.trainable else ""
+                   for u in units)
+    layout = Layout.resolve(config, device, partition, (compute, states), base.host_budget)
+    return minimum_host_budget(units, layout)
 
 
 # [Note: speculative updates] Spare homes, an optional speed-up, take at most this share of
@@ -396,9 +424,10 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
     # skip_nonfinite_steps) or over micro-steps; early updates consume them as backward goes.
     waiting = layout.max_grad_norm is not None or layout.fp16 or layout.skip_nonfinite_steps or \
         layout.accumulation_steps > 1 or not layout.early_allowed
-    if waiting and layout.needs_nvme and layout.host_budget is not None and planned.total > layout.host_budget:
+    budget = layout.state_host_budget  # [Note: activation host room]
+    if waiting and layout.needs_nvme and budget is not None and planned.total > budget:
         # what budget.gradient_spill leaves beyond its allowance
-        spilled = min(planned.gradients, planned.total - layout.host_budget + spill_floor_bytes(units, layout)
+        spilled = min(planned.gradients, planned.total - budget + spill_floor_bytes(units, layout)
                       - held_shared_bytes(units, layout))
         read += spilled
         write += spilled

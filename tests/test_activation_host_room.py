@@ -1,0 +1,142 @@
+"""[Note: activation host room] (offload/memory/budget.py): host_budget is shared between the
+engine's own host needs, "auto" placement included, and the saved activations' host buffers.
+activation_host_bytes is the activations' share: placement never takes it, so "auto" tiers
+with activation_offload stay within host_budget and keep the activations in RAM where the
+budget has room for them, and `offload plan --seq-len` gives the share and agrees with wrap."""
+import json
+
+import pytest
+import torch
+
+import offload
+from offload import plan
+from offload.cli import main
+from offload.gpt import GPT, GPTConfig
+from offload.memory.budget import UnitSizes, check_host_budget, minimum_host_budget
+from offload.plan_activations import activation_host_share, plan_activations
+
+from support import make_opt
+
+CFG = GPTConfig(vocab_size=64, seq_len=32, d_model=64, num_heads=2, num_layers=5)
+BATCH = 2
+# Above what the engine keeps in RAM with every "auto" role on NVMe plus the activations of
+# one forward, below what placing every role in RAM takes: "auto" placement fills it.
+HOST_BUDGET = 4_000_000
+
+
+def gpt():
+    return GPT(CFG)
+
+
+def train(config, steps=3):
+    """(losses, stats, placement, the host bytes wrap planned) of the GPT trained with ``config``."""
+    torch.manual_seed(0)
+    model = gpt()
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        planned = check_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout).total
+        for _ in range(steps):
+            b = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=g)
+            loss = engine(b[:, :-1], b[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, engine.stats(), engine.placement(), planned
+
+
+def test_auto_placement_leaves_the_activations_their_share_of_host_budget(tmp_path):
+    config = dict(activation_offload="host", host_budget=HOST_BUDGET, swap_dir=str(tmp_path / "swap"))
+    share = activation_host_share(gpt, config, CFG.seq_len, BATCH)
+    unbounded = plan_activations(gpt, dict(config, host_budget=None), CFG.seq_len, BATCH)
+    assert share == unbounded.host_needed_bytes == unbounded.host_peak_bytes > 0  # the budget has room for all
+
+    # Without a share "auto" placement takes the room: groups that had it go on to NVMe.
+    taken = train(config)
+    act = taken[1]["activations"]
+    assert act["host_room_bytes"] < share and act["to_nvme_bytes"] > 0
+    assert taken[3] + act["host_peak_bytes"] <= HOST_BUDGET
+
+    shared = dict(config, activation_host_bytes=share)
+    predicted = plan_activations(gpt, shared, CFG.seq_len, BATCH)
+    plain = train(dict(host_budget=HOST_BUDGET, swap_dir=str(tmp_path / "swap")))
+    losses, stats, placement, planned = train(shared)
+    act = stats["activations"]
+    # every group that leaves is in RAM, none on NVMe, and the run is the one without offload
+    assert losses == plain[0]
+    assert act["to_nvme_bytes"] == act["moved_to_nvme_bytes"] == act["nvme_bytes_written"] == 0
+    assert act["to_host_bytes"] == predicted.moved_bytes("host") > 0
+    assert [dict(u) for u in act["units"]] == [vars(g) for g in predicted.groups]
+    # byte accounting: the placement's plan and the activations' buffers within host_budget
+    assert planned <= HOST_BUDGET - share
+    assert act["host_room_bytes"] == predicted.host_room_bytes == HOST_BUDGET - planned >= share
+    assert act["host_peak_bytes"] == predicted.host_peak_bytes == share
+    assert planned + act["host_peak_bytes"] <= HOST_BUDGET and stats["host_peak_bytes"] <= HOST_BUDGET
+    # placement still uses the rest: some roles in RAM, fewer than without the share
+    assert 0 < placement.bytes_per_tier()["host"] < taken[2].bytes_per_tier()["host"]
+    # offload plan's placement is wrap's
+    shape = plan.shape_from_module(gpt(), "gpt")
+    assert plan.auto_placement(shape, shared)[0] == placement
+    assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+
+
+def test_the_share_counts_where_gradients_spill(tmp_path):
+    """Where the engine's own needs pass their part of host_budget, gradients spill within
+    that part: the activations keep their share (without one the gradients hold that RAM and
+    activations go on to NVMe)."""
+    config = dict(activation_offload="host", param_tier="nvme", optimizer_tier="nvme",
+                  swap_dir=str(tmp_path / "swap"))
+    probe = plan_activations(gpt, dict(config, host_budget=None), CFG.seq_len, BATCH)
+    share = probe.host_needed_bytes
+    torch.manual_seed(0)
+    model = gpt()
+    with offload.wrap(model, make_opt(model.parameters()), config=dict(config, host_budget=None)) as engine:
+        floor = minimum_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout)
+    # a few units' gradients at most in RAM beside the activations' share
+    budget = floor + share + (64 << 10)
+    spilling = dict(config, host_budget=budget, activation_host_bytes=share)
+    losses, stats, _, _ = train(spilling)
+    plain = train(dict(config, host_budget=budget, activation_offload=None))
+    assert losses == plain[0]
+    act = stats["activations"]
+    assert stats["spilled_gradient_bytes"] > 0
+    assert act["host_room_bytes"] == share == act["host_peak_bytes"]
+    assert act["to_nvme_bytes"] == 0
+    assert stats["host_peak_bytes"] <= budget
+    assert plan_activations(gpt, spilling, CFG.seq_len, BATCH).host_room_bytes == share
+    unshared = plan_activations(gpt, dict(spilling, activation_host_bytes=None), CFG.seq_len, BATCH)
+    assert unshared.host_room_bytes < share and unshared.moved_bytes("nvme") > 0
+
+
+def test_activation_host_bytes_is_checked():
+    with pytest.raises(ValueError, match="activation_host_bytes: .*activation_offload"):
+        offload.OffloadConfig(activation_host_bytes="1MiB")
+    with pytest.raises(ValueError, match="activation_host_bytes: .*host_budget"):
+        offload.OffloadConfig(activation_offload="host", host_budget="1MiB", activation_host_bytes="2MiB")
+    with pytest.raises(ValueError, match="activation_host_bytes"):
+        offload.OffloadConfig(activation_offload="host", activation_host_bytes="lots")
+    # explicit tiers: the engine's own needs must fit beside the share, else host_budget is named
+    torch.manual_seed(0)
+    model = gpt()
+    with pytest.raises(ValueError, match=r"host_budget: .* less activation_host_bytes"):
+        offload.wrap(model, make_opt(model.parameters()),
+                     config=dict(activation_offload="host", param_tier="host", optimizer_tier="host",
+                                 host_budget=HOST_BUDGET, activation_host_bytes=HOST_BUDGET - 1000))
+
+
+def test_cli_reserves_the_predicted_share_and_places_beside_it(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "offload.gpt:GPT", "--seq-len", "64", "--batch", "2", "--activation-offload", "host",
+            "--host-budget", "60MiB", "--swap-dir", str(tmp_path), "--dtype", "bf16", "--json", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    act, auto = saved["activations"], saved["auto"]
+    config = dict(device="cpu", dtype="bf16", activation_offload="host", host_budget=60 << 20, swap_dir=str(tmp_path))
+    share = activation_host_share("offload.gpt:GPT", config, 64, 2)
+    assert act["host_share_bytes"] == act["host_needed_bytes"] == act["host_peak_bytes"] == share > 0
+    assert auto["activation_host_bytes"] == share and act["to_nvme_bytes"] == 0
+    assert f"activation_host_bytes={share}" in text and "kept for activations" in text
+    shape = plan.shape_from_model("offload.gpt:GPT")
+    placed = plan.auto_placement(shape, dict(config, activation_host_bytes=share))[0]
+    assert [tuple(u.values()) for u in auto["units"]] == [tuple(vars(u).values()) for u in placed.units]
