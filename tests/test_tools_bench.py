@@ -761,8 +761,13 @@ def test_sweep_and_defaults_start_from_the_harness_spec():
 
 
 def test_bench_train_activations_rows_keep_recompute_and_move(tmp_path):
-    """--activations: per sequence length, keep (nothing moves, the activations counted),
-    recompute, host, nvme and auto (within its budget); the table and the JSON rows."""
+    """--activations: per sequence length, none (the baseline), keep (nothing moves, the
+    activations counted), recompute, host, nvme and auto (within its budget); the table and
+    the JSON rows. Each row's byte columns (kept, to host, to NVMe, per unit, the host
+    buffers' peak) are what offload plan --seq-len predicts for the config it ran."""
+    from offload.gpt import GPT, GPTConfig
+    from offload.plan_activations import plan_activations
+
     out = tmp_path / "activations.json"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.run(
@@ -770,16 +775,25 @@ def test_bench_train_activations_rows_keep_recompute_and_move(tmp_path):
          "--steps", "1", "--warmup", "1", "--swap-dir", str(tmp_path / "swap"), "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "x keep" in proc.stdout
+    assert "x keep" in proc.stdout and "x none" in proc.stdout
     rows = {r["row"]: r for r in json.loads(out.read_text())}
-    assert sorted(rows) == ["auto", "host", "keep", "nvme", "recompute"]
+    assert sorted(rows) == ["auto", "host", "keep", "none", "nvme", "recompute"]
     keep, recompute, host, nvme = rows["keep"], rows["recompute"], rows["host"], rows["nvme"]
     assert keep["activations"]["moved_to_host_bytes"] == 0 and keep["activations"]["device_peak_bytes"] > 0
+    assert rows["none"]["activations"]["device_peak_bytes"] == 0  # outside the engine's counters
     assert recompute["activations"]["device_peak_bytes"] < keep["activations"]["device_peak_bytes"]
     assert host["activations"]["to_host_bytes"] > 0 and host["device_peak_bytes"] < keep["device_peak_bytes"]
     assert nvme["activations"]["to_nvme_bytes"] == host["activations"]["to_host_bytes"]
     assert nvme["activations"]["nvme_bytes_written"] > 0
+    assert 0 < rows["auto"]["activations"]["to_host_bytes"] <= host["activations"]["to_host_bytes"]
     assert list((tmp_path / "swap").iterdir()) == []
+    for name in ("keep", "host", "nvme", "auto"):
+        r = rows[name]
+        plan = plan_activations(lambda: GPT(GPTConfig(**r["model"])), r["config"], r["seq_len"], r["batch"])
+        act = r["activations"]
+        assert act["units"] == [vars(g) for g in plan.groups], name
+        assert (act["kept_bytes"], act["to_host_bytes"], act["to_nvme_bytes"], act["host_peak_bytes"]) == \
+            (plan.kept_bytes, plan.moved_bytes("host"), plan.moved_bytes("nvme"), plan.host_peak_bytes), name
 
 
 def test_the_compact_plan_of_the_3b_shape_in_docs_performance_is_what_offload_plan_prints(tmp_path):

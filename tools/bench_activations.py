@@ -4,6 +4,8 @@ kept, recomputed or moved ([Note: saved activations] in offload/memory/activatio
 Per dtype and sequence length (--seq-lens; default 256 512 1024 2048 4096, --quick 32 64),
 the GPT of --model at that length, batch --batch, every compute copy on the device
 (param_tier="device", optimizer_tier="host"), each row a fresh subprocess:
+  none       activation_offload=None: the model's activations where it puts them, outside
+             the engine's counters (the step-time baseline; its device peak counts none)
   keep       activation_offload="auto" with no device budget: every saved tensor stays on
              the device and is counted, nothing moves (the no-offload peak, measured)
   recompute  keep with every block under torch.utils.checkpoint (non-reentrant)
@@ -12,11 +14,14 @@ the GPT of --model at that length, batch --batch, every compute copy on the devi
   auto       activation_offload="auto" with device_budget = keep's peak less half of its
              activations (at least host's peak): the earliest units' move, only as many as
              the budget needs
-Columns: the device peak (compute copies, gradients on their way out, activations kept),
-its ratio to keep's, the step time (median of the timed steps) and its ratio to keep's, and
-the activation bytes moved to host and to NVMe in the last step. On a CPU-only machine the
-"device" is RAM and every copy is a memcpy: the ratios say what moving costs there, not on
-a GPU.
+Columns: the device peak the engine accounts (compute copies, gradients on their way out,
+activations kept) and its ratio to keep's, the step time (median of the timed steps) and its
+ratio to none's, and the activation bytes of the last step's forward kept on the device,
+moved to host RAM and to NVMe, and the peak of their host buffers. Each row's JSON carries
+the config it ran (``config``), so that ``offload plan --seq-len`` (plan_activations) can
+predict its byte columns (tests/test_tools_bench.py checks they are equal). On a CPU-only
+machine the "device" is RAM and every copy is a memcpy: the ratios say what moving costs
+there, not on a GPU.
 
     python tools/bench_train.py --activations --dtypes bf16 --model small
 
@@ -29,10 +34,10 @@ import statistics
 import sys
 import tempfile
 
-from train_harness import (GiB, batch_size, build_gpt, make_batch, model_config, run_row, timed_loop,
+from train_harness import (MiB, batch_size, build_gpt, make_batch, model_config, run_row, timed_loop,
                            QUICK_STEPS, STEPS, WARMUP_STEPS)
 
-ROWS = ("keep", "recompute", "host", "nvme", "auto")
+ROWS = ("none", "keep", "recompute", "host", "nvme", "auto")
 SEQ_LENS, QUICK_SEQ_LENS = (256, 512, 1024, 2048, 4096), (32, 64)
 
 
@@ -65,7 +70,8 @@ def run_worker(spec: dict) -> dict:
         seconds, _ = timed_loop(step, spec["warmup"], spec["steps"])
         stats = engine.stats()
     return {"step_seconds_all": seconds, "device_peak_bytes": stats["device_peak_bytes"],
-            "activations": stats["activations"], "seq_len": spec["seq_len"]}
+            "activations": stats["activations"], "seq_len": spec["seq_len"], "batch": spec["batch"],
+            "model": model_cfg, "config": config}
 
 
 def main(args) -> int:
@@ -80,13 +86,14 @@ def main(args) -> int:
         for dtype in args.dtypes:
             for seq_len in seq_lens:
                 spec = dict(base, dtype=dtype, seq_len=seq_len)
+                rows = [run_row(dict(spec, row="none", config=dict(activation_offload=None)), args.row_timeout)]
                 keep = run_row(dict(spec, row="keep", config=dict(activation_offload="auto")), args.row_timeout)
-                rows = [keep]
+                rows.append(keep)
                 for row, config in (("recompute", dict(activation_offload="auto")),
                                     ("host", dict(activation_offload="host")),
                                     ("nvme", dict(activation_offload="nvme", swap_dir=swap_dir))):
                     rows.append(run_row(dict(spec, row=row, config=config), args.row_timeout))
-                host = rows[2]
+                host = rows[3]
                 if "error" not in keep and "error" not in host:
                     # half the activations kept, but not below what "host" needed (the last
                     # unit's stay whatever the budget)
@@ -114,17 +121,20 @@ def main(args) -> int:
 
 
 def print_table(results: list, out) -> None:
-    print(f"{'dtype':5} {'seq':>5} {'row':9} {'device peak GiB':>15} {'x keep':>7} {'step s':>8} {'x keep':>7} "
-          f"{'to host MiB':>11} {'to nvme MiB':>11}", file=out)
-    keep = {(r["dtype"], r["seq_len"]): r for r in results if r["row"] == "keep" and "error" not in r}
+    """One line per row; activation bytes are the last step's (kept, to host, to NVMe) and
+    the host buffers' peak since wrap, in MiB."""
+    print(f"{'dtype':5} {'seq':>5} {'row':9} {'device peak MiB':>15} {'x keep':>7} {'step s':>8} {'x none':>7} "
+          f"{'kept MiB':>9} {'to host MiB':>11} {'to nvme MiB':>11} {'host peak MiB':>13}", file=out)
+    by_row = {(r["dtype"], r["seq_len"], r["row"]): r for r in results if "error" not in r}
     for r in results:
         head = f"{r['dtype']:5} {r['seq_len']:>5} {r['row']:9}"
         if "error" in r:
             print(f"{head} FAILED: {r['error']}", file=out)
             continue
-        k = keep.get((r["dtype"], r["seq_len"]))
+        keep, none = (by_row.get((r["dtype"], r["seq_len"], row)) for row in ("keep", "none"))
         act = r["activations"]
-        print(f"{head} {r['device_peak_bytes'] / GiB:>15.3f} "
-              f"{r['device_peak_bytes'] / k['device_peak_bytes'] if k else float('nan'):>7.2f} "
-              f"{r['step_seconds']:>8.3f} {r['step_seconds'] / k['step_seconds'] if k else float('nan'):>7.2f} "
-              f"{act['to_host_bytes'] / 2**20:>11.1f} {act['to_nvme_bytes'] / 2**20:>11.1f}", file=out)
+        print(f"{head} {r['device_peak_bytes'] / MiB:>15.1f} "
+              f"{r['device_peak_bytes'] / keep['device_peak_bytes'] if keep else float('nan'):>7.2f} "
+              f"{r['step_seconds']:>8.3f} {r['step_seconds'] / none['step_seconds'] if none else float('nan'):>7.2f} "
+              f"{act['kept_bytes'] / MiB:>9.1f} {act['to_host_bytes'] / MiB:>11.1f} "
+              f"{act['to_nvme_bytes'] / MiB:>11.1f} {act['host_peak_bytes'] / MiB:>13.1f}", file=out)
