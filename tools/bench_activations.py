@@ -11,9 +11,9 @@ the GPT of --model at that length, batch --batch, every compute copy on the devi
   recompute  keep with every block under torch.utils.checkpoint (non-reentrant)
   host       activation_offload="host": every unit's saved tensors but the last's move
   nvme       activation_offload="nvme" (swap files under --swap-dir or a temporary directory)
-  auto       activation_offload="auto" with device_budget = keep's peak less half of its
-             activations (at least host's peak): the earliest units' move, only as many as
-             the budget needs
+  auto       activation_offload="auto" with a device_budget whose room for activations is
+             half-way between what host keeps on the device and all of them (auto_budget):
+             the earliest units' move, only as many as the budget needs
 Columns: the device peak the engine accounts (compute copies, gradients on their way out,
 activations kept) and its ratio to keep's, the step time (median of the timed steps) and its
 ratio to none's, and the activation bytes of the last step's forward kept on the device,
@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 
-from train_harness import (MiB, batch_size, build_gpt, make_batch, model_config, run_row, timed_loop,
+from train_harness import (MiB, batch_size, compute_element_bytes, build_gpt, make_batch, model_config, run_row, timed_loop,
                            QUICK_STEPS, STEPS, WARMUP_STEPS)
 
 ROWS = ("none", "keep", "recompute", "host", "nvme", "auto")
@@ -74,6 +74,22 @@ def run_worker(spec: dict) -> dict:
             "model": model_cfg, "config": config}
 
 
+def auto_budget(spec: dict, keep: dict, host: dict) -> int:
+    """The auto row's device_budget: room for the activations half-way between those "host"
+    kept on the device (the last unit's, and what never moves: auto cannot keep fewer) and
+    all of them ("keep"), beside every compute copy and the reserve for the largest
+    gradient (budget.activation_room_bytes: "auto"'s room is the budget less those two)."""
+    import torch
+
+    from offload.memory.budget import minimum_device_budget, model_unit_sizes
+
+    element_bytes = compute_element_bytes(spec["dtype"])
+    with torch.device("meta"):
+        sizes = model_unit_sizes(build_gpt(dict(spec["model"], seq_len=spec["seq_len"]), meta=True), element_bytes)
+    room = (keep["activations"]["device_peak_bytes"] + host["activations"]["device_peak_bytes"]) // 2
+    return minimum_device_budget(sizes, "device", element_bytes) + room
+
+
 def main(args) -> int:
     seq_lens = tuple(args.seq_lens or (QUICK_SEQ_LENS if args.quick else SEQ_LENS))
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
@@ -95,10 +111,7 @@ def main(args) -> int:
                     rows.append(run_row(dict(spec, row=row, config=config), args.row_timeout))
                 host = rows[3]
                 if "error" not in keep and "error" not in host:
-                    # half the activations kept, but not below what "host" needed (the last
-                    # unit's stay whatever the budget)
-                    budget = max(host["device_peak_bytes"],
-                                 keep["device_peak_bytes"] - keep["activations"]["device_peak_bytes"] // 2)
+                    budget = auto_budget(spec, keep, host)
                     rows.append(run_row(dict(spec, row="auto", config=dict(activation_offload="auto",
                                                                              device_budget=budget)),
                                         args.row_timeout))
