@@ -418,7 +418,9 @@ class ActivationStore:
             raise ValueError(
                 f"host_budget: the saved activations of unit {group.unit_name!r} ({group.num_bytes} bytes) do not "
                 f"fit in host RAM beside {self.host_bytes} bytes of activations there, within the "
-                f"{self._host_room_bytes} bytes host_budget leaves beside the engine's plan; raise host_budget"
+                f"{self._host_room_bytes} bytes host_budget leaves beside the engine's plan; raise host_budget "
+                "or activation_host_bytes, the activations' share of it, which 'auto' placement leaves free "
+                "(offload plan --seq-len prints what a forward needs)"
                 + (" (the largest unit's activations need a host buffer on their way to NVMe)"
                    if self.nvme is not None else
                    ", or set swap_dir so that activations beyond it go on to NVMe"))
