@@ -47,7 +47,7 @@ from offload.memory.residency import DeviceResidency
 from offload.memory.restored import copies_too_big, model_copies
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
-from offload.optim.compact import CompactUnit, check_compact_supported
+from offload.optim.compact import UnitCompactStates, check_compact_supported
 from offload.optim.cpu_adam import CPUAdam, adam_flavour, carried_adam_state
 from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
 from offload.optim.whole import probe_rule
@@ -235,7 +235,7 @@ class Engine:
             self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
                                 partition=self._partition, release_param=self._residency.released.release,
                                 stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state,
-                                compact_over=CompactUnit)
+                                compact=UnitCompactStates())
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
@@ -247,7 +247,7 @@ class Engine:
                 adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
                 release_grad=self._gradients.release,
                 read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
-                record_failure=self._status.set, compact_states=self._homes.compact_states,
+                record_failure=self._status.set, compact=self._homes.compact,
                 compact_step=self._adam.compact_step)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
@@ -316,7 +316,7 @@ class Engine:
                          buffer=self._homes.buffer,
                          drop_buffers=self._homes.drop_buffers,
                          release=self._residency.release, read_compact=self._homes.read_compact,
-                         compact_states=self._homes.compact_states, store=self._homes.store),
+                         compact=self._homes.compact, store=self._homes.store),
             state=EngineState(
                 closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
                 dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,

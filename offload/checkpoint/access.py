@@ -26,6 +26,7 @@ CHUNK_NUMEL = 8 << 20
 
 if TYPE_CHECKING:
     from offload.config import OffloadConfig
+    from offload.memory.compact_codec import CompactStates
     from offload.memory.layout import Layout, UnitState
     from offload.tiers import DeviceTier
     from offload.zero import Partition
@@ -74,9 +75,10 @@ class HomeIO:
     read_compact: Optional[Callable[["UnitState"], Any]] = None
     """[Note: compact optimizer states] ``read_compact(u)``: u's CompactUnit as its homes
     hold it (over them on the host, over copies read from NVMe)."""
-    compact_states: Optional[Callable[["UnitState", torch.Tensor, torch.Tensor], Any]] = None
-    """``compact_states(u, buffer, compute)``: u's CompactUnit over a compact home's bytes
-    (``buffer``) and a compute copy (``compute``, whose views are the high parts)."""
+    compact: Optional["CompactStates"] = None
+    """The CompactStates port (Homes.compact): ``compact.over(u, buffer, compute)`` is u's
+    CompactUnit over a compact home's bytes (``buffer``) and a compute copy (``compute``,
+    whose views are the high parts)."""
     store: Optional[Callable[[Any, torch.Tensor], None]] = None
     """``store(home, src)``: overwrite a whole home (host or NVMe) with ``src``."""
 
@@ -346,7 +348,7 @@ class CheckpointAccess:
                 buffer = self._homes.buffer("ckpt.compact", home.numel()).copy_(home)
             else:
                 buffer = self._homes.load_range(home, 0, home.nbytes, torch.uint8, "ckpt.compact")
-            states = self._homes.compact_states(u, buffer, compute)
+            states = self._homes.compact.over(u, buffer, compute)
             for k, e in enumerate(u.trainable):
                 param = states.param(k)
                 for a, b in self.chunks(0, e.numel):
@@ -441,7 +443,7 @@ class CheckpointAccess:
             home = u.compact_home
             nbytes = home.numel() if isinstance(home, torch.Tensor) else home.nbytes
             buffer = self._homes.buffer("ckpt.compact", nbytes).zero_()
-            states = self._homes.compact_states(u, buffer, compute)
+            states = self._homes.compact.over(u, buffer, compute)
             for k in range(len(u.trainable)):
                 fill(k, states.param(k))
             self._homes.store(home, buffer)

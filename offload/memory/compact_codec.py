@@ -45,12 +45,15 @@ bytes as they are, never fp32 states: re-encoding a decoded master may flip the 
 split at a tie."""
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_NUMEL", "NonFiniteStateError", "compact_padded_numel", "compact_state_bytes", "decode_exp_avg",
+if TYPE_CHECKING:
+    from offload.memory.layout import UnitState
+
+__all__ = ["BLOCK_NUMEL", "CompactStates", "NonFiniteStateError", "compact_padded_numel", "compact_state_bytes", "decode_exp_avg",
            "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
            "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
 
@@ -91,6 +94,19 @@ def compact_state_bytes(numel: int) -> int:
     """Bytes of compact state for ``numel`` parameters besides the bf16 compute copy: the
     int8 master low part, the two 8-bit moments and their fp32 scales."""
     return 3 * numel + 2 * 4 * num_blocks(numel)
+
+
+class CompactStates(Protocol):
+    """The port through which the homes (memory/homes.py), the staged step (optim/step.py)
+    and the checkpoint code see a unit's compact states: one object over bytes and a
+    compute copy that the caller holds. Implemented above memory, beside the step that
+    runs on it (optim/compact.py, ``UnitCompactStates``); the engine builds the one
+    instance and hands it to Homes, which the others reach it through (``Homes.compact``)."""
+
+    def over(self, u: "UnitState", buffer: torch.Tensor, compute: torch.Tensor) -> Any:
+        """u's CompactUnit over ``buffer`` (u's compact home, or a copy of its bytes: at
+        least compact_state_bytes, uint8, not touched here) and ``compute`` (u's compute
+        copy from element 0, or its trainable prefix), whose views are the high parts."""
 
 
 def _check_finite(name: str, values: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, compute_home_numel, gradient_spill,
                                    low_numel, unit_gradient_bytes)
-from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes, decode_master
+from offload.memory.compact_codec import CompactStates, decode_master
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.tiers.nvme import wait_all
@@ -45,15 +45,16 @@ class Homes:
     on the device ([Note: released parameters]); ``stats``, which counts the
     waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
     at its device copy, called once a device-homed unit's initial state is written;
-    ``compact_over(numels, buffer=, highs=)``, with compact states: the step's CompactUnit
-    over a compact home's bytes and the high parts (views of a compute copy).
+    ``compact``, with compact states: the CompactStates port (memory/compact_codec.py) that
+    gives a unit's states as one object over bytes and a compute copy. Homes holds the one
+    instance; the staged step and the checkpoint code use it as ``Homes.compact``.
     """
 
     def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], partition: Optional[Partition], release_param: Callable[[ParamEntry], None],
                  stats: Stats, bind: Callable[[UnitState], None],
                  adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None,
-                 compact_over: Optional[Callable[..., Any]] = None) -> None:
+                 compact: Optional[CompactStates] = None) -> None:
         self._units = units
         self._adam_state = adam_state or {}  # carried_adam_state: what the optimizer had, by parameter
         self._layout = layout
@@ -64,8 +65,8 @@ class Homes:
         self._release_param = release_param
         self._stats = stats
         self._bind = bind
-        # [Note: compact optimizer states] optim/compact.CompactUnit(numels, buffer=, highs=)
-        self._compact_over = compact_over
+        # [Note: compact optimizer states] None without compact states
+        self.compact = compact
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0
         # [Note: wrap scratch in the arena] write_initial_state's buffers in the device arena,
@@ -96,12 +97,12 @@ class Homes:
                                                          torch.uint8)
                     if not on_nvme(u.compact_home) and (isinstance(u.compute_home, torch.Tensor)
                                                         or layout.param_tier == "device"):
-                        u.compact = self.compact_states(u, u.compact_home, self.compute_copy(u))
+                        u.compact = self.compact.over(u, u.compact_home, self.compute_copy(u))
                     if layout.has_spare(u.index, True):  # [Note: speculative updates] (never param_tier "device")
                         u.spare = SpareHomes(self._like(layout.compute_tier(u.index), u.compute_home), None, None,
                                              list(u.steps), self._like(state_tier, u.compact_home))
                         if u.compact is not None:
-                            u.spare.compact = self.compact_states(u, u.spare.compact_home, u.spare.compute_home)
+                            u.spare.compact = self.compact.over(u, u.spare.compact_home, u.spare.compute_home)
                     continue
                 if layout.split_master:
                     u.master_home = self._allocate_home(state_tier, low_numel(u.shard.numel), torch.int16)
@@ -309,15 +310,6 @@ class Homes:
         assert self._layout.device_is_host
         return self._device.view(u.device_offset, u.compute_numel)
 
-    def compact_states(self, u: UnitState, buffer: torch.Tensor, compute: torch.Tensor) -> Any:
-        """[Note: compact optimizer states] u's CompactUnit over ``buffer`` (u's compact home,
-        or a copy of its bytes: at least compact_state_bytes, uint8) and ``compute`` (u's
-        compute copy from element 0, or its trainable prefix), whose views are the high parts."""
-        numels = [e.numel for e in u.trainable]
-        nbytes = compact_state_bytes(compact_padded_numel(numels))
-        return self._compact_over(numels, buffer=buffer[:nbytes],
-                                  highs=[compute[e.offset:e.offset + e.numel] for e in u.trainable])
-
     def _store_initial_compact(self, u: UnitState, master: torch.Tensor, compute: torch.Tensor) -> None:
         """[Note: compact optimizer states] u's compact states encoded from ``master`` (fp32,
         u's trainable prefix) and zero moments, or those the optimizer had, into its compact
@@ -326,7 +318,7 @@ class Homes:
         home = u.compact_home
         buffer = home if isinstance(home, torch.Tensor) else self.buffer("compact", home.nbytes)
         buffer.zero_()  # the padding after each parameter stays 0
-        states = self.compact_states(u, buffer, compute)
+        states = self.compact.over(u, buffer, compute)
         steps = []
         for k, e in enumerate(u.trainable):
             carried = self._adam_state.get(e.param)
@@ -350,7 +342,7 @@ class Homes:
         if compute is None:
             compute = self.compute_copy(u) if isinstance(u.compute_home, torch.Tensor) or u.compute_home is None \
                 else self.load(u.compute_home, u.spec.trainable_numel, self._layout.compute_dtype)
-        return self.compact_states(u, buffer, compute)
+        return self.compact.over(u, buffer, compute)
 
     # ------------------------------------------------------------------ the master codec
     def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:

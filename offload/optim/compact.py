@@ -22,7 +22,7 @@ from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, comp
 from offload.memory.master_codec import check_flat
 from offload.optim.cpu_adam import CPUAdam
 
-__all__ = ["CompactRange", "CompactUnit", "check_compact_supported", "compact_adam_step", "compact_adam_step_reference",
+__all__ = ["CompactRange", "CompactUnit", "UnitCompactStates", "check_compact_supported", "compact_adam_step", "compact_adam_step_reference",
            "compact_constants",
            "compact_padded_numel", "compact_unit_bytes"]
 
@@ -275,6 +275,20 @@ def compact_unit_bytes(numels: Sequence[int]) -> int:
     """Bytes a CompactUnit of parameters of ``numels`` elements holds beside the bf16
     compute copy: compact_state_bytes of its padded length."""
     return compact_state_bytes(compact_padded_numel(numels))
+
+
+class UnitCompactStates:
+    """The CompactStates port (memory/compact_codec.py) over CompactUnit: a unit's trainable
+    parameters, in unit order, each its own CompactUnit parameter. Holds nothing between
+    calls; any thread may call it ([Note: compact optimizer states])."""
+
+    def over(self, u: Any, buffer: torch.Tensor, compute: torch.Tensor) -> CompactUnit:
+        """u's CompactUnit over ``buffer`` (at least compact_unit_bytes of u's parameters,
+        uint8) and ``compute`` (u's compute copy from element 0, or its trainable prefix),
+        whose views are the high parts."""
+        numels = [e.numel for e in u.trainable]
+        return CompactUnit(numels, buffer=buffer[:compact_unit_bytes(numels)],
+                           highs=[compute[e.offset:e.offset + e.numel] for e in u.trainable])
 
 
 def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from offload import faults
 from offload.config import format_size
+from offload.memory.compact_codec import CompactStates
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
 from offload.optim.adam_ranges import OutOfPlace
@@ -98,7 +99,7 @@ class PipelinedStep:
                  load: Callable[[Any, int, torch.dtype], torch.Tensor],
                  fail_step: Callable[[BaseException, str], NoReturn],
                  record_failure: Callable[[Dict[str, Any]], None],
-                 compact_states: Optional[Callable[[UnitState, torch.Tensor, torch.Tensor], Any]] = None,
+                 compact: Optional[CompactStates] = None,
                  compact_step: Optional[Callable[..., None]] = None) -> None:
         """``slots``: the staging slots (none without a staged step). ``host_planned_bytes``:
         what the host budget check planned, which the dirty copies may not eat into. The
@@ -106,8 +107,8 @@ class PipelinedStep:
         of a unit (UnitAdam.adam_range), where a separate compute copy is written, giving a
         unit's gradients back, reading a whole master or home, stopping the engine after a
         step failed part-way (fatal) and recording a non-fatal failure (the failed writes);
-        with compact states, a unit's CompactUnit over a buffer and a compute copy
-        (Homes.compact_states) and its step (UnitAdam.compact_step)."""
+        with compact states, the CompactStates port (Homes.compact) and a CompactUnit's step
+        (UnitAdam.compact_step)."""
         self.slots = slots
         self._layout = layout
         self._root = root
@@ -126,7 +127,7 @@ class PipelinedStep:
         self._load = load
         self._fail_step = fail_step
         self._record_failure = record_failure
-        self._compact_states = compact_states
+        self._compact = compact
         self._compact_step = compact_step
         # the root's first piece, read into slot 0 under backward (prestage_root)
         self.root_prestaged: Optional[List[Any]] = None
@@ -213,7 +214,7 @@ class PipelinedStep:
             buffer = slot.compact if on_nvme(u.compact_home) else homes.compact_home
             compute = slot.compute if on_nvme(u.compute_home) else \
                 homes.compute_home if spare is not None else self._compute_target(u)
-            states = self._compact_states(u, buffer, compute)
+            states = self._compact.over(u, buffer, compute)
         self._compact_step(u, states, grad_factor, groups)
 
     @staticmethod
