@@ -59,6 +59,7 @@ from offload.optim.updates import UpdateScheduler
 from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, engine_stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.context import TierContext
 from offload.tiers.nvme import drain, wait_all
 from offload.units import split_into_units
 from offload.zero import Partition
@@ -211,6 +212,8 @@ class Engine:
                 self._nvme = NvmeTier(self._rank_swap_dir(config.swap_dir), nvme_bytes, config.io_backend, config.io_block_bytes,
                                       config.io_queue_depth, checksums=config.swap_checksums)
             self._gradients.spill_through(self._nvme)  # [Note: gradient spill]
+            # what every mechanism that moves bytes shares: the tiers, the counters, the timeline
+            tiers = TierContext(self._device, self._host, self._nvme, self.stats_counters, self._timeline)
             # [Note: saved activations] "nvme" (and any mode with a swap_dir, for activations
             # beyond the host room): swap space of their own, in a directory of their own
             # under swap_dir (a swap directory holds one run's lock)
@@ -241,14 +244,8 @@ class Engine:
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
             staging_slots = self._homes.allocate_staging(staging_shape)
             self._step_ring = PipelinedStep(
-                staging_slots, layout=layout, root=self._root, device=self._device, host=self._host,
-                nvme=self._nvme, host_planned_bytes=self._host_planned_bytes, stats=self.stats_counters,
-                timeline=self._timeline, next_steps=self._adam.next_steps, pieces=self._adam.pieces,
-                adam_range=self._adam.adam_range, compute_target=self._adam.compute_target,
-                release_grad=self._gradients.release,
-                read_master=self._homes.read_master, load=self._homes.load, fail_step=self._status.fail_step,
-                record_failure=self._status.set, compact=self._homes.compact,
-                compact_step=self._adam.compact_step)
+                staging_slots, layout=layout, tiers=tiers, homes=self._homes, adam=self._adam,
+                gradients=self._gradients, failures=self._status, host_planned_bytes=self._host_planned_bytes)
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
@@ -370,7 +367,7 @@ class Engine:
             # The root unit is updated last (its embedding gradients come last); its states
             # cannot change before then, so read them now, under backward. Slot 0 is the one
             # PipelinedStep.staged_update gives the first unit, the root (early updates use the others).
-            self._step_ring.prestage_root()
+            self._step_ring.prestage_root(root)
         start = time.perf_counter()
         self._backward_running = True
         try:

@@ -4,27 +4,34 @@ slots, piece by piece, read ahead from their homes, updated by Adam and written 
 ([Note: swap I/O failures]).
 
 ``PipelinedStep`` owns the staging slots and what the ring keeps between pieces and steps;
-the engine builds it once at wrap and hands it the tiers and the parts of the update that
-stay with the engine (Adam over a range, gradients, the homes) as plain callables.
+the engine builds it once at wrap and hands it the collaborators it talks to: the tiers
+(``TierContext``), the homes (whole-home reads on the failure paths, compact states through
+``Homes.compact``), Adam over a unit (``UnitAdam``: step counts, pieces, the kernel), the
+gradients it gives back once a unit is updated, and the failure state a failed step sets.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from offload import faults
 from offload.config import format_size
-from offload.memory.compact_codec import CompactStates
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
 from offload.optim.adam_ranges import OutOfPlace
 from offload.memory.master_codec import join_master, split_master
-from offload.stats import Stats, Timeline
-from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.stats import Stats
 from offload.tiers.nvme import drain, wait_all
 from offload.units import Residency, padded_numel
+
+if TYPE_CHECKING:
+    from offload.memory.homes import Homes
+    from offload.optim.adam_ranges import UnitAdam
+    from offload.optim.failure import FailureState
+    from offload.optim.gradients import Gradients
+    from offload.tiers.context import TierContext
 
 __all__ = ["PipelinedStep", "piece_ring"]
 
@@ -73,7 +80,7 @@ class PipelinedStep:
 
     Its part of [Note: threads] (memory/layout.py): no lock is taken here, the hand-offs are
     the update tickets the main thread waits for:
-    - ``slots[0]``, ``_slot_writer[0]`` and ``root_prestaged``: the main thread only (the
+    - ``slots[0]``, ``_slot_writer[0]``, ``root_prestaged`` and ``_prestaged_root``: the main thread only (the
       root's first piece is read into slot 0 under backward; early updates never use it).
     - ``slots[1:]``, their ``_slot_writer`` entries and ``_next_slot``: the optimizer worker
       while it runs early, deferred or delayed updates (``update_early``); the main thread
@@ -87,50 +94,28 @@ class PipelinedStep:
       both only once the worker is idle (wait_optimizer, settle_all, checkpoints).
     """
 
-    def __init__(self, slots: List[StagingSlot], *, layout: Layout, root: UnitState, device: DeviceTier,
-                 host: HostTier, nvme: Optional[NvmeTier], host_planned_bytes: int, stats: Stats,
-                 timeline: Timeline,
-                 next_steps: Callable[[UnitState], List[int]],
-                 pieces: Callable[[UnitState], List[Tuple[int, int]]],
-                 adam_range: Callable[..., None],
-                 compute_target: Callable[[UnitState], Optional[torch.Tensor]],
-                 release_grad: Callable[[UnitState], None],
-                 read_master: Callable[[UnitState], torch.Tensor],
-                 load: Callable[[Any, int, torch.dtype], torch.Tensor],
-                 fail_step: Callable[[BaseException, str], NoReturn],
-                 record_failure: Callable[[Dict[str, Any]], None],
-                 compact: Optional[CompactStates] = None,
-                 compact_step: Optional[Callable[..., None]] = None) -> None:
-        """``slots``: the staging slots (none without a staged step). ``host_planned_bytes``:
-        what the host budget check planned, which the dirty copies may not eat into. The
-        callables are the engine's: the step counts and pieces of a unit, Adam over a range
-        of a unit (UnitAdam.adam_range), where a separate compute copy is written, giving a
-        unit's gradients back, reading a whole master or home, stopping the engine after a
-        step failed part-way (fatal) and recording a non-fatal failure (the failed writes);
-        with compact states, the CompactStates port (Homes.compact) and a CompactUnit's step
-        (UnitAdam.compact_step)."""
+    def __init__(self, slots: List[StagingSlot], *, layout: Layout, tiers: TierContext, homes: Homes,
+                 adam: UnitAdam, gradients: Gradients, failures: FailureState, host_planned_bytes: int) -> None:
+        """``slots``: the staging slots (none without a staged step). ``homes``: whole-home
+        reads when a failed write keeps a unit in host RAM, and with compact states the
+        CompactStates port (``Homes.compact``). ``adam``: a unit's step counts and pieces,
+        Adam over a range, where a separate compute copy is written, the compact step.
+        ``gradients``: given back (``release``) once a unit's update is done. ``failures``:
+        stops the engine after a step failed part-way (fatal) and records a failed write
+        (not fatal). ``host_planned_bytes``: what the host budget check planned, which the
+        dirty copies may not eat into."""
         self.slots = slots
         self._layout = layout
-        self._root = root
-        self._device = device
-        self._host = host
-        self._nvme = nvme
+        self._device, self._host, self._nvme = tiers.device, tiers.host, tiers.nvme
+        self._stats, self._timeline = tiers.stats, tiers.timeline
+        self._homes = homes
+        self._adam = adam
+        self._gradients = gradients
+        self._failures = failures
         self._host_planned_bytes = host_planned_bytes
-        self._stats = stats
-        self._timeline = timeline
-        self._next_steps = next_steps
-        self._pieces = pieces
-        self._adam_range = adam_range
-        self._compute_target = compute_target
-        self._release_grad = release_grad
-        self._read_master = read_master
-        self._load = load
-        self._fail_step = fail_step
-        self._record_failure = record_failure
-        self._compact = compact
-        self._compact_step = compact_step
-        # the root's first piece, read into slot 0 under backward (prestage_root)
+        # the root's first piece, read into slot 0 under backward (prestage_root), and the root
         self.root_prestaged: Optional[List[Any]] = None
+        self._prestaged_root: Optional[UnitState] = None
         # where the early updates' ring goes on (slots 1.., [Note: the piece ring])
         self._next_slot = 0
         # [Note: swap I/O failures] which piece each staging slot is writing back, and the
@@ -213,9 +198,9 @@ class PipelinedStep:
         else:
             buffer = slot.compact if on_nvme(u.compact_home) else homes.compact_home
             compute = slot.compute if on_nvme(u.compute_home) else \
-                homes.compute_home if spare is not None else self._compute_target(u)
-            states = self._compact.over(u, buffer, compute)
-        self._compact_step(u, states, grad_factor, groups)
+                homes.compute_home if spare is not None else self._adam.compute_target(u)
+            states = self._homes.compact.over(u, buffer, compute)
+        self._adam.compact_step(u, states, grad_factor, groups)
 
     @staticmethod
     def _half_extent(u: UnitState, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
@@ -277,7 +262,7 @@ class PipelinedStep:
             # address (a unit that lives on the device: adam_range copies it there)
             compute_out, staging = slot.compute[:n], True
         else:
-            target = self._compute_target(u)
+            target = self._adam.compute_target(u)
             if target is not None and spare is not None:
                 assert target is u.compute_home  # a host home ([Note: speculative updates]: no device copy)
                 compute_in, compute_out = target[lo:hi], spare.compute_home[lo:hi]
@@ -288,7 +273,7 @@ class PipelinedStep:
         if spare is not None:  # host-homed states are read at home and written to the spares
             out = OutOfPlace(master_out, exp_avg_out, exp_avg_sq_out, compute_in)
         start = time.perf_counter()
-        self._adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
+        self._adam.adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out, staging, grad_factor,
                          copy_to_device=high is None, groups=groups, out=out)
         if high is not None:
             split_master(master, high_out, slot.low[:n])
@@ -359,14 +344,14 @@ class PipelinedStep:
         bytes) leaves some units updated and others not: the engine refuses everything and
         says to resume from the last checkpoint. Either way nothing is left in flight into a
         slot."""
-        pieces = [(u, lo, hi) for u in units for lo, hi in self._pieces(u)]
+        pieces = [(u, lo, hi) for u in units for lo, hi in self._adam.pieces(u)]
         steps: Dict[int, List[int]] = {}
         # [Note: updates through the device copy]: units resident now
         in_device = {u.index for u in units if self.device_copy_updatable(u)}
 
         def start_reads(i: int, index: int) -> List[Any]:
             u, lo, hi = pieces[i]
-            if i == 0 and u is self._root and self.root_prestaged is not None:  # read under backward
+            if i == 0 and u is self._prestaged_root and self.root_prestaged is not None:  # read under backward
                 handles, self.root_prestaged = self.root_prestaged, None
                 return handles
             self.finish_slot_writes(index)
@@ -377,7 +362,7 @@ class PipelinedStep:
             u, lo, hi = pieces[i]
             slot = self.slots[index]
             if lo == 0:
-                steps[u.index] = self._next_steps(u)
+                steps[u.index] = self._adam.next_steps(u)
             self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
             if u.index in in_device:
                 self._write_through(u, lo, hi, slot)
@@ -386,7 +371,7 @@ class PipelinedStep:
             if hi == u.master_numel:
                 u.steps = steps.pop(u.index)
                 u.update.in_device = u.index in in_device  # the whole unit went through
-                self._release_grad(u)
+                self._gradients.release(u)
             num_updated += 1
 
         num_updated = 0  # pieces[num_updated] is the one being read or updated
@@ -399,7 +384,7 @@ class PipelinedStep:
             for slot in self.slots:
                 drain(slot.pending_writes, self._stats)
             where = f"unit {pieces[num_updated][0].name!r}" if num_updated < len(pieces) else "a unit"
-            self._fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
+            self._failures.fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
         self.raise_write_errors(micro_step)
 
     def update_early(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float,
@@ -411,8 +396,8 @@ class PipelinedStep:
         homes and step counts and keeps u's gradients."""
         spare = u.spare if u.update.speculative or into_spare else None
         assert spare is not None or not into_spare, f"{u.name}: no spare homes to write"
-        steps = self._next_steps(u)
-        pieces = self._pieces(u)
+        steps = self._adam.next_steps(u)
+        pieces = self._adam.pieces(u)
         num_slots = len(self.slots) - 1
         ring = [1 + (self._next_slot + j) % num_slots for j in range(num_slots)]
         self._next_slot += len(pieces)
@@ -440,17 +425,17 @@ class PipelinedStep:
             spare.steps = steps
             return
         u.steps = steps
-        self._release_grad(u)
+        self._gradients.release(u)
 
-    def prestage_root(self) -> None:
-        """Start reading the root unit's first piece into slot 0 under backward: the root is
-        updated last (its embedding gradients come last), so its states cannot change
+    def prestage_root(self, root: UnitState) -> None:
+        """Start reading the ``root`` unit's first piece into slot 0 under backward: the root
+        is updated last (its embedding gradients come last), so its states cannot change
         before then, and staged_update gives slot 0 to the first unit, the root (early
         updates use the others)."""
         wait_all(self.slots[0].pending_writes, self._stats)
-        lo, hi = self._pieces(self._root)[0]
-        self.root_prestaged = self._issue_reads(self._root, lo, hi, self.slots[0],
-                                                self.device_copy_updatable(self._root))
+        lo, hi = self._adam.pieces(root)[0]
+        self._prestaged_root = root
+        self.root_prestaged = self._issue_reads(root, lo, hi, self.slots[0], self.device_copy_updatable(root))
 
     def wait_root_reads(self) -> None:
         """Wait for the root's prestaged reads, if any (a skipped step), raising their error."""
@@ -510,7 +495,7 @@ class PipelinedStep:
                 "engine.save_checkpoint(DIR) on a filesystem with room saves a consistent "
                 "checkpoint of this step; forward and step refuse until a checkpoint is loaded "
                 "(engine.load_checkpoint(DIR) or a new process)")}
-            self._record_failure(failure)
+            self._failures.set(failure)
             raise OSError(first.errno, failure["message"]) from first
 
     def _budget_left_bytes(self) -> Optional[int]:
@@ -549,9 +534,9 @@ class PipelinedStep:
                               f"RAM would take {format_size(held + need)}, more than the host can spare")
             dirty = {}
             if master_on_nvme:
-                dirty["master"] = self._read_master(u)
+                dirty["master"] = self._homes.read_master(u)
             if moments_on_nvme:
-                dirty["moments"] = self._load(u.moments_home, u.state_slots * u.master_numel, torch.float32)
+                dirty["moments"] = self._homes.load(u.moments_home, u.state_slots * u.master_numel, torch.float32)
             self.dirty[u.index] = dirty
         n = hi - lo
         if "master" in dirty:
