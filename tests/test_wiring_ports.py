@@ -1,0 +1,244 @@
+"""The staged optimizer step and the homes built on their own, without wrap(): each from the
+few collaborators its constructor names (the TierContext, the Homes, UnitAdam, Gradients,
+FailureState), small real ones here, so that the ports are usable by themselves.
+
+A unit's update through PipelinedStep is held against torch.optim.AdamW as tests/
+test_optim_cpu_adam.py does ([Note: how exact the tests are] there): the moments bit for bit,
+the parameters within one rounding per step (the kernel's square root is IEEE's, torch's CPU
+one MKL's)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import faults
+from offload.errors import EngineFailedError
+from offload.memory.budget import UnitSizes, check_device_budget, check_host_budget, slot_shape, swap_bytes
+from offload.memory.homes import Homes
+from offload.memory.layout import Layout, UnitState, on_nvme
+from offload.memory.placement import resolve_placement
+from offload.memory.released import ReleasedParameters
+from offload.optim.adam_ranges import UnitAdam
+from offload.optim.compact import CompactUnit, UnitCompactStates
+from offload.optim.cpu_adam import adam_flavour
+from offload.optim.failure import FailureState
+from offload.optim.gradients import Gradients
+from offload.optim.several import GroupRule, OptimizerSet
+from offload.optim.step import PipelinedStep
+from offload.stats import Stats, Timeline
+from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.context import TierContext
+from offload.units import OPTIMIZER_PIECE_NUMEL, padded_numel, split_into_units
+
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+class Tiny(nn.Module):
+    """Three units: the root (the head) and one per block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 5)
+
+
+class NoEarlyUpdates:
+    """Gradients' EarlyUpdates port with nothing to start early (no update scheduler here)."""
+
+    early_updates = False
+
+    def maybe_update_early(self) -> None:
+        raise AssertionError("no early update is asked for")
+
+
+class StandAlone:
+    """What the engine's wrap builds for the optimizer step, built by hand from the config:
+    the units, the Layout, the tiers, the Homes (every unit's initial state written home),
+    UnitAdam, Gradients and the PipelinedStep over them."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: offload.OffloadConfig) -> None:
+        device = torch.device("cpu")
+        optimizers = OptimizerSet([optimizer])
+        layout = Layout.resolve(config, device, None)
+        group_of = {p: gi for gi, group in enumerate(optimizers.param_groups) for p in group["params"]}
+        specs = split_into_units(model, group_of, layout.compute_element_bytes)
+        self.units = [UnitState(spec, layout.compute_element_bytes, 2) for spec in specs]
+        sizes = [UnitSizes.of(u) for u in self.units]
+        self.layout = layout = resolve_placement(config, device, None, sizes)
+        arena = check_device_budget(sizes, layout)
+        host_planned_bytes = check_host_budget(sizes, layout).total
+        stats, timeline = Stats(), Timeline()
+        device_tier = DeviceTier(device, layout.compute_dtype, arena.capacity_numel, arena.budget_bytes)
+        host = HostTier(layout.host_budget)
+        self.nvme = NvmeTier(config.swap_dir, swap_bytes(sizes, layout), "threads", config.io_block_bytes,
+                             config.io_queue_depth) if layout.needs_nvme else None
+        self.tiers = TierContext(device_tier, host, self.nvme, stats, timeline)
+        released = ReleasedParameters(specs, layout.compute_dtype, device, device_tier.streams, host)
+        self.homes = Homes(self.units, layout, device=device_tier, host=host, nvme=self.nvme, partition=None,
+                           release_param=released.release, stats=stats, bind=lambda u: None,
+                           compact=UnitCompactStates())
+        self.homes.allocate()
+        slots = self.homes.allocate_staging(slot_shape(sizes, layout))
+        with torch.no_grad():
+            for u in self.units:
+                self.homes.write_initial_state(u)
+        self.gradients = Gradients(self.units, layout=layout, partition=None, device=device_tier, host=host,
+                                   stats=stats)
+        self.gradients.connect(NoEarlyUpdates())
+        rules = [GroupRule(None, gi, adam_flavour(optimizer)) for gi in range(len(optimizer.param_groups))]
+        self.adam = UnitAdam(optimizers, rules, layout=layout, device=device_tier, gradients=self.gradients,
+                             timeline=timeline, piece_numel=OPTIMIZER_PIECE_NUMEL)
+        self.failures = FailureState()
+        self.step = PipelinedStep(slots, layout=layout, tiers=self.tiers, homes=self.homes, adam=self.adam,
+                                  gradients=self.gradients, failures=self.failures,
+                                  host_planned_bytes=host_planned_bytes)
+
+    def hand_gradients(self, grads: dict) -> None:
+        """Give each parameter's gradient to Gradients, as the gradient hooks do in backward."""
+        for u in self.units:
+            for k, e in enumerate(u.trainable):
+                e.param.grad = grads[e.fqn].clone()
+                self.gradients.on_grad_ready(u, k, e.param)
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+        self.tiers.host.close()
+        self.tiers.device.close()
+
+
+def _config(tmp_path, **fields) -> offload.OffloadConfig:
+    return offload.OffloadConfig(**{"device": "cpu", "dtype": "fp32", "param_tier": "host", "optimizer_tier": "nvme",
+                                    "swap_dir": str(tmp_path / "swap"), **fields})
+
+
+def _holds_gradients(u: UnitState) -> bool:
+    return u.grad is not None or any(g is not None for g in u.param_grads)
+
+
+def _grads(model: nn.Module) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    return {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("param_tier,dtype", [("host", "fp32"), ("nvme", "bf16")])
+def test_one_unit_through_the_pipelined_step_built_alone_is_torchs_adamw(tmp_path, param_tier, dtype):
+    torch.manual_seed(0)
+    model = Tiny()
+    reference = copy.deepcopy(model)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = _grads(model)
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                       _config(tmp_path, param_tier=param_tier, dtype=dtype))
+    try:
+        root = built.units[0]
+        assert [u.name for u in built.units][1:] == ["blocks.0", "blocks.1"]
+        assert on_nvme(root.moments_home) and on_nvme(root.compute_home) == (param_tier == "nvme")
+        assert built.step.slots  # the states on NVMe: the step is staged
+        built.hand_gradients(grads)
+        nvme = built.nvme
+        read_before, written_before = nvme.bytes_read, nvme.bytes_written
+        # one unit, the root: the others keep their gradients and their states
+        built.step.staged_update([root], grad_factor=1.0, micro_step=1)
+        moved = (nvme.bytes_read - read_before, nvme.bytes_written - written_before)
+
+        torch_adamw = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        for name, p in reference.named_parameters():
+            p.grad = grads[name].clone()
+        torch_adamw.step()
+        stepped = dict(reference.named_parameters())
+
+        state_numel = root.shard.state_numel
+        master = built.homes.read_master(root)
+        moments = built.homes.load(root.moments_home, 2 * state_numel, torch.float32)
+        assert root.steps == [1] * len(root.trainable)
+        assert _holds_gradients(built.units[1]) and not _holds_gradients(root)  # Gradients.release
+        for e in root.trainable:
+            want = stepped[e.fqn].detach().reshape(-1)
+            state = torch_adamw.state[stepped[e.fqn]]
+            tolerance = 1e-6 * max(float(want.abs().max()), 1.0)
+            assert float((master[e.offset:e.offset + e.numel] - want).abs().max()) <= tolerance, e.fqn
+            assert not torch.equal(want, initial[e.fqn].reshape(-1)), e.fqn  # the step moved it
+            assert torch.equal(moments[e.offset:e.offset + e.numel], state["exp_avg"].reshape(-1)), e.fqn
+            assert torch.equal(moments[state_numel + e.offset:state_numel + e.offset + e.numel],
+                               state["exp_avg_sq"].reshape(-1)), e.fqn
+        for u in built.units[1:]:  # not stepped: their initial values, zero moments, gradients kept
+            assert u.steps == [0] * len(u.trainable) and _holds_gradients(u)
+            values = built.homes.unit_values(u, {})
+            for e in u.trainable:
+                assert torch.equal(values[e.offset], initial[e.fqn]), e.fqn
+            assert not bool(built.homes.load(u.moments_home, 2 * u.shard.state_numel, torch.float32).any())
+        # the root is one piece: its moments home whole, read once and written once; with bf16
+        # the master split ([Note: split master]): its low halves and the compute copy (the high
+        # ones), whole pages of 2-byte elements each, read and written
+        moments_bytes = root.moments_home.nbytes
+        if dtype == "fp32":  # merged: the master is the compute copy at home, on the host
+            assert moved == (moments_bytes, moments_bytes)
+        else:
+            assert built.layout.split_master
+            half_bytes = padded_numel(root.spec.trainable_numel, 2) * 2
+            assert moved == (moments_bytes + 2 * half_bytes, moments_bytes + 2 * half_bytes)
+        assert built.failures.failure is None
+    finally:
+        built.close()
+
+
+def test_a_failed_step_of_the_pipelined_step_built_alone_fails_the_failure_state_it_was_given(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR), _config(tmp_path))
+    try:
+        built.hand_gradients(_grads(model))
+        root = built.units[0]
+
+        def fail(**where):
+            raise OSError(5, "injected write failure")
+
+        with faults.inject("optim.write_back", fail, at=1):
+            with pytest.raises(OSError, match="injected write failure"):
+                built.step.staged_update([root], grad_factor=1.0, micro_step=7)
+        failure = built.failures.failure
+        assert failure is not None and failure["fatal"]
+        assert "micro-step 7" in failure["message"] and repr(root.name) in failure["message"]
+        with pytest.raises(EngineFailedError, match="resume from the last checkpoint"):
+            built.failures.check("step")
+    finally:
+        built.close()
+
+
+def test_compact_states_reach_the_pipelined_step_built_alone_through_the_homes_port(tmp_path):
+    """[Note: compact optimizer states] With compact states on NVMe the step reads the root's
+    compact home into a slot and steps the CompactUnit the homes' CompactStates port builds
+    over it: the same bits as a CompactUnit of its own, loaded with the initial values and
+    stepped with the same gradients and hyperparameters."""
+    torch.manual_seed(0)
+    model = Tiny()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = _grads(model)
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                       _config(tmp_path, dtype="bf16", optimizer_states="compact"))
+    try:
+        root = built.units[0]
+        assert built.layout.compact_states and on_nvme(root.compact_home) and root.compact is None
+        built.hand_gradients(grads)
+        built.step.staged_update([root], grad_factor=1.0, micro_step=1)
+
+        expected = CompactUnit([e.numel for e in root.trainable])
+        for k, e in enumerate(root.trainable):
+            zeros = torch.zeros(e.numel)
+            expected.load_exact(k, initial[e.fqn].reshape(-1), zeros, zeros)
+        group = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": WEIGHT_DECAY}
+        steps = expected.step([grads[e.fqn].reshape(-1) for e in root.trainable], [0] * len(root.trainable),
+                              [group] * len(root.trainable))
+        got = built.homes.read_compact(root)
+        assert root.steps == steps == [1] * len(root.trainable)
+        for k, e in enumerate(root.trainable):
+            for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), got.exact(k), expected.exact(k)):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (e.fqn, name)
+            assert not torch.equal(got.exact(k)[0], initial[e.fqn].reshape(-1)), e.fqn  # the step moved it
+    finally:
+        built.close()
