@@ -21,10 +21,8 @@ undone.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
@@ -60,7 +58,6 @@ from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline, engine_stats
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.context import TierContext
-from offload.tiers.nvme import drain, wait_all
 from offload.units import split_into_units
 from offload.zero import Partition
 
@@ -231,14 +228,11 @@ class Engine:
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.
             self._prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
-            self._residency = DeviceResidency(
-                layout=layout, units=self.units, device=self._device, host=self._host, nvme=self._nvme,
-                partition=self._partition, stats=self.stats_counters, timeline=self._timeline,
-                prefetcher=self._prefetcher)
-            self._homes = Homes(self.units, layout, device=self._device, host=self._host, nvme=self._nvme,
-                                partition=self._partition, release_param=self._residency.released.release,
-                                stats=self.stats_counters, bind=self._residency.bind, adam_state=adam_state,
-                                compact=UnitCompactStates())
+            self._residency = DeviceResidency(layout=layout, units=self.units, tiers=tiers, partition=self._partition,
+                                              prefetcher=self._prefetcher)
+            self._homes = Homes(self.units, layout, tiers=tiers, partition=self._partition,
+                                release_param=self._residency.released.release, bind=self._residency.bind,
+                                adam_state=adam_state, compact=UnitCompactStates())
             self._homes.allocate()
             # [Note: the piece ring] the staged step: its slots and what it keeps between steps;
             # a failed swap write there becomes the engine's failure ([Note: swap I/O failures]).
@@ -249,13 +243,9 @@ class Engine:
             # [zero] Stage >= 1: the optimizer step over this rank's shards, through update
             # buffers of its own (the staging slots serve the unsharded step).
             self._sharded_step: Optional[ShardedStep] = ShardedStep(
-                layout=layout, device=self._device, host=self._host, nvme=self._nvme,
-                partition=self._partition, timeline=self._timeline, piece_numel=units.OPTIMIZER_PIECE_NUMEL,
-                update_buffer_bytes=update_buffer_bytes(unit_sizes, layout),
-                next_steps=self._adam.next_steps, adam_range=self._adam.adam_range,
-                compute_target=self._adam.compute_target, release_grad=self._gradients.release,
-                wait_all=lambda handles: wait_all(handles, self.stats_counters),
-                drain=lambda handles: drain(handles, self.stats_counters), fail_step=self._status.fail_step,
+                layout=layout, tiers=tiers, partition=self._partition, piece_numel=units.OPTIMIZER_PIECE_NUMEL,
+                update_buffer_bytes=update_buffer_bytes(unit_sizes, layout), adam=self._adam,
+                gradients=self._gradients, failures=self._status,
             ) if self._partition is not None and self._partition.shards_state else None
 
             # 6. Every unit's state to its home tier (materializing meta models).
@@ -264,18 +254,12 @@ class Engine:
             self._homes.drop_buffers()  # the last unit's write let go of them already
             close_weights(weight_files)
 
-            # 7. The worker that updates units, hooks.
-            # Early optimizer updates (a unit's Adam as soon as its gradients are final in
-            # backward; when, see Layout.early_allowed) run on this worker, overlapping the
-            # rest of backward. [zero] Collectives run only on the main thread (this also
-            # skips the root prestage).
-            self._optimizer_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-            # [Note: deferred updates] when each unit's Adam runs, and what waits for it
+            # 7. The update scheduler, with the worker that updates units ([Note: early updates],
+            # [Note: deferred updates]: when each unit's Adam runs, and what waits for it), hooks.
             self._updates = UpdateScheduler(
-                self.units, layout=layout, optimizer=optimizer_set, worker=self._optimizer_worker,
-                step_ring=self._step_ring, sharded_step=self._sharded_step, partition=self._partition,
-                prefetcher=self._prefetcher, stats=self.stats_counters, timeline=self._timeline,
-                gradients=self._gradients, residency=self._residency, status=self._status, adam=self._adam)
+                self.units, layout=layout, tiers=tiers, step_ring=self._step_ring, sharded_step=self._sharded_step,
+                partition=self._partition, prefetcher=self._prefetcher, gradients=self._gradients,
+                residency=self._residency, status=self._status, adam=self._adam)
             self._residency.connect(self._updates)
             self._activations.connect(self._residency)  # [Note: saved activations] room by eviction
             self._gradients.connect(self._updates)
@@ -748,7 +732,7 @@ class Engine:
                 status.not_restored = "close() failed before it read them"  # an earlier finish step raised
 
         status.close(finish=[wait_updates, self._residency.drain_fetches, copy_values],
-                     release=[self._residency.shutdown, functools.partial(self._optimizer_worker.shutdown, wait=True),
+                     release=[self._residency.shutdown, self._updates.shutdown_worker,
                               self._hooks.remove, self._close_tiers, give_back_values],
                      write_errors=lambda: self._step_ring.write_errors if deferred else [])
 

@@ -78,9 +78,8 @@ class StandAlone:
                              config.io_queue_depth) if layout.needs_nvme else None
         self.tiers = TierContext(device_tier, host, self.nvme, stats, timeline)
         released = ReleasedParameters(specs, layout.compute_dtype, device, device_tier.streams, host)
-        self.homes = Homes(self.units, layout, device=device_tier, host=host, nvme=self.nvme, partition=None,
-                           release_param=released.release, stats=stats, bind=lambda u: None,
-                           compact=UnitCompactStates())
+        self.homes = Homes(self.units, layout, tiers=self.tiers, partition=None, release_param=released.release,
+                           bind=lambda u: None, compact=UnitCompactStates())
         self.homes.allocate()
         slots = self.homes.allocate_staging(slot_shape(sizes, layout))
         with torch.no_grad():

@@ -27,8 +27,7 @@ from offload.memory.compact_codec import CompactStates, decode_master
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.tiers.nvme import wait_all
-from offload.stats import Stats
-from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.context import TierContext
 from offload.units import PAGE_BYTES, ParamEntry, Residency, round_up
 from offload.zero import Partition
 
@@ -38,34 +37,30 @@ _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
 class Homes:
     """The homes of ``units``' states on the tiers, as ``layout`` places them.
 
-    Collaborators: the ``device``, ``host`` and ``nvme`` tiers (nvme None when nothing is
-    homed there); the ``partition`` ([zero] None with one rank), which cuts what this rank
-    keeps and through which every rank starts from rank 0's initial values;
-    ``release_param``, which points a parameter at its placeholder while its unit is not
-    on the device ([Note: released parameters]); ``stats``, which counts the
-    waits for NVMe writes; and ``bind(u)``, the engine's residency pointing u's parameters
-    at its device copy, called once a device-homed unit's initial state is written;
+    Collaborators: the ``tiers`` (their nvme None when nothing is homed there; their
+    counters count the waits for NVMe writes); the ``partition`` ([zero] None with one
+    rank), which cuts what this rank keeps and through which every rank starts from rank
+    0's initial values; ``release_param``, which points a parameter at its placeholder
+    while its unit is not on the device ([Note: released parameters]); and ``bind(u)``,
+    the engine's residency pointing u's parameters at its device copy, called once a
+    device-homed unit's initial state is written;
     ``compact``, with compact states: the CompactStates port (memory/compact_codec.py) that
     gives a unit's states as one object over bytes and a compute copy. Homes holds the one
     instance; the staged step and the checkpoint code use it as ``Homes.compact``.
     """
 
-    def __init__(self, units: List[UnitState], layout: Layout, *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], partition: Optional[Partition], release_param: Callable[[ParamEntry], None],
-                 stats: Stats, bind: Callable[[UnitState], None],
+    def __init__(self, units: List[UnitState], layout: Layout, *, tiers: TierContext, partition: Optional[Partition],
+                 release_param: Callable[[ParamEntry], None], bind: Callable[[UnitState], None],
                  adam_state: Optional[Dict[nn.Parameter, Tuple[int, torch.Tensor, torch.Tensor]]] = None,
                  compact: Optional[CompactStates] = None) -> None:
         self._units = units
         self._adam_state = adam_state or {}  # carried_adam_state: what the optimizer had, by parameter
         self._layout = layout
-        self._device = device
-        self._host = host
-        self._nvme = nvme
+        self._device, self._host, self._nvme, self._stats = tiers.device, tiers.host, tiers.nvme, tiers.stats
         self._partition = partition
         self._release_param = release_param
-        self._stats = stats
         self._bind = bind
-        # [Note: compact optimizer states] None without compact states
+        # [Note: compact optimizer states] read only with compact states
         self.compact = compact
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
         self._num_written = 0

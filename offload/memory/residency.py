@@ -64,8 +64,8 @@ from offload.memory.released import ReleasedParameters
 from offload.memory.restored import RestoredParameters
 from offload.tiers.nvme import wait_all
 from offload.prefetch import Prefetcher
-from offload.stats import Stats, Timeline, profiled
-from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.stats import profiled
+from offload.tiers.context import TierContext
 from offload.tiers.streams import Event
 from offload.units import ParamEntry, Residency, padded_numel
 from offload.zero import Partition
@@ -110,24 +110,22 @@ class DeviceResidency:
     released parameters] in memory/released.py), and it drives the prefetcher.
 
     Collaborators, given at construction: ``layout``; ``units`` (``units[0]`` is the root);
-    the ``device``, ``host`` and ``nvme`` tiers (``nvme`` None without swap); ``partition``
-    ([zero] None with one rank); ``stats``; ``timeline``; ``prefetcher`` (the engine's: it
+    the ``tiers`` with their counters and timeline (``nvme`` None without swap);
+    ``partition`` ([zero] None with one rank); ``prefetcher`` (the engine's: it
     also starts passes and reads the trace). The update scheduler, which is built after it
     and drives it, is connected once built (``connect``: a PendingUpdates, [Note: deferred
     updates]).
     """
 
-    def __init__(self, *, layout: Layout, units: List[UnitState], device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], partition: Optional[Partition], stats: Stats, timeline: Timeline,
+    def __init__(self, *, layout: Layout, units: List[UnitState], tiers: TierContext, partition: Optional[Partition],
                  prefetcher: Prefetcher) -> None:
         self._layout = layout
         self.units = units
         self._root = units[0]
-        self._device = device
-        self._nvme = nvme
+        device, host = tiers.device, tiers.host
+        self._device, self._nvme = device, tiers.nvme
         self._partition = partition
-        self._stats = stats
-        self._timeline = timeline
+        self._stats, self._timeline = tiers.stats, tiers.timeline
         self._prefetcher = prefetcher
         self._updates: Optional[PendingUpdates] = None  # connect
         # [Note: updates fill the device copy] False: a unit whose update is pending is left

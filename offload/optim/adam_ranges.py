@@ -101,6 +101,12 @@ class UnitAdam:
         self._timeline = timeline
         self._piece_numel = piece_numel
 
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        """The optimizer's per-group settings now, for an update that runs later (an LR
+        scheduler may change the groups meanwhile): every key but the parameters, which an
+        elementwise optimizer's step reads ([Note: elementwise optimizers])."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
+
     def next_steps(self, u: UnitState) -> List[int]:
         """Step counts after this update: +1 where the parameter has a gradient (with an
         elementwise rule, ParamSteps whose scalars the update's first range settles)."""

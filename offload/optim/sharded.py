@@ -9,7 +9,7 @@ drain meanwhile.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -17,62 +17,47 @@ from offload.memory.budget import low_numel
 from offload.memory.layout import FP32_BYTES, Layout, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.optim.adam_ranges import OutOfPlace
-from offload.stats import Timeline
-from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers.nvme import drain, wait_all
 from offload.zero.partition import Partition
+
+if TYPE_CHECKING:
+    from offload.optim.adam_ranges import UnitAdam
+    from offload.optim.failure import FailureState
+    from offload.optim.gradients import Gradients
+    from offload.tiers.context import TierContext
 
 
 class ShardedStep:
     """[zero] Stage >= 1: the shard updates of one optimizer step (``run``) and the update
     buffers they read NVMe-homed states into.
 
-    Collaborators: the run's ``layout``, the ``device``, ``host`` and ``nvme`` tiers (nvme
-    None when nothing is homed there), the ``partition`` whose ``all_gather_shards`` brings
-    in the other ranks' parts, and the engine's ``timeline`` (an "adam" span per update).
-    ``piece_numel``: the elements of one piece at stage 3, the size the update buffers
-    were budgeted for, so the engine passes the one it budgets with.
+    Collaborators: the run's ``layout``; the ``tiers`` (their nvme None when nothing is
+    homed there; the waits for swap I/O counted in their stats, an "adam" span per update in
+    their timeline); the ``partition`` whose ``all_gather_shards`` brings in the other
+    ranks' parts. ``piece_numel``: the elements of one piece at stage 3, the size the update
+    buffers were budgeted for, so the engine passes the one it budgets with.
     ``update_buffer_bytes``: bytes of one update buffer per role, the budget that wrap
-    checked (offload/memory/budget.py's update_buffer_bytes).
-    The rest are bound methods of the engine, shared with its other update loops:
-
-      next_steps(u)                       u's per-parameter step counts after this update
-      adam_range(u, lo, hi, steps, master, exp_avg, exp_avg_sq, compute_out,
-                 compute_is_staging, grad_factor, copy_to_device=)
-                                          Adam over elements [lo, hi) of u's trainable prefix
-      compute_target(u)                   where Adam writes a separate 16-bit compute copy
-                                          that is not staged, or None
-      release_grad(u)                     u's gradients go back once u is updated
-      wait_all(handles), drain(handles)   wait for swap I/O (raising, or not, its first error)
-      fail_step(error, where)             [Note: swap I/O failures] the engine refuses to go
-                                          on after an update loop stopped part-way; raises
+    checked (offload/memory/budget.py's update_buffer_bytes). The engine's other update
+    loops share the rest: ``adam`` (UnitAdam: a unit's step counts after the update, Adam
+    over a range of its trainable prefix, where a separate 16-bit compute copy that is not
+    staged is written), ``gradients`` (given back once a unit is updated) and ``failures``
+    ([Note: swap I/O failures]: the engine refuses to go on after an update loop stopped
+    part-way; ``fail_step`` raises).
     """
 
-    def __init__(self, *, layout: Layout, device: DeviceTier, host: HostTier, nvme: Optional[NvmeTier],
-                 partition: Partition, timeline: Timeline, piece_numel: int,
-                 update_buffer_bytes: Dict[str, int],
-                 next_steps: Callable[[UnitState], List[int]],
-                 adam_range: Callable[..., None],
-                 compute_target: Callable[[UnitState], Optional[torch.Tensor]],
-                 release_grad: Callable[[UnitState], None],
-                 wait_all: Callable[[List[Any]], None],
-                 drain: Callable[[List[Any]], None],
-                 fail_step: Callable[[BaseException, str], NoReturn]) -> None:
+    def __init__(self, *, layout: Layout, tiers: TierContext, partition: Partition, piece_numel: int,
+                 update_buffer_bytes: Dict[str, int], adam: UnitAdam, gradients: Gradients,
+                 failures: FailureState) -> None:
         assert partition.shards_state
         self._layout = layout
-        self._device = device
-        self._host = host
-        self._nvme = nvme
+        self._device, self._host, self._nvme = tiers.device, tiers.host, tiers.nvme
+        self._stats, self._timeline = tiers.stats, tiers.timeline
         self._partition = partition
-        self._timeline = timeline
         self._piece_numel = piece_numel
         self._update_buffer_bytes = update_buffer_bytes
-        self._next_steps = next_steps
-        self._adam_range = adam_range
-        self._compute_target = compute_target
-        self._release_grad = release_grad
-        self._wait_all = wait_all
-        self._drain = drain
-        self._fail_step = fail_step
+        self._adam = adam
+        self._gradients = gradients
+        self._failures = failures
         # role + buffer set (0 or 1) -> host buffer, made at the first update that needs it
         self._update_buffers: Dict[str, torch.Tensor] = {}
 
@@ -112,16 +97,16 @@ class ShardedStep:
             for i, (u, lo, hi, adam) in enumerate(work):
                 current = u
                 views, handles = reads
-                self._wait_all(handles)
+                wait_all(handles, self._stats)
                 if i + 1 < len(work):
-                    self._wait_all(writes[(i + 1) % 2])
+                    wait_all(writes[(i + 1) % 2], self._stats)
                     reads = start_reads(i + 1)
                 if not adam:
                     writes[i % 2] = []
                     self._gather_owed(u)
                     continue
                 if lo == 0:
-                    steps = self._next_steps(u)
+                    steps = self._adam.next_steps(u)
                 if u.param_shard is not None:
                     self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups, speculative)
                 else:
@@ -132,16 +117,16 @@ class ShardedStep:
                         u.spare.steps = steps
                     else:
                         u.steps = steps
-                        self._release_grad(u)
+                        self._gradients.release(u)
             current = None
             for handles in writes:
-                self._wait_all(handles)
+                wait_all(handles, self._stats)
         except BaseException as error:
-            self._drain(reads[1])
+            drain(reads[1], self._stats)
             for handles in writes:
-                self._drain(handles)
+                drain(handles, self._stats)
             where = f"unit {current.name!r}" if current is not None else "a unit"
-            self._fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
+            self._failures.fail_step(error, f"in the optimizer step at micro-step {micro_step} while working on {where}")
 
     # ------------------------------------------------------------------ pieces and their I/O
     def _shard_pieces(self, u: UnitState) -> List[Tuple[int, int]]:
@@ -246,7 +231,7 @@ class ShardedStep:
         if layout.split_master and n:  # [Note: split master] the high halves are the shard's compute copy
             join_master(compute_in, views["low"][:n], master[:n])
         if n:
-            self._adam_range(u, s.lo, s.hi, steps, master[:n], exp_avg[:n], exp_avg_sq[:n],
+            self._adam.adam_range(u, s.lo, s.hi, steps, master[:n], exp_avg[:n], exp_avg_sq[:n],
                              None if layout.split_master else compute_out, False, grad_factor,
                              copy_to_device=False, groups=groups, out=out)
         if layout.split_master and n:  # the master the update wrote (a view: in place)
@@ -263,7 +248,7 @@ class ShardedStep:
         layout = self._layout
         if not (layout.merged or layout.compute_dtype != torch.float32):
             return None
-        full = self._compute_target(u) if not layout.merged else None
+        full = self._adam.compute_target(u) if not layout.merged else None
         if full is not None:
             return full
         if layout.param_tier == "device":  # a slot the host does not address: update a host copy
@@ -323,7 +308,7 @@ class ShardedStep:
                              None if layout.merged or layout.split_master else chunk[:numel])
         if layout.split_master:  # [Note: split master] the high halves are the chunk
             join_master(chunk[:numel], views["low"][:numel], master[:numel])
-        self._adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
+        self._adam.adam_range(u, s.lo + lo, s.lo + lo + numel, steps, master[:numel], exp_avg[:numel],
                          exp_avg_sq[:numel], None if layout.merged or layout.split_master else chunk_out[:numel],
                          False, grad_factor, copy_to_device=False, groups=groups, out=out)
         if layout.split_master:  # the master the update wrote (in place: it is a view)

@@ -6,8 +6,9 @@ deferred (after step() returned: [Note: deferred updates]), and what waits for i
 tickets of what is queued, and whether a deferred step is pending; each unit's part is
 its ``UnitUpdate`` record (``u.update``, [Note: update states]). The engine builds it
 once at wrap and hands it the mechanisms it drives: the staged step (PipelinedStep), the
-[zero] sharded step, the prefetcher, and as plain callables the parts that stay with the
-engine (gradients, residency, Adam over a unit, the failure state).
+[zero] sharded step, the prefetcher, the gradients, the residency, Adam over a unit
+(UnitAdam, which also snapshots the param groups an update runs with) and the failure
+state. It owns the optimizer worker (one thread) and shuts it down (``shutdown_worker``).
 
 [Note: speculative updates] With max_grad_norm, fp16 or skip_nonfinite_steps the step needs
 the global gradient norm before any update, and the norm is known only when backward ends.
@@ -81,8 +82,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-
 from offload import faults
 from offload.errors import warn_at_caller
 from offload.memory.layout import Layout, UnitState
@@ -93,7 +92,7 @@ from offload.optim.failure import FailureState, wait_through_interrupts, with_no
 from offload.optim.gradients import Gradients
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
-from offload.stats import Stats, Timeline
+from offload.tiers.context import TierContext
 from offload.units import Residency
 
 __all__ = ["UpdateScheduler"]
@@ -109,12 +108,11 @@ class UpdateScheduler:
     ([Note: update states]); the residency code takes it for that (``prefetch_updating``).
     """
 
-    def __init__(self, units: List[UnitState], *, layout: Layout, optimizer: torch.optim.Optimizer,
-                 worker: ThreadPoolExecutor, step_ring: PipelinedStep, sharded_step: Optional[Any],
-                 partition: Optional[Any], prefetcher: Prefetcher, stats: Stats, timeline: Timeline,
+    def __init__(self, units: List[UnitState], *, layout: Layout, tiers: TierContext, step_ring: PipelinedStep,
+                 sharded_step: Optional[Any], partition: Optional[Any], prefetcher: Prefetcher,
                  gradients: Gradients, residency: DeviceResidency, status: FailureState, adam: UnitAdam) -> None:
-        """``units``: every unit, the root first. ``worker``: the optimizer worker (one
-        thread; the engine shuts it down). ``sharded_step``: [zero] the ShardedStep at
+        """``units``: every unit, the root first. ``tiers``: its counters and timeline are what
+        it records in. ``sharded_step``: [zero] the ShardedStep at
         stage >= 1, else None; ``partition``: [zero] the Partition of several ranks, or
         None. ``gradients``: the gradients the updates read, whose norm, factor and skip
         decision the step takes and which zero_grad drops. ``residency``: the device copies
@@ -126,14 +124,16 @@ class UpdateScheduler:
         self._units = units
         self._root = units[0]
         self._layout = layout
-        self._optimizer = optimizer
-        self._worker = worker
+        # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward;
+        # when, see Layout.early_allowed) run on this worker, overlapping the rest of backward.
+        # [zero] Collectives run only on the main thread (this also skips the root prestage).
+        self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
         self._step_ring = step_ring
         self._sharded_step = sharded_step
         self._partition = partition
         self._prefetcher = prefetcher
-        self._stats = stats
-        self._timeline = timeline
+        stats, timeline = tiers.stats, tiers.timeline
+        self._stats, self._timeline = stats, timeline
         self._mark_stale = residency.mark_stale
         self._forget_stale = residency.forget_stale
         self._gradients = gradients
@@ -141,6 +141,7 @@ class UpdateScheduler:
         self._check_not_failed = status.check
         self._fail_step = status.fail_step
         self._update_in_place = adam.update_in_place
+        self._hyperparameters = adam.hyperparameters
         self._release = residency.release
         self._drain_fetches = residency.drain_fetches
         self._land_fills = residency.land_fills
@@ -175,6 +176,10 @@ class UpdateScheduler:
             fail_step=status.fail_step, update_in_place=adam.update_in_place, release_grad=gradients.release,
             take_back=gradients.take_back, release=residency.release,
             drain_fetches=residency.drain_fetches) if layout.delayed_update else None
+
+    def shutdown_worker(self) -> None:
+        """Stop the optimizer worker once what it runs has finished (close())."""
+        self._worker.shutdown(wait=True)
 
     def zero_grad(self) -> None:
         """Drop every unit's gradients: the updates still queued run first ([Note: update
@@ -443,12 +448,6 @@ class UpdateScheduler:
                 self.queue_update(u, self._hyperparameters(), factor, math.inf, "optim.early_update")  # arrival order
                 if self._layout.param_tier != "device" and not u.update.in_device:
                     self._mark_stale(u)
-
-    def _hyperparameters(self) -> List[Dict[str, Any]]:
-        """The optimizer's per-group settings now, for an update that runs later (an LR
-        scheduler may change the groups meanwhile): every key but the parameters, which an
-        elementwise optimizer's step reads ([Note: elementwise optimizers])."""
-        return [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
 
     def queue_update(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float, priority: float,
                      point: str) -> None:
