@@ -4,7 +4,9 @@ the TrainingArguments both start from, and the logged values."""
 from pathlib import Path
 
 import torch
-from transformers import TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from offload.integrations.transformers import OffloadTrainer
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, tie_word_embeddings=False)
@@ -38,3 +40,28 @@ def training_args(output_dir, **overrides):
 
 def logged(trainer, key):
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def save_base_model(path):
+    """The tiny Llama of CONFIG, seeded, saved at ``path`` (returned)."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
+    return path
+
+
+def model_from(base_dir, meta=False):
+    """The saved tiny Llama: loaded (a normal model), or built on the meta device (its
+    weights then come through weights=)."""
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaConfig.from_pretrained(base_dir))
+    return LlamaForCausalLM.from_pretrained(base_dir)
+
+
+def nvme(tmp_path):
+    return dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=str(tmp_path))
+
+
+def offload_trainer(base_dir, args, offload_config, meta=False, **kwargs):
+    return OffloadTrainer(model=model_from(base_dir, meta), args=args, offload_config=offload_config,
+                          weights=base_dir if meta else None, **kwargs)

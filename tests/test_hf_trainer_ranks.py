@@ -56,7 +56,7 @@ def _worker(rank, port, base_dir, spec, out_dir):
                   "model_wrapped": type(trainer.model_wrapped).__name__}
         try:
             trainer.optimizer.state_dict()
-        except RuntimeError as error:
+        except ValueError as error:
             result["optimizer_state_dict"] = str(error)
         if spec.get("evaluate"):
             result["eval"] = trainer.evaluate()

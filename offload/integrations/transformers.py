@@ -42,8 +42,8 @@ the Trainer would do to the model and the optimizer:
    scheduler sets the param groups the engine's Adam reads.
 5. Checkpoints (``save_steps``): the Trainer writes ``checkpoint-N/`` as usual (Hugging Face
    weights from ``engine.save_pretrained``, RNG states, trainer state, scheduler) with the
-   engine's checkpoint in ``checkpoint-N/offload/`` in place of ``optimizer.pt``, and
-   COMPLETE_MARKER last ([Note: complete Trainer checkpoints]); ``resume_from_checkpoint``
+   engine's checkpoint in ``checkpoint-N/offload/``, ``optimizer.pt`` beside it where small
+   ([Note: optimizer.pt beside the engine's checkpoint]), and COMPLETE_MARKER last ([Note: complete Trainer checkpoints]); ``resume_from_checkpoint``
    loads it once the scheduler exists (its param groups, learning rates included, come from
    the checkpoint).
 
@@ -87,11 +87,13 @@ the marker is what says the save finished. ``_save_checkpoint``:
 1. takes the marker out of a ``checkpoint-N`` that exists already (the same step saved
    again after a resume) and fsyncs the directory: it is incomplete until step 3;
 2. runs the Trainer's save (weights, the engine's checkpoint, which is atomic itself,
-   scheduler, RNG states, trainer state) with its ``save_total_limit`` rotation held back;
+   scheduler, RNG states, trainer state) with its ``save_total_limit`` rotation and its
+   push to the Hub (``push_to_hub``) held back;
 3. fsyncs every file, then writes the marker under a temporary name, fsyncs it, renames
    it into place and fsyncs the directory and its parent. The marker lists the files, so
    a directory that lost some afterwards (the Trainer's own removal of checkpoints after
-   load_best_model_at_end, cut short) is not complete either;
+   load_best_model_at_end, cut short) is not complete either. Then the Trainer's push of
+   the checkpoint folder, whose copy on the Hub is thus one OffloadTrainer resumes from;
 4. rotates over complete checkpoints only: they alone count toward ``save_total_limit``,
    so a save killed before step 3 never deleted an older checkpoint and an incomplete
    directory never pushes a complete one out. With ``save_total_limit``, incomplete
@@ -130,6 +132,7 @@ from offload.checkpoint import MANIFEST
 from offload.checkpoint.directory import remove_checkpoint
 from offload.config import OffloadConfig
 from offload.optim.failure import FailureState
+from offload.integrations.trainer_checkpoints import ADAM_CLASSES, adam_state_dict, write_optimizer_pt
 from offload.optim.whole import probe_rule
 
 __all__ = ["OffloadTrainer", "EngineAdam", "ENGINE_CHECKPOINT_DIR", "COMPLETE_MARKER", "checkpoint_missing",
@@ -154,9 +157,6 @@ elementwise optimizers]) and transformers' Adafactor (on whole parameters: [Note
 whole-parameter optimizers]). The others build optimizers of other libraries (bitsandbytes,
 torchao, galore, ...) whose state is not float32 tensors, or are not probed here."""
 
-ADAM_CLASSES = (torch.optim.Adam, offload.CPUAdam)  # torch.optim.AdamW is an Adam
-"""Optimizers the engine runs (its CPU Adam reads their param groups)."""
-
 # OffloadConfig fields that TrainingArguments decides, with the TrainingArguments name.
 _FIELDS_FROM_ARGS = {"gradient_accumulation_steps": "gradient_accumulation_steps",
                      "max_grad_norm": "max_grad_norm", "dtype": "bf16"}
@@ -169,7 +169,8 @@ class EngineAdam(torch.optim.Optimizer):
     ``zero_grad()`` that do nothing, since the engine has updated in ``training_step``
     ([Note: the Trainer's loop around the engine]). For Adam/AdamW ``state_dict()`` gathers
     the moments from the engine's tiers ([Note: the optimizer's state as torch lays it
-    out]); for another optimizer it raises, naming engine.save_checkpoint. Like accelerate's AcceleratedOptimizer it does not call
+    out]); for another optimizer, or with several ranks, it is a ValueError naming
+    engine.save_checkpoint. Like accelerate's AcceleratedOptimizer it does not call
     ``Optimizer.__init__``."""
 
     def __init__(self, adam: torch.optim.Optimizer, engine: "offload.Engine") -> None:
@@ -195,72 +196,11 @@ class EngineAdam(torch.optim.Optimizer):
         return None
 
     def state_dict(self) -> Dict[str, Any]:
-        """[Note: the optimizer's state as torch lays it out] ``torch.optim.AdamW.state_dict()``'s
-        layout: ``param_groups`` as the AdamW's own (the learning rates the scheduler set),
-        ``state[i]`` = ``step``, ``exp_avg``, ``exp_avg_sq`` of the i-th parameter of the
-        groups, for the parameters the engine has updated (as AdamW, none for one that never
-        had a gradient).
-
-        The engine keeps the moments in its tiers; they come out through its one public
-        reader of them, ``engine.save_checkpoint``: into a temporary directory (in swap_dir
-        when there is one, else the system's temporary directory; 12 B per trainable parameter
-        on disk while this runs), read back piece by piece into the tensors returned, then
-        removed. Like a checkpoint save, it finishes a step the engine deferred first.
-
-        A ValueError, before anything is written, when the moments would take more than
-        3/4 of the memory available now (wrap's default host budget): read them from
-        ``trainer.engine.save_checkpoint(DIR)`` instead, piece by piece (each parameter's
-        ``exp_avg``/``exp_avg_sq`` pieces are listed in DIR/manifest.json,
-        offload/checkpoint/format.py)."""
-        import tempfile
-
-        from offload.checkpoint.format import PieceReader, read_manifest
-        from offload.memory.layout import DEFAULT_HOST_FRACTION, available_memory_bytes
-
-        world_size = self.engine.stats()["world_size"]
-        if world_size > 1:  # each rank would save into a temporary directory of its own
-            raise RuntimeError(
-                f"optimizer.state_dict(): not with several ranks (this run has {world_size}): each rank holds a "
-                "shard of the moments; save them on every rank with trainer.engine.save_checkpoint(DIR), DIR one "
-                "path on a file system the ranks share (the Trainer's checkpoints do)")
-        if not isinstance(self.adam, ADAM_CLASSES):
-            raise RuntimeError(
-                f"optimizer.state_dict(): the state of {type(self.adam).__name__} lives in the engine's tiers and "
-                "is read in torch's layout for Adam/AdamW only; save it with trainer.engine.save_checkpoint(DIR) "
-                "(the Trainer's checkpoints do)")
-        layout = self.adam.state_dict()  # param_groups, and the indices torch gives the parameters
-        params = [p for group in self.adam.param_groups for p in group["params"]]
-        moments_bytes = 2 * 4 * sum(p.numel() for p in params)
-        available = available_memory_bytes()
-        if available is not None and moments_bytes > DEFAULT_HOST_FRACTION * available:
-            raise ValueError(
-                f"optimizer.state_dict(): the Adam moments of {len(params)} parameters take {moments_bytes} bytes, "
-                f"more than {DEFAULT_HOST_FRACTION:g} of the memory available now ({available} bytes). Save them "
-                "with trainer.engine.save_checkpoint(DIR) (the Trainer's checkpoints do) and read each "
-                "parameter's exp_avg / exp_avg_sq pieces as DIR/manifest.json lists them")
-        name_of = {p: name for name, p in self.engine.module.named_parameters()}
-        with tempfile.TemporaryDirectory(prefix=".offload-optimizer-state-", dir=self.engine.config.swap_dir) as tmp:
-            ckpt_dir = os.path.join(tmp, "checkpoint")
-            self.engine.save_checkpoint(ckpt_dir)
-            manifest = read_manifest(ckpt_dir)
-            record_of = {name: r for u in manifest["units"] for r in u["entries"] if r["trainable"]
-                         for name in r["names"]}
-            reader = PieceReader(ckpt_dir, manifest["files"])
-            try:
-                for index, param in enumerate(params):
-                    record = record_of[name_of[param]]
-                    if not record["step"]:
-                        continue  # never updated: AdamW has no state for it either
-                    moments = {}
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        value = torch.empty(record["numel"], dtype=torch.float32)
-                        reader.read_param(record, key, 0, record["numel"], value)
-                        moments[key] = value.view(record["shape"])
-                    layout["state"][index] = {"step": torch.tensor(float(record["step"]), dtype=torch.float32),
-                                              **moments}
-            finally:
-                reader.close()
-        return layout
+        """``torch.optim.AdamW.state_dict()``'s layout, gathered from the engine's tiers
+        (trainer_checkpoints.adam_state_dict); a ValueError naming
+        ``trainer.engine.save_checkpoint(DIR)`` where that layout cannot be had ([Note:
+        optimizer.pt beside the engine's checkpoint])."""
+        return adam_state_dict(self.adam, self.engine)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         raise RuntimeError("the optimizer's state lives in the engine's tiers: load it with "
@@ -510,7 +450,8 @@ class OffloadTrainer(Trainer):
         # seeded it, and without moving the RNG that the training run then draws from.
         with torch.random.fork_rng(devices=[]):
             self.engine = offload.wrap(self.model, adam, config=config, weights=weights)
-        self.optimizer = EngineAdam(adam, self.engine)
+        self.optimizer = EngineAdam(adam, self.engine)  # accelerate's prepare wraps it in train()
+        self._adam = adam
         self._grad_norm: Optional[float] = None  # the last optimizer step's, see _measured_grad_norm
         self._warned_grad_norm = False
         self._closed = False
@@ -711,6 +652,7 @@ class OffloadTrainer(Trainer):
         args = self._args_outside_save = self.args
         self.args = copy.copy(args)
         self.args.save_total_limit = None
+        self.args.push_to_hub = False  # pushed below, once complete: the pushed folder holds the marker
         try:
             super()._save_checkpoint(model, trial)
         finally:
@@ -718,6 +660,8 @@ class OffloadTrainer(Trainer):
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are written
         if self.args.should_save:
             _mark_complete(checkpoint_dir, engine_checkpoint=not self.args.save_only_model)
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(checkpoint_dir)
             self._rotate_complete_checkpoints(run_dir, checkpoint_dir)
         self.accelerator.wait_for_everyone()  # every rank sees the checkpoint complete
 
@@ -771,9 +715,12 @@ class OffloadTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (every state, the optimizer's param groups, counters and
-        RNGs) in place of optimizer.pt, and the scheduler's state."""
-        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT_DIR))
+        RNGs), optimizer.pt where small ([Note: optimizer.pt beside the engine's checkpoint]),
+        and the scheduler's state."""
+        engine_checkpoint_dir = os.path.join(output_dir, ENGINE_CHECKPOINT_DIR)
+        self.engine.save_checkpoint(engine_checkpoint_dir)
         if self.args.should_save:
+            write_optimizer_pt(self._adam, self.engine, output_dir, engine_checkpoint_dir)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
