@@ -184,6 +184,68 @@ class _StateDicts:
                          "`with engine.gathered(params, modify=True):`")
 
 
+class _Moves:
+    """[Note: moving a wrapped model] ``model.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``,
+    ``.float()``, ``.bfloat16()``, ``.type()``, ``.to_empty()`` (and the same on any submodule)
+    all run ``nn.Module._apply(fn)``, which would give each parameter a new tensor: one the
+    engine never sees, so the values would go stale and the engine's writes be lost. Every
+    module of the model gets its own ``_apply`` while wrapped (an attribute of the instance,
+    so the class and other models are untouched; removed with the hooks). The outermost
+    call first tries ``fn`` on a small stand-in of every parameter and buffer below it (same
+    dtype and device; 2 elements per dimension for 4-5 dimensions, where ``to`` may change
+    the memory format): where ``fn`` gives back its input for every one, the call changes
+    nothing and goes ahead (``trainer.model.to("cpu")`` of a CPU engine's restored model);
+    otherwise a ValueError names the method, the first tensor it would replace, and the
+    ways (the engine's config; ``close()``, after which the model is a plain one)."""
+
+    def __init__(self, module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        self._module = module
+        self._device = device
+        self._dtype = dtype
+        self._applying = False  # an allowed call runs: the inner modules' _apply go straight on
+        self._prefix = {m: f"{name}." if name else "" for name, m in module.named_modules(remove_duplicate=False)}
+
+    def install(self) -> List[Any]:
+        handles = []
+        for m in self._module.modules():
+            object.__setattr__(m, "_apply", functools.partial(self._apply, m))
+            handles.append(types.SimpleNamespace(remove=functools.partial(m.__dict__.pop, "_apply", None)))
+        return handles
+
+    def _apply(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        if self._applying:
+            return type(module)._apply(module, fn, recurse)
+        tensors = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+        for name, t in tensors:
+            if t is None:
+                continue
+            shape = (2,) * t.dim() if t.dim() in (4, 5) else (0,) * t.dim()
+            stand_in = torch.empty(shape, dtype=t.dtype, device=t.device)
+            try:
+                with torch.no_grad():
+                    changes = fn(stand_in) is not stand_in
+            except Exception as error:  # the call would fail on the real tensor too (.cuda() without CUDA)
+                raise ValueError(self._refusal(module, fn, name, t)) from error
+            if changes:
+                raise ValueError(self._refusal(module, fn, name, t))
+        self._applying = True
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            self._applying = False
+
+    def _refusal(self, module: nn.Module, fn: Callable[..., Any], name: str, t: torch.Tensor) -> str:
+        qualname = getattr(fn, "__qualname__", "")  # "Module.half.<locals>.<lambda>": the method's name
+        method = qualname.split(".<locals>")[0].rpartition(".")[2] if ".<locals>" in qualname else ""
+        call = f"{type(module).__name__}.{method}()" if method else "a conversion"
+        name = self._prefix.get(module, "") + name
+        return (f"{call} on a model wrapped by offload: it would replace {name} ({t.dtype}, on {t.device}) by a "
+                f"tensor the engine never sees, and the engine places and casts the parameters itself (on "
+                f"{self._device}, computing in {self._dtype}). Choose them with OffloadConfig's device= and dtype= "
+                "(OffloadTrainer: TrainingArguments' device and bf16), or close the engine first (engine.close(), "
+                "trainer.close()): the model is then a plain model on the CPU with its trained values")
+
+
 class UnitsOnDevice(Protocol):
     """What the hooks need of the residency (memory.residency.DeviceResidency)."""
 
@@ -284,6 +346,7 @@ class Hooks:
                 handles.append(module.register_forward_pre_hook(alias.enter))
                 handles.append(module.register_forward_hook(alias.leave, always_call=True))
         handles.extend(self._state_dicts.install())
+        handles.extend(_Moves(self._module, self._device.device, self._device.dtype).install())
 
     def remove(self) -> None:
         for h in self._handles:

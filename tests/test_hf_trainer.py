@@ -779,8 +779,9 @@ def test_a_model_handed_to_a_second_trainer_is_refused_while_the_first_is_open_a
 
 def test_after_train_the_model_generates_like_its_saved_weights_and_to_cpu_keeps_its_values(tmp_path):
     """A tiny GPT-2 (built from its config, nothing downloaded): after train() the model's
-    generate() gives the tokens and scores of the same weights loaded from save_model, and
-    model.to("cpu") (where the restored values are) changes nothing, evaluate() included."""
+    generate() gives the tokens and scores of the same weights loaded from save_model,
+    model.to("cpu") (where the restored values are) changes nothing, evaluate() included,
+    and to(torch.bfloat16), half() and cuda() are refused at the call naming the engine."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=CONFIG["vocab_size"], n_positions=32, n_embd=32, n_layer=2, n_head=2,
@@ -806,10 +807,13 @@ def test_after_train_the_model_generates_like_its_saved_weights_and_to_cpu_keeps
         assert model.to("cpu") is model  # the restored values are on the CPU: nothing moves
         assert all(torch.equal(p.detach(), reference.state_dict()[name]) for name, p in model.named_parameters())
         assert trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"] == eval_loss
-        model.to(torch.bfloat16)  # new tensors the engine never sees: the next forward says so
-        with pytest.raises(RuntimeError, match=r"had their .data replaced .*after offload.wrap: the write was lost"):
-            trainer.evaluate(TokenDataset(4, seed=2))
-        assert trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"] == eval_loss  # pointed back
+        # A move or a cast would give the parameters tensors the engine never sees: refused at the call
+        for call, method in ((lambda: model.to(torch.bfloat16), "to"), (model.half, "half"), (model.cuda, "cuda")):
+            with pytest.raises(ValueError, match=rf"^GPT2LMHeadModel.{method}\(\) on a model wrapped by offload: it "
+                                                 r"would replace transformer.wte.weight .*engine.close\(\)"):
+                call()
+        assert all(torch.equal(p.detach(), reference.state_dict()[name]) for name, p in model.named_parameters())
+        assert trainer.evaluate(TokenDataset(4, seed=2))["eval_loss"] == eval_loss
     finally:
         trainer.close()
 
