@@ -321,6 +321,7 @@ class Hooks:
         self._pass_frame: Optional[types.FrameType] = None
         self._forward_started = 0.0
         self._backward_unit: Optional[UnitState] = None  # the unit whose backward runs now
+        self._in_engine_backward = False  # [Note: backward outside engine.backward]
         self._backward_started = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -338,7 +339,8 @@ class Hooks:
         for u in self._units:
             for k, e in enumerate(u.trainable):
                 on_grad = self._gradients.on_shared_grad if (u.index, k) in shared else self._gradients.on_grad_ready
-                handles.append(e.param.register_post_accumulate_grad_hook(functools.partial(on_grad, u, k)))
+                handles.append(e.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_ready, on_grad, u, k)))
         for (u_index, k), slots in shared.items():  # [Note: shared parameter gradients]
             for module, name in slots[1:]:
                 alias = _AliasSlot(module, name, self._units[u_index], k, self._gradients)
@@ -369,6 +371,7 @@ class Hooks:
         # changes, if a released parameter was written ([Note: released parameters]); the
         # root post-forward hook runs all the same (always_call) and undoes the depth.
         self._begin_pass()
+        self._in_engine_backward = False  # a backward that raised did not reach end_backward
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
         #    waits for its own unit; [Note: delayed updates]: else nothing waits for them
         #    before the next step()), and [zero] the ranks' buffers agree.
@@ -481,17 +484,42 @@ class Hooks:
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self) -> None:
-        """A backward starts: no unit's backward runs yet."""
+        """engine.backward starts a backward: no unit's backward runs yet."""
         self._backward_unit = None
+        self._in_engine_backward = True
 
     def end_backward(self) -> None:
         """The backward is over: close the compute span of the unit that ran last."""
+        self._in_engine_backward = False
         if self._backward_unit is not None:
             self._timeline.span("compute", f"backward {self._backward_unit.name}", self._backward_started,
                                 time.perf_counter())
 
+    def _check_engine_backward(self) -> None:
+        """[Note: backward outside engine.backward] A backward of the model's graph that
+        engine.backward did not start (``loss.backward()``, accelerate's
+        ``accelerator.backward(loss)``, ``torch.autograd.grad``) would hand the engine
+        gradients it never scales by the accumulation nor steps with, or none at all, and the
+        model would not train while nothing said so. The first of the engine's hooks that such
+        a backward reaches raises: the saved tensors' unpacking, a unit's pre-backward, or a
+        parameter's gradient (dropped, not taken). Some hook runs before any gradient of a
+        trainable parameter is taken, so nothing of that backward reaches the engine."""
+        if not self._in_engine_backward:
+            raise ValueError("a backward of a model wrapped by offload ran outside engine.backward(loss) "
+                             "(loss.backward(), accelerator.backward(loss), torch.autograd.grad): the engine "
+                             "takes gradients only there, so nothing would train; call engine.backward(loss), "
+                             "then engine.step() in place of optimizer.step(). Nothing of this backward was kept")
+
+    def _grad_ready(self, on_grad: Callable[[UnitState, int, torch.Tensor], None], u: UnitState, k: int,
+                    param: torch.Tensor) -> None:
+        if not self._in_engine_backward:
+            param.grad = None
+            self._check_engine_backward()
+        on_grad(u, k, param)
+
     def _pre_backward(self, u: UnitState, grad: torch.Tensor) -> None:
         """The gradient of u's output has arrived: u's backward is next. Bring it back."""
+        self._check_engine_backward()
         faults.hit("hooks.backward", unit=u.name)
         now = time.perf_counter()
         # 1. The unit before it is done computing.
@@ -529,6 +557,7 @@ class Hooks:
 
     def _unpack_saved(self, saved: Any) -> torch.Tensor:
         """[Note: saved parameters] A reference becomes a view again, its unit fetched."""
+        self._check_engine_backward()
         if isinstance(saved, _SavedParamRef):
             u = self._units[saved.unit_index]
             self._residency.need(u)

@@ -126,3 +126,20 @@ def test_settings_that_cannot_work_are_refused_by_name_before_anything_is_prepar
         assert accelerator._models == [] and accelerator._optimizers == [] and accelerator._dataloaders == []
         assert model.forward == forward_before  # no autocast around it
 
+
+
+def test_accelerators_own_backward_is_refused_naming_engine_backward():
+    """The unchanged accelerate loop would not train (loss.backward() gives the engine no
+    gradients): it stops at accelerator.backward, and the prepared optimizer changes nothing."""
+    model, optimizer, scheduler, loader = parts(1)
+    with offload.wrap(model, optimizer, config=dict(device="cpu")) as engine:
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, loader, scheduler = prepare(accelerator, engine, model, optimizer, loader, scheduler)
+        before = engine.state_dict()
+        with pytest.raises(ValueError, match=r"outside engine.backward\(loss\) \(loss.backward\(\), "
+                                             r"accelerator.backward\(loss\)"):
+            accelerator.backward(model(**next(iter(loader))).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

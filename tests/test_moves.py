@@ -1,7 +1,8 @@
-"""Moving or casting a wrapped model ([Note: moving a wrapped model] in hooks.py):
-``model.to(...)``, ``.cuda()``, ``.half()`` and the rest are refused at the call, naming
-the method, the parameter and the engine, and change nothing; one that changes nothing
-goes ahead; after close() the model moves and casts as a plain model."""
+"""Misuses of a wrapped model, named at the call and changing nothing. Moving or casting it
+([Note: moving a wrapped model] in hooks.py): ``model.to(...)``, ``.cuda()``, ``.half()``
+and the rest are refused naming the method, the parameter and the engine; one that changes
+nothing goes ahead; after close() the model moves and casts as a plain model. A backward
+outside engine.backward ([Note: backward outside engine.backward])."""
 import pytest
 import torch
 
@@ -89,3 +90,27 @@ def test_after_close_the_model_moves_and_casts_as_a_plain_model(tmp_path):
     assert model.half() is model
     assert all(p.dtype == torch.float16 for p in model.parameters())
     assert torch.equal(model.wte.weight, values["wte.weight"].half())
+
+
+@pytest.mark.parametrize("outside", ["loss.backward()", "torch.autograd.grad"])
+def test_a_backward_outside_engine_backward_is_refused_and_keeps_nothing(outside, tmp_path):
+    """[Note: backward outside engine.backward] (accelerate's accelerator.backward(loss) is
+    loss.backward()): a ValueError naming engine.backward, no gradient left in p.grad, and
+    the training after it is bit for bit one that never had it."""
+    data = batches(3)
+    model, engine = wrapped(config_for(tmp_path, "host"))
+    with engine:
+        train_offload(engine, data[:1])
+        loss = engine(data[1][:, :-1], data[1][:, 1:])
+        with pytest.raises(ValueError, match=r"outside engine.backward\(loss\) .*call engine.backward\(loss\)"):
+            if outside == "loss.backward()":
+                loss.backward()
+            else:
+                torch.autograd.grad(loss, [p for p in model.parameters()])
+        assert all(p.grad is None for p in model.parameters())
+        losses = train_offload(engine, data[1:])
+        got = engine.state_dict()
+    reference, ref_engine = wrapped(config_for(tmp_path, "host"))
+    with ref_engine:
+        assert train_offload(ref_engine, data)[1:] == losses
+        assert_same_state(got, ref_engine.state_dict())

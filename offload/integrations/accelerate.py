@@ -33,8 +33,9 @@ What stays accelerate's: the data loaders (sharding, ``gather_for_metrics``), th
 (``AcceleratedScheduler`` steps it once per optimizer step under ``accumulate``, which is why
 ``gradient_accumulation_steps`` must be the engine's), ``accumulate``'s sync flags, logging
 and saving of anything else. ``accelerator.backward(loss)`` runs ``loss.backward()``, which the
-engine does not see: ``engine.backward(loss)`` and ``engine.step()`` take its place, and the
-prepared optimizer's ``step()``/``zero_grad()`` find no ``p.grad`` and change nothing.
+engine refuses ([Note: backward outside engine.backward] in hooks.py): ``engine.backward(loss)``
+and ``engine.step()`` take its place, and the prepared optimizer's ``step()``/``zero_grad()``
+find no ``p.grad`` and change nothing.
 """
 from __future__ import annotations
 
