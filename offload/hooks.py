@@ -92,13 +92,14 @@ class _SavedParamRef:
 class _AliasSlot:
     """[Note: shared parameter gradients] A module slot that holds a shared parameter, not
     its first: while the module's forward runs under grad mode the slot holds an alias, the
-    same memory as a leaf of its own, whose gradient goes to ``Gradients.on_shared_grad``."""
+    same memory as a leaf of its own, whose gradient goes to ``on_grad`` (``Gradients.on_shared_grad``
+    through the check of [Note: backward outside engine.backward])."""
 
-    def __init__(self, module: nn.Module, name: str, u: UnitState, k: int, gradients: Gradients) -> None:
+    def __init__(self, module: nn.Module, name: str, on_grad: Callable[[torch.Tensor], None]) -> None:
         self._module = module
         self._name = name
         self._param = module._parameters[name]
-        self._on_grad = functools.partial(gradients.on_shared_grad, u, k)
+        self._on_grad = on_grad
         self._depth = 0  # a module called from within its own forward swaps once
 
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -343,7 +344,8 @@ class Hooks:
                     functools.partial(self._grad_ready, on_grad, u, k)))
         for (u_index, k), slots in shared.items():  # [Note: shared parameter gradients]
             for module, name in slots[1:]:
-                alias = _AliasSlot(module, name, self._units[u_index], k, self._gradients)
+                alias = _AliasSlot(module, name, functools.partial(
+                    self._grad_ready, self._gradients.on_shared_grad, self._units[u_index], k))
                 self._aliases.append(alias)
                 handles.append(module.register_forward_pre_hook(alias.enter))
                 handles.append(module.register_forward_hook(alias.leave, always_call=True))
