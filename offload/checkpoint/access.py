@@ -231,7 +231,9 @@ class CheckpointAccess:
         state as its homes (DelayedUpdates.committed_view), so that copy sits in the spare homes."""
         if not u.delayed_pending:
             return None
-        compute = self._homes.load_range(u.spare.compute_home, lo, hi - lo, self._layout.home_dtype, "ckpt.lagging")
+        base = 0 if u.param_shard is None else u.shard.lo  # [zero] stage 3: the rank's chunk starts with its shard
+        compute = self._homes.load_range(u.spare.compute_home, lo - base, hi - lo, self._layout.home_dtype,
+                                         "ckpt.lagging")
         return compute.to(torch.float32)
 
     def read_frozen_values(self, u: "UnitState", lo: int, hi: int) -> torch.Tensor:
@@ -403,10 +405,13 @@ class CheckpointAccess:
             return False
         u.commit_spare()  # the homes written just now become the spare ones; their frozen tail is current
         home_dtype = self._layout.home_dtype
-        for a, b in self.chunks(0, u.spec.trainable_numel):
+        # [zero] stage 3: the rank's trainable chunk, which starts with its shard; else the whole prefix
+        lo, hi = (0, u.spec.trainable_numel) if u.param_shard is None else (u.shard.lo, u.shard.hi)
+        for a, b in self.chunks(lo, hi):
             lagging = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
             read(a, b, lagging)
-            self._homes.store_range(u.compute_home, a, lagging.to(home_dtype), "ckpt.bounce")
+            self._homes.store_range(u.compute_home, a - lo if u.param_shard is not None else a,
+                                    lagging.to(home_dtype), "ckpt.bounce")
         u.delayed_pending = True
         return True
 

@@ -16,7 +16,8 @@ write, so the rule for every field of it and of the mechanism objects lives here
   no update queued or running), and it alone
   moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
   (memory/residency.py), runs the step with clipping, fp16 or ZeRO and every collective
-  except stage 3's gathers, and owns the engine's own fields (micro-step, failure state).
+  except stage 3's gathers and stage 1-2 delayed updates' gathers, and owns the engine's
+  own fields (micro-step, failure state).
 - The copy worker (``offload-copy``, DeviceResidency) runs the transfers of a fetch into
   the device slot it was handed and stage-3 all-gathers ([Note: parameter all-gathers]):
   it writes tensor data in the slot, no field of UnitState, and takes and gives back the
@@ -26,7 +27,8 @@ write, so the rule for every field of it and of the mechanism objects lives here
   moves ``update`` QUEUED -> RUNNING under ``UpdateScheduler.lock`` (which also guards the
   queue and a fill being attached: [Note: update states]), writes the unit's states at
   home, ``steps`` and ``update.home_writes``, an early update's ``early_grad_squares`` and
-  ``early_nonfinite`` (which step()'s norm reads), PipelinedStep's ring fields (its
+  ``early_nonfinite`` (which step()'s norm reads), [zero] a stage 1-2 delayed update's
+  all-gather ([Note: delayed updates across ranks]), PipelinedStep's ring fields (its
   docstring says when the main thread may read them), and gives the unit's gradients back
   (under the gradient pool's lock and HostTier's). Homes runs there too: the updates read
   and write the homes through it, and a slot's failed write-back finished by the worker
@@ -226,12 +228,13 @@ class Layout:
         merged = config.dtype == "fp32" and param_tier != "device"
         needs_nvme = "nvme" in on_compute | on_states
         needs_norm_first = config.needs_norm_first()
-        if config.delayed_update and partition is not None:
-            raise ValueError(f"delayed_update: not with several ranks (this run has {partition.world_size}) yet: "
-                             "a delayed shard update (its spare compute chunks at stage 3, its all-gathers "
-                             "owed to the next step at stages 1-2, its lagging copy in a sharded checkpoint) "
-                             "is not built; early updates overlap backward at stage 3, and at stage 2 with "
-                             "param_tier='host'")
+        if config.delayed_update and partition is not None and partition.shards_state \
+                and not partition.shards_params and config.param_tier != "host":
+            # [Note: delayed updates across ranks] the all-gather writes the spare full copy in RAM
+            raise ValueError(f"delayed_update: at stage {partition.stage} with several ranks it needs "
+                             f"param_tier='host', not {config.param_tier!r}: the delayed update all-gathers "
+                             "the updated shards into the spare compute copy, which must be in host RAM "
+                             "(stage 3 and stage 0 take any compute tier but 'device')")
         # [Note: delayed updates] the norm is known in step(), where every update starts
         # [zero] with several ranks at stage 3, or 2 with host compute copies, decided from
         # the config alone, alike on every rank ("auto" places each rank's units under its

@@ -66,12 +66,35 @@ always, then swaps it into the spare homes and writes the lagging copy into the 
 (CheckpointAccess.restore_lagging), so the resumed run goes on bit for bit. Checkpoints
 without the field load with nothing pending.
 
-Not with param_tier "device" (the update would write the copy the forward reads), several
-ranks (not built: the sharded update into spare compute chunks, the stage 1-2 all-gathers
-owed to the next step, a sharded checkpoint's lagging copy; [Note: early updates across
-ranks] has what early updates do instead), or early and speculative updates (the
-norm is known in step(), where every update starts): the warm-up and fallback steps thus
-run the serialized step, without the overlap with backward that early updates give.
+Not with param_tier "device" (the update would write the copy the forward reads), at stages
+1-2 with several ranks only with param_tier "host" (below), or early and speculative updates
+(the norm is known in step(), where every update starts): the warm-up and fallback steps
+thus run the serialized step, without the overlap with backward that early updates give.
+
+[Note: delayed updates across ranks] [zero] With several ranks each rank delays the update
+of what it keeps, and the rule above holds for the whole run: the norm and the skip are
+all-reduced, so every rank delays or falls back alike, and the units with a gradient (the
+flags agreed in finish_gradients) are queued in one order on every rank.
+- Stage 0: each rank updates every unit, as one process does (no collective in the update).
+- Stage 3: ``ShardedStep.run(speculative=True)`` updates the rank's shard and writes its
+  chunk of the compute copy into the spare chunk; no collective: after the commit the next
+  fetch gathers every rank's committed chunk, and until then every rank's homes hold the
+  lagging chunks, so the forward gathers w_{k-1} everywhere.
+- Stages 1-2: the update writes the rank's part of the spare compute copy (in full
+  coordinates, which is why it must be a host tensor: param_tier "host", checked at wrap),
+  then all-gathers the other ranks' parts into it, on the optimizer worker, over the
+  Partition's "param" lane (its own process group; the copy worker issues nothing there
+  below stage 3). The workers of all ranks run the same updates in the same order, so the
+  gathers match; no thread waits for another rank's main thread meanwhile. So the spare
+  copy is whole when the update is done, and the commit, readers (``committed_view``) and
+  checkpoints see w_k as one process does; nothing is owed to step().
+Gradients: a stage >= 2 backward lands each unit's reduce-scattered shard in its host buffer,
+a unit this rank gave no gradient included (its zeros, in ``_after_backward``), so
+``Gradients.land_shard`` takes the fields back first; and queue() clears the partition's
+per-step record (``Partition.zero_grad``: the next backward's shards are copied, not added),
+as zero_grad() does after an exact step. A checkpoint's lagging section is written per
+trainable range like the master (stage 3: read from the rank's spare chunk), and loads on
+any number of ranks (restore_lagging writes the range this rank keeps).
 """
 from __future__ import annotations
 
@@ -107,13 +130,16 @@ class DelayedUpdates:
                  release_grad: Callable[[UnitState], None],
                  take_back: Callable[[UnitState], None],
                  release: Callable[[UnitState], None],
-                 drain_fetches: Callable[[], None]) -> None:
+                 drain_fetches: Callable[[], None],
+                 sharded_step: Optional[Any] = None, partition: Optional[Any] = None) -> None:
         """``track(ticket)``: the scheduler waits for it with every update on the worker
         (``finish_optimizer``, which also finishes the staging slots' writes and returns an
         interrupt that came meanwhile). The other
         callables are the scheduler's and the engine's: the micro-step counter, stopping the
         engine, Adam on host-homed states, giving a unit's gradients back, taking its
-        gradient fields back (Gradients.take_back), dropping a device copy, landing fetches."""
+        gradient fields back (Gradients.take_back), dropping a device copy, landing fetches.
+        [zero] ``sharded_step``: the ShardedStep at stage >= 1 (it runs the shard updates);
+        ``partition``: the Partition of several ranks ([Note: delayed updates across ranks])."""
         self._units = units
         self._layout = layout
         self._worker = worker
@@ -129,6 +155,8 @@ class DelayedUpdates:
         self._take_back = take_back
         self._release = release
         self._drain_fetches = drain_fetches
+        self._sharded_step = sharded_step
+        self._partition = partition
         self._running: List[Future] = []  # tickets of the last delayed step's updates
 
     def in_flight(self) -> bool:
@@ -193,12 +221,16 @@ class DelayedUpdates:
             self._running.append(ticket)
             self._track(ticket)
         self._stats.count("delayed_updates")
+        if self._partition is not None:  # [zero] the next backward's gradients start afresh
+            self._partition.zero_grad()
 
     def _run(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         """On the optimizer worker: u's update from its homes into its spare homes."""
         faults.hit("optim.deferred_update", unit=u.name)
         start = time.perf_counter()
-        if self._layout.staged_step:
+        if self._sharded_step is not None:  # [Note: delayed updates across ranks]
+            self._sharded_step.run([u], grad_factor, self._micro_step(), groups, speculative=True, lane="param")
+        elif self._layout.staged_step:
             self._step_ring.update_early(u, groups, grad_factor, into_spare=True)
         else:
             self._update_in_place(u, grad_factor, groups, speculative=True)

@@ -557,6 +557,7 @@ class Gradients:
         On a device the host does not address, the first is queued on the device-to-host
         stream (``shard`` must not be written again until it has run: the partition gives
         a fresh tensor each time); an added one is copied synchronously, then added."""
+        self.take_back(u)  # [Note: delayed updates] a unit this rank gave no gradient reaches here alone
         self._stats.add_bytes("device_to_host", shard.numel() * shard.element_size())
         dst = self.host_buffer(u)[:shard.numel()]
         if not self._copies_out:

@@ -64,7 +64,7 @@ class ShardedStep:
     @torch.no_grad()
     def run(self, units: List[UnitState], grad_factor: float, micro_step: int,
             groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False, early: bool = False,
-            updated_early: Sequence[UnitState] = ()) -> None:
+            updated_early: Sequence[UnitState] = (), lane: str = "main") -> None:
         """[zero] Stage >= 1: the units' shard updates in order, piece by piece at stage 3
         (see _shard_pieces), over two sets of update buffers: the next piece's NVMe reads
         are in flight while this one is updated (and, stages 1-2, gathered), and the
@@ -77,7 +77,9 @@ class ShardedStep:
         ``updated_early``: units whose Adam ran so (stages 1-2: only their gathers, at
         their place in unit order, so every rank gathers every unit in one order whichever
         ran early). ``speculative`` ([Note: speculative updates]): read the units' homes,
-        write their spare homes and step counts, keep their gradients."""
+        write their spare homes and step counts, keep their gradients (stages 1-2: gathered
+        into the spare compute copy). ``lane``: the Partition lane of the stage 1-2 gathers
+        ("param": a delayed update on the optimizer worker, [Note: delayed updates across ranks])."""
         assert not speculative or all(u.spare is not None for u in units)
         owed = {u.index: u for u in updated_early if u.param_shard is None}  # stage 3: nothing to gather
         work = [(u, lo, hi, u.index not in owed) for u in sorted(list(units) + list(owed.values()),
@@ -110,7 +112,8 @@ class ShardedStep:
                 if u.param_shard is not None:
                     self._update_param_piece(u, lo, hi, steps, grad_factor, views, groups, speculative)
                 else:
-                    self._update_shard(u, steps, grad_factor, views, groups, speculative, gather=not early)
+                    self._update_shard(u, steps, grad_factor, views, groups, speculative, gather=not early,
+                                       lane=lane)
                 writes[i % 2] = self._start_shard_writes(u, lo, hi, views, u.spare if speculative else u)
                 if hi == u.shard.state_numel:
                     if speculative:  # the gradients wait for the norm: kept for a redo
@@ -198,7 +201,7 @@ class ShardedStep:
     # ------------------------------------------------------------------ Adam over shards
     def _update_shard(self, u: UnitState, steps: List[int], grad_factor: float, views: Dict[str, torch.Tensor],
                       groups: Optional[List[Dict[str, Any]]] = None, speculative: bool = False,
-                      gather: bool = True) -> None:
+                      gather: bool = True, lane: str = "main") -> None:
         """[zero] Stages 1-2: Adam on this rank's shard ``u.shard`` of u's trainable prefix,
         then (with ``gather``) the other ranks' parts are all-gathered. The moments and a
         separate master are shard-sized (element ``shard.lo`` at index 0); a merged master
@@ -206,7 +209,8 @@ class ShardedStep:
         read whole by run (a shard starts anywhere in the compute copy, so it cannot be cut
         into page-aligned pieces), which also writes them back (to the spare homes when
         ``speculative``: then the host-homed ones are read at home and written to the
-        spares, and the compute copy is a host home: [Note: early updates across ranks])."""
+        spares, and the compute copy is a host home: [Note: early updates across ranks]; a
+        gather then fills the spare copy on ``lane``: [Note: delayed updates across ranks])."""
         layout = self._layout
         s = u.shard
         n = s.numel
@@ -237,7 +241,9 @@ class ShardedStep:
         if layout.split_master and n:  # the master the update wrote (a view: in place)
             split_master(master[:n], compute_out, views["low"][:n])
         self._timeline.span("adam", f"adam {u.name} (shard)", start, time.perf_counter())
-        if gather:
+        if gather and speculative:  # [Note: delayed updates across ranks] the spare copy, whole
+            self._partition.all_gather_shards(u, spare_full, in_full_coordinates=True, lane=lane)
+        elif gather:
             self._gather_shards(u, full, master)
 
     def _full_copy(self, u: UnitState, views: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:

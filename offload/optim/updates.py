@@ -175,7 +175,8 @@ class UpdateScheduler:
             finish_optimizer=self.finish_optimizer,
             fail_step=status.fail_step, update_in_place=adam.update_in_place, release_grad=gradients.release,
             take_back=gradients.take_back, release=residency.release,
-            drain_fetches=residency.drain_fetches) if layout.delayed_update else None
+            drain_fetches=residency.drain_fetches, sharded_step=sharded_step,
+            partition=partition) if layout.delayed_update else None
 
     def shutdown_worker(self) -> None:
         """Stop the optimizer worker once what it runs has finished (close())."""

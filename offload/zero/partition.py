@@ -9,6 +9,9 @@ thread issues the gradient and norm collectives meanwhile. The copy worker runs 
 the order the main thread submits them, which is the same on every rank as long as every
 rank runs the same forward and backward (and so needs, prefetches and evicts the same units
 in the same order: the prefetch plan depends only on the trace and the device budget).
+Below stage 3 the copy worker gathers nothing, and the lane ("param") is the optimizer
+worker's: the all-gathers of stage 1-2 delayed updates ([Note: delayed updates across
+ranks] in offload/optim/delayed.py), which it runs in the same order on every rank.
 
 [Note: gradient averaging] Gradients are averaged over ranks like DDP: each rank scales its
 local sum by 1 / world_size before the sum-reduction (exact for a power-of-two world size).
@@ -147,7 +150,7 @@ class Partition(StageShards):
         self._store = store
         self._seq: Dict[str, int] = {"main": 0, "param": 0}
         self._units: List[Any] = []
-        self._scratch: Dict[torch.dtype, torch.Tensor] = {}
+        self._scratch: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
         # Stage 2 state: full-size buckets of units whose gradients are arriving in this
         # backward, units reduced in this backward, units reduced since the last step.
         self._buckets: Dict[int, torch.Tensor] = {}
@@ -301,11 +304,13 @@ class Partition(StageShards):
                     f"(collective_timeout_seconds={self.timeout_seconds}). Cause: {exc}")
         return f"{head}: every rank reached it. Cause: {exc}"
 
-    def _scratch_of(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self._scratch.get(dtype)
+    def _scratch_of(self, dtype: torch.dtype, numel: int, lane: str = "main") -> torch.Tensor:
+        """A scratch tensor of ``lane``'s thread (one per lane and dtype: [Note: delayed updates
+        across ranks] the optimizer worker gathers while the main thread reduces)."""
+        buf = self._scratch.get((lane, dtype))
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype)
-            self._scratch[dtype] = buf
+            self._scratch[(lane, dtype)] = buf
         return buf[:numel]
 
     @torch.no_grad()
@@ -506,21 +511,24 @@ class Partition(StageShards):
 
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
-    def all_gather_shards(self, u: Any, buf: torch.Tensor, in_full_coordinates: bool) -> torch.Tensor:
+    def all_gather_shards(self, u: Any, buf: torch.Tensor, in_full_coordinates: bool,
+                          lane: str = "main") -> torch.Tensor:
         """After Adam: every rank's updated part of u's trainable prefix. With
         ``in_full_coordinates`` ``buf`` covers the whole prefix (this rank's part at
         ``[lo, hi)``); the others' parts are gathered into it and it is returned. Otherwise
         ``buf`` holds only this rank's part (``lo`` at index 0) and a scratch tensor in full
-        coordinates is returned (valid until the next call)."""
+        coordinates is returned (valid until the next call). ``lane`` "param": a delayed
+        update's gather on the optimizer worker ([Note: delayed updates across ranks])."""
         s = u.shard
         t = u.spec.trainable_numel
         base = 0 if in_full_coordinates else s.lo
-        chunk = self._scratch_of(buf.dtype, s.shard_numel * (self.shard_size + 1))
+        chunk = self._scratch_of(buf.dtype, s.shard_numel * (self.shard_size + 1), lane)
         mine, everyone = chunk[:s.shard_numel], chunk[s.shard_numel:]
         mine[:s.numel].copy_(buf[s.lo - base:s.hi - base])
         mine[s.numel:].zero_()
+        group = self.param_shard_group if lane == "param" else self.shard_group
         self._collective(f"parameter all-gather of unit {u.name!r}",
-                         lambda: _all_gather_into(everyone, mine, group=self.shard_group))
+                         lambda: _all_gather_into(everyone, mine, group=group), lane)
         if in_full_coordinates:
             buf[:t].copy_(everyone[:t])
             return buf
