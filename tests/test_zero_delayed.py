@@ -7,6 +7,7 @@ ZeRO tests), with clipping on some steps, host and NVMe tiers; a checkpoint save
 updates pending resumes bit for bit."""
 import json
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
+import offload.faults
 from offload.gpt import GPT
 from offload.memory.layout import Layout
 
-from support import CFG, REL_TOL, free_port, make_opt, max_rel_error, train_offload
+from support import CFG, REL_TOL, free_port, gpt_loss, make_opt, max_rel_error, train_offload
 from support import batches as _batches
 
 GLOBAL_BATCH = 4
@@ -52,9 +54,36 @@ def _rank_config(config, out_dir, rank, name):
     return dict(config, swap_dir=swap)
 
 
-def _worker(rank, port, world, config, data, out_dir, cut):
+def _train_held(config, mine):
+    """Train with the first delayed update (step 1's first unit, the root) held on the
+    optimizer worker until step 2's forward has run a block, as test_optim_delayed's
+    test_the_next_forward_runs_while_the_delayed_update_runs does on one process:
+    (losses, state_dict, whether the hold saw that forward within 20 s)."""
+    forward_ran = threading.Event()
+    held = []
+
+    def hold(**context):
+        held.append(forward_ran.wait(timeout=20))
+
+    model = gpt()
+    model.blocks[1].register_forward_hook(lambda *args: forward_ran.set())
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        with offload.faults.inject("optim.deferred_update", hold, at=1):
+            for k, b in enumerate(mine, start=1):
+                loss = gpt_loss(engine, b)
+                if k == 1:
+                    forward_ran.clear()  # set by this forward: the update waits for step 2's
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses, engine.state_dict(), held
+
+
+def _worker(rank, port, world, config, data, out_dir, cut, hold):
     """Train on this rank's part of ``data``; with ``cut``, also a run saved after ``cut``
-    steps and one that loads that checkpoint (from other weights) and trains the rest."""
+    steps and one that loads that checkpoint (from other weights) and trains the rest; with
+    ``hold``, also a run whose first delayed update is held (_train_held)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -79,15 +108,18 @@ def _worker(rank, port, world, config, data, out_dir, cut):
                 result["resumed_losses"] = train_offload(engine, mine[cut:])
                 result["resumed_state"] = engine.state_dict()
                 result["resumed_stats"] = engine.stats()
+        if hold:
+            result["held_losses"], result["held_state"], result["held"] = _train_held(
+                _rank_config(config, out_dir, rank, "held"), mine)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world, config, data, out_dir, cut=None):
+def run_ranks(world, config, data, out_dir, cut=None, hold=False):
     os.makedirs(out_dir, exist_ok=True)
     mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
-    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), cut),
+    mp.start_processes(_worker, args=(free_port(), world, config, data, str(out_dir), cut, hold),
                        nprocs=world, join=True, start_method="forkserver")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
@@ -151,6 +183,24 @@ def test_a_checkpoint_with_delayed_updates_pending_on_ranks_resumes_bit_for_bit(
         assert res["resumed_stats"]["delayed_updates"] > 0, r
         for k, v in res["state"].items():
             assert torch.equal(v, res["resumed_state"][k]), (r, k)
+
+
+@pytest.mark.parametrize("stage,tiers", [(2, ("host", "host")), (3, ("nvme", "nvme"))])
+def test_the_next_forward_runs_while_a_delayed_update_on_ranks_runs(stage, tiers, tmp_path):
+    """Step 1's first delayed update (the root's; at stage 2 its all-gather comes after the
+    hold) is held on each rank until that rank's step-2 forward has run a block: no forward
+    waits for it, and the run is the unheld one's to the bit."""
+    config = dict(stage=stage, param_tier=tiers[0], optimizer_tier=tiers[1], delayed_update=True,
+                  delayed_update_warmup_steps=0, collective_timeout_seconds=60)
+    if "nvme" in tiers:
+        config["swap_dir"] = str(tmp_path / "swap")
+    data = _batches(3, batch=GLOBAL_BATCH)
+    results = run_ranks(2, config, data, tmp_path / "ranks", hold=True)
+    for r, res in enumerate(results):
+        assert res["held"] == [True], f"rank {r}: the forward waited for the delayed update"
+        assert res["held_losses"] == res["losses"], r
+        for k, v in res["state"].items():
+            assert torch.equal(v, res["held_state"][k]), (r, k)
 
 
 def test_stages_1_and_2_refuse_delayed_updates_without_host_compute_copies():
