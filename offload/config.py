@@ -298,11 +298,10 @@ class OffloadConfig:
     back to exact steps. It changes the numbers (a stale-gradient method, which can hurt
     convergence, Adam/AdamW included: check the loss curve against an exact run) and costs a
     second set of homes for every trainable unit, as speculative updates do. Off by default;
-    not with param_tier="device" or speculative_updates=True. With several ranks each rank
-    delays the update of its own shard, at every stage; at stages 1 and 2 only with
-    param_tier="host" (the delayed update all-gathers the new shards into the second compute
-    copy in RAM) ([Note: delayed updates] and [Note: delayed updates across ranks] in
-    offload/optim/delayed.py)."""
+    not with param_tier="device" or speculative_updates=True. With several ranks, at every
+    stage, each rank delays the update of its own shard (at stages 1-2 the all-gather of the
+    new shards is part of the delayed update) ([Note: delayed updates] and [Note: delayed
+    updates across ranks] in offload/optim/delayed.py)."""
 
     delayed_update_warmup_steps: int = 40
     """With delayed_update: how many optimizer steps run exactly before updates are delayed

@@ -128,9 +128,11 @@ CASES = [  # (stage, world, shard_group_size, (param_tier, optimizer_tier), max_
     (0, 2, None, ("host", "host"), None, 1),
     (0, 2, None, ("nvme", "nvme"), CLIP_NORM, 1),
     (1, 2, None, ("host", "nvme"), CLIP_NORM, 1),
+    (1, 2, None, ("nvme", "nvme"), None, 2),  # the gather in the buffer read from NVMe, to the spare extent
     (1, 4, 2, ("host", "host"), CLIP_NORM, 1),  # two groups: the gathers inside each on the worker
     (2, 2, None, ("host", "host"), CLIP_NORM, 1),
     (2, 2, None, ("host", "nvme"), None, 2),
+    (2, 2, None, ("nvme", "nvme"), CLIP_NORM, 1),
     (3, 2, None, ("host", "host"), None, 1),
     (3, 2, None, ("nvme", "nvme"), CLIP_NORM, 1),
     (3, 4, 2, ("nvme", "host"), CLIP_NORM, 2),  # two groups: the shards summed across them in step()
@@ -163,11 +165,11 @@ def test_delayed_updates_on_ranks_equal_one_process_with_delayed_updates(
             assert torch.equal(v, results[0]["state"][k]), k
 
 
-@pytest.mark.parametrize("stage,tiers", [(1, ("host", "host")), (2, ("host", "nvme")), (3, ("nvme", "nvme"))])
+@pytest.mark.parametrize("stage,tiers", [(1, ("nvme", "nvme")), (2, ("host", "nvme")), (3, ("nvme", "nvme"))])
 def test_a_checkpoint_with_delayed_updates_pending_on_ranks_resumes_bit_for_bit(stage, tiers, tmp_path):
     """Saved by 2 ranks while an update is pending (bf16: the lagging compute copy is not the
-    rounded master), loaded by 2 ranks from other weights: the rest of the run is the
-    uninterrupted one's to the bit, losses and weights."""
+    rounded master; with every state on NVMe the master is split), loaded by 2 ranks from
+    other weights: the rest of the run is the uninterrupted one's to the bit, losses and weights."""
     config = dict(stage=stage, param_tier=tiers[0], optimizer_tier=tiers[1], dtype="bf16",
                   delayed_update=True, delayed_update_warmup_steps=1)
     if "nvme" in tiers:
@@ -203,19 +205,18 @@ def test_the_next_forward_runs_while_a_delayed_update_on_ranks_runs(stage, tiers
             assert torch.equal(v, res["held_state"][k]), (r, k)
 
 
-def test_stages_1_and_2_refuse_delayed_updates_without_host_compute_copies():
-    """The delayed update all-gathers the updated shards into the spare compute copy in RAM."""
-    cfg = offload.OffloadConfig(delayed_update=True, param_tier="nvme", optimizer_tier="nvme", swap_dir="/tmp")
-    for stage in (1, 2):
-        partition = SimpleNamespace(world_size=2, stage=stage, shards_state=True, shards_params=False,
-                                    shards_gradients=stage >= 2)
-        with pytest.raises(ValueError, match=f"delayed_update: at stage {stage} .*param_tier='host'"):
-            Layout.resolve(cfg, torch.device("cpu"), partition)
-    for stage in (0, 3):
-        partition = SimpleNamespace(world_size=2, stage=stage, shards_state=stage >= 1, shards_params=stage == 3,
-                                    shards_gradients=stage >= 2)
-        layout = Layout.resolve(cfg, torch.device("cpu"), partition)
-        assert layout.delayed_update and not layout.early_allowed and layout.spare_homes
+def test_every_stage_resolves_delayed_updates_with_spare_homes_and_no_early_updates():
+    """With several ranks delayed updates take any stage and compute tier but the device's:
+    a spare compute copy for every trainable unit, and no early or speculative updates."""
+    for stage in (0, 1, 2, 3):
+        for tier in ("host", "nvme"):
+            cfg = offload.OffloadConfig(delayed_update=True, param_tier=tier, optimizer_tier="nvme", swap_dir="/tmp",
+                                        max_grad_norm=1.0)
+            partition = SimpleNamespace(world_size=2, stage=stage, shards_state=stage >= 1,
+                                        shards_params=stage == 3, shards_gradients=stage >= 2)
+            layout = Layout.resolve(cfg, torch.device("cpu"), partition)
+            assert layout.delayed_update and layout.has_spare(0, True) and not layout.spare_states, (stage, tier)
+            assert not layout.early_allowed and not layout.speculative, (stage, tier)
 
 
 @pytest.mark.parametrize("stage,tiers", [(2, ("host", "host")), (3, ("nvme", "nvme"))])

@@ -228,13 +228,6 @@ class Layout:
         merged = config.dtype == "fp32" and param_tier != "device"
         needs_nvme = "nvme" in on_compute | on_states
         needs_norm_first = config.needs_norm_first()
-        if config.delayed_update and partition is not None and partition.shards_state \
-                and not partition.shards_params and config.param_tier != "host":
-            # [Note: delayed updates across ranks] the all-gather writes the spare full copy in RAM
-            raise ValueError(f"delayed_update: at stage {partition.stage} with several ranks it needs "
-                             f"param_tier='host', not {config.param_tier!r}: the delayed update all-gathers "
-                             "the updated shards into the spare compute copy, which must be in host RAM "
-                             "(stage 3 and stage 0 take any compute tier but 'device')")
         # [Note: delayed updates] the norm is known in step(), where every update starts
         # [zero] with several ranks at stage 3, or 2 with host compute copies, decided from
         # the config alone, alike on every rank ("auto" places each rank's units under its

@@ -66,10 +66,10 @@ always, then swaps it into the spare homes and writes the lagging copy into the 
 (CheckpointAccess.restore_lagging), so the resumed run goes on bit for bit. Checkpoints
 without the field load with nothing pending.
 
-Not with param_tier "device" (the update would write the copy the forward reads), at stages
-1-2 with several ranks only with param_tier "host" (below), or early and speculative updates
-(the norm is known in step(), where every update starts): the warm-up and fallback steps
-thus run the serialized step, without the overlap with backward that early updates give.
+Not with param_tier "device" (the update would write the copy the forward reads), or early
+and speculative updates (the norm is known in step(), where every update starts): the
+warm-up and fallback steps thus run the serialized step, without the overlap with backward
+that early updates give.
 
 [Note: delayed updates across ranks] [zero] With several ranks each rank delays the update
 of what it keeps, and the rule above holds for the whole run: the norm and the skip are
@@ -81,8 +81,9 @@ flags agreed in finish_gradients) are queued in one order on every rank.
   fetch gathers every rank's committed chunk, and until then every rank's homes hold the
   lagging chunks, so the forward gathers w_{k-1} everywhere.
 - Stages 1-2: the update writes the rank's part of the spare compute copy (in full
-  coordinates, which is why it must be a host tensor: param_tier "host", checked at wrap),
-  then all-gathers the other ranks' parts into it, on the optimizer worker, over the
+  coordinates: the spare host tensor, or with the copy on NVMe the buffer the home's copy
+  was read into, then written whole to the spare extent), and all-gathers the other
+  ranks' parts into it before that write, on the optimizer worker, over the
   Partition's "param" lane (its own process group; the copy worker issues nothing there
   below stage 3). The workers of all ranks run the same updates in the same order, so the
   gathers match; no thread waits for another rank's main thread meanwhile. So the spare

@@ -209,8 +209,8 @@ class ShardedStep:
         read whole by run (a shard starts anywhere in the compute copy, so it cannot be cut
         into page-aligned pieces), which also writes them back (to the spare homes when
         ``speculative``: then the host-homed ones are read at home and written to the
-        spares, and the compute copy is a host home: [Note: early updates across ranks]; a
-        gather then fills the spare copy on ``lane``: [Note: delayed updates across ranks])."""
+        spares, [Note: early updates across ranks]; a gather then fills the spare compute
+        copy on ``lane``: [Note: delayed updates across ranks])."""
         layout = self._layout
         s = u.shard
         n = s.numel
@@ -226,8 +226,10 @@ class ShardedStep:
         compute_in = compute_out = None if layout.merged or full is None else full[s.lo:s.hi]
         out = None
         if speculative:
-            spare_full = u.spare.compute_home
-            assert full is not None and isinstance(spare_full, torch.Tensor), "a host compute copy only"
+            # a host spare copy; on NVMe the buffer the home was read into, updated in place
+            # there and written to the spare extent by run ([Note: delayed updates across ranks])
+            spare_full = full if on_nvme(u.spare.compute_home) else u.spare.compute_home
+            assert full is not None and isinstance(spare_full, torch.Tensor), "not a device compute copy"
             master_out, exp_avg_out, exp_avg_sq_out = states(u.spare, spare_full)
             compute_out = None if compute_in is None else spare_full[s.lo:s.hi]
             out = OutOfPlace(master_out[:n], exp_avg_out[:n], exp_avg_sq_out[:n],
