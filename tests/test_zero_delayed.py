@@ -8,6 +8,8 @@ updates pending resumes bit for bit."""
 import json
 import os
 import threading
+import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -243,4 +245,81 @@ def test_a_checkpoint_with_delayed_updates_pending_on_2_ranks_resumes_on_one_pro
         state = engine.state_dict()
     assert max_rel_error(state, results[0]["state"]) < REL_TOL
     mean = [sum(res["losses"][k] for res in results) / 2 for k in range(cut, len(data))]
+    assert max(abs(a - b) / abs(b) for a, b in zip(mean, losses)) < REL_TOL
+
+
+class _Skipping(torch.nn.Module):
+    """Three blocks; with ``skip`` set, the forward leaves block 0 out (on every rank alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+        self.head = torch.nn.Linear(16, 1)
+        self.skip = False
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 0):
+                h = torch.tanh(block(h))
+        return ((self.head(h) - y) ** 2).mean()
+
+
+SKIP_STEP = 3
+
+
+def _train_skipping(config, data, rank=0, world=1):
+    """_Skipping (seed 0) trained on this rank's part of ``data``, block 0 left out of step
+    SKIP_STEP's forward; each delayed update of block 0 held 1.5 s on the worker, so that
+    it still runs when that backward ends: (losses, state_dict)."""
+    torch.manual_seed(0)
+    model = _Skipping()
+    losses = []
+
+    def slow(unit, **context):
+        if unit == "blocks.0":
+            time.sleep(1.5)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine, \
+            offload.faults.inject("optim.deferred_update", slow):
+        for k, (x, y) in enumerate(data, start=1):
+            per_rank = x.shape[0] // world
+            model.skip = k == SKIP_STEP
+            loss = engine(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, engine.state_dict()
+
+
+def _skipping_worker(rank, port, world, config, data, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the skipped block leaves the trace
+            torch.save(_train_skipping(config, data, rank, world), os.path.join(out_dir, f"skip-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_unit_no_backward_reaches_waits_for_its_delayed_update_before_its_zeros_land(tmp_path):
+    """Stage 2: a unit that the step's forward leaves out on every rank gets its reduce-
+    scatter of zeros when backward ends (``Partition._after_backward``); its last delayed
+    update, held on the worker, still reads the gradient buffer those zeros land in, so the
+    landing takes the buffer back first. The run equals one process with the same skip."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)) for _ in range(5)]
+    config = dict(stage=2, param_tier="host", optimizer_tier="host", delayed_update=True,
+                  delayed_update_warmup_steps=0)
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_skipping_worker, args=(free_port(), 2, config, data, str(tmp_path)),
+                       nprocs=2, join=True, start_method="forkserver")
+    results = [torch.load(tmp_path / f"skip-rank{r}.pt", weights_only=False) for r in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        losses, state = _train_skipping({k: v for k, v in config.items() if k != "stage"}, data)
+    for r, (rank_losses, rank_state) in enumerate(results):
+        assert max_rel_error(rank_state, state) < REL_TOL, r
+    mean = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
     assert max(abs(a - b) / abs(b) for a, b in zip(mean, losses)) < REL_TOL
