@@ -323,3 +323,52 @@ def test_a_unit_no_backward_reaches_waits_for_its_delayed_update_before_its_zero
         assert max_rel_error(rank_state, state) < REL_TOL, r
     mean = [(a + b) / 2 for a, b in zip(results[0][0], results[1][0])]
     assert max(abs(a - b) / abs(b) for a, b in zip(mean, losses)) < REL_TOL
+
+
+def _failing_update_worker(rank, port, config, data, out_dir):
+    """Rank 1's delayed update of blocks.2 (step 1's third, after the root's and blocks.3's)
+    fails; each rank records what its next training call raises, and what one after it does."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    per_rank = data[0].shape[0] // 2
+    mine = [b[rank * per_rank:(rank + 1) * per_rank] for b in data]
+
+    def fail(unit, **context):
+        if rank == 1 and unit == "blocks.2":
+            raise OSError(5, "injected failure of a delayed update")
+    model = gpt()
+    engine = offload.wrap(model, make_opt(model.parameters()), config=config)
+    result = {}
+    with offload.faults.inject("optim.deferred_update", fail):
+        train_offload(engine, mine[:1])
+        try:
+            train_offload(engine, mine[1:2])
+            result["next"] = "no error"
+        except Exception as exc:
+            result["next"] = f"{type(exc).__name__}: {exc}"
+    try:
+        gpt_loss(engine, mine[2])
+        result["after"] = "no error"
+    except Exception as exc:
+        result["after"] = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"fail-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # the process group is broken; skip its teardown
+
+
+def test_a_delayed_update_that_fails_on_one_rank_stops_both_naming_it(tmp_path):
+    """Stage 2: rank 1's delayed update of blocks.2 fails before its all-gather, and rank 1
+    runs none of that step's later updates, so rank 0's worker waits in blocks.2's gather (not
+    matched with another unit's) and raises naming rank 1; both engines refuse to go on."""
+    config = dict(stage=2, param_tier="host", optimizer_tier="host", delayed_update=True,
+                  delayed_update_warmup_steps=0, collective_timeout_seconds=5)
+    data = _batches(3, batch=GLOBAL_BATCH)
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_failing_update_worker, args=(free_port(), config, data, str(tmp_path)),
+                       nprocs=2, join=True, start_method="forkserver")
+    results = [json.loads((tmp_path / f"fail-rank{r}.json").read_text()) for r in range(2)]
+    assert "injected failure of a delayed update" in results[1]["next"], results[1]
+    assert "rank 1" in results[0]["next"] and "parameter all-gather of unit 'blocks.2'" in results[0]["next"], \
+        results[0]
+    for r in range(2):
+        assert results[r]["after"].startswith("EngineFailedError"), (r, results[r])

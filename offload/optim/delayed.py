@@ -96,6 +96,10 @@ per-step record (``Partition.zero_grad``: the next backward's shards are copied,
 as zero_grad() does after an exact step. A checkpoint's lagging section is written per
 trainable range like the master (stage 3: read from the rank's spare chunk), and loads on
 any number of ranks (restore_lagging writes the range this rank keeps).
+Failures: once an update fails (the step is failed anyway: [Note: failures inside a step]),
+the worker runs none of that step's later updates, so a stage 1-2 gather is never matched
+with another unit's gather on a rank that went on: the other ranks' worker waits in the
+failed unit's gather and raises naming this rank ([Note: failures] in zero/partition.py).
 """
 from __future__ import annotations
 
@@ -159,6 +163,9 @@ class DelayedUpdates:
         self._sharded_step = sharded_step
         self._partition = partition
         self._running: List[Future] = []  # tickets of the last delayed step's updates
+        # [Note: delayed updates across ranks] an update of the last delayed step failed on
+        # this rank: the worker runs none of the others (written there, reset by queue())
+        self._abandoned = False
 
     def in_flight(self) -> bool:
         """A delayed update still runs on the worker."""
@@ -213,6 +220,7 @@ class DelayedUpdates:
         next backward hands their gradients over (where it waits for them): the root first
         (a language model's head and final norm, whose gradients come first), then the
         units last to first; each owns its gradient fields until taken back."""
+        self._abandoned = False  # the worker is idle: wait() came first
         for u in [self._units[0]] + self._units[:0:-1]:
             if not any(u.has_grad):
                 continue
@@ -227,14 +235,21 @@ class DelayedUpdates:
 
     def _run(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         """On the optimizer worker: u's update from its homes into its spare homes."""
-        faults.hit("optim.deferred_update", unit=u.name)
-        start = time.perf_counter()
-        if self._sharded_step is not None:  # [Note: delayed updates across ranks]
-            self._sharded_step.run([u], grad_factor, self._micro_step(), groups, speculative=True, lane="param")
-        elif self._layout.staged_step:
-            self._step_ring.update_early(u, groups, grad_factor, into_spare=True)
-        else:
-            self._update_in_place(u, grad_factor, groups, speculative=True)
+        if self._abandoned:
+            raise RuntimeError(f"the delayed update of unit {u.name!r} did not run: an earlier one of the "
+                               "same optimizer step failed")
+        try:
+            faults.hit("optim.deferred_update", unit=u.name)
+            start = time.perf_counter()
+            if self._sharded_step is not None:  # [Note: delayed updates across ranks]
+                self._sharded_step.run([u], grad_factor, self._micro_step(), groups, speculative=True, lane="param")
+            elif self._layout.staged_step:
+                self._step_ring.update_early(u, groups, grad_factor, into_spare=True)
+            else:
+                self._update_in_place(u, grad_factor, groups, speculative=True)
+        except BaseException:
+            self._abandoned = True
+            raise
         self._release_grad(u)  # the update owns them ([Note: threads] in memory/layout.py)
         end = time.perf_counter()
         self._timeline.span("optimizer", f"update {u.name} (delayed)", start, end)
