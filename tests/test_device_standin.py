@@ -20,15 +20,15 @@ from offload.tiers.streams import STANDIN_ENV
 
 REPO = Path(__file__).parent.parent
 # numerics on every tier pair, speculative and delayed updates, the
-# split master, deferred updates and their fills, ZeRO on 2 and 4 ranks (early updates
-# there too), faults and interrupts,
+# split master, deferred updates and their fills, ZeRO on 2 and 4 ranks (early and delayed
+# updates there too), faults and interrupts,
 # prefetch, gathered parameters, and the streams' own tests
 STANDIN_TESTS = ["tests/test_engine.py", "tests/test_golden.py",
                  "tests/test_optim_speculative.py", "tests/test_optim_delayed.py", "tests/test_optim_split_master.py",
                  "tests/test_optim_updates.py", "tests/test_zero.py", "tests/test_engine_faults.py",
                  "tests/test_engine_fault_matrix.py", "tests/test_interrupts.py", "tests/test_prefetch.py",
                  "tests/test_device_streams.py", "tests/test_gathered.py",
-                 "tests/test_zero_groups.py", "tests/test_zero_overlap.py"]
+                 "tests/test_zero_groups.py", "tests/test_zero_overlap.py", "tests/test_zero_delayed.py"]
 
 
 @pytest.mark.slow

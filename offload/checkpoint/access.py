@@ -410,8 +410,7 @@ class CheckpointAccess:
         for a, b in self.chunks(lo, hi):
             lagging = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
             read(a, b, lagging)
-            self._homes.store_range(u.compute_home, a - lo if u.param_shard is not None else a,
-                                    lagging.to(home_dtype), "ckpt.bounce")
+            self._homes.store_range(u.compute_home, a - lo, lagging.to(home_dtype), "ckpt.bounce")
         u.delayed_pending = True
         return True
 

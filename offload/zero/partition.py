@@ -270,7 +270,8 @@ class Partition(StageShards):
 
     def _mark(self, what: str, lane: str = "main") -> None:
         """Count a collective of ``lane`` ("main": the main thread on ``group``; "param":
-        the copy worker on ``param_group``) in the store, for _diagnose."""
+        the copy worker on ``param_group``, or below stage 3 the optimizer worker's delayed
+        updates: [Note: parameter all-gathers]) in the store, for _diagnose."""
         self._seq[lane] += 1
         self._store.set(f"seq/{lane}/{self.rank}", f"{self._seq[lane]}:{what}")
 
