@@ -189,17 +189,18 @@ def test_a_checkpoint_with_delayed_updates_pending_on_ranks_resumes_bit_for_bit(
             assert torch.equal(v, res["resumed_state"][k]), (r, k)
 
 
-@pytest.mark.parametrize("stage,tiers", [(2, ("host", "host")), (3, ("nvme", "nvme"))])
-def test_the_next_forward_runs_while_a_delayed_update_on_ranks_runs(stage, tiers, tmp_path):
+@pytest.mark.parametrize("stage,world,group,tiers", [(2, 2, None, ("host", "host")), (3, 2, None, ("nvme", "nvme")),
+                                                     (1, 4, 2, ("nvme", "nvme"))])
+def test_the_next_forward_runs_while_a_delayed_update_on_ranks_runs(stage, world, group, tiers, tmp_path):
     """Step 1's first delayed update (the root's; at stage 2 its all-gather comes after the
     hold) is held on each rank until that rank's step-2 forward has run a block: no forward
-    waits for it, and the run is the unheld one's to the bit."""
-    config = dict(stage=stage, param_tier=tiers[0], optimizer_tier=tiers[1], delayed_update=True,
-                  delayed_update_warmup_steps=0, collective_timeout_seconds=60)
+    waits for it, and the run is the unheld one's to the bit (4 ranks in 2 groups too)."""
+    config = dict(stage=stage, shard_group_size=group, param_tier=tiers[0], optimizer_tier=tiers[1],
+                  delayed_update=True, delayed_update_warmup_steps=0, collective_timeout_seconds=60)
     if "nvme" in tiers:
         config["swap_dir"] = str(tmp_path / "swap")
     data = _batches(3, batch=GLOBAL_BATCH)
-    results = run_ranks(2, config, data, tmp_path / "ranks", hold=True)
+    results = run_ranks(world, config, data, tmp_path / "ranks", hold=True)
     for r, res in enumerate(results):
         assert res["held"] == [True], f"rank {r}: the forward waited for the delayed update"
         assert res["held_losses"] == res["losses"], r
