@@ -108,3 +108,29 @@ def test_a_checkpoint_pushed_to_the_hub_is_complete(base_dir, tmp_path, monkeypa
     assert len(pushed) == 1
     assert COMPLETE_MARKER in pushed[0] and f"{ENGINE_CHECKPOINT_DIR}/manifest.json" in pushed[0]
     assert "optimizer.pt" in pushed[0]
+
+
+def test_compact_states_leave_optimizer_pt_out_and_resume_from_the_engines_checkpoint(base_dir, tmp_path):
+    """Compact optimizer states (8-bit moments in blocks) have no AdamW layout: the checkpoint
+    goes without optimizer.pt (before, reading the compact pieces as exp_avg failed the first
+    save), it is complete, OffloadTrainer resumes from it step for step, and
+    trainer.optimizer.state_dict() is a ValueError naming the compact states and the way."""
+    config = dict(nvme(tmp_path / "swap"), optimizer_states="compact")
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", save_strategy="steps", save_steps=3, bf16=True),
+                              config, train_dataset=TokenDataset(24, seed=1))
+    try:
+        trainer.train()
+        with pytest.raises(ValueError, match=r"optimizer_states='compact'.*engine\.save_checkpoint"):
+            trainer.optimizer.state_dict()
+    finally:
+        trainer.close()
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    assert "optimizer.pt" not in os.listdir(checkpoint) and ENGINE_CHECKPOINT_DIR in os.listdir(checkpoint)
+    assert checkpoint_missing(str(checkpoint)) == []
+    resumed = offload_trainer(base_dir, training_args(tmp_path / "resumed", bf16=True), config,
+                              train_dataset=TokenDataset(24, seed=1))
+    try:
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    finally:
+        resumed.close()
+    assert logged(resumed, "loss") == logged(trainer, "loss")

@@ -12,7 +12,8 @@ writes ``optimizer.pt`` (``torch.optim.AdamW.state_dict()``'s layout, read from 
 checkpoint just saved, not from a second save) where the layout exists and is small:
 
 1. one process (with several ranks each holds a shard of the moments);
-2. an Adam/AdamW (another optimizer's state is laid out by the engine's rules, not torch's);
+2. an Adam/AdamW with exact states (another optimizer's state is laid out by the engine's
+   rules, compact states in 8-bit blocks, neither in torch's layout);
 3. moments of at most OPTIMIZER_PT_MAX_BYTES, and no more than 3/4 of the memory
    available now (they are read into memory whole).
 
@@ -57,6 +58,10 @@ def torch_layout_problem(adam: torch.optim.Optimizer, engine: "offload.Engine") 
         return (f"not with several ranks (this run has {world_size}): each rank holds a shard of the moments; "
                 "save them on every rank with trainer.engine.save_checkpoint(DIR), DIR one path on a file system "
                 "the ranks share (the Trainer's checkpoints do)")
+    if engine.config.optimizer_states == "compact":
+        return ("the engine keeps compact optimizer states (optimizer_states='compact'), which torch's AdamW "
+                "layout cannot hold (8-bit moments in blocks); save them with trainer.engine.save_checkpoint(DIR) "
+                "(the Trainer's checkpoints do)")
     if not isinstance(adam, ADAM_CLASSES):
         return (f"the state of {type(adam).__name__} lives in the engine's tiers and is read in torch's layout "
                 "for Adam/AdamW only; save it with trainer.engine.save_checkpoint(DIR) (the Trainer's "
