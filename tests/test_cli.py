@@ -331,7 +331,8 @@ def test_plan_of_compact_states_places_auto_as_wrap_does_and_refuses_what_wrap_r
     with pytest.raises(ValueError, match="two moments"):
         place(shape, "bf16", "host", "nvme", state_slots=1, optimizer_states="compact")
     for flags, why in ((("--dtype", "fp32"), "dtype='bf16'"), (("--optimizer-state-tensors", "1"), "two moments"),
-                       (("--delayed-update",), "delayed_update"), (("--ranks", "2"), "ZeRO stage 3")):
+                       (("--delayed-update",), "delayed_update"), (("--ranks", "2"), "ZeRO stage 3"),
+                       (("--optimizer", "muon"), "not --optimizer muon's")):
         out_json = tmp_path / "plan.json"
         result = run_cli("plan", "--params", "1e6", "--optimizer-states", "compact", *flags, "--json", str(out_json))
         assert result.returncode == 1 and "--optimizer-states compact" in result.stderr and why in result.stderr, \
