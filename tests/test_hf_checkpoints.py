@@ -122,6 +122,8 @@ def test_compact_states_leave_optimizer_pt_out_and_resume_from_the_engines_check
         trainer.train()
         with pytest.raises(ValueError, match=r"optimizer_states='compact'.*engine\.save_checkpoint"):
             trainer.optimizer.state_dict()
+        with pytest.raises(ValueError, match=r"load_state_dict\(\).*engine\.load_checkpoint"):
+            trainer.optimizer.load_state_dict({})
     finally:
         trainer.close()
     checkpoint = tmp_path / "out" / "checkpoint-3"

@@ -203,8 +203,9 @@ class EngineAdam(torch.optim.Optimizer):
         return adam_state_dict(self.adam, self.engine)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        raise RuntimeError("the optimizer's state lives in the engine's tiers: load it with "
-                           "trainer.engine.load_checkpoint(DIR) (resume_from_checkpoint does)")
+        """A ValueError, as ``state_dict()``'s refusals: the state is loaded into the tiers."""
+        raise ValueError("optimizer.load_state_dict(): the optimizer's state lives in the engine's tiers: load it "
+                         "with trainer.engine.load_checkpoint(DIR) (resume_from_checkpoint does)")
 
     def __repr__(self) -> str:
         return f"EngineAdam({self.adam!r})"
