@@ -120,6 +120,38 @@ def train_reference(model, data, steps_per_update=1, max_grad_norm=None, opt=Non
     return losses
 
 
+def train_holding_the_first_delayed_update(config, data, timeout):
+    """[Note: delayed updates] Train GPT(CFG) (seed 0) on ``data`` with the first delayed
+    update (step 1's first unit, the root) held on the optimizer worker until step 2's
+    forward has run a block, or ``timeout`` s: (losses, state_dict, stats, held), ``held``
+    [True] when the hold saw that forward (a forward that waited for the update would not
+    run meanwhile)."""
+    import offload.faults
+
+    forward_ran = threading.Event()
+    held = []
+
+    def hold(**context):
+        held.append(forward_ran.wait(timeout=timeout))
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.blocks[1].register_forward_hook(lambda *args: forward_ran.set())
+    losses = []
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        # armed throughout: the first hit is step 1's first delayed update (nothing before
+        # step 1's step() reaches the point: no early or deferred updates in this mode)
+        with offload.faults.inject("optim.deferred_update", hold, at=1):
+            for k, b in enumerate(data, start=1):
+                loss = gpt_loss(engine, b)
+                if k == 1:
+                    forward_ran.clear()  # set by this forward: the update waits for step 2's
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return losses, engine.state_dict(), engine.stats(), held
+
+
 def train_offload(engine, data, loss_fn=gpt_loss, settle_backward=False):
     """``settle_backward``: as train_gpt's."""
     losses = []

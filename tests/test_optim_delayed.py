@@ -6,7 +6,6 @@ the forward (the values a parameter holds there), and across a checkpoint."""
 import errno
 import json
 import math
-import threading
 import warnings
 from types import SimpleNamespace
 
@@ -23,7 +22,7 @@ from offload.memory.layout import Layout
 
 from support import (CFG, CLIP_REL_TOL, REL_TOL, FaultyIO, assert_same_state, batches, gpt_loss, make_opt,
                      max_rel_error, reference_optimizer_step, sigint_once_main_waits_in, train_offload,
-                     train_sometimes, unwrap_swap_io, wrap_swap_io)
+                     train_holding_the_first_delayed_update, train_sometimes, unwrap_swap_io, wrap_swap_io)
 
 WATCHED = "blocks.1.fc.weight"  # a parameter of a block unit, read inside the forward
 
@@ -325,29 +324,7 @@ def test_the_next_forward_runs_while_the_delayed_update_runs(tiers, tmp_path):
     data = batches(3)
     cfg = config(tmp_path, "held", tiers, delayed_update=True, delayed_update_warmup_steps=0)
     free = run(config(tmp_path, "free", tiers, delayed_update=True, delayed_update_warmup_steps=0), data)
-    forward_ran = threading.Event()
-    held = []
-
-    def hold(**context):
-        held.append(forward_ran.wait(timeout=10))
-
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    model.blocks[1].register_forward_hook(lambda *args: forward_ran.set())
-    losses = []
-    with offload.wrap(model, make_opt(model.parameters()), config=cfg) as engine:
-        # armed throughout: the first hit is step 1's first delayed update (nothing before
-        # step 1's step() reaches the point: no early or deferred updates in this mode)
-        with offload.faults.inject("optim.deferred_update", hold, at=1):
-            for k, b in enumerate(data, start=1):
-                loss = gpt_loss(engine, b)
-                if k == 1:
-                    forward_ran.clear()  # set by this forward: the update waits for step 2's
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        state = engine.state_dict()
-        stats = engine.stats()
+    losses, state, stats, held = train_holding_the_first_delayed_update(cfg, data, timeout=10)
     assert held == [True], "the forward waited for the delayed update"
     assert losses == free.losses
     assert_same_state(state, free.state)

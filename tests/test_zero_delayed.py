@@ -7,7 +7,6 @@ ZeRO tests), with clipping on some steps, host and NVMe tiers; a checkpoint save
 updates pending resumes bit for bit."""
 import json
 import os
-import threading
 import time
 import warnings
 from types import SimpleNamespace
@@ -22,7 +21,8 @@ import offload.faults
 from offload.gpt import GPT
 from offload.memory.layout import Layout
 
-from support import CFG, REL_TOL, free_port, gpt_loss, make_opt, max_rel_error, train_offload
+from support import (CFG, REL_TOL, free_port, gpt_loss, make_opt, max_rel_error, train_holding_the_first_delayed_update,
+                     train_offload)
 from support import batches as _batches
 
 GLOBAL_BATCH = 4
@@ -56,36 +56,11 @@ def _rank_config(config, out_dir, rank, name):
     return dict(config, swap_dir=swap)
 
 
-def _train_held(config, mine):
-    """Train with the first delayed update (step 1's first unit, the root) held on the
-    optimizer worker until step 2's forward has run a block, as test_optim_delayed's
-    test_the_next_forward_runs_while_the_delayed_update_runs does on one process:
-    (losses, state_dict, whether the hold saw that forward within 20 s)."""
-    forward_ran = threading.Event()
-    held = []
-
-    def hold(**context):
-        held.append(forward_ran.wait(timeout=20))
-
-    model = gpt()
-    model.blocks[1].register_forward_hook(lambda *args: forward_ran.set())
-    losses = []
-    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
-        with offload.faults.inject("optim.deferred_update", hold, at=1):
-            for k, b in enumerate(mine, start=1):
-                loss = gpt_loss(engine, b)
-                if k == 1:
-                    forward_ran.clear()  # set by this forward: the update waits for step 2's
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        return losses, engine.state_dict(), held
-
-
 def _worker(rank, port, world, config, data, out_dir, cut, hold):
     """Train on this rank's part of ``data``; with ``cut``, also a run saved after ``cut``
     steps and one that loads that checkpoint (from other weights) and trains the rest; with
-    ``hold``, also a run whose first delayed update is held (_train_held)."""
+    ``hold``, also a run whose first delayed update is held (support's
+    train_holding_the_first_delayed_update)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -111,8 +86,8 @@ def _worker(rank, port, world, config, data, out_dir, cut, hold):
                 result["resumed_state"] = engine.state_dict()
                 result["resumed_stats"] = engine.stats()
         if hold:
-            result["held_losses"], result["held_state"], result["held"] = _train_held(
-                _rank_config(config, out_dir, rank, "held"), mine)
+            result["held_losses"], result["held_state"], _, result["held"] = train_holding_the_first_delayed_update(
+                _rank_config(config, out_dir, rank, "held"), mine, timeout=20)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
