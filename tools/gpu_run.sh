@@ -1,0 +1,52 @@
+#!/bin/bash
+# Issue #43 in one command on a lent GPU (the device tool runs it in the repository root):
+# the environment, the native build, the gpu-marked tests, tools/gpu_check.py's parity and
+# bench. Logs go to $OUT (at most 8 files come back). Every stage gets what is left of
+# GPU_DEADLINE seconds (default 420), so that the command ends in time whatever hangs.
+# GPU_BENCH_MODEL (gpt166m), GPU_BENCH_ROWS and GPU_STAGES (default: all) choose the work.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+START=$(date +%s)
+DEADLINE=${GPU_DEADLINE:-420}
+STAGES=${GPU_STAGES:-build tests parity bench}
+SWAP=$PWD/.gpu-swap
+mkdir -p "$SWAP"
+
+stage() {  # stage NAME MAX_SECONDS COMMAND...: output in $OUT/NAME.log, its tail printed
+  local name=$1 max=$2 left
+  shift 2
+  left=$((DEADLINE - ($(date +%s) - START)))
+  [ "$left" -lt "$max" ] && max=$left
+  if [ "$max" -le 5 ]; then echo "== $name: no time left"; return; fi
+  echo "== $name (limit ${max}s, at $(( $(date +%s) - START ))s)"
+  timeout -k 5 "$max" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? after $(( $(date +%s) - START ))s"
+  tail -n "${TAIL:-30}" "$OUT/$name.log" | cut -c1-400
+}
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+
+{
+  nvidia-smi
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'python', sys.version)"
+  df -hT . /tmp; nproc; free -g
+  python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate|pybind11|numpy|hypothesis|pytest|safetensors|setuptools) "
+  grep -m1 "model name" /proc/cpuinfo
+} > "$OUT/env.log" 2>&1
+cut -c1-200 "$OUT/env.log" | grep -vE "^\|  +\|" | head -40
+
+has build && stage build 150 env OFFLOAD_BUILD_JOBS=16 python3 setup.py build_ext --inplace
+has tests && TAIL=40 stage gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_engine_gpu.py
+has parity && TAIL=22 stage parity 120 python3 tools/gpu_check.py parity --device "${GPU_DEVICE:-cuda}" --swap-dir "$SWAP" --json "$OUT/parity.json"
+if has bench; then
+  nvidia-smi dmon -s u -d 1 > "$OUT/dmon.log" 2>&1 &
+  DMON=$!
+  # shellcheck disable=SC2086
+  TAIL=12 stage bench 300 python3 tools/gpu_check.py bench --device "${GPU_DEVICE:-cuda}" --swap-dir "$SWAP" \
+    --model "${GPU_BENCH_MODEL:-gpt166m}" --rows ${GPU_BENCH_ROWS:-plain device-host host-floor nvme-floor auto} \
+    --steps "${GPU_BENCH_STEPS:-3}" --warmup 1 --row-timeout "${GPU_ROW_TIMEOUT:-70}" --json "$OUT/bench.json"
+  kill $DMON 2>/dev/null
+fi
+rm -rf "$SWAP"
+echo "== done after $(( $(date +%s) - START ))s"
