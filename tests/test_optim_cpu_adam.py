@@ -385,6 +385,30 @@ def test_large_steps_stream_the_copy_out_by_default():
     assert _native.adam_stream_copy_out_min_numel() == threshold
 
 
+def test_the_streaming_threshold_comes_from_sysfs_alone():
+    """Half the highest-level cache of cpu0 as sysfs reports it, at 30 B/element, or a 32 MiB
+    cache where sysfs says nothing: never glibc's sysconf, whose CPUID decoding crashed the
+    process in a Firecracker guest (issue #43)."""
+    import glob
+    import os
+
+    best_level, best_bytes = 0, 0
+    for index in range(16):
+        d = f"/sys/devices/system/cpu/cpu0/cache/index{index}"
+        try:
+            level = int(open(os.path.join(d, "level")).read())
+            text = open(os.path.join(d, "size")).read().strip()
+        except (OSError, ValueError):
+            break
+        digits = text.rstrip("KM")
+        size = int(digits) << {"K": 10, "M": 20}.get(text[len(digits):len(digits) + 1], 0)
+        if level > best_level:
+            best_level, best_bytes = level, size
+    assert glob.glob("/sys/devices/system/cpu/cpu0/cache/index*") or best_bytes == 0
+    expected = (best_bytes if best_bytes > 0 else 32 << 20) // 2 // 30
+    assert _native.adam_stream_copy_out_min_numel() == expected
+
+
 # ---- CPUAdam against torch.optim itself -------------------------------------------------
 
 def close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 START=$(date +%s)
 DEADLINE=${GPU_DEADLINE:-420}
-STAGES=${GPU_STAGES:-build tests parity bench}
+STAGES=${GPU_STAGES:-build tests parity bench llama}
 SWAP=$PWD/.gpu-swap
 mkdir -p "$SWAP"
 
@@ -32,13 +32,18 @@ has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'python', sys.version)"
   df -hT . /tmp; nproc; free -g
   python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate|pybind11|numpy|hypothesis|pytest|safetensors|setuptools) "
-  grep -m1 "model name" /proc/cpuinfo
+  grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo | tr ' ' '\n' | grep -E "avx512|amx" | tr '\n' ' '; echo
+  echo "sysfs caches: $(cat /sys/devices/system/cpu/cpu0/cache/index*/level 2>&1 | tr '\n' ' ') / $(cat /sys/devices/system/cpu/cpu0/cache/index*/size 2>&1 | tr '\n' ' ')"
+  # glibc's sysconf cache sizes, each in a child of its own (the first GPU session's segfault)
+  printf '#include <stdio.h>\n#include <stdlib.h>\n#include <unistd.h>\nint main(int c, char** v) { long n = atoi(v[1]); printf("sysconf(%%ld) = %%ld\\n", n, sysconf(n)); return 0; }\n' > /tmp/sc.c
+  gcc -O1 -o /tmp/sc /tmp/sc.c && for n in 190 191 193 194 196 197 199; do /tmp/sc $n || echo "sysconf($n): rc=$?"; done
 } > "$OUT/env.log" 2>&1
 cut -c1-200 "$OUT/env.log" | grep -vE "^\|  +\|" | head -40
 
 has build && stage build 150 env OFFLOAD_BUILD_JOBS=16 python3 setup.py build_ext --inplace
+python3 -X faulthandler -c "import offload; print(offload.native_info())" 2>&1 | tail -5
 has tests && TAIL=40 stage gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_engine_gpu.py
-has parity && TAIL=22 stage parity 120 python3 tools/gpu_check.py parity --device "${GPU_DEVICE:-cuda}" --swap-dir "$SWAP" --json "$OUT/parity.json"
+has parity && TAIL=22 stage parity 120 python3 tools/gpu_check.py parity --device "${GPU_DEVICE:-cuda}" --swap-dir "$SWAP"
 if has bench; then
   nvidia-smi dmon -s u -d 1 > "$OUT/dmon.log" 2>&1 &
   DMON=$!
@@ -46,6 +51,9 @@ if has bench; then
   TAIL=12 stage bench 300 python3 tools/gpu_check.py bench --device "${GPU_DEVICE:-cuda}" --swap-dir "$SWAP" \
     --model "${GPU_BENCH_MODEL:-gpt166m}" --rows ${GPU_BENCH_ROWS:-plain device-host host-floor nvme-floor auto} \
     --steps "${GPU_BENCH_STEPS:-3}" --warmup 1 --row-timeout "${GPU_ROW_TIMEOUT:-70}" --json "$OUT/bench.json"
+  # what is left of the deadline: a Llama-3.2-1B shape (1.24B), rows in order until it runs out
+  has llama && TAIL=10 stage bench-llama 300 python3 tools/gpu_check.py bench --device "${GPU_DEVICE:-cuda}" \
+    --swap-dir "$SWAP" --model llama1b --rows plain device-host host-floor --steps 2 --warmup 1 --row-timeout 100
   kill $DMON 2>/dev/null
 fi
 rm -rf "$SWAP"

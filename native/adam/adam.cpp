@@ -4,11 +4,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <iterator>
 #include <stdexcept>
 #include <string>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "adam/adam.h"
@@ -26,21 +26,38 @@ constexpr std::size_t kGrainNumel = std::size_t{1} << 16;
 // Bytes a step moves per element with a 16-bit copy-out: see [Note: Adam memory traffic].
 constexpr std::size_t kStepBytesPerElement = 30;
 
+// A whole small sysfs file as a number and its unit suffix ("32768K"); false if unreadable.
+// Plain POSIX reads: nothing here may depend on the C++ runtime's locale or streams.
+bool read_sysfs_size(const std::string& path, long* value, char* unit) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char text[64] = {0};
+  const ssize_t got = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (got <= 0) return false;
+  char* end = nullptr;
+  const long number = std::strtol(text, &end, 10);
+  if (end == text) return false;
+  *value = number;
+  if (unit != nullptr) *unit = *end;
+  return true;
+}
+
 // The size of the highest-level cache cpu0 has, as the kernel reports it in sysfs; 0 if
-// unknown. Preferred to sysconf: glibc 2.36 takes an AMD CPU's L3 from the legacy CPUID leaf
-// 0x80000006, which on a 2-core AMD EPYC KVM guest says 320 MiB (leaf 0x8000001D and sysfs
-// say 32 MiB); the streaming threshold came out 10x too high.
+// unknown. Never glibc's sysconf(_SC_LEVEL*_CACHE_SIZE): it decodes CPUID cache leaves that
+// hypervisors fill in their own ways. On a 2-core AMD EPYC KVM guest (glibc 2.36) the legacy
+// leaf 0x80000006 said 320 MiB where sysfs said 32 MiB; in the Firecracker guest with an
+// Intel Xeon that ran our first GPU session, the call crashed the process (SIGSEGV at the
+// first Adam step). Without sysfs the threshold assumes a typical server L3 share.
 long sysfs_llc_bytes() {
   long best_level = 0, best_bytes = 0;
   for (int index = 0; index < 16; ++index) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
-    std::ifstream level_file(dir + "/level"), size_file(dir + "/size");
     long level = 0, size = 0;
-    std::string unit;
-    if (!(level_file >> level) || !(size_file >> size)) break;
-    size_file >> unit;  // "K" or "M" follows the number ("32768K")
-    if (unit == "K") size <<= 10;
-    if (unit == "M") size <<= 20;
+    char unit = 0;
+    if (!read_sysfs_size(dir + "/level", &level, nullptr) || !read_sysfs_size(dir + "/size", &size, &unit)) break;
+    if (unit == 'K') size <<= 10;
+    if (unit == 'M') size <<= 20;
     if (level > best_level) best_level = level, best_bytes = size;
   }
   return best_bytes;
@@ -48,8 +65,6 @@ long sysfs_llc_bytes() {
 
 std::size_t default_stream_copy_out_min_numel() {
   long llc_bytes = sysfs_llc_bytes();
-  if (llc_bytes <= 0) llc_bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  if (llc_bytes <= 0) llc_bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
   if (llc_bytes <= 0) llc_bytes = long{32} << 20;  // unknown: a typical server L3 share
   return static_cast<std::size_t>(llc_bytes) / 2 / kStepBytesPerElement;
 }
