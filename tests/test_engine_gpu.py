@@ -8,7 +8,7 @@ import torch
 import offload
 from offload.gpt import GPT
 
-from support import CFG, REL_TOL, batches, budget_for, make_opt, max_rel_error, train_offload
+from support import BF16_LOSS_REL_TOL, CFG, REL_TOL, batches, budget_for, make_opt, max_rel_error, train_offload
 
 pytestmark = pytest.mark.gpu
 
@@ -152,4 +152,9 @@ def test_cuda_bf16_split_master_tracks_a_whole_master(param_tier, tmp_path):
             runs[split] = (losses, engine.stats()["nvme_bytes"])
     (losses, nvme), (whole_losses, whole_nvme) = runs[True], runs[False]
     assert nvme == whole_nvme - master + low
-    assert max(abs(a - b) / b for a, b in zip(losses, whole_losses)) < 1e-3
+    # The compute copies differ by one bf16 ulp wherever a master sits on an exact tie (the
+    # split copy rounds half away from zero, the whole one to nearest even: a random fp32
+    # initialization of this size has such ties), and Adam carries that on: two bf16 runs
+    # apart, held to the bf16 bound as test_optim_split_master holds them after the first
+    # tie. On the H200 (issue #43) they were 1.7e-3 apart, past the 1e-3 this test first had.
+    assert max(abs(a - b) / b for a, b in zip(losses, whole_losses)) < BF16_LOSS_REL_TOL

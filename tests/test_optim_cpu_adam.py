@@ -387,8 +387,9 @@ def test_large_steps_stream_the_copy_out_by_default():
 
 def test_the_streaming_threshold_comes_from_sysfs_alone():
     """Half the highest-level cache of cpu0 as sysfs reports it, at 30 B/element, or a 32 MiB
-    cache where sysfs says nothing: never glibc's sysconf, whose CPUID decoding crashed the
-    process in a Firecracker guest (issue #43)."""
+    cache where sysfs says nothing: never glibc's sysconf, whose CPUID decoding says 320 MiB
+    on an AMD EPYC guest. (Issue #43: reading sysfs through std::ifstream crashed the
+    process on the lent GPU machine; the native code now reads it with POSIX calls.)"""
     import glob
     import os
 

@@ -44,11 +44,12 @@ bool read_sysfs_size(const std::string& path, long* value, char* unit) {
 }
 
 // The size of the highest-level cache cpu0 has, as the kernel reports it in sysfs; 0 if
-// unknown. Never glibc's sysconf(_SC_LEVEL*_CACHE_SIZE): it decodes CPUID cache leaves that
-// hypervisors fill in their own ways. On a 2-core AMD EPYC KVM guest (glibc 2.36) the legacy
-// leaf 0x80000006 said 320 MiB where sysfs said 32 MiB; in the Firecracker guest with an
-// Intel Xeon that ran our first GPU session, the call crashed the process (SIGSEGV at the
-// first Adam step). Without sysfs the threshold assumes a typical server L3 share.
+// unknown. Never glibc's sysconf(_SC_LEVEL*_CACHE_SIZE): glibc 2.36 takes an AMD CPU's L3
+// from the legacy CPUID leaf 0x80000006, which on a 2-core AMD EPYC KVM guest says 320 MiB
+// (sysfs: 32 MiB). Read with plain POSIX calls: on the lent H200 machine (Intel Xeon guest,
+// the extension built there by the image's g++ in /opt/gcc) the first call of this, then
+// reading sysfs through std::ifstream, crashed the process with SIGSEGV; a C program
+// calling sysconf there did not. Without sysfs the threshold assumes a typical L3 share.
 long sysfs_llc_bytes() {
   long best_level = 0, best_bytes = 0;
   for (int index = 0; index < 16; ++index) {
