@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import resource
@@ -152,6 +153,7 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
                   activation_offload=activation_offload)
     ref_losses, ref_state, act_peak = plain
     data = data_for(cfg["vocab_size"], 10, 4, 64, device)
+    gc.collect()  # the previous case's engine is gone before the baseline is read
     sync(device)
     before = allocated(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
