@@ -853,3 +853,24 @@ def test_bench_train_optimizer_rows_count_each_optimizers_state_and_traffic(tmp_
     proc = subprocess.run([sys.executable, str(TOOL), "--quick", "--optimizer", "lamb"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "--optimizer: lamb not among adamw" in proc.stderr
+
+
+def test_the_gpu_check_runs_on_the_cpu_so_a_lent_gpus_minutes_are_not_spent_on_its_bugs(tmp_path):
+    """tools/gpu_check.py (issue #43, run by tools/gpu_run.sh where a GPU is lent) kept working
+    here: one parity case against plain PyTorch with NVMe tiers at the device floor, within the
+    fp32 bounds, and two bench rows in fresh processes with their table."""
+    tool = load_tool(TOOLS_DIR / "gpu_check.py")
+    device = torch.device("cpu")
+    model = tool.build("gpt", tool.SMALL_GPT)
+    plain = tool.plain_run("gpt", model, tool.data_for(tool.SMALL_GPT["vocab_size"], 10, 4, 64, device), device)
+    row = tool.parity_case("gpt", tool.SMALL_GPT, "fp32", ("nvme", "nvme"), None, device, str(tmp_path), plain)
+    assert row["ok"] and row["loss_err"] < tool.LOSS_TOL_FP32 and row["state_err"] < tool.STATE_TOL_FP32
+    out = subprocess.run([sys.executable, str(TOOLS_DIR / "gpu_check.py"), "bench", "--device", "cpu",
+                          "--swap-dir", str(tmp_path), "--model", "gptquick", "--rows", "plain", "nvme-floor",
+                          "--steps", "1", "--warmup", "0", "--json", str(tmp_path / "rows.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["row"] for r in rows] == ["plain", "nvme-floor"] and all(r["step_s"] > 0 for r in rows)
+    assert rows[1]["per_step"]["bytes_read_nvme"] > 0
+    assert "nvme-floor" in out.stdout.splitlines()[-1]
