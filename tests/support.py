@@ -603,3 +603,46 @@ class UpdatesHeldForTheNextForward:
             self._reached = None
             self._changed.notify_all()
         return self._stack.__exit__(*exc)
+
+
+def curves(config, data, devices=("cuda", "cpu"), tmp_path=None):
+    """The losses and engine stats of the small GPT trained under ``config`` on each device."""
+    runs = {}
+    for device in devices:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        extra = dict(swap_dir=str(tmp_path / device)) if tmp_path is not None else {}
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(config, device=device, **extra)) as engine:
+            runs[device] = (train_offload(engine, [b.to(device) for b in data]), engine.stats())
+    return runs
+
+
+def max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# The bodies of gpu-marked tests (tests/test_engine_gpu.py), which also run on the CPU device
+# (test_device_streams.py) so that a GPU's few minutes are not spent on their own bugs.
+def check_delayed_updates(devices, tmp_path):
+    """[Note: delayed updates] after the warm-up each update runs during the next forward:
+    the CUDA curve is the CPU device's."""
+    config = dict(param_tier="host", optimizer_tier="nvme", delayed_update=True, delayed_update_warmup_steps=1)
+    runs = curves(config, batches(5), devices, tmp_path)
+    (a, stats), (b, _) = runs[devices[0]], runs[devices[1]]
+    assert max_rel(a, b) < 1e-4
+    assert stats["delayed_updates"] > 0
+
+
+def check_activation_offload(kind, devices, tmp_path):
+    """Saved tensors to pinned host buffers or NVMe and back: the run of keeping them, and
+    every byte that left came back."""
+    data = batches(3)
+    kept = curves(dict(param_tier="host", optimizer_tier="host"), data, devices[:1], tmp_path / "kept")
+    moved = curves(dict(param_tier="host", optimizer_tier="host", activation_offload=kind), data, devices[:1],
+                   tmp_path / "moved")
+    (a, _), (b, stats) = kept[devices[0]], moved[devices[0]]
+    # CUDA's embedding backward adds with atomics: two runs may differ in the last bits
+    assert max_rel(b, a) < 1e-5
+    act = stats["activations"]
+    assert act[f"moved_to_{kind}_bytes"] > 0 and act[f"moved_to_{kind}_bytes"] == act["returned_bytes"]
+

@@ -9,7 +9,8 @@ import torch
 import offload
 from offload.tiers.device import DeviceTier
 from offload.tiers.streams import COMPUTE, COPY, STANDIN_ENV, HazardChecker, StreamHazard
-from support import CFG, batches, gpt_loss, make_opt, max_rel_error, train_gpt, train_offload
+from support import (CFG, batches, check_activation_offload, check_delayed_updates, gpt_loss, make_opt, max_rel_error,
+                     train_gpt, train_offload)
 from offload.gpt import GPT
 
 
@@ -314,3 +315,12 @@ def test_a_write_into_a_released_parameter_is_found_without_the_forward_waiting_
         with torch.no_grad():  # the scratch was reset: the next passes run clean
             gpt_loss(engine, data[1])
             gpt_loss(engine, data[2])
+
+
+def test_the_bodies_of_the_gpu_tests_of_delayed_updates_and_activation_offload_run_here(tmp_path):
+    """tests/test_engine_gpu.py's newer tests have not run on a GPU yet: their bodies run
+    here on the CPU device (the delayed run against itself, the activations' bytes), so the
+    next GPU session tests CUDA, not them."""
+    check_delayed_updates(("cpu", "cpu"), tmp_path / "delayed")
+    for kind in ("host", "nvme"):
+        check_activation_offload(kind, ("cpu",), tmp_path / kind)
