@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-grad-norm", type=float, default=None,
                       help="the run's max_grad_norm (auto placement counts the spare homes of speculative updates)")
     plan.add_argument("--delayed-update", action="store_true",
-                      help="the run's delayed_update=True: auto placement counts its spare homes, and the "
-                           "predicted step hides its update I/O under compute")
+                      help="the run's delayed_update=True: auto placement and --ranks' rows count its spare "
+                           "homes, and the predicted step hides its update I/O under compute")
 
     plan.add_argument("--seq-len", type=_positive_int, default=None,
                       help="with --model: also predict the activations of one forward of --batch sequences of "
@@ -296,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rank_plan = None
     if ranks is not None:
         rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth,
-                                          args.optimizer_states)
+                                          args.optimizer_states, args.delayed_update)
         text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
                                                             host_budget, host_budget_default))
     if activations is not None:

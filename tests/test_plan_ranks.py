@@ -13,7 +13,7 @@ import offload
 from offload import plan, plan_ranks
 from offload.gpt import GPT, GPTConfig
 
-from support import free_port
+from support import batches, free_port
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
 WORLD = 2
@@ -23,10 +23,12 @@ CASES = [(1, "host", "nvme", "bf16", "exact"), (2, "nvme", "nvme", "bf16", "exac
          (0, "host", "nvme", "bf16", "compact"), (0, "nvme", "host", "bf16", "compact")]
 
 
-def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD, optimizer_states="exact"):
+def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD, optimizer_states="exact",
+            delayed_update=False):
     with torch.device("meta"):
         shape = plan.shape_from_module(GPT(CFG), "gpt")
-    configurations = plan_ranks.plan_ranks(shape, dtype, world, stage, group, world, optimizer_states=optimizer_states)
+    configurations = plan_ranks.plan_ranks(shape, dtype, world, stage, group, world, optimizer_states=optimizer_states,
+                                           delayed_update=delayed_update)
     return next(c for c in configurations if (c["param_tier"], c["optimizer_tier"]) == (param_tier, optimizer_tier))
 
 
@@ -126,3 +128,81 @@ def test_plan_ranks_prints_each_rank_and_the_node_and_names_what_does_not_fit(tm
                         (("--ranks", "1"), "--ranks"), (("--shard-group-size", "2"), "--ranks")):
         proc = run_cli("--params", "1e8", *args)
         assert proc.returncode != 0 and named in proc.stderr, (args, proc.stderr)
+
+
+DELAYED_CASES = [(1, "host", "nvme", "bf16"), (2, "nvme", "nvme", "bf16"), (2, "host", "host", "fp32"),
+                 (3, "nvme", "host", "bf16")]
+DELAYED_STEPS = 3  # the first exact (warm-up 1), the next two delayed
+
+
+def _delayed_worker(rank, port, swap_root, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results = []
+    try:
+        data = [b[rank:rank + 1] for b in batches(DELAYED_STEPS)]
+        for stage, param_tier, optimizer_tier, dtype in DELAYED_CASES:
+            row = planned(stage, param_tier, optimizer_tier, dtype, delayed_update=True)["rows"][rank]
+            swap = os.path.join(swap_root, f"delayed-s{stage}{param_tier}{optimizer_tier}-rank{rank}")
+            os.makedirs(swap)
+            config = dict(device="cpu", stage=stage, dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier,
+                          swap_dir=swap, delayed_update=True, delayed_update_warmup_steps=1, prefetch=False)
+
+            def wrap(**budgets):
+                torch.manual_seed(0)
+                model = GPT(CFG)
+                return offload.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dict(config, **budgets))
+
+            # trained at exactly the row's budgets: the host tier refuses a planned buffer past
+            # host_budget, the device tier a slot past device_budget
+            with wrap(host_budget=row["host_bytes"], device_budget=row["device_bytes"]) as engine:
+                for b in data:
+                    engine.backward(engine(b[:, :-1], b[:, 1:]))
+                    engine.step()
+                stats = engine.stats()
+                got = {"nvme": stats["nvme_bytes"], "device": stats["device_budget_bytes"],
+                       "host_peak": stats["host_peak_bytes"], "delayed": stats["delayed_updates"]}
+            refused = []
+            for budgets in (dict(host_budget=row["host_bytes"] - 1), dict(device_budget=row["device_bytes"] - 1)):
+                try:
+                    wrap(**budgets).close()
+                except ValueError as e:
+                    refused.append(str(e).split(":")[0])
+            results.append(dict(got, refused=refused, row=row))
+        torch.save(results, os.path.join(out_dir, f"delayed-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_ranks_planned_bytes_with_delayed_updates_are_what_its_wrap_holds(tmp_path):
+    """``--delayed-update`` with ``--ranks``: each rank's row counts its spare compute copy
+    ([Note: delayed updates across ranks]: of its chunks at stage 3), so each rank wraps and
+    trains delayed steps at exactly its row's host and device bytes, holds exactly the
+    row's NVMe bytes, and refuses one byte less of either, naming the budget; param_tier
+    "device" rows are refused as the config refuses them. Before, the rows left the spare
+    copies out: a rank holding them past its planned host or NVMe bytes."""
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_delayed_worker, args=(free_port(), str(tmp_path / "swap"), str(tmp_path)), nprocs=WORLD,
+                       join=True, start_method="forkserver")
+    for rank in range(WORLD):
+        for case, got in zip(DELAYED_CASES, torch.load(tmp_path / f"delayed-rank{rank}.pt", weights_only=False)):
+            assert got["delayed"] == DELAYED_STEPS - 1, (rank, case)
+            assert got["nvme"] == got["row"]["nvme_bytes"], (rank, case)
+            assert got["device"] == got["row"]["device_bytes"], (rank, case)
+            assert got["host_peak"] <= got["row"]["host_bytes"], (rank, case)
+            assert got["refused"] == ["host_budget", "device_budget"], (rank, case)
+    for stage, param_tier, optimizer_tier, dtype in DELAYED_CASES:
+        # the spare copies are what delayed updates add: a compute copy (of the rank's chunks)
+        without, with_spare = (planned(stage, param_tier, optimizer_tier, dtype, delayed_update=d)["rows"][0]
+                               for d in (False, True))
+        spare_tier = "nvme_bytes" if param_tier == "nvme" else "host_bytes"
+        assert with_spare[spare_tier] > without[spare_tier], (stage, param_tier)
+    for stage in (1, 2):
+        device_rows = [c for c in plan_ranks.plan_ranks(plan.shape_from_count(10**6, 4), "bf16", WORLD, stage, WORLD,
+                                                        WORLD, delayed_update=True) if c["param_tier"] == "device"]
+        assert device_rows and all("delayed_update" in c["refused"] for c in device_rows)
+    proc = run_cli("--params", "1e7", "--ranks", "2", "--stage", "2", "--delayed-update", "--host-budget", "1GiB")
+    assert proc.returncode == 0, proc.stderr
+    ranks_section = proc.stdout.split("several ranks:")[1]
+    assert [line.split()[:3] for line in ranks_section.splitlines() if line.startswith("device ")] == \
+        [["device", "host", "refused:"], ["device", "nvme", "refused:"]]
