@@ -16,8 +16,8 @@ The cases cover the dtypes (fp32, bf16, fp16), the tier pairs (param_tier, optim
 (device, host), (host, host), (host, nvme), (nvme, nvme), the split master on and off,
 prefetch on and off, gradient accumulation, clipping that triggers and clipping that does
 not, early updates, deferred updates (overlap_step_with_forward with the optimizer states
-on NVMe) and the same without the overlap, a frozen subset of the parameters, and 2-rank
-ZeRO stages 1 and 3 over gloo. Each case also checks that it exercises what its name says
+on NVMe) and the same without the overlap, a frozen subset of the parameters, 2-rank
+ZeRO stages 1 and 3 over gloo, and 2-rank delayed updates at stages 1 and 2. Each case also checks that it exercises what its name says
 (clipping happened, updates ran early or deferred, units moved), so that the matrix cannot
 quietly lose a mode.
 
@@ -102,6 +102,7 @@ class Case:
     overflows: bool = False       # fp16: some steps were skipped, some not
     speculative: bool = False     # early updates under clipping/fp16 ([Note: speculative updates])
     redone: bool = False          # some of them were redone with the clip coefficient
+    delayed: bool = False         # delayed_update: some steps' updates ran delayed ([Note: delayed updates])
 
 
 def _case(name, dtype, tiers, **kw):
@@ -158,6 +159,15 @@ CASES = [
     _case("zero3_bf16_nvme_nvme_split", "bf16", NVME_NVME, stage=3, early=True),
     _case("zero3_fp32_host_host_accumulate_clip", "fp32", HOST_HOST, stage=3,
           gradient_accumulation_steps=2, max_grad_norm=SMALL_NORM, clips=True),
+    # [Note: delayed updates across ranks] each rank delays its shard's update; at stages 1-2
+    # the all-gather of the new shards runs inside it, on the optimizer worker (stage 2 on
+    # NVMe: in the buffer read from the home, written to the spare extent)
+    _case("zero1_fp32_host_nvme_delayed_clip_not_triggered", "fp32", HOST_NVME, stage=1, delayed_update=True,
+          delayed_update_warmup_steps=1, max_grad_norm=HUGE_NORM, delayed=True),
+    _case("zero2_bf16_nvme_nvme_split_delayed", "bf16", NVME_NVME, stage=2, delayed_update=True,
+          delayed_update_warmup_steps=1, delayed=True),
+    _case("zero2_fp32_host_host_delayed", "fp32", HOST_HOST, stage=2, delayed_update=True,
+          delayed_update_warmup_steps=1, delayed=True),
 ]
 SINGLE = [c for c in CASES if c.stage is None]
 ZERO = [c for c in CASES if c.stage is not None]
@@ -263,6 +273,7 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
             "bytes_to_device": stats["bytes_host_to_device"] + stats["bytes_nvme_to_device"],
             "bytes_read_nvme": stats["bytes_read_nvme"],
             "skipped_steps": stats["skipped_steps"],
+            "delayed_updates": stats["delayed_updates"],
         },
     }
 
@@ -385,6 +396,7 @@ def check_exercised(case: Case, exercised: List[Dict[str, Any]]) -> None:
         assert (seen["speculative_updates"] > 0) == case.speculative, \
             f"{where}: speculative updates {seen['speculative_updates']}"
         assert (seen["redone_updates"] > 0) == case.redone, f"{where}: redone updates {seen['redone_updates']}"
+        assert (seen["delayed_updates"] > 0) == case.delayed, f"{where}: delayed updates {seen['delayed_updates']}"
         if case.config["param_tier"] != "device" and case.stage != 3:
             # The budget holds half the model, so moving more than the whole model means
             # units were evicted and fetched again. (Stage 3 gathers are counted elsewhere.)
@@ -503,3 +515,19 @@ def test_one_ulp_of_learning_rate_changes_the_results(tmp_path, fixed_threads, r
     actual = train_case(case, tmp_path, lr=one_ulp_up)
     assert actual["state_dict"] != golden["state_dict"]
     assert actual["checkpoint"] != golden["checkpoint"]
+
+
+def test_two_ranks_delayed_at_stage_1_and_2_hold_the_same_bits(zero_results, recorded_kernels, request):
+    """[Note: delayed updates across ranks] With fp32 the stage-2 run (gradients reduce-
+    scattered per unit in backward, the updated shards all-gathered in the delayed update)
+    equals the stage-1 run (gradients reduced in step()) bit for bit on both ranks: the
+    same sums of two ranks' gradients, the same shard updates, the same gathers."""
+    if recorded_kernels is not None:
+        return recorded_kernels.check(request.node.name)
+    one, two = (zero_results[name] for name in ("zero1_fp32_host_nvme_delayed_clip_not_triggered",
+                                                "zero2_fp32_host_host_delayed"))
+    for rank in range(WORLD):
+        for key in ("losses", "last_grad_norm", "state_dict"):
+            assert one[rank][key] == two[rank][key], (rank, key)
+    assert one[0]["checkpoint"] == two[0]["checkpoint"]
+    assert one[0]["exercised"]["delayed_updates"] == two[0]["exercised"]["delayed_updates"] == NUM_STEPS - 1
