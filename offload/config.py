@@ -125,8 +125,9 @@ class OffloadConfig:
     the device at once. None: no limit beyond the model's own size. Activations are not
     counted, unless activation_offload is set: then the saved tensors the engine keeps on
     the device count too ([Note: saved activations] in memory/activations.py). The smallest
-    budget wrap accepts (the root unit, the largest other unit and the largest gradient)
-    leaves the prefetcher no room: wrap warns then and names the budget that keeps
+    budget wrap accepts (the root unit, the largest other unit and the largest gradient;
+    with several ranks at stage >= 2 also two fp32 gradient buckets, [Note: gradient
+    buckets in the device budget] in memory/budget.py) leaves the prefetcher no room: wrap warns then and names the budget that keeps
     prefetch_units units ahead ([Note: prefetch room] in memory/budget.py)."""
 
     host_budget: Size = None

@@ -190,7 +190,10 @@ class Engine:
             self._device = DeviceTier(self.device, self.compute_dtype, device_capacity_numel, device_budget,
                                       host_addressable=layout.device_is_host,
                                       bounds_activations=layout.device_budget is not None,
-                                      pages_follow_slots=layout.activation_offload is not None)
+                                      pages_follow_slots=layout.activation_offload is not None,
+                                      # [Note: gradient buckets in the device budget]
+                                      bucket_room_bytes=arena.bucket_room_bytes
+                                      if layout.device_budget is not None else None)
             # [Note: pinned buffers] page-locked for a device the host does not address
             self._host = HostTier(layout.host_budget, pinner=None if layout.device_is_host else self._device)
             # [Note: gradient ownership] the gradients, their pool and the loss scale
@@ -199,6 +202,7 @@ class Engine:
                 stats=self.stats_counters)
             if self._partition is not None:
                 self._partition.bind_gradients(self._gradients)
+                self._partition.count_buckets_in(self._device)
             # Adam over ranges of a unit: every update path calls it.
             self._adam = UnitAdam(optimizer_set, group_rules, layout=layout, device=self._device,
                                   gradients=self._gradients, timeline=self._timeline,

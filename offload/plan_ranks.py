@@ -11,9 +11,9 @@ node's sum is its ranks' rows, ``ranks_per_node`` of them (consecutive ranks, as
 numbers them). Each rank's host budget is its own ``host_budget``; its default is the node's
 share (``host_budget_share``: 3/4 of available memory over the node's ranks).
 
-Not planned: the ZeRO gradient buckets on the device ([Note: collectives on the device]: one
-unit's trainable prefix in fp32 per unit whose gradients are arriving, outside
-device_budget), the collectives' own scratch, and "auto" placement per rank.
+A rank's device bytes at stage >= 2 include the room device_budget keeps for the gradient
+buckets ([Note: gradient buckets in the device budget]). Not planned: the collectives' own
+scratch, and "auto" placement per rank.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def rank_unit_sizes(shape: ModelShape, dtype: str, stage: int, shard_rank: int, 
             base, compute_numel=shards.compute_numel or base.compute_numel,
             home_numel=param.home_numel if param is not None else base.home_numel,
             state_numel=shards.shard.state_numel, low_numel=low_numel(shards.shard.numel),
-            grad_numel=shards.grad_numel))
+            grad_numel=shards.grad_numel, bucket_numel=shards.bucket_numel))
     return sizes
 
 
@@ -137,7 +137,7 @@ def ranks_report(planned: List[Dict[str, Any]], ranks: int, stage: int, shard_gr
     lines = [f"several ranks: {ranks} ranks, ZeRO stage {stage}, sharding groups of {shard_group_size}, "
              f"{ranks_per_node} ranks per node; host budget per rank: {budget}",
              "per rank (ranks at the same place of their groups hold the same); device: the smallest "
-             "device_budget wrap accepts (ZeRO's gradient buckets come on top)"]
+             "device_budget wrap accepts (at stage >= 2 with room for two gradient buckets)"]
     header = f"{'param_tier':<11}{'opt_tier':<9}{'ranks':<14}{'device':>12}{'host':>12}{'nvme':>12}  fits"
     lines += [header, "-" * len(header)]
     for c in planned:

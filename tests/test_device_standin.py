@@ -28,7 +28,8 @@ STANDIN_TESTS = ["tests/test_engine.py", "tests/test_golden.py",
                  "tests/test_optim_updates.py", "tests/test_zero.py", "tests/test_engine_faults.py",
                  "tests/test_engine_fault_matrix.py", "tests/test_interrupts.py", "tests/test_prefetch.py",
                  "tests/test_device_streams.py", "tests/test_gathered.py",
-                 "tests/test_zero_groups.py", "tests/test_zero_overlap.py", "tests/test_zero_delayed.py"]
+                 "tests/test_zero_groups.py", "tests/test_zero_overlap.py", "tests/test_zero_delayed.py",
+                 "tests/test_zero_buckets.py"]
 
 
 @pytest.mark.slow

@@ -185,6 +185,17 @@ def model_fp32_bytes(model):
     return sum(p.numel() for p in model.parameters()) * 4
 
 
+def bucket_room_bytes(model, stage):
+    """[Note: gradient buckets in the device budget] What device_budget keeps beside the
+    arena at stage >= 2: the root unit's fp32 gradient bucket and the largest block's, each
+    its trainable elements cut into WORLD equal shards (0 below stage 2)."""
+    if stage is None or stage < 2:
+        return 0
+    blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(blocks)
+    return 4 * sum(-(-n // WORLD) * WORLD for n in (root, max(blocks)))
+
+
 def model_compute_bytes(case):
     return model_fp32_bytes(GPT(CFG)) // (1 if case.config["dtype"] == "fp32" else 2)
 
@@ -233,8 +244,8 @@ def train_case(case: Case, work: Path, rank: int = 0, lr: float = LR) -> Dict[st
     for name, p in model.named_parameters():
         if any(name.startswith(prefix) for prefix in case.frozen):
             p.requires_grad_(False)
-    if config["param_tier"] != "device":
-        config["device_budget"] = int(model_fp32_bytes(model) * BUDGET_FRACTION)
+    if config["param_tier"] != "device":  # the arena alike at every stage: the buckets' room on top
+        config["device_budget"] = int(model_fp32_bytes(model) * BUDGET_FRACTION) + bucket_room_bytes(model, case.stage)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
     data = batches()
     if case.stage is not None:  # each rank trains on its half of a batch of WORLD * BATCH

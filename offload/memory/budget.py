@@ -53,6 +53,7 @@ class UnitSizes:
     state_slots: int = 2        # fp32 optimizer state tensors per element (Adam's two moments)
     whole_step: bool = False    # updated as one piece ([Note: whole-parameter optimizers])
     compact_numel: int = 0      # [Note: compact optimizer states] trainable elements, each parameter padded to blocks
+    bucket_numel: int = 0       # [zero] stage >= 2: its fp32 gradient bucket on the device (0: none)
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -62,7 +63,7 @@ class UnitSizes:
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
                    u.spec.shared_numel, u.state_slots, u.whole_step,
-                   compact_padded_numel([e.numel for e in u.trainable]))
+                   compact_padded_numel([e.numel for e in u.trainable]), u.bucket_numel)
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -99,11 +100,39 @@ class DeviceBudget:
     capacity_numel: int   # the arena, in elements of the compute dtype
     budget_bytes: int     # device_budget, or all the units and a gradient when it is None
     minimum_bytes: int    # the smallest device_budget wrap accepts
+    bucket_room_bytes: int = 0  # [Note: gradient buckets in the device budget]
 
 
 def _gradient_reserve_bytes(units: Sequence[UnitSizes], compute_element_bytes: int) -> int:
-    """Room for the largest gradient on its way out of the device."""
-    return max((u.largest_param_numel for u in units), default=0) * compute_element_bytes
+    """Room for the largest gradient on its way out of the device, and [zero] for the
+    gradient buckets ([Note: gradient buckets in the device budget]): both are outside
+    the arena."""
+    largest = max((u.largest_param_numel for u in units), default=0) * compute_element_bytes
+    return largest + gradient_bucket_room_bytes(units)
+
+
+# [Note: gradient buckets in the device budget] [zero] At stage >= 2 a unit's gradients are
+# summed into an fp32 bucket on the device until its reduce-scatter ([Note: collectives on
+# the device] in zero/partition.py). device_budget keeps room for two buckets beside the
+# arena and the largest gradient: the root unit's (its gradients arrive first and last in
+# backward: the head's, then the embeddings') and the largest other unit's (the blocks'
+# arrive one unit after another, each bucket reused by the next unit of its size). The
+# device tier counts the buckets (``DeviceTier.hold_buckets``); with a device_budget given
+# the partition keeps them within that room (``Partition._take_bucket``): spare buckets go
+# first, and a backward that needs more at once (a unit whose gradients are still arriving
+# while two others' are: a parameter of a block used early and late, or not at all) stops
+# with a ValueError naming device_budget and the bytes, not past the budget (the room is
+# set by the units, so a larger device_budget does not widen it). Without device_budget
+# they are counted and bound nothing. ``offload plan --ranks`` counts the room. Not counted:
+# the reduce-scatter's output shard (a bucket's 1/shard_size, fresh per unit where its copy
+# to the host runs behind) and the collectives' scratch.
+def gradient_bucket_room_bytes(units: Sequence[UnitSizes]) -> int:
+    """[Note: gradient buckets in the device budget] The root unit's bucket and the largest
+    other unit's, in bytes (0 below stage 2 and on one process)."""
+    if not units:
+        return 0
+    largest = max((u.bucket_numel for u in units[1:]), default=0)
+    return (units[0].bucket_numel + largest) * FP32_BYTES
 
 
 def _device_need(units: Sequence[UnitSizes], param_tier: str,
@@ -127,7 +156,8 @@ def minimum_device_budget(units: Sequence[UnitSizes], param_tier: str, compute_e
     """The smallest ``device_budget`` wrap accepts for ``units`` (root first, e.g. from
     ``model_unit_sizes``): every unit with param_tier="device", else the root unit (on the
     device from forward to backward) and the largest other unit; plus the largest gradient
-    on its way out. One byte less is a ValueError naming device_budget."""
+    on its way out and [zero] the gradient buckets' room ([Note: gradient buckets in the
+    device budget]). One byte less is a ValueError naming device_budget."""
     return _device_need(units, param_tier, compute_element_bytes)[0]
 
 
@@ -137,15 +167,18 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
     element_bytes = layout.compute_element_bytes
     needed, why = _device_need(units, layout.param_tier, element_bytes)
     grad_reserve = _gradient_reserve_bytes(units, element_bytes)
+    buckets = gradient_bucket_room_bytes(units)
     budget = layout.device_budget
     if budget is None:
         budget = sum(u.compute_numel for u in units) * element_bytes + grad_reserve
     if budget < needed:
         raise ValueError(
             f"device_budget: {format_size(budget)} ({budget} bytes) is too small: {why}, plus "
-            f"{format_size(grad_reserve)} for the largest gradient on its way out; "
-            f"at least {needed} bytes ({format_size(needed)}) are needed")
-    return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed)
+            f"{format_size(grad_reserve - buckets)} for the largest gradient on its way out"
+            + (f" and {format_size(buckets)} for the gradient buckets of the reduce-scatters (the root unit's and "
+               "the largest other unit's, fp32)" if buckets else "")
+            + f"; at least {needed} bytes ({format_size(needed)}) are needed")
+    return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed, buckets)
 
 
 def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: DeviceBudget) -> Optional[int]:
@@ -197,7 +230,7 @@ def check_gathered_fits(root_numel: int, wanted: Sequence[Tuple[str, int]], elem
         f"{len(wanted)} unit(s) asked for at once ({', '.join(name for name, _ in wanted[:4])}"
         f"{', ...' if len(wanted) > 4 else ''}): their compute copies take "
         f"{format_size(needed_numel * element_bytes - root_numel * element_bytes)}, beside the root unit's "
-        f"{format_size(root_numel * element_bytes)} and the {format_size(reserve)} kept for the largest gradient; "
+        f"{format_size(root_numel * element_bytes)} and the {format_size(reserve)} kept for gradients on their way out; "
         f"{needed} bytes ({format_size(needed)}) are needed. Gather fewer parameters at a time (one module "
         "after another) or raise device_budget")
 
@@ -209,7 +242,7 @@ class PrefetchRoom:
     units_ahead: int    # typical units on their way while one is in use beside the root
     unit_bytes: int     # a typical unit's compute copy (the median of the fetched units)
     root_bytes: int     # the root unit's compute copy, on the device from forward to backward
-    reserve_bytes: int  # kept for the largest gradient on its way out (not in the arena)
+    reserve_bytes: int  # kept for gradients on their way out, [zero] buckets included (not in the arena)
 
     def budget_for(self, units_ahead: int) -> int:
         """The smallest device_budget with room for ``units_ahead`` typical units ahead."""
@@ -220,7 +253,7 @@ class PrefetchRoom:
         return (f"offload: device_budget {format_size(budget_bytes)} leaves no room to fetch a unit ahead of "
                 f"the one in use (the root unit takes {format_size(self.root_bytes)} from forward to backward, "
                 f"a unit {format_size(self.unit_bytes)}, and {format_size(self.reserve_bytes)} is kept for the "
-                "largest gradient on its way out): every use of a unit waits for its whole transfer. "
+                "gradients on their way out): every use of a unit waits for its whole transfer. "
                 f"device_budget {format_size(self.budget_for(prefetch_units))} "
                 f"({self.budget_for(prefetch_units)} bytes) lets the prefetcher keep {prefetch_units} "
                 f"unit{'s' if prefetch_units > 1 else ''} ahead (prefetch_units={prefetch_units}); "

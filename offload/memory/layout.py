@@ -431,6 +431,8 @@ class UnitState:
         self.grad_base = 0
         # [zero] Stage 3: the rank's chunks of the compute copy kept at home (None: all of it).
         self.param_shard: Optional[ParamShard] = None
+        # [zero] Stage >= 2: elements of its fp32 gradient bucket on the device (0: none)
+        self.bucket_numel = 0
         self.has_grad = [False] * len(self.trainable)
         self.steps = [0] * len(self.trainable)
         self.device_offset: Optional[int] = None
@@ -480,6 +482,7 @@ class UnitState:
         if shards is None:
             return
         self.shard, self.grad_numel, self.grad_base = shards.shard, shards.grad_numel, shards.grad_base
+        self.bucket_numel = shards.bucket_numel
         if shards.param_shard is not None:  # stage 3
             self.param_shard, self.compute_numel = shards.param_shard, shards.compute_numel
 

@@ -21,9 +21,12 @@ class DeviceTier:
     """Byte-accounted slots inside one preallocated arena of the compute dtype.
 
     ``used_bytes`` counts slots handed out, gradient bytes passing through the runtime
-    (``hold_transient``) and the saved activations the engine keeps on the device
-    (``hold_activations``: only with activation_offload set, [Note: saved activations] in
-    memory/activations.py); ``peak_bytes`` is its maximum, never above ``budget_bytes``.
+    (``hold_transient``), [zero] the gradient buckets of the reduce-scatters
+    (``hold_buckets``: [Note: gradient buckets in the device budget] in memory/budget.py;
+    bounded by ``bucket_room_bytes`` unless that is None, device_budget None) and the saved
+    activations the engine keeps on the device (``hold_activations``: only with
+    activation_offload set, [Note: saved activations] in memory/activations.py);
+    ``peak_bytes`` is its maximum, never above ``budget_bytes``.
     Slots and activations share the arena's capacity (the budget less the reserve for
     gradients on their way out): a slot is refused while activations fill it, and the
     other way round; unless ``bounds_activations`` is False (device_budget None: no limit
@@ -36,7 +39,7 @@ class DeviceTier:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, capacity_numel: int,
                  budget_bytes: int, host_addressable: bool = True, bounds_activations: bool = True,
-                 pages_follow_slots: bool = False) -> None:
+                 pages_follow_slots: bool = False, bucket_room_bytes: Optional[int] = None) -> None:
         """``host_addressable``: on a CPU device, False makes it the stand-in of CUDA
         ([Note: streams], ``Layout.device_is_host``). ``pages_follow_slots``: a CPU device
         whose saved activations share the capacity ([Note: device pages follow the slots])."""
@@ -71,6 +74,9 @@ class DeviceTier:
         self.capacity_bytes = capacity_numel * self.element_bytes
         self.slot_bytes = 0
         self.transient_bytes = 0
+        # [Note: gradient buckets in the device budget] None: counted, bounding nothing
+        self.bucket_room_bytes = bucket_room_bytes
+        self.bucket_bytes = 0
         self.activation_bytes = 0  # [Note: saved activations]
         self.activation_peak_bytes = 0
         self.peak_bytes = 0
@@ -91,10 +97,12 @@ class DeviceTier:
 
     @property
     def used_bytes(self) -> int:
-        return self.slot_bytes + self.transient_bytes + self.activation_bytes
+        return self.slot_bytes + self.transient_bytes + self.bucket_bytes + self.activation_bytes
 
     def _note_peak(self) -> None:
-        assert self.used_bytes - (0 if self.bounds_activations else self.activation_bytes) <= self.budget_bytes, \
+        unbounded = (0 if self.bounds_activations else self.activation_bytes) + \
+            (self.bucket_bytes if self.bucket_room_bytes is None else 0)
+        assert self.used_bytes - unbounded <= self.budget_bytes, \
             f"device budget exceeded: {self.used_bytes} > {self.budget_bytes} bytes"
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
@@ -186,6 +194,21 @@ class DeviceTier:
 
     def drop_transient(self, num_bytes: int) -> None:
         self.transient_bytes -= num_bytes
+
+    def buckets_fit(self, num_bytes: int) -> bool:
+        """[Note: gradient buckets in the device budget] Whether ``num_bytes`` more of
+        gradient buckets fit in their room."""
+        return self.bucket_room_bytes is None or self.bucket_bytes + num_bytes <= self.bucket_room_bytes
+
+    def hold_buckets(self, num_bytes: int) -> None:
+        """[Note: gradient buckets in the device budget] Count gradient buckets made on the
+        device (the caller checked ``buckets_fit``)."""
+        assert self.buckets_fit(num_bytes), "gradient buckets past their room in device_budget"
+        self.bucket_bytes += num_bytes
+        self._note_peak()
+
+    def drop_buckets(self, num_bytes: int) -> None:
+        self.bucket_bytes -= num_bytes
 
     def activations_fit(self, num_bytes: int) -> bool:
         """Whether ``num_bytes`` more of saved activations fit beside the slots handed out."""

@@ -45,8 +45,9 @@ address the device). So a rank moves 1/shard_size of each gradient device -> hos
 stage 3 a fetch copies only this rank's chunks of the unit into their place in its device
 slot and all-gathers the rest there (``gather_params_on_device``, on the copy worker, over
 ``device_param_group``). The buckets (fp32, the size of a unit's trainable prefix: one per
-unit whose gradients are arriving, at most two spare) are outside ``device_budget``; their
-peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags, norm
+unit whose gradients are arriving, at most two spare) count in the device tier and, with a
+device_budget, stay within the room it keeps for them ([Note: gradient buckets in the
+device budget] in memory/budget.py); their peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags, norm
 squares, stage 0/1 gradients, the sum across groups, the main thread's parameter gathers
 for state_dict and checkpoints) stay on gloo.
 
@@ -167,6 +168,7 @@ class Partition(StageShards):
         self.bucket_bytes = 0
         self.bucket_peak_bytes = 0
         self._gradients: Optional[GradientShards] = None  # bind_gradients
+        self._device_tier: Any = None  # count_buckets_in
         self._mark("wrap")
 
     # ------------------------------------------------------------------ setup
@@ -227,6 +229,12 @@ class Partition(StageShards):
         pool when u has none: buffers are lazy, released after updates) and where a
         reduce-scattered shard lands."""
         self._gradients = gradients
+
+    def count_buckets_in(self, device_tier: Any) -> None:
+        """The device tier (tiers.DeviceTier) the gradient buckets count in and whose room
+        bounds them ([Note: gradient buckets in the device budget]); unbound, they bound
+        nothing."""
+        self._device_tier = device_tier
 
     def check_consistent(self, config: Any, units: Sequence[Any], optimizer: Any) -> None:
         """All-gather a digest of the config and unit layout; a ValueError on every rank
@@ -428,7 +436,7 @@ class Partition(StageShards):
             if not self._flush_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
                 self._flush_queued = True
-            bucket = self._take_bucket(u.shard.shard_numel * self.shard_size)
+            bucket = self._take_bucket(u)
             bucket.zero_()
             self._buckets[u.index] = bucket
             self._arrived[u.index] = 0
@@ -440,20 +448,50 @@ class Partition(StageShards):
         if self._arrived[u.index] == len(u.trainable):
             self._reduce_bucket(u)
 
-    def _take_bucket(self, numel: int) -> torch.Tensor:
+    def _take_bucket(self, u: Any) -> torch.Tensor:
+        """A bucket for u's gradients: a spare one of its size, else a new one within the
+        room device_budget keeps ([Note: gradient buckets in the device budget]): spare
+        buckets go first; a ValueError naming device_budget when the buckets still in use
+        leave too little."""
+        numel = u.bucket_numel
         for i, b in enumerate(self._free_buckets):
             if b.numel() == numel:
                 return self._free_buckets.pop(i)
-        self.bucket_bytes += numel * FP32_BYTES
+        num_bytes = numel * FP32_BYTES
+        tier = self._device_tier
+        while self._free_buckets and tier is not None and not tier.buckets_fit(num_bytes):
+            self._drop_bucket(self._free_buckets.pop(0))
+        if tier is not None and not tier.buckets_fit(num_bytes):
+            names = {v.index: v.name for v in self._units}
+            arriving = ", ".join(repr(names[i]) for i in sorted(self._buckets))
+            needed = self.bucket_bytes + num_bytes
+            raise ValueError(
+                f"device_budget: the fp32 gradient buckets of the units whose gradients are arriving in this "
+                f"backward ({arriving}: {self.bucket_bytes} bytes) and that of unit {u.name!r} ({num_bytes} bytes) "
+                f"need {needed} bytes, more than the {tier.bucket_room_bytes} bytes device_budget keeps for them (the "
+                "root unit's bucket and the largest other unit's: [Note: gradient buckets in the device budget]), "
+                f"{needed - tier.bucket_room_bytes} bytes short. A larger device_budget does not change that room: "
+                "every unit's parameters must get their gradients one unit after another in backward (a parameter "
+                "of a unit that gets none, or two uses far apart, keeps its bucket open), or device_budget=None "
+                "lets the buckets grow unbounded")
+        self.bucket_bytes += num_bytes
         self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
+        if tier is not None:
+            tier.hold_buckets(num_bytes)
         return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def _drop_bucket(self, bucket: torch.Tensor) -> None:
+        num_bytes = bucket.numel() * FP32_BYTES
+        self.bucket_bytes -= num_bytes
+        if self._device_tier is not None:
+            self._device_tier.drop_buckets(num_bytes)
 
     @torch.no_grad()
     def _reduce_bucket(self, u: Any) -> None:
         bucket = self._buckets.pop(u.index, None)
         self._arrived.pop(u.index, None)
         if bucket is None:  # no gradient of u on this rank in this backward: contribute zeros
-            bucket = self._take_bucket(u.shard.shard_numel * self.shard_size)
+            bucket = self._take_bucket(u)
             bucket.zero_()
         bucket.mul_(1.0 / self.world_size)  # [Note: gradient averaging]
         s = u.shard
@@ -470,8 +508,7 @@ class Partition(StageShards):
         self._free_buckets.append(bucket)
         # Free buckets beyond the ones a unit may still need: keep at most two spare.
         while len(self._free_buckets) > 2:
-            spare = self._free_buckets.pop(0)
-            self.bucket_bytes -= spare.numel() * FP32_BYTES
+            self._drop_bucket(self._free_buckets.pop(0))
 
     def _settle(self, u: Any) -> None:
         """[Note: early updates across ranks] u's gradient is final: its flags agreed

@@ -111,6 +111,9 @@ class UnitShards:
     grad_numel: int                    # length of the unit's fp32 gradient buffer
     grad_base: int                     # element of the trainable prefix at grad[0]
     param_shard: Optional[ParamShard]  # stage 3: the rank's chunks of the compute copy
+    # stage >= 2: elements of the unit's fp32 gradient bucket on the device, the
+    # reduce-scatter's input ([Note: collectives on the device]); 0 below
+    bucket_numel: int = 0
 
     @property
     def compute_numel(self) -> Optional[int]:
@@ -132,4 +135,5 @@ class UnitShards:
             grad_numel, grad_base = owned.numel, owned.lo
         param_shard = ParamShard.of(trainable_numel, frozen_start, total_numel, rank, world_size,
                                     home_element_bytes) if stage == 3 else None
-        return UnitShards(owned, grad_numel, grad_base, param_shard)
+        bucket_numel = owned.shard_numel * world_size if stage >= 2 else 0
+        return UnitShards(owned, grad_numel, grad_base, param_shard, bucket_numel)
