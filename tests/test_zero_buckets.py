@@ -88,6 +88,10 @@ def _worker(rank, port, swap_root, out_dir):
                     result["too_many"] = None
                 except ValueError as e:
                     result["too_many"] = str(e)
+                # one block's bucket more of device_budget: the third bucket takes it from the arena
+                _, block, _ = trainable_numels(unused_in_block=True)
+                result["roomier"] = train(dict(config, device_budget=minimum + 4 * bucket_numel(block)), data, rank,
+                                          unused_in_block=True)
                 result["unbounded"] = train(config, data, rank, unused_in_block=True)  # no device_budget
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -120,12 +124,13 @@ def test_device_budget_keeps_room_for_two_gradient_buckets_and_they_stay_in_it(r
             assert room <= stats["device_peak_bytes"] <= stats["device_budget_bytes"], (rank, stage)
 
 
-def test_a_backward_that_needs_more_buckets_than_their_room_stops_naming_device_budget(results):
+def test_a_backward_that_needs_more_buckets_than_their_room_takes_arena_or_stops_naming_device_budget(results):
     """A block parameter that gets no gradient keeps that block's bucket open until the
-    end of backward, so three buckets are needed at once: at the smallest budget each rank
-    stops naming device_budget, the units and the bytes missing (a block's bucket), not
-    past the budget; without a device_budget the same run trains, its buckets bound by
-    nothing (they peak at the three)."""
+    end of backward, so three buckets are needed at once: at the smallest budget (no arena
+    to spare) each rank stops naming device_budget, the units and the bytes to add (a
+    block's bucket), not past the budget; with that many bytes more of device_budget the
+    third bucket holds arena capacity and the run trains within the budget; without a
+    device_budget it trains, its buckets bound by nothing (they peak at the three)."""
     room = room_by_hand(unused_in_block=True)
     _, block, _ = trainable_numels(unused_in_block=True)
     for rank, res in enumerate(results):
@@ -133,5 +138,8 @@ def test_a_backward_that_needs_more_buckets_than_their_room_stops_naming_device_
         assert message is not None and message.startswith("device_budget:"), rank
         assert "('<root>', 'blocks.1':" in message and "unit 'blocks.0'" in message, message
         assert f"more than the {room} bytes" in message, message
-        assert f"{4 * bucket_numel(block)} bytes short" in message, message
+        assert f"{4 * bucket_numel(block)} bytes short: raise device_budget" in message, message
+        roomier = res["roomier"]
+        assert roomier["gradient_bucket_peak_bytes"] == room + 4 * bucket_numel(block)
+        assert roomier["device_peak_bytes"] <= roomier["device_budget_bytes"]
         assert res["unbounded"]["gradient_bucket_peak_bytes"] == room + 4 * bucket_numel(block)

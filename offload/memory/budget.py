@@ -119,11 +119,12 @@ def _gradient_reserve_bytes(units: Sequence[UnitSizes], compute_element_bytes: i
 # arrive one unit after another, each bucket reused by the next unit of its size). The
 # device tier counts the buckets (``DeviceTier.hold_buckets``); with a device_budget given
 # the partition keeps them within that room (``Partition._take_bucket``): spare buckets go
-# first, and a backward that needs more at once (a unit whose gradients are still arriving
-# while two others' are: a parameter of a block used early and late, or not at all) stops
-# with a ValueError naming device_budget and the bytes, not past the budget (the room is
-# set by the units, so a larger device_budget does not widen it). Without device_budget
-# they are counted and bound nothing. ``offload plan --ranks`` counts the room. Not counted:
+# first; a backward that needs more at once (a unit whose gradients are still arriving
+# while two others' are: a parameter of a block used early and late, or not at all) holds
+# the excess in the arena's free capacity, as saved activations do (a slot is refused
+# while they hold it), and where that is short too it stops with a ValueError naming
+# device_budget and the bytes to add, not past the budget. Without device_budget they are
+# counted and bound nothing. ``offload plan --ranks`` counts the room. Not counted:
 # the reduce-scatter's output shard (a bucket's 1/shard_size, fresh per unit where its copy
 # to the host runs behind) and the collectives' scratch.
 def gradient_bucket_room_bytes(units: Sequence[UnitSizes]) -> int:

@@ -109,9 +109,11 @@ class DeviceTier:
     def allocate(self, numel: int) -> Optional[int]:
         """Element offset of a free slot of ``numel`` elements (first fit), or None."""
         assert self._borrowed is None, "a slot handed out while wrap borrows the arena (see borrow)"
-        if self.activation_bytes and self.bounds_activations and self.slot_bytes + self.activation_bytes + numel * self.element_bytes \
-                > self.capacity_bytes:
-            return None  # [Note: saved activations] they hold the rest of the capacity
+        held = self._held_bytes()
+        if held and self.slot_bytes + held + numel * self.element_bytes > self.capacity_bytes:
+            # [Note: saved activations], [Note: gradient buckets in the device budget] they
+            # hold the rest of the capacity
+            return None
         for i, (start, length) in enumerate(self._free):
             if length >= numel:
                 if length == numel:
@@ -195,15 +197,29 @@ class DeviceTier:
     def drop_transient(self, num_bytes: int) -> None:
         self.transient_bytes -= num_bytes
 
+    def bucket_overflow_bytes(self, extra: int = 0) -> int:
+        """[Note: gradient buckets in the device budget] Bytes of gradient buckets (with
+        ``extra`` more) past their room: they hold arena capacity, as saved activations do."""
+        if self.bucket_room_bytes is None:
+            return 0
+        return max(0, self.bucket_bytes + extra - self.bucket_room_bytes)
+
+    def _held_bytes(self, extra_buckets: int = 0) -> int:
+        """Arena capacity held outside the slots: bounded saved activations and gradient
+        buckets past their room."""
+        return (self.activation_bytes if self.bounds_activations else 0) + self.bucket_overflow_bytes(extra_buckets)
+
     def buckets_fit(self, num_bytes: int) -> bool:
         """[Note: gradient buckets in the device budget] Whether ``num_bytes`` more of
-        gradient buckets fit in their room."""
-        return self.bucket_room_bytes is None or self.bucket_bytes + num_bytes <= self.bucket_room_bytes
+        gradient buckets fit: in their room, or past it in the arena capacity the slots in
+        use and the saved activations leave."""
+        return self.bucket_overflow_bytes(num_bytes) == 0 or \
+            self.slot_bytes + self._held_bytes(num_bytes) <= self.capacity_bytes
 
     def hold_buckets(self, num_bytes: int) -> None:
         """[Note: gradient buckets in the device budget] Count gradient buckets made on the
         device (the caller checked ``buckets_fit``)."""
-        assert self.buckets_fit(num_bytes), "gradient buckets past their room in device_budget"
+        assert self.buckets_fit(num_bytes), "gradient buckets past their room and the arena's free capacity"
         self.bucket_bytes += num_bytes
         self._note_peak()
 
@@ -213,7 +229,7 @@ class DeviceTier:
     def activations_fit(self, num_bytes: int) -> bool:
         """Whether ``num_bytes`` more of saved activations fit beside the slots handed out."""
         return not self.bounds_activations or \
-            self.slot_bytes + self.activation_bytes + num_bytes <= self.capacity_bytes
+            self.slot_bytes + self._held_bytes() + num_bytes <= self.capacity_bytes
 
     def hold_activations(self, num_bytes: int) -> None:
         """[Note: saved activations] Count saved tensors the engine keeps on the device (the

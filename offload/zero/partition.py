@@ -465,15 +465,16 @@ class Partition(StageShards):
             names = {v.index: v.name for v in self._units}
             arriving = ", ".join(repr(names[i]) for i in sorted(self._buckets))
             needed = self.bucket_bytes + num_bytes
+            free = tier.capacity_bytes - tier.slot_bytes - tier._held_bytes()
             raise ValueError(
                 f"device_budget: the fp32 gradient buckets of the units whose gradients are arriving in this "
                 f"backward ({arriving}: {self.bucket_bytes} bytes) and that of unit {u.name!r} ({num_bytes} bytes) "
                 f"need {needed} bytes, more than the {tier.bucket_room_bytes} bytes device_budget keeps for them (the "
-                "root unit's bucket and the largest other unit's: [Note: gradient buckets in the device budget]), "
-                f"{needed - tier.bucket_room_bytes} bytes short. A larger device_budget does not change that room: "
-                "every unit's parameters must get their gradients one unit after another in backward (a parameter "
-                "of a unit that gets none, or two uses far apart, keeps its bucket open), or device_budget=None "
-                "lets the buckets grow unbounded")
+                "root unit's bucket and the largest other unit's: [Note: gradient buckets in the device budget]) "
+                f"and the {max(free, 0)} bytes of the arena the slots in use leave, "
+                f"{needed - tier.bucket_room_bytes - max(free, 0)} bytes short: raise device_budget by at least that "
+                "(a unit's bucket stays open while a parameter of it has not had its gradient: one that gets none, "
+                "or two uses far apart), or device_budget=None lets the buckets grow unbounded")
         self.bucket_bytes += num_bytes
         self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
         if tier is not None:
