@@ -18,7 +18,7 @@ from torch import nn
 
 from offload import units as unit_split
 from offload.config import format_size
-from offload.memory.compact_codec import compact_padded_numel, compact_state_bytes
+from offload.memory.compact_codec import compact_home_layout, compact_padded_numel, compact_piece_bytes, compact_piece_numel
 from offload.memory.layout import DTYPE_NAMES, FP32_BYTES, Layout, UnitState
 from offload.units import PAGE_BYTES, padded_numel, round_up, split_into_units
 from offload.zero import ParamShard
@@ -325,9 +325,17 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
 
 def compact_home_bytes(u: UnitSizes, tier: str) -> int:
     """[Note: compact optimizer states] Bytes of u's compact home on ``tier``: its
-    compact_state_bytes, whole pages on NVMe (a swap extent, moved whole by the step)."""
-    nbytes = compact_state_bytes(u.compact_numel)
+    compact_home_layout (compact_state_bytes, or each array on whole pages: [Note: compact
+    pieces]), whole pages on NVMe (a swap extent)."""
+    nbytes = compact_home_layout(u.compact_numel).nbytes
     return round_up(nbytes, PAGE_BYTES) if tier == "nvme" else nbytes
+
+
+def compact_num_pieces(u: UnitSizes) -> int:
+    """[Note: compact pieces] The pieces of u's compact step (compact_pieces: one for a home
+    of at most compact_piece_numel elements)."""
+    size = compact_piece_numel(unit_split.OPTIMIZER_PIECE_NUMEL)
+    return max(1, -(-u.compact_numel // size))
 
 
 # ---------------------------------------------------------------------------- NVMe
@@ -378,14 +386,19 @@ def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
 
 
 def _compact_slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
-    """[Note: compact optimizer states] A compact unit's update is one piece, the whole
-    unit: a slot holds the largest NVMe-homed compact home, and where compute copies are on
-    NVMe the largest trainable prefix of one (the high parts, read and written by the
-    update), padded as a 16-bit prefix is. No fp32 buffers."""
+    """[Note: compact pieces] A compact unit's update runs over pieces of
+    compact_piece_numel compact elements: a slot holds the largest piece of an NVMe-homed
+    compact home (a home of one piece whole), and where compute copies are on NVMe the
+    largest piece's high parts: the trainable prefix of a one-piece unit, padded as a
+    16-bit prefix is, else a piece's elements, whole pages, and the page after them. No
+    fp32 buffers."""
+    size = compact_piece_numel(unit_split.OPTIMIZER_PIECE_NUMEL)
     trainable = [i for i, u in enumerate(units) if u.trainable]
-    compact = max((compact_home_bytes(units[i], "nvme") for i in trainable if layout.state_tier(i) == "nvme"),
+    compact = max((min(compact_home_bytes(units[i], "nvme"), compact_piece_bytes(size))
+                   for i in trainable if layout.state_tier(i) == "nvme"), default=0)
+    page = PAGE_BYTES // layout.compute_element_bytes
+    compute = max((min(units[i].low_numel, size + page) for i in trainable if layout.compute_tier(i) == "nvme"),
                   default=0)
-    compute = max((units[i].low_numel for i in trainable if layout.compute_tier(i) == "nvme"), default=0)
     return SlotShape(0, compute, 0, compact)
 
 

@@ -39,21 +39,26 @@ overflows leaves the block holding such a value as it was, others updated: compa
 Bytes per parameter: 1 (m) + 1 (v) + 1 (low) + 8/BLOCK_NUMEL (two scales) beside the bf16
 compute copy: ``compact_state_bytes``.
 Where they live (docs/architecture.md, "Numerics"): a unit's codes, scales and low parts are
-one buffer on its state tier (host, or a swap extent moved whole by the staged step), its
-high parts the compute copy; placement never changes the bits. A checkpoint keeps those
+one buffer on its state tier (host, or a swap extent), laid out by ``compact_home_layout``,
+its high parts the compute copy; placement never changes the bits. The staged step moves a
+unit in pieces ([Note: compact pieces]). A checkpoint keeps those
 bytes as they are, never fp32 states: re-encoding a decoded master may flip the high/low
 split at a tie."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from offload._sizes import PAGE_BYTES
+
 if TYPE_CHECKING:
     from offload.memory.layout import UnitState
 
-__all__ = ["BLOCK_NUMEL", "CompactStates", "NonFiniteStateError", "compact_padded_numel", "compact_state_bytes", "decode_exp_avg",
+__all__ = ["BLOCK_NUMEL", "CompactHomeLayout", "CompactPiece", "CompactStates", "NonFiniteStateError", "SCALE_PAGE_NUMEL",
+           "compact_home_layout", "compact_padded_numel", "compact_piece_bytes", "compact_piece_numel", "compact_pieces", "compact_state_bytes",
+           "decode_exp_avg",
            "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
            "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
 
@@ -94,6 +99,117 @@ def compact_state_bytes(numel: int) -> int:
     """Bytes of compact state for ``numel`` parameters besides the bf16 compute copy: the
     int8 master low part, the two 8-bit moments and their fp32 scales."""
     return 3 * numel + 2 * 4 * num_blocks(numel)
+
+
+# [Note: compact pieces] The staged step (optim/step.py) moves and updates a compact unit in
+# pieces of compact_piece_numel compact elements (the exact step's piece rounded up to
+# SCALE_PAGE_NUMEL; 1 Mi elements by default), so that a staging slot holds a piece, not the
+# largest unit (budget._compact_slot_shape):
+# - A piece is whole blocks of parameters (each parameter starts on a block, CompactUnit), and
+#   the kernel updates each block alone ([Note: compact step numerics]): a unit stepped piece
+#   by piece has the bits of the unit stepped whole (UnitAdam.compact_piece_step).
+# - A home of more than SCALE_PAGE_NUMEL elements is paged (compact_home_layout): each of its
+#   five arrays starts on a page, so a piece's part of each is whole pages (its scales start at
+#   lo / 64 bytes, lo a multiple of SCALE_PAGE_NUMEL): five aligned requests a piece. A smaller
+#   home is packed and is one piece, moved whole.
+# - The high parts are the compute copy, whose parameters are packed without blocks: a
+#   piece's elements [compute_lo, compute_hi) start and end anywhere in a page. The piece
+#   reads the pages from the one holding compute_lo to the one after the page holding
+#   compute_hi (PipelinedStep._compact_window), updates its own elements, and writes back
+#   its pages up to the one holding compute_hi, which the next piece writes: the elements of
+#   it that this piece updated are carried to the next piece (PipelinedStep._compact_carry),
+#   which puts them in its slot before its update. So every page is written once a step, by
+#   one piece, holding every update of its elements; the pages read twice (one a boundary)
+#   are counted by placement.predict_step.
+
+# Elements whose fp32 scales fill one page (1024 blocks)
+SCALE_PAGE_NUMEL = PAGE_BYTES // 4 * BLOCK_NUMEL
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+class CompactHomeLayout(NamedTuple):
+    """Where a compact home's five arrays start (bytes), for ``numel`` elements (padded to
+    blocks): exp_avg's scales, exp_avg_sq's scales, the int8 low parts, exp_avg's and
+    exp_avg_sq's codes, then ``nbytes`` in all. ``paged``: each array starts on a page and
+    is padded to whole pages, so that a piece of each moves in page-aligned requests
+    ([Note: compact pieces]); else they are packed (compact_state_bytes)."""
+    numel: int
+    paged: bool
+    exp_avg_scales: int
+    exp_avg_sq_scales: int
+    low: int
+    exp_avg: int
+    exp_avg_sq: int
+    nbytes: int
+
+    def region_end(self, name: str) -> int:
+        """Where array ``name``'s region ends (its page padding included when paged)."""
+        order = ("exp_avg_scales", "exp_avg_sq_scales", "low", "exp_avg", "exp_avg_sq")
+        i = order.index(name)
+        return getattr(self, order[i + 1]) if i + 1 < len(order) else self.nbytes
+
+
+def compact_home_layout(numel: int) -> CompactHomeLayout:
+    """The layout of a compact home of ``numel`` elements (a multiple of BLOCK_NUMEL): packed
+    up to SCALE_PAGE_NUMEL elements (a home the staged step moves whole), paged beyond."""
+    assert numel % BLOCK_NUMEL == 0
+    scale_bytes = 4 * num_blocks(numel)
+    paged = numel > SCALE_PAGE_NUMEL
+    sizes = [scale_bytes, scale_bytes, numel, numel, numel]
+    if paged:
+        sizes = [_round_up(n, PAGE_BYTES) for n in sizes]
+    starts = [sum(sizes[:i]) for i in range(5)]
+    return CompactHomeLayout(numel, paged, *starts, sum(sizes))
+
+
+def compact_piece_numel(piece_numel: int) -> int:
+    """Compact elements of one piece of the staged step: the exact step's ``piece_numel``
+    rounded up to a multiple of SCALE_PAGE_NUMEL (the default, 1 Mi elements, is one)."""
+    return _round_up(max(piece_numel, 1), SCALE_PAGE_NUMEL)
+
+
+def compact_piece_bytes(size: int) -> int:
+    """[Note: compact pieces] Staging bytes of a full piece of ``size`` (a
+    compact_piece_numel) elements of a paged home: each array's part, whole pages."""
+    return 2 * (size // BLOCK_NUMEL * 4) + 3 * size
+
+
+class CompactPiece(NamedTuple):
+    """[Note: compact pieces] One piece of a unit's compact step: compact elements [lo, hi)
+    of the unit (whole blocks), which hold elements [compute_lo, compute_hi) of its
+    trainable prefix; ``params``: (k, a, b, at) for each trainable parameter k it holds
+    elements [a, b) of (a on a block of k), at compact element lo + at."""
+    lo: int
+    hi: int
+    compute_lo: int
+    compute_hi: int
+    params: Tuple[Tuple[int, int, int, int], ...]
+
+
+def compact_pieces(numels: Sequence[int], offsets: Sequence[int], piece_numel: int) -> List[CompactPiece]:
+    """[Note: compact pieces] The pieces of a unit whose trainable parameters have ``numels``
+    elements at ``offsets`` of its trainable prefix (packed, in order), for the staged
+    step's ``piece_numel``: one piece when its compact states are at most
+    compact_piece_numel(piece_numel) elements, else pieces of that many compact elements
+    (the last shorter)."""
+    padded = [num_blocks(n) * BLOCK_NUMEL for n in numels]
+    starts = [sum(padded[:k]) for k in range(len(padded))]
+    total = sum(padded)
+    size = compact_piece_numel(piece_numel)
+    pieces = []
+    for lo in range(0, total, size):
+        hi = min(lo + size, total)
+        params = []
+        for k, (n, start) in enumerate(zip(numels, starts)):
+            a, b = max(lo, start) - start, min(hi, start + n) - start
+            if a < b:
+                params.append((k, a, b, start + a - lo))
+        first, last = params[0], params[-1]
+        pieces.append(CompactPiece(lo, hi, offsets[first[0]] + first[1], offsets[last[0]] + last[2], tuple(params)))
+    return pieces
 
 
 class CompactStates(Protocol):

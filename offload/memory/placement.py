@@ -55,9 +55,10 @@ import torch
 from offload.config import OffloadConfig, format_size
 from offload.errors import warn_at_caller
 from offload.memory.budget import (
-    UnitSizes, compact_home_bytes, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
+    UnitSizes, compact_home_bytes, compact_num_pieces, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
     swap_bytes, unit_home_bytes)
 from offload.io.swap import usable_bytes
+from offload._sizes import PAGE_BYTES
 from offload.memory.layout import FP32_BYTES, Layout
 
 PROFILE_SCHEMA = "offload-profile"
@@ -402,8 +403,8 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
                 if layout.merged:
                     read += trainable
                 if layout.compact_states:  # [Note: compact optimizer states] the high parts, read
-                    trainable = u.low_numel * 2  # and written as the padded 16-bit prefix
-                    read += trainable
+                    trainable = u.low_numel * 2  # and written as the padded 16-bit prefix, and each
+                    read += trainable + (compact_num_pieces(u) - 1) * PAGE_BYTES  # piece's next page ([Note: compact pieces])
                 write += trainable
         if u.trainable and layout.compact_states:
             if layout.state_tier(i) == "nvme":  # the whole compact home, read and written

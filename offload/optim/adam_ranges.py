@@ -14,8 +14,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from offload import faults
+from offload.memory.compact_codec import CompactPiece, NonFiniteStateError, compact_pieces
 from offload.memory.layout import Layout, UnitState, slot_views
-from offload.optim import native_kernels
+from offload.optim import compact as compact_kernel, native_kernels
 from offload.optim.cpu_adam import adam_step_flat
 from offload.optim.generic import ParamStep
 from offload.optim.several import GroupRule
@@ -115,12 +116,20 @@ class UnitAdam:
                 for e, s, g in zip(u.trainable, u.steps, u.has_grad)]
 
     def pieces(self, u: UnitState) -> List[Tuple[int, int]]:
+        """u's pieces of the staged step: ranges [lo, hi) of its trainable prefix, the last
+        one ending at u.master_numel; with compact states, those of compact_pieces."""
         n, size = u.master_numel, self._piece_numel
-        # [Note: whole-parameter optimizers] never a piece that cuts a parameter; [Note: compact
-        # optimizer states] a compact unit's home moves whole
-        if u.whole_step or self._layout.compact_states:
+        if self._layout.compact_states:  # [Note: compact pieces]
+            pieces = self.compact_pieces(u)
+            return [(p.compute_lo, n if j == len(pieces) - 1 else p.compute_hi) for j, p in enumerate(pieces)]
+        # [Note: whole-parameter optimizers] never a piece that cuts a parameter
+        if u.whole_step:
             return [(0, n)] if n else []
         return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+    def compact_pieces(self, u: UnitState) -> List[CompactPiece]:
+        """[Note: compact pieces] u's pieces of the compact step, in order."""
+        return compact_pieces([e.numel for e in u.trainable], [e.offset for e in u.trainable], self._piece_numel)
 
     @profiled("adam")
     def adam_range(self, u: UnitState, lo: int, hi: int, steps: List[int], master: torch.Tensor,
@@ -250,6 +259,37 @@ class UnitAdam:
         (u.spare if speculative else u).steps = steps
         if not speculative:
             self._gradients.release(u)
+
+    def compact_piece_step(self, u: UnitState, piece: CompactPiece, states: Any, high: torch.Tensor,
+                           steps: List[int], grad_factor: float, groups: Optional[List[Dict[str, Any]]]) -> None:
+        """[Note: compact pieces] One step of u's compact elements in ``piece``: ``states``
+        (a CompactRange of its compact elements, over a home or a staging slot) and ``high``
+        (the compute copy from element piece.compute_lo on), with u's gradients, ``steps``
+        the step counts after the update (next_steps). The same bits as compact_step of the
+        whole unit: each parameter's blocks are updated alone."""
+        faults.hit("optim.adam_range", unit=u.name, lo=piece.compute_lo, hi=piece.compute_hi)
+        groups = self._optimizer.param_groups if groups is None else groups
+        rules = {self._group_rules[e.group_index] for e in u.trainable}
+        assert all(r.rule is None for r in rules) and len({r.adamw for r in rules}) == 1, \
+            "compact states are Adam's/AdamW's alone (wrap refuses the rest)"
+        adamw = next(iter(rules)).adamw
+        start = time.perf_counter()
+        for k, a, b, at in piece.params:
+            if not u.has_grad[k]:  # left alone, as torch's AdamW leaves it
+                continue
+            e = u.trainable[k]
+            view = states.range(at, at + b - a)
+            view.high = high[e.offset + a - piece.compute_lo:e.offset + b - piece.compute_lo]
+            group = groups[e.group_index]
+            beta1, beta2 = group["betas"]
+            try:
+                compact_kernel.compact_adam_step(
+                    view, self._gradients.grad_range(u, k, e.offset + a, e.offset + b), step=steps[k],
+                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adamw=adamw, grad_scale=grad_factor)
+            except NonFiniteStateError as error:  # its elements counted from the parameter's first
+                raise NonFiniteStateError(f"{e.fqn}, elements {a}..{b - 1}: {error}") from None
+        self._timeline.span("adam", f"adam {u.name}[{piece.compute_lo}:{piece.compute_hi}]", start, time.perf_counter())
 
     def compact_step(self, u: UnitState, compact: Any, grad_factor: float,
                      groups: Optional[List[Dict[str, Any]]]) -> List[int]:

@@ -10,13 +10,14 @@ intrinsic, square roots correctly rounded). The kernel equals it bit for bit on 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from offload import _native
-from offload.memory.compact_codec import (BLOCK_NUMEL, NonFiniteStateError, compact_padded_numel, compact_state_bytes,
+from offload.memory.compact_codec import (BLOCK_NUMEL, SCALE_PAGE_NUMEL, CompactHomeLayout, NonFiniteStateError,
+                                          compact_home_layout, compact_padded_numel, compact_piece_numel,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
 from offload.memory.master_codec import check_flat
@@ -210,18 +211,11 @@ class CompactUnit:
         if buffer is None:
             self.states = CompactRange(end)
         else:
-            assert buffer.dtype == torch.uint8 and buffer.numel() == compact_state_bytes(end)
-            scale_bytes = 4 * num_blocks(end)
-            states = CompactRange.__new__(CompactRange)
-            states.numel = end
-            states.exp_avg_scales = buffer[:scale_bytes].view(torch.float32)
-            states.exp_avg_sq_scales = buffer[scale_bytes:2 * scale_bytes].view(torch.float32)
-            codes = buffer[2 * scale_bytes:]
-            states.low = codes[:end].view(torch.int8)
-            states.exp_avg = codes[end:2 * end].view(torch.int8)
-            states.exp_avg_sq = codes[2 * end:3 * end]
-            states.high = torch.zeros(end, dtype=torch.bfloat16) if highs is None else None
-            self.states = states
+            layout = compact_home_layout(end)
+            assert buffer.dtype == torch.uint8 and buffer.numel() == layout.nbytes
+            self.states = compact_range_over(buffer, layout, 0, end)
+            if highs is None:
+                self.states.high = torch.zeros(end, dtype=torch.bfloat16)
         if highs is not None:
             self.states.high = None
 
@@ -272,9 +266,49 @@ class CompactUnit:
 
 
 def compact_unit_bytes(numels: Sequence[int]) -> int:
-    """Bytes a CompactUnit of parameters of ``numels`` elements holds beside the bf16
-    compute copy: compact_state_bytes of its padded length."""
-    return compact_state_bytes(compact_padded_numel(numels))
+    """Bytes of the buffer a CompactUnit of parameters of ``numels`` elements is carved from
+    (a compact home), beside the bf16 compute copy: compact_state_bytes of its padded
+    length, packed, or with each array on whole pages (compact_home_layout)."""
+    return compact_home_layout(compact_padded_numel(numels)).nbytes
+
+
+def compact_range_over(buffer: torch.Tensor, layout: CompactHomeLayout, lo: int, hi: int,
+                       staged_piece: bool = False) -> CompactRange:
+    """Compact elements [lo, hi) (``lo`` on a block) of the home ``layout`` describes, as a
+    CompactRange of views of ``buffer`` (uint8): the whole home's bytes, or with
+    ``staged_piece`` ([Note: compact pieces]) a staging slot's copy of piece [lo, hi) of a
+    paged home (compact_piece_regions). ``high`` is None (the caller sets it)."""
+    n = hi - lo
+    regions = compact_piece_regions(layout, lo, hi) if staged_piece else None
+    states = CompactRange.__new__(CompactRange)
+    states.numel = n
+    states.high = None
+    for name, dtype, per_block in _ARRAYS:
+        first = regions[name][0] if regions is not None else \
+            getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo)
+        nbytes = 4 * num_blocks(n) if per_block else n
+        setattr(states, name, buffer[first:first + nbytes].view(dtype))
+    return states
+
+
+# a compact home's arrays in order: (name, dtype, whether it holds a value per block)
+_ARRAYS = (("exp_avg_scales", torch.float32, True), ("exp_avg_sq_scales", torch.float32, True),
+           ("low", torch.int8, False), ("exp_avg", torch.int8, False), ("exp_avg_sq", torch.uint8, False))
+
+
+def compact_piece_regions(layout: CompactHomeLayout, lo: int, hi: int) -> Dict[str, Tuple[int, int, int]]:
+    """[Note: compact pieces] Per array of a paged home, piece [lo, hi)'s part: (start in a
+    staging slot, start in the home, bytes), each whole pages (the last piece runs on to
+    the array's padded end); the slot's parts follow one another in array order."""
+    assert layout.paged and lo % SCALE_PAGE_NUMEL == 0
+    out, at = {}, 0
+    for name, _, per_block in _ARRAYS:
+        start = getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo)
+        end = layout.region_end(name) if hi == layout.numel else \
+            getattr(layout, name) + (hi // BLOCK_NUMEL * 4 if per_block else hi)
+        out[name] = (at, start, end - start)
+        at += end - start
+    return out
 
 
 class UnitCompactStates:

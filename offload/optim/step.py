@@ -18,8 +18,11 @@ import torch
 
 from offload import faults
 from offload.config import format_size
+from offload._sizes import PAGE_BYTES
+from offload.memory.compact_codec import CompactPiece, compact_home_layout, compact_padded_numel
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
+from offload.optim.compact import compact_piece_regions, compact_range_over
 from offload.optim.adam_ranges import OutOfPlace
 from offload.memory.master_codec import join_master, split_master
 from offload.stats import Stats
@@ -127,18 +130,22 @@ class PipelinedStep:
         self.failed_spare_writes: List[Tuple[UnitState, OSError]] = []
         # [Note: swap I/O failures] unit index -> states whose swap write failed, in host RAM
         self.dirty: Dict[int, Dict[str, torch.Tensor]] = {}
+        # [Note: compact pieces] unit index -> the high parts its last piece updated on the
+        # next piece's first page; written and read by the thread that runs the unit's ring
+        self._compact_carry: Dict[int, torch.Tensor] = {}
 
     def master_home(self, homes: Any) -> Any:
         """Where the master lives in ``homes`` (a UnitState, or its SpareHomes)."""
         return homes.compute_home if self._layout.merged else homes.master_home
 
     def _issue_reads(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
-                     in_device: bool = False) -> List[Any]:
+                     in_device: bool = False, piece: Optional[CompactPiece] = None) -> List[Any]:
         """Start reading piece [lo, hi) of u's NVMe-homed master and moments into ``slot``
         (a merged master from u's device copy when ``in_device``; split, the low halves,
-        and the high ones from the compute copy at home or, ``in_device``, on the device)."""
+        and the high ones from the compute copy at home or, ``in_device``, on the device);
+        with compact states, ``piece`` ([Note: compact pieces])."""
         if self._layout.compact_states:
-            return self._issue_compact_reads(u, slot, in_device)
+            return self._issue_compact_reads(u, piece, slot, in_device)
         handles, n = [], hi - lo
         home = self.master_home(u)
         if self._layout.split_master:  # [Note: split master] the low halves, and the high ones
@@ -161,46 +168,105 @@ class PipelinedStep:
                            for buf, ext in self._moment_parts(u, lo, hi, slot, u.moments_home))
         return handles
 
-    def _issue_compact_reads(self, u: UnitState, slot: StagingSlot, in_device: bool) -> List[Any]:
-        """[Note: compact optimizer states] Start reading u's whole compact home into
-        ``slot`` where it is on NVMe, and its high parts (the compute copy's trainable
-        prefix) where the compute copy is: from NVMe, or from the resident device copy
+    # ------------------------------------------------------------------ compact pieces
+    def _compact_parts(self, u: UnitState, piece: CompactPiece, slot: StagingSlot,
+                       home: Any) -> List[Tuple[torch.Tensor, Any]]:
+        """[Note: compact pieces] (staging view, extent) pairs that move ``piece``'s part of
+        u's NVMe-homed compact ``home`` (its own or its spare): the whole home for a unit of
+        one piece, else each array's part of the piece."""
+        layout = compact_home_layout(compact_padded_numel([e.numel for e in u.trainable]))
+        if piece.lo == 0 and piece.hi == layout.numel:
+            return [(slot.compact[:home.nbytes], home)]
+        return [(slot.compact[at:at + n], sub_extent(home, start, n))
+                for at, start, n in compact_piece_regions(layout, piece.lo, piece.hi).values()]
+
+    def _compact_window(self, u: UnitState, piece: CompactPiece) -> Tuple[int, int, int]:
+        """[Note: compact pieces] (first, write_end, read_end): the elements of u's compute
+        copy a piece stages, whole pages: it reads [first, read_end) and writes [first,
+        write_end) back; the last piece runs on to the trainable prefix's padded end."""
+        page = PAGE_BYTES // self._layout.compute_element_bytes
+        first = piece.compute_lo // page * page
+        if piece.compute_hi == u.spec.trainable_numel:
+            end = padded_numel(u.spec.trainable_numel, self._layout.compute_element_bytes)
+            return first, end, end
+        write_end = piece.compute_hi // page * page
+        return first, write_end, write_end + page
+
+    def _issue_compact_reads(self, u: UnitState, piece: CompactPiece, slot: StagingSlot, in_device: bool) -> List[Any]:
+        """[Note: compact pieces] Start reading ``piece`` of u's compact home into ``slot``
+        where it is on NVMe, and its window of the compute copy (the high parts,
+        _compact_window) where that is on NVMe: from NVMe, or from the resident device copy
         (``in_device``, [Note: updates through the device copy])."""
         handles = []
         if on_nvme(u.compact_home):
-            handles.append(self._nvme.read(slot.compact[:u.compact_home.nbytes], u.compact_home, unit=u.name))
-        if on_nvme(u.compute_home) and in_device:
-            end = u.spec.trainable_numel
-            slot.compute[:end].copy_(self._device.view(u.device_offset, end))
-            self._stats.add_bytes("device_to_host", end * slot.compute.element_size())
-        elif on_nvme(u.compute_home):
-            end, extent = self._half_extent(u, u.compute_home, 0, u.master_numel)
-            handles.append(self._nvme.read(slot.compute[:end], extent, unit=u.name))
+            handles.extend(self._nvme.read(buf, ext, unit=u.name)
+                           for buf, ext in self._compact_parts(u, piece, slot, u.compact_home))
+        if on_nvme(u.compute_home):
+            first, _, read_end = self._compact_window(u, piece)
+            if in_device:
+                end = min(read_end, u.spec.trainable_numel)
+                slot.compute[:end - first].copy_(self._device.view(u.device_offset + first, end - first))
+                self._stats.add_bytes("device_to_host", (end - first) * slot.compute.element_size())
+            else:
+                size = slot.compute.element_size()
+                handles.append(self._nvme.read(slot.compute[:read_end - first],
+                                               sub_extent(u.compute_home, first * size, (read_end - first) * size),
+                                               unit=u.name))
         return handles
 
-    def _update_compact(self, u: UnitState, slot: StagingSlot, grad_factor: float,
-                        groups: Optional[List[Dict[str, Any]]], spare: Optional[SpareHomes]) -> None:
-        """[Note: compact optimizer states] u's whole update on its compact states: those at
+    def _update_compact(self, u: UnitState, piece: CompactPiece, slot: StagingSlot, steps: List[int],
+                        grad_factor: float, groups: Optional[List[Dict[str, Any]]], spare: Optional[SpareHomes]) -> None:
+        """[Note: compact pieces] ``piece`` of u's update on its compact states: those at
         home (host), or the copies read into ``slot`` (NVMe); the high parts in the compute
-        copy at home (host, or the slot of a CPU device) or its copy in ``slot``. With
-        ``spare`` ([Note: speculative updates]) host-homed parts are copied to the spare
-        homes first and stepped there, and the slot's are written to the spare homes; u's
-        homes and step counts are left as they are."""
+        copy at home (host, or the slot of a CPU device) or its window in ``slot``, whose
+        first elements (the previous piece's, on the page this piece starts in) are taken
+        from ``_compact_carry`` first and whose last ones (the next piece's page) go there.
+        With ``spare`` ([Note: speculative updates]) host-homed parts are copied to the
+        spare homes first (whole, at the first piece) and stepped there, and the slot's are
+        written to the spare homes; u's homes and step counts are left as they are."""
         homes = u if spare is None else spare
-        if spare is not None:
-            if not on_nvme(u.compact_home):
-                spare.compact_home.copy_(u.compact_home)
-            if not on_nvme(u.compute_home):  # a host home (speculation never has a device-homed copy)
-                t = u.spec.trainable_numel
-                spare.compute_home[:t].copy_(u.compute_home[:t])
-        if homes.compact is not None:  # compact home and compute copy both in host memory
-            states = homes.compact
+        if piece.lo == 0:
+            self._compact_carry.pop(u.index, None)  # a ring that failed part-way left it
+            if spare is not None:
+                if not on_nvme(u.compact_home):
+                    spare.compact_home.copy_(u.compact_home)
+                if not on_nvme(u.compute_home):  # a host home (speculation never has a device-homed copy)
+                    t = u.spec.trainable_numel
+                    spare.compute_home[:t].copy_(u.compute_home[:t])
+        layout = compact_home_layout(compact_padded_numel([e.numel for e in u.trainable]))
+        if on_nvme(u.compact_home):
+            whole = piece.lo == 0 and piece.hi == layout.numel
+            states = compact_range_over(slot.compact, layout, piece.lo, piece.hi, staged_piece=not whole)
         else:
-            buffer = slot.compact if on_nvme(u.compact_home) else homes.compact_home
-            compute = slot.compute if on_nvme(u.compute_home) else \
-                homes.compute_home if spare is not None else self._adam.compute_target(u)
-            states = self._homes.compact.over(u, buffer, compute)
-        self._adam.compact_step(u, states, grad_factor, groups)
+            states = compact_range_over(homes.compact_home, layout, piece.lo, piece.hi)
+        if on_nvme(u.compute_home):
+            first, write_end, _ = self._compact_window(u, piece)
+            if piece.compute_lo > first:  # the previous piece updated these
+                carried = self._compact_carry.pop(u.index)
+                assert carried.numel() == piece.compute_lo - first
+                slot.compute[:carried.numel()].copy_(carried)
+            high = slot.compute[piece.compute_lo - first:]
+        else:
+            compute = homes.compute_home if spare is not None else self._adam.compute_target(u)
+            high = compute[piece.compute_lo:]
+        self._adam.compact_piece_step(u, piece, states, high, steps, grad_factor, groups)
+        if on_nvme(u.compute_home) and piece.compute_hi > write_end:  # on the next piece's first page
+            self._compact_carry[u.index] = slot.compute[write_end - first:piece.compute_hi - first].clone()
+
+    def _compact_writes(self, u: UnitState, piece: CompactPiece, slot: StagingSlot, homes: Any) -> List[Any]:
+        """[Note: compact pieces] Start writing ``piece`` of u's updated compact states and
+        its compute window from ``slot`` to ``homes`` (u's, or its spare ones) on NVMe."""
+        writes = []
+        if on_nvme(homes.compact_home):
+            writes.extend(self._nvme.write(buf, ext, unit=u.name)
+                          for buf, ext in self._compact_parts(u, piece, slot, homes.compact_home))
+        if on_nvme(homes.compute_home):
+            first, write_end, _ = self._compact_window(u, piece)
+            size = slot.compute.element_size()
+            writes.append(self._nvme.write(slot.compute[:write_end - first],
+                                           sub_extent(homes.compute_home, first * size, (write_end - first) * size),
+                                           unit=u.name))
+        return writes
 
     @staticmethod
     def _half_extent(u: UnitState, home: Any, lo: int, hi: int) -> Tuple[int, Any]:
@@ -224,13 +290,13 @@ class PipelinedStep:
 
     def _update_staged(self, u: UnitState, lo: int, hi: int, steps: List[int], slot: StagingSlot,
                        grad_factor: float, groups: Optional[List[Dict[str, Any]]] = None,
-                       spare: Optional[SpareHomes] = None) -> None:
+                       spare: Optional[SpareHomes] = None, piece: Optional[CompactPiece] = None) -> None:
         """Adam over piece [lo, hi) of u, read into ``slot``; host-homed states are updated
         in place, or ([Note: speculative updates]) read from u's homes and written to
-        ``spare``'s ([Note: out-of-place Adam]). Staged states are updated in the slot."""
+        ``spare``'s ([Note: out-of-place Adam]). Staged states are updated in the slot.
+        With compact states, ``piece`` ([Note: compact pieces])."""
         if self._layout.compact_states:
-            assert (lo, hi) == (0, u.master_numel), "a compact unit is one piece"
-            self._update_compact(u, slot, grad_factor, groups, spare)
+            self._update_compact(u, piece, slot, steps, grad_factor, groups, spare)
             return
         n = hi - lo
         home = self.master_home(u)
@@ -294,9 +360,13 @@ class PipelinedStep:
         return self._layout.device_copy_updates and on_nvme(u.compute_home) and \
             u.compute_state == Residency.LOADED and u.device_offset is not None
 
-    def _write_through(self, u: UnitState, lo: int, hi: int, slot: StagingSlot) -> None:
+    def _write_through(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
+                       piece: Optional[CompactPiece] = None) -> None:
         """Copy the new compute copy of piece [lo, hi) (trainable elements) into u's device
-        copy ([Note: updates through the device copy])."""
+        copy ([Note: updates through the device copy]); with compact states, ``piece``'s
+        window as it is written home ([Note: compact pieces])."""
+        if piece is not None:
+            lo, hi, _ = self._compact_window(u, piece)
         end = min(hi, u.spec.trainable_numel)
         if end > lo:
             src = slot.master if self._layout.merged else slot.compute
@@ -304,18 +374,18 @@ class PipelinedStep:
             self._stats.add_bytes("host_to_device", (end - lo) * src.element_size())
 
     def _issue_writes(self, u: UnitState, lo: int, hi: int, slot: StagingSlot,
-                      spare: Optional[SpareHomes] = None) -> None:
+                      spare: Optional[SpareHomes] = None, piece: Optional[CompactPiece] = None) -> None:
         """Start writing piece [lo, hi) of u's updated states from ``slot`` back to NVMe: to
-        u's homes, or ([Note: speculative updates]) to its ``spare`` ones."""
+        u's homes, or ([Note: speculative updates]) to its ``spare`` ones; with compact
+        states, ``piece`` ([Note: compact pieces])."""
         faults.hit("optim.write_back", unit=u.name, lo=lo, hi=hi)
         writes, n = [], hi - lo
         homes = u if spare is None else spare
         home = self.master_home(homes)
-        if self._layout.compact_states:  # [Note: compact optimizer states] the whole home
-            if on_nvme(homes.compact_home):
-                writes.append(self._nvme.write(slot.compact[:homes.compact_home.nbytes], homes.compact_home,
-                                               unit=u.name))
-        elif self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
+        if self._layout.compact_states:
+            slot.pending_writes = self._compact_writes(u, piece, slot, homes)
+            return
+        if self._layout.split_master:  # [Note: split master] the high halves go with the compute copy
             end, extent = self._half_extent(u, home, lo, hi)
             writes.append(self._nvme.write(slot.low[:end - lo], extent, unit=u.name))
         elif on_nvme(home):
@@ -344,30 +414,30 @@ class PipelinedStep:
         bytes) leaves some units updated and others not: the engine refuses everything and
         says to resume from the last checkpoint. Either way nothing is left in flight into a
         slot."""
-        pieces = [(u, lo, hi) for u in units for lo, hi in self._adam.pieces(u)]
+        pieces = [(u, lo, hi, piece) for u in units for lo, hi, piece in self._pieces(u)]
         steps: Dict[int, List[int]] = {}
         # [Note: updates through the device copy]: units resident now
         in_device = {u.index for u in units if self.device_copy_updatable(u)}
 
         def start_reads(i: int, index: int) -> List[Any]:
-            u, lo, hi = pieces[i]
+            u, lo, hi, piece = pieces[i]
             if i == 0 and u is self._prestaged_root and self.root_prestaged is not None:  # read under backward
                 handles, self.root_prestaged = self.root_prestaged, None
                 return handles
             self.finish_slot_writes(index)
-            return self._issue_reads(u, lo, hi, self.slots[index], u.index in in_device)
+            return self._issue_reads(u, lo, hi, self.slots[index], u.index in in_device, piece)
 
         def update(i: int, index: int) -> None:
             nonlocal num_updated
-            u, lo, hi = pieces[i]
+            u, lo, hi, piece = pieces[i]
             slot = self.slots[index]
             if lo == 0:
                 steps[u.index] = self._adam.next_steps(u)
-            self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor)
+            self._update_staged(u, lo, hi, steps[u.index], slot, grad_factor, piece=piece)
             if u.index in in_device:
-                self._write_through(u, lo, hi, slot)
+                self._write_through(u, lo, hi, slot, piece)
             self._slot_writer[index] = (u, lo, hi, False)
-            self._issue_writes(u, lo, hi, slot)
+            self._issue_writes(u, lo, hi, slot, piece=piece)
             if hi == u.master_numel:
                 u.steps = steps.pop(u.index)
                 u.update.in_device = u.index in in_device  # the whole unit went through
@@ -397,7 +467,7 @@ class PipelinedStep:
         spare = u.spare if u.update.speculative or into_spare else None
         assert spare is not None or not into_spare, f"{u.name}: no spare homes to write"
         steps = self._adam.next_steps(u)
-        pieces = self._adam.pieces(u)
+        pieces = self._pieces(u)
         num_slots = len(self.slots) - 1
         ring = [1 + (self._next_slot + j) % num_slots for j in range(num_slots)]
         self._next_slot += len(pieces)
@@ -408,16 +478,16 @@ class PipelinedStep:
 
         def start_reads(i: int, index: int) -> List[Any]:
             self.finish_slot_writes(index)  # the slot's previous piece is on disk first
-            lo, hi = pieces[i]
-            return self._issue_reads(u, lo, hi, self.slots[index], in_device and not fill)
+            lo, hi, piece = pieces[i]
+            return self._issue_reads(u, lo, hi, self.slots[index], in_device and not fill, piece)
 
         def update(i: int, index: int) -> None:
-            lo, hi = pieces[i]
-            self._update_staged(u, lo, hi, steps, self.slots[index], grad_factor, groups, spare)
+            lo, hi, piece = pieces[i]
+            self._update_staged(u, lo, hi, steps, self.slots[index], grad_factor, groups, spare, piece)
             if in_device:
-                self._write_through(u, lo, hi, self.slots[index])
+                self._write_through(u, lo, hi, self.slots[index], piece)
             self._slot_writer[index] = (u, lo, hi, spare is not None)
-            self._issue_writes(u, lo, hi, self.slots[index], spare)
+            self._issue_writes(u, lo, hi, self.slots[index], spare, piece)
             writes.extend(self.slots[index].pending_writes)
 
         self._piece_ring(len(pieces), ring, start_reads, update)
@@ -433,9 +503,9 @@ class PipelinedStep:
         before then, and staged_update gives slot 0 to the first unit, the root (early
         updates use the others)."""
         wait_all(self.slots[0].pending_writes, self._stats)
-        lo, hi = self._adam.pieces(root)[0]
+        lo, hi, piece = self._pieces(root)[0]
         self._prestaged_root = root
-        self.root_prestaged = self._issue_reads(root, lo, hi, self.slots[0], self.device_copy_updatable(root))
+        self.root_prestaged = self._issue_reads(root, lo, hi, self.slots[0], self.device_copy_updatable(root), piece)
 
     def wait_root_reads(self) -> None:
         """Wait for the root's prestaged reads, if any (a skipped step), raising their error."""
@@ -449,6 +519,13 @@ class PipelinedStep:
         if self.root_prestaged is not None:
             drain(self.root_prestaged, self._stats)
             self.root_prestaged = None
+
+    def _pieces(self, u: UnitState) -> List[Tuple[int, int, Optional[CompactPiece]]]:
+        """u's pieces (UnitAdam.pieces), each with its CompactPiece with compact states
+        ([Note: compact pieces]), else None."""
+        if not self._layout.compact_states:
+            return [(lo, hi, None) for lo, hi in self._adam.pieces(u)]
+        return [(lo, hi, piece) for (lo, hi), piece in zip(self._adam.pieces(u), self._adam.compact_pieces(u))]
 
     def _piece_ring(self, num_pieces: int, slots: List[int], start_reads: Callable[[int, int], List[Any]],
                     update: Callable[[int, int], None]) -> None:
