@@ -24,8 +24,9 @@ With --optimizer-states compact ([Note: compact optimizer states]; bf16 and Adam
 wrap) the master is the bf16 compute copy plus an int8 low part (1 B) and the moments are
 8-bit codes with an fp32 scale per block each (2 B + 8 B a block), every parameter padded to
 whole blocks, a unit's compact home whole pages on NVMe (budget.unit_home_bytes); the step
-reads and writes each NVMe-homed compact home whole, and reads the high parts from a compute
-copy on NVMe (budget.slot_shape: a staging slot holds a whole unit's compact home).
+reads and writes each NVMe-homed compact home once, in pieces ([Note: compact pieces]), and
+reads the high parts from a compute copy on NVMe (a page more a piece boundary); a staging
+slot holds one piece of a compact home and its high parts (budget.slot_shape).
 
 [Note: step time model] The predicted time of one optimizer step (one micro-batch) is
 
@@ -51,9 +52,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload._sizes import FP32_BYTES
+from offload._sizes import FP32_BYTES, PAGE_BYTES
 from offload.config import OffloadConfig
-from offload.memory.budget import (UnitSizes, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes,
+from offload.memory.budget import (UnitSizes, compact_num_pieces, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes,
                                    unit_home_bytes)
 from offload.memory.compact_codec import BLOCK_NUMEL, compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
@@ -349,8 +350,10 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     traffic["device_to_host"] += shape.num_trainable * e
     if compact:  # the whole compact home, read and written; the high parts: the compute copy
         optimizer_io = master_bytes + moments_bytes if optimizer_tier == "nvme" else 0
-        if param_tier == "nvme":  # read by the update from the compute copy at home
-            traffic["nvme_read"] += prefix_bytes
+        if param_tier == "nvme":  # read by the update from the compute copy at home, a page
+            # twice at each piece boundary ([Note: compact pieces])
+            traffic["nvme_read"] += prefix_bytes + sum((compact_num_pieces(u) - 1) * PAGE_BYTES
+                                                       for u in sizes if u.trainable)
     else:
         master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
         trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)

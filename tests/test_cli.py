@@ -380,6 +380,40 @@ def test_plan_prints_and_writes_compact_state_bytes_per_parameter_and_tier(tmp_p
     assert len(ranks) == 6 and not any("refused" in c for c in ranks)
 
 
+def test_plan_of_compact_states_at_the_3b_shape_stages_pieces_and_fits_host_budget_3_5_gib(tmp_path):
+    """[Note: compact pieces] docs/performance.md's 3B command line (Llama-3.2-3B shape, bf16,
+    clipping, host_budget 3.5 GiB) with --optimizer-states compact: a staging slot holds one
+    piece (3 MiB of compact home and a piece and a page of high parts), not the largest
+    unit's 1.98 GB, so the optimizer staging is 15.1 MiB (the exact step's 48.0 MiB) and
+    "auto" fits, every unit on NVMe, moving about half the exact run's NVMe bytes."""
+    pytest.importorskip("transformers")
+    from offload.memory.compact_codec import compact_piece_bytes, compact_piece_numel
+    from offload.units import OPTIMIZER_PIECE_NUMEL
+    args = ["plan", "--model", "tools.bench_scale:llama_3b", "--dtype", "bf16", "--device-budget", "3GiB",
+            "--host-budget", "3.5GiB", "--max-grad-norm", "1.0"]
+    plans = {}
+    for states in ("compact", "exact"):
+        out = tmp_path / f"{states}.json"
+        result = run_cli(*args, "--optimizer-states", states, "--json", str(out), timeout=600)
+        assert out.exists(), result.stderr  # (exit status 1: no row of the table fits, none spills)
+        plans[states] = json.loads(out.read_text())
+    size = compact_piece_numel(OPTIMIZER_PIECE_NUMEL)
+    assert size == OPTIMIZER_PIECE_NUMEL
+    window = 2 * (size + 2048)  # a piece of high parts and the page after it
+    slot = compact_piece_bytes(size) + window
+    for plan in plans.values():
+        assert plan["auto"]["possible"], plan["auto"]["error"]
+        assert plan["auto"]["bytes_per_tier"]["host"] == 0 and plan["auto"]["bytes_per_tier"]["device"] == 0
+    for c in plans["compact"]["configurations"]:  # a slot's parts where their homes are on NVMe
+        want = (c["optimizer_tier"] == "nvme") * compact_piece_bytes(size) + (c["param_tier"] == "nvme") * window
+        assert c["host_parts"]["optimizer staging buffers"] == 3 * want, c
+    nvme = {s: next(c for c in p["configurations"] if c["param_tier"] == c["optimizer_tier"] == "nvme")
+            for s, p in plans.items()}
+    assert 3 * slot == 15_839_232 < nvme["exact"]["host_parts"]["optimizer staging buffers"] == 50_356_224
+    moved = {s: p["auto"]["nvme_read_bytes_per_step"] + p["auto"]["nvme_write_bytes_per_step"] for s, p in plans.items()}
+    assert moved["compact"] < 0.52 * moved["exact"]
+
+
 def test_doctor_passes_on_a_writable_directory(tmp_path):
     result = run_cli("doctor", "--swap-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout
