@@ -109,3 +109,31 @@ def test_the_compact_step_stages_pieces_not_whole_units(tmp_path, monkeypatch):
     assert piece_compute == size + 2048 < whole_compute
     slot_saving = (whole_compact - piece_compact) + 2 * (whole_compute - piece_compute)
     assert whole_peak - piece_peak == depth * slot_saving > 0
+
+
+@pytest.mark.parametrize("tiers", [("host", "nvme"), ("nvme", "nvme")])
+def test_compact_pieces_move_each_home_byte_once_as_the_plan_says(tiers, tmp_path, monkeypatch):
+    """A step over pieces writes to NVMe what `offload plan` says (each page of a compact
+    home and of a compute copy's trainable prefix once), and with the compute copies on the
+    host reads exactly that too: a piece's parts of the paged arrays tile each home."""
+    from offload.gpt import GPT, GPTConfig
+    from offload.plan import place, shape_from_module
+    from tests.support import batches, make_opt
+    monkeypatch.setattr(offload.units, "OPTIMIZER_PIECE_NUMEL", 4096)
+    cfg = GPTConfig(**PIECES_GPT)
+    with torch.device("meta"):
+        plan = place(shape_from_module(GPT(cfg), "gpt"), "bf16", *tiers, optimizer_states="compact")
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = dict(COMPACT, param_tier=tiers[0], optimizer_tier=tiers[1], swap_dir=str(tmp_path / "swap"),
+                  overlap_step_with_forward=False, prefetch=False, speculative_updates=False, max_grad_norm=1.0)
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        assert engine.stats()["nvme_bytes"] == plan.nvme_bytes
+        for b in batches(2):
+            before = engine.stats()
+            engine.backward(engine(b[:, :-1], b[:, 1:]))
+            engine.step()
+            after = engine.stats()
+            assert after["bytes_written_nvme"] - before["bytes_written_nvme"] == plan.traffic["nvme_write"]
+            read = after["bytes_read_nvme"] - before["bytes_read_nvme"]
+            assert read == plan.traffic["nvme_read"] if tiers[0] == "host" else read <= plan.traffic["nvme_read"]
