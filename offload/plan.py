@@ -2,7 +2,10 @@
 long an optimizer step would take, for a model and a machine profile.
 
 The bytes of each tier are those wrap checks its budgets against (offload/memory/budget.py),
-for a CPU device and one process; a test wraps real models and checks that the two agree.
+for a CPU device and one process; a test wraps real models and checks that the two agree. A
+row fits a host budget below its host need as wrap does, down to minimum_host_budget where a
+tier is on NVMe ([Note: gradient spill]: the gradients beyond the budget spilled, their
+extents added to the swap; ``shortfalls``).
 Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for bf16/fp16):
 
   compute copy   e B      home: param_tier. With fp32 compute and param_tier != "device" the
@@ -54,8 +57,8 @@ import torch
 
 from offload._sizes import FP32_BYTES, PAGE_BYTES
 from offload.config import OffloadConfig
-from offload.memory.budget import (UnitSizes, compact_num_pieces, floor_prefetch_room, host_bytes, minimum_device_budget, swap_bytes,
-                                   unit_home_bytes)
+from offload.memory.budget import (UnitSizes, compact_num_pieces, floor_prefetch_room, host_bytes, minimum_device_budget,
+                                   minimum_host_budget, swap_bytes, unit_gradient_bytes, unit_home_bytes)
 from offload.memory.compact_codec import BLOCK_NUMEL, compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory import placement as unit_placement
@@ -217,6 +220,11 @@ class Placement:
     state_tier: Dict[str, str]          # state -> tier
     state_bytes: Dict[str, int]         # state -> bytes (padded)
     traffic: Dict[str, int]             # link -> bytes per step
+    # [Note: gradient spill] the smallest host budget wrap takes (minimum_host_budget: with a
+    # tier on NVMe, gradients beyond the budget are spilled), and the gradient extents a
+    # spilling run adds to the swap; host_bytes and 0 where none can be spilled
+    host_floor_bytes: int = 0
+    spill_nvme_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -369,8 +377,10 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
         traffic["nvme_write"] += sum(padded_numel(u.trainable_numel, e) * e for u in units if u.trainable_numel)
     if param_tier == "device":
         traffic["host_to_device"] += shape.num_trainable * e
+    floor = minimum_host_budget(sizes, layout)
+    spill = sum(unit_gradient_bytes(u, layout) for u in sizes if u.trainable) if floor < host.total else 0
     return Placement(param_tier, optimizer_tier, merged, device_bytes, host_parts, nvme_bytes,
-                     state_tier, state_bytes, traffic)
+                     state_tier, state_bytes, traffic, floor, spill)
 
 
 def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slots: int = 2
@@ -484,15 +494,21 @@ CONFIGURATIONS = tuple((p, o) for p in ("device", "host", "nvme") for o in ("hos
 
 def shortfalls(placement: Placement, device_budget: Optional[int], host_budget: Optional[int],
                nvme_budget: Optional[int]) -> List[str]:
-    """What does not fit, by how much; empty when everything fits."""
+    """What does not fit, by how much; empty when everything fits. [Note: gradient spill] A
+    host budget below the host need but at least the floor fits by spilling gradients, whose
+    extents the swap then holds too (the traffic leaves the spills out)."""
     from offload.config import format_size
 
     out = []
-    for tier, need, budget in (("device", placement.device_bytes, device_budget),
-                               ("host", placement.host_bytes, host_budget),
-                               ("nvme", placement.nvme_bytes, nvme_budget)):
+    host_need, nvme_need, spilled = placement.host_bytes, placement.nvme_bytes, ""
+    if host_budget is not None and host_need > host_budget and placement.host_floor_bytes < host_need:
+        spilled = f" with gradients spilled to NVMe ({format_size(host_need)} without)"
+        host_need, nvme_need = placement.host_floor_bytes, nvme_need + placement.spill_nvme_bytes
+    for tier, need, budget, note in (("device", placement.device_bytes, device_budget, ""),
+                                     ("host", host_need, host_budget, spilled),
+                                     ("nvme", nvme_need, nvme_budget, "")):
         if budget is not None and need > budget:
-            out.append(f"{tier} needs {format_size(need)}, budget {format_size(budget)} "
+            out.append(f"{tier} needs {format_size(need)}{note}, budget {format_size(budget)} "
                        f"(short by {format_size(need - budget)})")
     return out
 
@@ -541,6 +557,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
         configurations.append({
             "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
             "device_bytes": p.device_bytes, "host_bytes": p.host_bytes, "host_parts": p.host_parts,
+            "host_floor_bytes": p.host_floor_bytes, "spill_nvme_bytes": p.spill_nvme_bytes,
             "nvme_bytes": p.nvme_bytes, "state_tier": p.state_tier, "state_bytes": p.state_bytes,
             "traffic_bytes_per_step": p.traffic,
             "fits": not shortfalls(p, device_budget, host_budget, nvme_budget),

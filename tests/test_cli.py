@@ -21,6 +21,7 @@ import torch
 import offload
 import offload.io
 from offload.gpt import GPT, GPTConfig
+from offload.config import format_size
 from offload.memory.budget import UnitSizes, minimum_host_budget
 from offload.plan import load_profile, place, shape_from_module
 
@@ -186,6 +187,38 @@ def test_plan_says_what_is_missing_when_nothing_fits():
     assert result.returncode == 1
     assert "NOTHING FITS" in result.stdout
     assert re.search(r"nvme/nvme: .*host needs .* budget 1.00 GiB \(short by", result.stdout)
+
+
+@pytest.mark.parametrize("states", ["exact", "compact"])
+def test_a_plan_row_fits_a_host_budget_that_gradient_spill_meets(states):
+    """[Note: gradient spill] A configuration with a tier on NVMe fits a host budget below
+    its host need down to the floor wrap takes (minimum_host_budget: the gradients beyond
+    the budget spilled, test_plan_bytes_agree_with_what_the_engine_allocates), its swap
+    then holding the gradient extents too; below the floor the
+    shortfall names both needs. Without a tier on NVMe nothing is spilled: the floor is the
+    whole need."""
+    from offload.plan import shortfalls
+    with torch.device("meta"):
+        shape = shape_from_module(GPT(GPTConfig(d_model=512, num_layers=8, num_heads=8, seq_len=32)), "gpt")
+    p = place(shape, "bf16", "nvme", "nvme", optimizer_states=states)
+    assert p.host_floor_bytes < p.host_bytes and p.spill_nvme_bytes >= p.host_parts["gradients"]  # extents: pages
+    assert p.host_floor_bytes == minimum_host_budget([u.sizes(2) for u in shape.units],
+                                                     dataclasses.replace(_plan_layout(states), host_budget=None))
+    swap = p.nvme_bytes + p.spill_nvme_bytes
+    assert shortfalls(p, None, p.host_bytes, p.nvme_bytes) == []  # no spill at the whole need
+    assert shortfalls(p, None, p.host_floor_bytes, swap) == []
+    assert [s.split(",")[0] for s in shortfalls(p, None, p.host_floor_bytes, swap - 1)] == \
+        [f"nvme needs {format_size(swap)}"]
+    short = shortfalls(p, None, p.host_floor_bytes - 1, None)
+    assert len(short) == 1 and short[0].startswith(
+        f"host needs {format_size(p.host_floor_bytes)} with gradients spilled to NVMe ({format_size(p.host_bytes)} without)")
+    in_ram = place(shape, "bf16", "host", "host", optimizer_states=states)
+    assert in_ram.host_floor_bytes == in_ram.host_bytes and in_ram.spill_nvme_bytes == 0
+
+
+def _plan_layout(states):
+    from offload.plan import _layout
+    return _layout("bf16", "nvme", "nvme", 3, True, states)
 
 
 def test_plan_builds_a_model_factory_on_the_meta_device(tmp_path):
@@ -395,7 +428,7 @@ def test_plan_of_compact_states_at_the_3b_shape_stages_pieces_and_fits_host_budg
     for states in ("compact", "exact"):
         out = tmp_path / f"{states}.json"
         result = run_cli(*args, "--optimizer-states", states, "--json", str(out), timeout=600)
-        assert out.exists(), result.stderr  # (exit status 1: no row of the table fits, none spills)
+        assert result.returncode == 0, result.stderr
         plans[states] = json.loads(out.read_text())
     size = compact_piece_numel(OPTIMIZER_PIECE_NUMEL)
     assert size == OPTIMIZER_PIECE_NUMEL
@@ -409,6 +442,8 @@ def test_plan_of_compact_states_at_the_3b_shape_stages_pieces_and_fits_host_budg
         assert c["host_parts"]["optimizer staging buffers"] == 3 * want, c
     nvme = {s: next(c for c in p["configurations"] if c["param_tier"] == c["optimizer_tier"] == "nvme")
             for s, p in plans.items()}
+    # the row fits with gradients spilled (the bf16 gradients alone are 5.98 GiB), as wrap would
+    assert all(c["fits"] and c["host_floor_bytes"] < 3.5 * 2**30 < c["host_bytes"] for c in nvme.values())
     assert 3 * slot == 15_839_232 < nvme["exact"]["host_parts"]["optimizer staging buffers"] == 50_356_224
     moved = {s: p["auto"]["nvme_read_bytes_per_step"] + p["auto"]["nvme_write_bytes_per_step"] for s, p in plans.items()}
     assert moved["compact"] < 0.52 * moved["exact"]
