@@ -5,9 +5,10 @@ slots, piece by piece, read ahead from their homes, updated by Adam and written 
 
 ``PipelinedStep`` owns the staging slots and what the ring keeps between pieces and steps;
 the engine builds it once at wrap and hands it the collaborators it talks to: the tiers
-(``TierContext``), the homes (whole-home reads on the failure paths, compact states through
-``Homes.compact``), Adam over a unit (``UnitAdam``: step counts, pieces, the kernel), the
-gradients it gives back once a unit is updated, and the failure state a failed step sets.
+(``TierContext``), the homes (whole-home reads on the failure paths), Adam over a unit
+(``UnitAdam``: step counts, pieces, the kernel; compact states in pieces, [Note: compact
+pieces]), the gradients it gives back once a unit is updated, and the failure state a
+failed step sets.
 """
 from __future__ import annotations
 
@@ -100,9 +101,9 @@ class PipelinedStep:
     def __init__(self, slots: List[StagingSlot], *, layout: Layout, tiers: TierContext, homes: Homes,
                  adam: UnitAdam, gradients: Gradients, failures: FailureState, host_planned_bytes: int) -> None:
         """``slots``: the staging slots (none without a staged step). ``homes``: whole-home
-        reads when a failed write keeps a unit in host RAM, and with compact states the
-        CompactStates port (``Homes.compact``). ``adam``: a unit's step counts and pieces,
-        Adam over a range, where a separate compute copy is written, the compact step.
+        reads when a failed write keeps a unit in host RAM. ``adam``: a unit's step counts
+        and pieces, Adam over a range, where a separate compute copy is written, the compact
+        step of a piece.
         ``gradients``: given back (``release``) once a unit's update is done. ``failures``:
         stops the engine after a step failed part-way (fatal) and records a failed write
         (not fatal). ``host_planned_bytes``: what the host budget check planned, which the
