@@ -60,8 +60,9 @@ def test_pieces_cover_each_parameter_in_whole_blocks_and_the_prefix_in_order():
                          ids=["early-updates", "clipped-accumulated"])
 def test_compact_pieces_on_nvme_train_the_same_bits_as_whole_units_on_the_host(numerics, tmp_path, monkeypatch):
     """Units of two and three pieces (piece boundaries inside parameters, off the compute
-    copy's pages): compact homes and compute copies on NVMe (through early and speculative
-    updates, the step's own ring, and updates through the resident device copy) give the
+    copy's pages): compact homes and compute copies on NVMe, or compact homes on NVMe beside
+    the CPU device's compute copies (through early and speculative updates, the step's own
+    ring, and updates through the resident device copy) give the
     all-host run's losses, masters, moments and high parts bit for bit; the all-host run
     steps each unit whole (UnitAdam.update_in_place)."""
     monkeypatch.setattr(offload.units, "OPTIMIZER_PIECE_NUMEL", 4096)
@@ -72,7 +73,8 @@ def test_compact_pieces_on_nvme_train_the_same_bits_as_whole_units_on_the_host(n
     host = _run(numerics, tmp_path / "host")
     for name, tiers in {"states-nvme": {"optimizer_tier": "nvme"},
                         "both-nvme": {"param_tier": "nvme", "optimizer_tier": "nvme"},
-                        "compute-nvme": {"param_tier": "nvme"}}.items():
+                        "compute-nvme": {"param_tier": "nvme"},
+                        "compute-on-the-cpu-device": {"param_tier": "device", "optimizer_tier": "nvme"}}.items():
         losses, states, num_pieces = _run({**numerics, **tiers}, tmp_path / name, inspect=pieces)
         assert num_pieces == [2, 3, 3], name
         assert losses == host[0], name
