@@ -280,6 +280,7 @@ class Engine:
                 settled_values=self._settled)
             undo.callback(self._hooks.remove)
             self._hooks.install()
+            self._hooks.install_copies(self._plain_values)  # [Note: copies of a wrapped model]
             faults.hit("wrap.done")
             undo.pop_all()  # wrap has succeeded: keep what it changed, let go of the originals
         self._status.hold(model)
@@ -467,6 +468,19 @@ class Engine:
             raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict(), "
                              "engine.save_pretrained(DIR) or inside `with engine.gathered(params):`")
         self._residency.restored.restore(model_copies(self.units, self._residency.released, self._settled(what)))
+
+    def _plain_values(self, module: nn.Module) -> Dict[nn.Parameter, torch.Tensor]:
+        """[Note: copies of a wrapped model] New copies of the current values of ``module``'s
+        parameters (and of the others of their units), as restore_model() would give them,
+        refused where it would be."""
+        what = "copy.deepcopy() or pickle of a model wrapped by offload"
+        self._check_weights_access(what, writes=False)
+        units = self._units_of(module, what)
+        too_big = copies_too_big(units, self._residency.released, self.layout.host_budget)
+        if too_big:
+            raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict() or save them with "
+                             "engine.save_pretrained(DIR)")
+        return model_copies(units, self._residency.released, self._settled(what))
 
     def _end_restore(self, what: str, compare: bool = True) -> List[str]:
         """[Note: restored parameters] End a restore, if one is on; the names of the

@@ -23,6 +23,7 @@ device keeps its shape; read weights with ``engine.state_dict()`` or inside
 """
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import time
@@ -247,6 +248,64 @@ class _Moves:
                 "trainer.close()): the model is then a plain model on the CPU with its trained values")
 
 
+class _Copies:
+    """[Note: copies of a wrapped model] ``copy.deepcopy``, ``pickle`` and ``torch.save`` of
+    a wrapped model (or of any of its modules) would copy the engine along with it, through
+    its hooks (and fail on its locks), and its parameters hold placeholders or compute
+    copies, not their values ([Note: released parameters]). Every module of the model gets
+    its own ``__deepcopy__`` and ``__reduce_ex__`` while wrapped (attributes of the instance,
+    as [Note: moving a wrapped model]; both ``copy`` and ``pickle`` look them up on the
+    instance; removed with the hooks) that copy it as a plain module: the same attributes,
+    deep-copied, without the engine's hooks (hooks of the user's own are copied) and these
+    attributes, each parameter a new ``nn.Parameter`` holding a copy of its current value,
+    as ``engine.restore_model()`` gives it (``plain_values``: the fp32 master where one
+    exists, in the dtype from before wrap, on the CPU; refused, a ValueError, where
+    ``restore_model()`` would be); buffers as they are; parameters tied in the model tied
+    in the copy. So the copy is a model of its own: it trains, moves and can be wrapped by
+    another engine, and the engine never sees it. ``copy.copy`` goes through
+    ``__reduce_ex__`` too, so it also gives such a copy rather than a second handle on the
+    wrapped model. A pickle of the model thus holds a plain model; ``torch.load`` gives that
+    back."""
+
+    def __init__(self, module: nn.Module, engine_handles: List[Any],
+                 plain_values: Callable[[nn.Module], Dict[nn.Parameter, torch.Tensor]]) -> None:
+        self._module = module
+        self._plain_values = plain_values
+        handles = [h for h in engine_handles if isinstance(h, torch.utils.hooks.RemovableHandle)]
+        # the engine's hook entries: keyed by their handles' ids in the module's hook dicts
+        self._hook_ids = {h.id for h in handles}
+        self._hook_dicts = {id(d) for h in handles for ref in (h.hooks_dict_ref, *h.extra_dict_ref)
+                            if (d := ref()) is not None}
+
+    def install(self) -> List[Any]:
+        handles = []
+        for m in self._module.modules():
+            object.__setattr__(m, "__deepcopy__", functools.partial(self._deepcopy, m))
+            object.__setattr__(m, "__reduce_ex__", functools.partial(self._reduce_ex, m))
+            for name in ("__deepcopy__", "__reduce_ex__"):
+                handles.append(types.SimpleNamespace(remove=functools.partial(m.__dict__.pop, name, None)))
+        return handles
+
+    def _deepcopy(self, module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
+        if id(self) not in memo:  # the outermost module of this copy: its values, hook dicts
+            memo[id(self)] = self
+            for p, value in self._plain_values(module).items():
+                memo[id(p)] = type(p)(value, p.requires_grad)
+            for m in module.modules():
+                for attribute in vars(m).values():
+                    if isinstance(attribute, dict) and id(attribute) in self._hook_dicts:
+                        memo[id(attribute)] = type(attribute)(
+                            (k, copy.deepcopy(v, memo)) for k, v in attribute.items() if k not in self._hook_ids)
+        plain = type(module).__new__(type(module))
+        memo[id(module)] = plain
+        state = {k: v for k, v in vars(module).items() if k not in ("_apply", "__deepcopy__", "__reduce_ex__")}
+        plain.__dict__.update(copy.deepcopy(state, memo))
+        return plain
+
+    def _reduce_ex(self, module: nn.Module, protocol: int) -> Any:
+        return self._deepcopy(module, {}).__reduce_ex__(protocol)
+
+
 class UnitsOnDevice(Protocol):
     """What the hooks need of the residency (memory.residency.DeviceResidency)."""
 
@@ -351,6 +410,12 @@ class Hooks:
                 handles.append(module.register_forward_hook(alias.leave, always_call=True))
         handles.extend(self._state_dicts.install())
         handles.extend(_Moves(self._module, self._device.device, self._device.dtype).install())
+
+    def install_copies(self, plain_values: Callable[[nn.Module], Dict[nn.Parameter, torch.Tensor]]) -> None:
+        """After install(): copies and pickles of the model's modules are plain modules ([Note:
+        copies of a wrapped model]); ``plain_values(module)`` gives the values of its
+        parameters (Engine's, as restore_model reads them)."""
+        self._handles.extend(_Copies(self._module, self._handles, plain_values).install())
 
     def remove(self) -> None:
         for h in self._handles:
