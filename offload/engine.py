@@ -457,11 +457,12 @@ class Engine:
         ``gathered()``, ``load_state_dict()`` or ``load_checkpoint()`` takes the copies back.
         The copies are for reading: a write into one is named (RuntimeError) there, as the
         engine's tiers never see it. Refused (ValueError, before anything changes) when
-        ``gathered()`` would be, and when the copies would take more than 3/4 of the memory
+        ``gathered()`` would be (with several ranks only at ZeRO stage >= 1: at stage 0
+        each rank copies its own whole replica), and when the copies would take more than 3/4 of the memory
         available now (it names the bytes: read through ``state_dict()`` or ``gathered()``
         instead). Called again, it refreshes the copies. [Note: restored parameters]"""
         what = "engine.restore_model()"
-        self._check_weights_access(what, writes=False)
+        self._check_weights_access(what, writes=False, copies=True)
         self._end_restore_or_raise(what)
         too_big = copies_too_big(self.units, self._residency.released, self.layout.host_budget)
         if too_big:
@@ -474,7 +475,7 @@ class Engine:
         parameters (and of the others of their units), as restore_model() would give them,
         refused where it would be."""
         what = "copy.deepcopy() or pickle of a model wrapped by offload"
-        self._check_weights_access(what, writes=False)
+        self._check_weights_access(what, writes=False, copies=True)
         units = self._units_of(module, what)
         too_big = copies_too_big(units, self._residency.released, self.layout.host_budget)
         if too_big:
@@ -563,15 +564,22 @@ class Engine:
             self._checkpoint.release_buffers()
         self._checkpoint.finish_state_load()
 
-    def _check_weights_access(self, what: str, writes: bool) -> None:
-        """Raise unless weights may be gathered (or written: ``writes``) now: the engine open
-        and not failed, one rank, no pass running, no gradients pending; the last step's
-        deferred updates are settled here, as state_dict() settles them."""
+    def _check_weights_access(self, what: str, writes: bool, copies: bool = False) -> None:
+        """Raise unless weights may be gathered (or written: ``writes``; or copied to the CPU:
+        ``copies``, restore_model() and copies of the model) now: the engine open and not
+        failed, one rank (``copies``: or several at ZeRO stage 0, where every rank reads its
+        own whole replica), no pass running, no gradients pending; the last step's deferred
+        updates are settled here, as state_dict() settles them."""
         self._status.check(what)
-        if self._partition is not None:
-            raise ValueError(f"{what}: not with several ranks (this run has {self._partition.world_size}): "
-                             "each rank holds a part of the states; use engine.state_dict() to read the "
-                             "weights and wrap(..., weights=PATH) or load_checkpoint to set them")
+        partition = self._partition
+        if partition is not None and (not copies or partition.shards_state):
+            why = (f"at ZeRO stage {partition.stage} each rank holds a shard of the states, and reading them is a "
+                   "collective every rank must enter at once (a forward of one rank alone would wait for the "
+                   "others); with stage=0 every rank holds them whole and this works") if copies else \
+                "each rank holds the states (or a part of them) and its own copy of the weights"
+            raise ValueError(f"{what}: not with several ranks (this run has {partition.world_size}): {why}; use "
+                             "engine.state_dict() on every rank to read the weights and wrap(..., weights=PATH) "
+                             "or load_checkpoint to set them")
         if self._hooks.in_forward or self._backward_running:
             raise ValueError(f"{what}: a {'forward' if self._hooks.in_forward else 'backward'} pass is running; "
                              "call it between steps")
@@ -709,7 +717,7 @@ class Engine:
         parameters hold their trained values in their dtypes from before wrap, on the CPU,
         and it can be wrapped again; unless units lived on NVMe and no restore_model() is on
         (the model is not read into RAM at close), those values would not fit in host
-        memory, the engine failed, or several ranks share the states: then its parameters
+        memory, the engine failed, or several ranks shard the states (stage >= 1): then its parameters
         hold no values (a warning says so where the values would not fit) and wrapping it
         again is refused, naming why."""
         status = vars(self).get("_status")  # none after a failed wrap ([Note: a failed wrap changes nothing])
@@ -759,7 +767,7 @@ class Engine:
         failure = self._status.failure
         if failure is not None:
             return f"the engine failed ({failure['message']})"
-        if self._partition is not None:
+        if self._partition is not None and self._partition.shards_state:  # stage 0: every rank holds them whole
             return f"each of the {self._partition.world_size} ranks holds a part of the states"
         if deferred and self._step_ring.write_errors:
             return "swap writes of the last optimizer step failed"

@@ -19,6 +19,7 @@ so the engine's own parity tolerance (REL_TOL, as tests/test_zero.py's) bounds t
 """
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -50,10 +51,15 @@ def _worker(rank, port, base_dir, spec, out_dir):
         trainer = OffloadTrainer(model=make_model(base_dir, spec.get("lora")), args=args,
                                  offload_config=spec["config"], train_dataset=TokenDataset(24, seed=1),
                                  eval_dataset=TokenDataset(7, seed=2))
-        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=spec.get("resume"))
         result = {"log_history": trainer.state.log_history, "stats": trainer.engine.stats(),
                   "best_model_checkpoint": trainer.state.best_model_checkpoint,
-                  "model_wrapped": type(trainer.model_wrapped).__name__}
+                  "model_wrapped": type(trainer.model_wrapped).__name__,
+                  # what trainer.model's parameters read right after train() ([Note: the model after train()])
+                  "after_train": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+                  "warnings": [str(w.message) for w in caught]}
         try:
             trainer.optimizer.state_dict()
         except ValueError as error:
@@ -62,6 +68,8 @@ def _worker(rank, port, base_dir, spec, out_dir):
             result["eval"] = trainer.evaluate()
         trainer.save_model(os.path.join(out_dir, "final"))
         result["state"] = trainer.engine.state_dict()
+        trainer.close()
+        result["after_close"] = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if trainer is not None:
@@ -142,6 +150,19 @@ def test_two_ranks_log_and_save_what_one_process_does_on_the_whole_batch(stage, 
         # losses are the rows' losses in both runs (the Trainer weights each batch's mean loss
         # by its size: batches of 2 would group other rows with 2 ranks than with one process)
         assert result["eval"]["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=REL_TOL)
+        # [Note: the model after train()] at stage 0 every rank reads its own whole replica:
+        # trainer.model holds the trained values after train() and after close(); at stage >= 1
+        # a shard each, and a warning says why the parameters keep their placeholders
+        restore_warnings = [w for w in result["warnings"] if "do not hold their values" in w]
+        if stage == 0:
+            assert not restore_warnings
+            for values in (result["after_train"], result["after_close"]):
+                assert values.keys() == result["state"].keys()
+                assert all(torch.equal(values[k], result["state"][k]) for k in values)
+        else:
+            assert len(restore_warnings) == 1
+            assert (f"not with several ranks (this run has 2): at ZeRO stage {stage} each rank holds a shard "
+                    "of the states") in restore_warnings[0] and "with stage=0 every rank" in restore_warnings[0]
     reference = _saved(final)
     assert max_rel_error(_saved(tmp_path / "final"), reference) < REL_TOL
     assert max_rel_error(results[1]["state"], results[0]["state"]) == 0  # the ranks agree exactly

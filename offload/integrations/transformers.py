@@ -74,10 +74,12 @@ Trainer and accelerate would do with ranks, and what happens instead:
    save_pretrained with several ranks] in engine.py).
 5. Refused: ``n_gpu > 1`` (nn.DataParallel: one process, several devices) and
    ``save_on_each_node`` (an engine checkpoint is one directory on a file system the ranks
-   share). ``optimizer.state_dict()`` raises (each rank holds a shard of the moments), and
-   after ``train()`` the parameters keep placeholders (``engine.restore_model()`` refuses
-   several ranks; a warning says so): read the weights through ``save_model`` or
-   ``engine.state_dict()`` on every rank.
+   share). ``optimizer.state_dict()`` raises (each rank holds a shard of the moments). After
+   ``train()`` the model holds its values at stage 0, where each rank reads its own whole
+   replica; at stage >= 1 the parameters keep placeholders (``engine.restore_model()``
+   refuses: reading shards is a collective every rank must enter at once, and a forward of
+   rank 0 alone, a ``generate()``, would hang at the next restore's end; a warning says so):
+   read the weights through ``save_model`` or ``engine.state_dict()`` on every rank.
 
 [Note: complete Trainer checkpoints] A ``checkpoint-N`` directory is a checkpoint only once
 it holds COMPLETE_MARKER. The Trainer writes its files into ``checkpoint-N`` under their

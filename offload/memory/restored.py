@@ -27,7 +27,8 @@ lived on NVMe and no restore is on (a model offloaded beyond RAM is not read who
 at close: a user who wants it calls ``engine.restore_model()`` first), nor where the values
 would not fit in host memory, within host_budget (a warning says so and names
 ``engine.save_pretrained``), nor after
-the engine failed, a failed last step or with several ranks (each holds a part): then the
+the engine failed, a failed last step or with several ranks at ZeRO stage >= 1 (each holds
+a part; at stage 0 each rank holds and copies its own whole replica): then the
 parameters keep what the engine gave them, and ``FailureState.check_not_wrapped`` refuses
 a new wrap, naming the reason (``FailureState.not_restored``) and the way out. A model
 whose engine is live is refused too, naming ``close()``: two engines would each hold
