@@ -3,16 +3,28 @@ recipe (offload.integrations.accelerate.prepare, engine.backward, engine.step, t
 scheduler) logs the losses and learning rates of a plain accelerate loop and ends at its
 weights; an accelerator whose settings cannot work is refused by name before anything is
 prepared."""
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
 from offload.integrations.accelerate import prepare
-from hf_support import CONFIG, TokenDataset
-from support import reference_optimizer_step
+from hf_support import CONFIG, REL_TOL, TokenDataset
+from support import free_port, max_rel_error, reference_optimizer_step
+
+WORLD = 2
+# Two ranks against one process on the same rows: each rank's loss is its row's mean and the
+# all-reduce adds the two ranks' gradients, where one process sums every token's in one
+# pass, so the gradients differ by a few ulps; Adam's normalisation carries that furthest
+# on the embedding rows of rare tokens, as torch's sqrt above. Measured after 6 steps: 2.8e-5
+# at stage 0 (the losses within REL_TOL). A real bug (a missed or doubled reduction) is > 1e-3.
+RANKS_REL_TOL = 1e-4
 
 # The plain loop's AdamW steps with IEEE sqrt (support.reference_optimizer_step): torch's
 # CPU sqrt (MKL's vsSqrt) is not correctly rounded, the engine's Adam uses IEEE sqrt, and
@@ -146,3 +158,108 @@ def test_accelerators_own_backward_is_refused_naming_engine_backward():
         optimizer.zero_grad()
         after = engine.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _rank_worker(rank, port, spec, out_dir):
+    """One of WORLD processes as a launcher starts them: the process group (gloo, initialized
+    first as tests/test_hf_trainer_ranks.py does), the Accelerator, then wrap
+    (``wrap_first``: wrap before the process group and its environment exist: one rank),
+    then prepare and the README's loop, without a scheduler."""
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    loader = torch.utils.data.DataLoader(TokenDataset(12, seed=1), batch_size=1)
+    config = dict(device="cpu", stage=spec["stage"], param_tier="host", optimizer_tier="host")
+    engine = offload.wrap(model, optimizer, config=config) if spec.get("wrap_first") else None
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    dist.init_process_group("gloo")
+    result = {}
+    try:
+        accelerator = Accelerator(cpu=True)
+        result["distributed_type"] = accelerator.distributed_type.value
+        engine = engine or offload.wrap(model, optimizer, config=config)
+        with engine:
+            try:
+                model, optimizer, loader = prepare(accelerator, engine, model, optimizer, loader)
+            except ValueError as error:
+                result["refused"] = str(error)
+                result["prepared"] = (accelerator._models, accelerator._optimizers, accelerator._dataloaders)
+                return
+            result["model_type"] = type(model).__name__
+            losses = []
+            for batch in loader:
+                loss = model(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            result["losses"] = losses
+            result["state"] = engine.state_dict()
+        # the engine's own loop on the same ranks and rows, without accelerate
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        rows = TokenDataset(12, seed=1)
+        with offload.wrap(model, optimizer, config=config) as engine:
+            losses = []
+            for i in range(rank, len(rows), WORLD):
+                row = rows[i]
+                loss = model(**{k: v[None] for k, v in row.items()}).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            result["alone_losses"] = losses
+            result["alone_state"] = engine.state_dict()
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_ranks(spec, out_dir):
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_rank_worker, args=(free_port(), spec, str(out_dir)), nprocs=WORLD, join=True,
+                       start_method="forkserver")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_recipe_on_two_processes_trains_as_one_process_on_the_whole_batch(stage, tmp_path):
+    """accelerate hands rank r the r-th of each pair of 1-row batches; the engine averages
+    the ranks' gradients (no DistributedDataParallel around the model): bit for bit the
+    engine's own loop on those ranks and rows, and one process's on the pairs within the
+    parity of ranks against one process: the ranks' mean loss within REL_TOL, the weights
+    within RANKS_REL_TOL; the ranks' weights equal."""
+    results = run_ranks(dict(stage=stage), tmp_path)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    want = []
+    with offload.wrap(model, optimizer, config=dict(device="cpu", param_tier="host", optimizer_tier="host")) as engine:
+        for batch in torch.utils.data.DataLoader(TokenDataset(12, seed=1), batch_size=2):
+            loss = model(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            want.append(loss.item())
+        want_state = engine.state_dict()
+    for result in results:
+        assert result["distributed_type"] == "MULTI_CPU"
+        assert result["model_type"] == "LlamaForCausalLM"  # not DistributedDataParallel
+        assert len(result["losses"]) == 6
+        assert result["losses"] == result["alone_losses"]
+        assert all(torch.equal(result["state"][k], result["alone_state"][k]) for k in want_state)
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert mean_losses == pytest.approx(want, rel=REL_TOL)
+    assert max_rel_error(results[0]["state"], want_state) < RANKS_REL_TOL
+    assert all(torch.equal(results[0]["state"][k], results[1]["state"][k]) for k in want_state)
+
+
+def test_an_engine_wrapped_before_the_process_group_is_refused_naming_the_order(tmp_path):
+    """Wrapped before the process group and its environment existed, each process's engine is
+    a replica of its own: prepare refuses, naming the order, before anything is prepared."""
+    for result in run_ranks(dict(stage=0, wrap_first=True), tmp_path):
+        assert result["distributed_type"] == "MULTI_CPU"
+        assert "distributed_type=MULTI_CPU: 2 processes train, and the engine was wrapped with 1 rank(s)" \
+            in result["refused"]
+        assert "wrap once the process group exists (build the Accelerator first" in result["refused"]
+        assert result["prepared"] == ([], [], [])

@@ -25,9 +25,17 @@ asks accelerate not to place those two:
    batches arrive on ``accelerator.device``, which must be ``engine.device``.
 2. Mixed precision: accelerate's autocast around the forward would compute in a dtype the
    engine's compute copies do not have; the engine's ``dtype`` ("bf16") is the way.
-3. Several processes, DeepSpeed, FSDP, Megatron-LM, torch.compile (``dynamo_backend``):
-   DistributedDataParallel's gradient hooks would reduce gradients the engine keeps out of
-   ``p.grad``; the others replace the model or its forward, hooks included. Refused.
+3. DistributedDataParallel: with several processes (``accelerate launch``, ``torchrun``)
+   accelerate would wrap the model in it, whose gradient hooks would reduce gradients the
+   engine keeps out of ``p.grad``. The engine averages the ranks' gradients itself ([Note:
+   gradient averaging] in zero/partition.py) when it was wrapped with the ranks (wrap uses
+   the process group there is, or starts one from torchrun's environment: RANK, WORLD_SIZE,
+   MASTER_ADDR), ``OffloadConfig.stage`` saying what each rank keeps. ``prepare`` then has
+   the engine's model prepared as for evaluation (no DDP), as OffloadTrainer's accelerator
+   does; an engine with other ranks than the accelerator's processes (wrapped before a
+   process group that the launcher's environment does not describe) is refused.
+   DeepSpeed, FSDP, Megatron-LM and torch.compile (``dynamo_backend``) replace the model or
+   its forward, hooks included: refused.
 
 What stays accelerate's: the data loaders (sharding, ``gather_for_metrics``), the scheduler
 (``AcceleratedScheduler`` steps it once per optimizer step under ``accumulate``, which is why
@@ -53,15 +61,29 @@ import offload
 
 __all__ = ["prepare", "accelerator_problems"]
 
+# Several processes, each one rank of the engine's (accelerate would put DDP around the model)
+_PROCESS_RANKS = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
 
 def accelerator_problems(accelerator: Accelerator, engine: "offload.Engine") -> List[str]:
     """Every setting of ``accelerator`` that an engine's training cannot honour, as
     'name=value: why' ([] when none; [Note: accelerate around the engine])."""
     problems = []
-    if accelerator.distributed_type != DistributedType.NO:
-        problems.append(f"distributed_type={accelerator.distributed_type.value}: several processes, DeepSpeed, "
-                        "FSDP and Megatron-LM would wrap or replace the model (DistributedDataParallel would reduce "
-                        "gradients the engine keeps out of p.grad); one process trains one engine here")
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.NO, *_PROCESS_RANKS):
+        problems.append(f"distributed_type={kind.value}: the engine trains in one process or with CPU or CUDA "
+                        "ranks (MULTI_CPU, MULTI_GPU), and DeepSpeed, FSDP and Megatron-LM would wrap or replace "
+                        "the model; the engine shards across ranks itself (OffloadConfig stage=): launch with "
+                        "torchrun or accelerate launch without them")
+    elif kind in _PROCESS_RANKS:
+        engine_ranks = engine.stats()["world_size"]
+        if engine_ranks != accelerator.num_processes:
+            problems.append(
+                f"distributed_type={kind.value}: {accelerator.num_processes} processes train, and the engine was "
+                f"wrapped with {engine_ranks} rank(s), so each process would train its own replica on its own "
+                "batches; wrap once the process group exists (build the Accelerator first; under torchrun, "
+                "wrap starts it from RANK, WORLD_SIZE and MASTER_ADDR itself), so that the engine averages the "
+                "ranks' gradients")
     if accelerator.mixed_precision != "no":
         problems.append(f"mixed_precision={accelerator.mixed_precision!r}: accelerate's autocast would compute in "
                         "a dtype the engine's compute copies do not have; set offload's dtype='bf16' instead")
@@ -94,4 +116,22 @@ def prepare(accelerator: Accelerator, engine: "offload.Engine", *objects: Any) -
                          "through an offload engine:\n  " + "\n  ".join(problems))
     engine_owned = [engine.module, *engine.optimizers]
     placement = [not any(obj is owned for owned in engine_owned) for obj in objects]
-    return accelerator.prepare(*objects, device_placement=placement)
+    if accelerator.distributed_type not in _PROCESS_RANKS:
+        return accelerator.prepare(*objects, device_placement=placement)
+    # [Note: accelerate around the engine] 3: the engine's model as for evaluation (no DDP);
+    # Accelerator.prepare reaches prepare_model through the instance
+    prepare_model = accelerator.prepare_model
+    own = vars(accelerator).get("prepare_model")  # one set on the instance before, put back after
+
+    def prepare_without_ddp(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+        return prepare_model(model, device_placement=device_placement,
+                             evaluation_mode=evaluation_mode or model is engine.module)
+
+    accelerator.prepare_model = prepare_without_ddp
+    try:
+        return accelerator.prepare(*objects, device_placement=placement)
+    finally:
+        if own is None:
+            del accelerator.prepare_model
+        else:
+            accelerator.prepare_model = own
