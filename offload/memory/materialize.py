@@ -5,11 +5,24 @@ Every change made here to what the caller holds (module parameter and buffer slo
 groups, the parameters' storage, the CPU RNG) is logged on the wrap's ExitStack ``undo``,
 which the engine's constructor owns and passes in ([Note: a failed wrap changes nothing],
 offload/engine.py).
+
+[Note: a meta model needs an initializer] A model built under ``torch.device("meta")`` has
+shapes and no values: what its constructor computed (``torch.ones``, a buffer of rotary
+frequencies) is gone. Its tensors get values at wrap from ``weights=`` (the files), else
+from the initializers of their module: its ``reset_parameters()`` (torch's own layers
+have one), then ``init_fn(module)``, or without one a transformers model's own
+``_init_weights`` (so a Hugging Face model built from its config starts as ``from_config``
+would have it, e.g. RMSNorm weights 1.0, which no reset_parameters gives). A meta tensor
+none of them wrote must not train from whatever memory it got: a floating one is filled
+with NaN before its module's initializers run, and a NaN left after them (or a tensor of
+a module with no initializer at all: an integer buffer has no NaN to mark it) makes wrap a
+ValueError naming the tensors and the three ways (``weights=``, ``init_fn``, building off
+the meta device); the wrap then changes nothing (the Note above).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -69,7 +82,8 @@ class _MaterializeScratch:
     model of many equal blocks touches fresh pages for the root and one block, not for every
     block. Fresh pages are what wrap would pay for: the first touch of a page costs many
     times a write to a page already touched. A parameter gets no other values than with
-    ``torch.empty``: initialization overwrites all of it.
+    ``torch.empty``; without weights it is filled with NaN, which initialization overwrites
+    ([Note: a meta model needs an initializer]).
     A buffer goes back to the pool only when no parameter of the unit still points into it
     (an ``init_fn`` that replaced ``.data`` is fine; one that kept a view keeps it out of
     the pool)."""
@@ -117,6 +131,45 @@ class _MaterializeScratch:
             self._free.append(buffer)
 
 
+def _unwritten(t: torch.Tensor) -> torch.Tensor:
+    """[Note: a meta model needs an initializer] ``t`` filled with NaN where it is floating
+    point (where it is not, nothing can mark it): what no initializer wrote stays NaN."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+def _has_nan(t: torch.Tensor, chunk_numel: int = 1 << 20) -> bool:
+    """Whether ``t`` holds a NaN, looked for a chunk at a time (a meta model is materialized
+    so as not to hold a second copy of a unit: no mask of the whole tensor either)."""
+    flat = t.detach().reshape(-1)
+    return any(bool(torch.isnan(flat[i:i + chunk_numel]).any()) for i in range(0, flat.numel(), chunk_numel))
+
+
+def _check_initialized(module: nn.Module, prefix: str, tensors: List[Tuple[str, torch.Tensor]],
+                       initializer: bool) -> None:
+    """[Note: a meta model needs an initializer] A ValueError naming the meta tensors of
+    ``module`` (after its initializers ran) that hold no values: NaN left where one was
+    floating point, or no initializer at all. ``tensors``: (name, the tensor as made here);
+    a parameter whose ``.data`` an initializer replaced is read where the module holds it."""
+    held = {**{_qualified(prefix, n): p for n, p in module._parameters.items() if p is not None},
+            **{_qualified(prefix, n): b for n, b in module._buffers.items() if b is not None}}
+    empty = []
+    for name, made in tensors:
+        now = held.get(name, made)
+        if not initializer or (now.is_floating_point() and _has_nan(now)):
+            empty.append(name)
+    if empty:
+        raise ValueError(
+            f"wrap: the model was built on the meta device, and nothing gave {', '.join(empty[:4])}"
+            f"{f' (and {len(empty) - 4} more)' if len(empty) > 4 else ''} its values: its module "
+            f"({type(module).__name__}) has no reset_parameters() that sets them, and no init_fn (or a "
+            "transformers model's _init_weights) did. Give the values with wrap(..., weights=PATH) (a Hugging "
+            "Face model directory or .safetensors file; OffloadTrainer(..., weights=PATH)), initialize them "
+            "with wrap(..., init_fn=fn) (fn(module) is called on every module once its tensors exist), or "
+            "build the model off the meta device")
+
+
 def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[nn.Parameter],
                   device: torch.device, init_fn: Optional[Callable[[nn.Module], None]],
                   write_home: Callable[[UnitState], None], undo: contextlib.ExitStack,
@@ -156,26 +209,36 @@ def move_to_homes(model: nn.Module, units: List[UnitState], unmaterialized: Set[
     shape_of = {e.param: e.shape for u in units for e in u.spec.entries}
     fqn_of = {e.param: e.fqn for u in units for e in u.spec.entries}
     # [Note: weights into the tiers] without an init_fn, a transformers model's own
-    # initializer computes the meta buffers the files do not hold
-    buffer_init = init_fn if init_fn is not None or weights is None else getattr(model, "_init_weights", None)
+    # initializer computes the meta tensors the files do not hold (every one without files)
+    buffer_init = init_fn if init_fn is not None else getattr(model, "_init_weights", None)
     for prefix, module in model.named_modules():
         materialized = needs_init = False
+        to_check: List[Tuple[str, torch.Tensor]] = []  # [Note: a meta model needs an initializer]
         for name, p in list(module._parameters.items()):
             if p is not None and p in unmaterialized:
                 p.data = scratch.materialize(p, unit_of[p], shape_of[p])  # [Note: materializing through reused memory]
                 unmaterialized.discard(p)
                 materialized = needs_init = weights is None
+                if weights is None:
+                    to_check.append((_qualified(prefix, name), _unwritten(p.data)))
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                _swap_in(undo, module._buffers, name, torch.zeros(b.shape, dtype=b.dtype, device=device))
+                from_files = weights is not None and weights.has_buffer(_qualified(prefix, name))
+                value = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                if not from_files:
+                    to_check.append((_qualified(prefix, name), _unwritten(value)))
+                _swap_in(undo, module._buffers, name, value)
                 materialized = True
-                needs_init = needs_init or weights is None or not weights.has_buffer(_qualified(prefix, name))
+                needs_init = needs_init or not from_files
         if materialized and needs_init:
             with torch.no_grad():
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
                 if buffer_init is not None:
                     buffer_init(module)
+        if to_check:
+            _check_initialized(module, prefix, to_check, initializer=hasattr(module, "reset_parameters")
+                               or buffer_init is not None)
         if weights is not None:
             for name, p in module._parameters.items():
                 if p is not None and p not in done:
