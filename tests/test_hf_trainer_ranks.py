@@ -17,6 +17,7 @@ multiplication by 1/2 and by 2, which are exact), a few ulps (6e-8 each) per ste
 normalized updates carry such differences along without growing them much over 6 steps,
 so the engine's own parity tolerance (REL_TOL, as tests/test_zero.py's) bounds them.
 """
+import copy
 import json
 import os
 import warnings
@@ -60,6 +61,10 @@ def _worker(rank, port, base_dir, spec, out_dir):
                   # what trainer.model's parameters read right after train() ([Note: the model after train()])
                   "after_train": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
                   "warnings": [str(w.message) for w in caught]}
+        try:  # [Note: copies of a wrapped model]
+            result["copied"] = copy.deepcopy(trainer.model).state_dict()
+        except ValueError as error:
+            result["copied"] = str(error)
         try:
             trainer.optimizer.state_dict()
         except ValueError as error:
@@ -159,10 +164,14 @@ def test_two_ranks_log_and_save_what_one_process_does_on_the_whole_batch(stage, 
             for values in (result["after_train"], result["after_close"]):
                 assert values.keys() == result["state"].keys()
                 assert all(torch.equal(values[k], result["state"][k]) for k in values)
+            assert result["copied"].keys() == result["state"].keys()
+            assert all(torch.equal(result["copied"][k], result["state"][k]) for k in result["state"])
         else:
             assert len(restore_warnings) == 1
             assert (f"not with several ranks (this run has 2): at ZeRO stage {stage} each rank holds a shard "
                     "of the states") in restore_warnings[0] and "with stage=0 every rank" in restore_warnings[0]
+            assert result["copied"].startswith("copy.deepcopy() or pickle of a model wrapped by offload: not with "
+                                               f"several ranks (this run has 2): at ZeRO stage {stage}")
     reference = _saved(final)
     assert max_rel_error(_saved(tmp_path / "final"), reference) < REL_TOL
     assert max_rel_error(results[1]["state"], results[0]["state"]) == 0  # the ranks agree exactly
