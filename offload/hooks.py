@@ -265,7 +265,9 @@ class _Copies:
     another engine, and the engine never sees it. ``copy.copy`` goes through
     ``__reduce_ex__`` too, so it also gives such a copy rather than a second handle on the
     wrapped model. A pickle of the model thus holds a plain model; ``torch.load`` gives that
-    back."""
+    back. One deepcopy keeps identities across its objects (``deepcopy([model.blocks[1],
+    model])``: the copied model holds the copied block); each module pickled is copied on
+    its own."""
 
     def __init__(self, module: nn.Module, engine_handles: List[Any],
                  plain_values: Callable[[nn.Module], Dict[nn.Parameter, torch.Tensor]]) -> None:
@@ -287,13 +289,15 @@ class _Copies:
         return handles
 
     def _deepcopy(self, module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
-        if id(self) not in memo:  # the outermost module of this copy: its values, hook dicts
-            memo[id(self)] = self
+        prepared = memo.setdefault(id(self), set())  # the modules of this copy whose values are in memo
+        if id(module) not in prepared:  # the outermost module of its subtree: values, hook dicts
             for p, value in self._plain_values(module).items():
-                memo[id(p)] = type(p)(value, p.requires_grad)
+                if id(p) not in memo:
+                    memo[id(p)] = type(p)(value, p.requires_grad)
             for m in module.modules():
+                prepared.add(id(m))
                 for attribute in vars(m).values():
-                    if isinstance(attribute, dict) and id(attribute) in self._hook_dicts:
+                    if isinstance(attribute, dict) and id(attribute) in self._hook_dicts and id(attribute) not in memo:
                         memo[id(attribute)] = type(attribute)(
                             (k, copy.deepcopy(v, memo)) for k, v in attribute.items() if k not in self._hook_ids)
         plain = type(module).__new__(type(module))

@@ -118,6 +118,13 @@ def test_a_copy_of_a_module_holds_its_values_and_keeps_the_users_hooks_only(tmp_
         block(torch.randn(2, CFG.seq_len, CFG.d_model))
         assert calls == ["Block"]
         assert_same_state(engine.state_dict(), state)
+        # a submodule first, then the model, in one deepcopy: one copy of the block, shared
+        block, whole = copy.deepcopy([model.blocks[1], model])
+        assert whole.blocks[1] is block and whole.head.weight is whole.wte.weight
+        assert all(not set(ENGINE_ATTRIBUTES) & set(vars(m)) for m in whole.modules())
+        assert not whole._forward_pre_hooks and not whole._state_dict_hooks
+        assert list(block._forward_hooks) and not block._forward_pre_hooks  # the user's hook only
+        assert_same_state(whole.state_dict(), state)
 
 
 @pytest.mark.parametrize("how", sorted(COPIES))
