@@ -90,7 +90,7 @@ def test_a_meta_tensor_nothing_initializes_is_refused_naming_it_and_the_ways_and
 
     missing = "layers.0.a, layers.0.b, layers.0.c" if init == "none" else "layers.0.b, layers.0.c"
     with pytest.raises(ValueError, match=rf"wrap: the model was built on the meta device, and nothing gave "
-                                         rf"{missing} its values: its module \(Scale\) has no reset_parameters") \
+                                         rf"{missing} its values: neither a reset_parameters\(\) of its module \(Scale\) nor an init_fn") \
             as refusal:
         offload.wrap(meta, opt, config=config_for(tmp_path), init_fn=only_a if init == "partial" else None)
     assert "wrap(..., weights=PATH)" in str(refusal.value) and "init_fn=fn" in str(refusal.value)

@@ -162,9 +162,9 @@ def _check_initialized(module: nn.Module, prefix: str, tensors: List[Tuple[str, 
     if empty:
         raise ValueError(
             f"wrap: the model was built on the meta device, and nothing gave {', '.join(empty[:4])}"
-            f"{f' (and {len(empty) - 4} more)' if len(empty) > 4 else ''} its values: its module "
-            f"({type(module).__name__}) has no reset_parameters() that sets them, and no init_fn (or a "
-            "transformers model's _init_weights) did. Give the values with wrap(..., weights=PATH) (a Hugging "
+            f"{f' (and {len(empty) - 4} more)' if len(empty) > 4 else ''} its values: neither a "
+            f"reset_parameters() of its module ({type(module).__name__}) nor an init_fn (or a transformers model's "
+            "_init_weights) wrote them. Give the values with wrap(..., weights=PATH) (a Hugging "
             "Face model directory or .safetensors file; OffloadTrainer(..., weights=PATH)), initialize them "
             "with wrap(..., init_fn=fn) (fn(module) is called on every module once its tensors exist), or "
             "build the model off the meta device")
