@@ -89,9 +89,9 @@ def test_a_meta_tensor_nothing_initializes_is_refused_naming_it_and_the_ways_and
             module.a.fill_(1.0)
 
     missing = "layers.0.a, layers.0.b, layers.0.c" if init == "none" else "layers.0.b, layers.0.c"
-    with pytest.raises(ValueError, match=rf"wrap: the model was built on the meta device, and nothing gave "
-                                         rf"{missing} its values: neither a reset_parameters\(\) of its module \(Scale\) nor an init_fn") \
-            as refusal:
+    refusal_text = (rf"wrap: the model was built on the meta device, and nothing gave {missing} its values: "
+                    rf"neither a reset_parameters\(\) of its module \(Scale\) nor an init_fn")
+    with pytest.raises(ValueError, match=refusal_text) as refusal:
         offload.wrap(meta, opt, config=config_for(tmp_path), init_fn=only_a if init == "partial" else None)
     assert "wrap(..., weights=PATH)" in str(refusal.value) and "init_fn=fn" in str(refusal.value)
     assert all(p is params_before[n] and p.is_meta for n, p in meta.named_parameters())
