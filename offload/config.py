@@ -176,7 +176,7 @@ class OffloadConfig:
     RAM while host_budget holds it: [Note: placement by budget]) fit in host_budget less
     this, so that those buffers find at least this much room; beyond their room the
     earliest units' activations go on to NVMe. None (0): the activations get what the plan
-    leaves. ``offload plan --model M --seq-len N --batch B`` prints the bytes one forward
+    leaves, and the first forward that sends some of them to NVMe for want of room warns once. ``offload plan --model M --seq-len N --batch B`` prints the bytes one forward
     needs in RAM ([Note: activation host room] in offload/memory/budget.py)."""
 
     machine_profile: Optional[str] = None

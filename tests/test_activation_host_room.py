@@ -52,7 +52,8 @@ def test_auto_placement_leaves_the_activations_their_share_of_host_budget(tmp_pa
     assert share == unbounded.host_needed_bytes == unbounded.host_peak_bytes > 0  # the budget has room for all
 
     # Without a share "auto" placement takes the room: groups that had it go on to NVMe.
-    taken = train(config)
+    with pytest.warns(RuntimeWarning, match="activation_host_bytes"):
+        taken = train(config)
     act = taken[1]["activations"]
     assert act["host_room_bytes"] < share and act["to_nvme_bytes"] > 0
     assert taken[3] + act["host_peak_bytes"] <= HOST_BUDGET
@@ -140,3 +141,61 @@ def test_cli_reserves_the_predicted_share_and_places_beside_it(tmp_path, capsys)
     shape = plan.shape_from_model("offload.gpt:GPT")
     placed = plan.auto_placement(shape, dict(config, activation_host_bytes=share))[0]
     assert [tuple(u.values()) for u in auto["units"]] == [tuple(vars(u).values()) for u in placed.units]
+
+
+def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(tmp_path):
+    """[Note: activation host room] With no activation_host_bytes, "auto" placement takes the
+    host room and the first forward's earliest groups go on to NVMe: that forward warns,
+    once, naming activation_host_bytes and the bytes that went to disk; later steps do not
+    warn again. With the share set (nothing goes to disk), with everything fitting, and with
+    "nvme" (asked for, not for want of room) no step warns."""
+    import warnings
+
+    def warnings_per_step(config, steps=3):
+        """(the activation warnings of each step's forward, of its backward and step, stats)."""
+        torch.manual_seed(0)
+        model = gpt()
+        g = torch.Generator().manual_seed(7)
+        seen = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for _ in range(steps):
+                b = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=g)
+                with warnings.catch_warnings(record=True) as in_forward:
+                    warnings.simplefilter("always")
+                    loss = engine(b[:, :-1], b[:, 1:])
+                    forward_nvme = engine.stats()["activations"]["to_nvme_bytes"]
+                with warnings.catch_warnings(record=True) as after:
+                    warnings.simplefilter("always")
+                    engine.backward(loss)
+                    engine.step()
+                seen.append(([str(w.message) for w in in_forward if "activation_host_bytes" in str(w.message)],
+                             [str(w.message) for w in after if "activation_host_bytes" in str(w.message)],
+                             forward_nvme))
+            return seen, engine.stats()
+
+    swap = str(tmp_path / "swap")
+    for mode in ("host", "auto"):
+        config = dict(activation_offload=mode, host_budget=HOST_BUDGET, swap_dir=swap)
+        if mode == "auto":
+            config["device_budget"] = 1_900_000  # "auto" moves three groups, the host room holds two
+        seen, stats = warnings_per_step(config)
+        (first, first_after, first_nvme), rest = seen[0], seen[1:]
+        assert first_nvme > 0 and stats["activations"]["moved_to_nvme_bytes"] > 0
+        assert len(first) == 1 and not first_after
+        assert f"{first_nvme} bytes of this forward's saved activations" in first[0]
+        assert "activation_host_bytes" in first[0] and "offload plan" in first[0]
+        assert all(not w and not a and nvme == first_nvme for w, a, nvme in rest)  # the same bytes, no warning
+    share = activation_host_share(gpt, dict(activation_offload="host", host_budget=HOST_BUDGET, swap_dir=swap),
+                                  CFG.seq_len, BATCH)
+    quiet = [dict(activation_offload="host", host_budget=HOST_BUDGET, swap_dir=swap, activation_host_bytes=share),
+             dict(activation_offload="host", swap_dir=swap),  # no host budget: everything fits
+             dict(activation_offload="nvme", host_budget=HOST_BUDGET, swap_dir=swap)]
+    for config in quiet:
+        seen, stats = warnings_per_step(config, steps=2)
+        assert all(not w and not a for w, a, _ in seen), config
+        if config["activation_offload"] == "nvme":
+            assert stats["activations"]["moved_to_nvme_bytes"] > 0
+        else:
+            assert stats["activations"]["moved_to_nvme_bytes"] == 0
+    assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+    assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]

@@ -22,7 +22,7 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   the root and the largest other unit); the earliest groups of the forward first (backward
   needs them last), to host RAM. The rule reads sizes only, never what the residency
   happens to hold, so that ``offload plan`` predicts it from a meta-device trace
-  (memory/activation_plan.py). With device_budget None (no limit) nothing moves; with a
+  (offload/plan_activations.py). With device_budget None (no limit) nothing moves; with a
   budget that holds everything, nothing moves either.
 - What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
   their bytes), tensors that are not dense (a view with gaps, an expanded tensor: only the
@@ -83,6 +83,8 @@ from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from offload.config import format_size
+from offload.errors import warn_at_caller
 from offload.io.swap import Extent
 from offload.memory.layout import sub_extent
 from offload.stats import Timeline
@@ -209,10 +211,14 @@ class ActivationStore:
 
     def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
                  nvme: Optional[NvmeTier], timeline: Timeline, room_bytes: Optional[int] = None,
-                 host_room_bytes: Optional[int] = None, remove_dir: Optional[str] = None) -> None:
+                 host_room_bytes: Optional[int] = None, warn_room_spill: bool = False,
+                 remove_dir: Optional[str] = None) -> None:
         """``room_bytes``: "auto"'s bound on the activations kept on the device
         (``budget.activation_room_bytes``; None: no bound). ``host_room_bytes``: what the
         host buffers may hold (``budget.activation_host_room_bytes``; None: no bound).
+        ``warn_room_spill``: no activation_host_bytes was set, so the first forward whose
+        groups go on to NVMe for want of host room warns, once ([Note: activation host
+        room] in budget.py: without a share "auto" placement may take that room).
         ``nvme``: the store's own NVMe tier, for "nvme" and, where swap_dir is set, for
         groups beyond the host room. ``remove_dir``: the directory
         made for ``nvme``'s swap space, removed (when empty) at close."""
@@ -222,6 +228,7 @@ class ActivationStore:
         self._destination = "nvme" if mode == "nvme" else "host"
         self._room_bytes = room_bytes if mode == "auto" else None
         self._host_room_bytes = host_room_bytes
+        self._warn_room_spill = warn_room_spill
         self._device = device
         self.host = host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
@@ -246,10 +253,11 @@ class ActivationStore:
         # counters ([Note: saved activations]; Engine.stats()["activations"])
         self._pass_packed = 0
         self._pass_moved = {"host": 0, "nvme": 0}
+        self._pass_written_on: List[Tuple[str, int]] = []  # (unit, bytes) gone on to NVMe for host room
         self.last_pass = {"kept_bytes": 0, "to_host_bytes": 0, "to_nvme_bytes": 0}
         # per group of the forward open now, in order: {"unit", "saved_bytes", "moved_bytes",
         # "where": "keep" | "host" | "nvme"}; the last one's, once it is over (what
-        # ``offload plan`` predicts: memory/activation_plan.py)
+        # ``offload plan`` predicts: offload/plan_activations.py)
         self._pass_units: List[Dict[str, Any]] = []
         self.last_pass_units: List[Dict[str, Any]] = []
         self.moved_bytes = {"host": 0, "nvme": 0}
@@ -277,7 +285,7 @@ class ActivationStore:
         self._open = True
         self._groups, self._unit_groups, self._seen, self._resident = [], {}, {}, []
         self._pass_packed, self._pass_moved = 0, {"host": 0, "nvme": 0}
-        self._pass_units = []
+        self._pass_units, self._pass_written_on = [], []
         self._current = self._new_group("root")
 
     def begin_unit(self, unit_name: str) -> None:
@@ -302,6 +310,23 @@ class ActivationStore:
         self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
                           "to_host_bytes": moved["host"], "to_nvme_bytes": moved["nvme"]}
         self.last_pass_units = self._pass_units
+        if self._pass_written_on and self._warn_room_spill:
+            self._warn_room_spill = False  # once
+            self._warn_written_on()
+
+    def _warn_written_on(self) -> None:
+        """[Note: activation host room] This forward's groups that went to NVMe for want of
+        host room, with no activation_host_bytes set: say so, naming the setting."""
+        moved = sum(num_bytes for _, num_bytes in self._pass_written_on)
+        units = ", ".join(repr(unit) for unit, _ in self._pass_written_on[:4]) + \
+            (", ..." if len(self._pass_written_on) > 4 else "")
+        warn_at_caller(
+            f"offload: {moved} bytes of this forward's saved activations ({format_size(moved)}, of units {units}) "
+            f"went to NVMe because host RAM had no room for them: host_budget left the activations "
+            f"{self._host_room_bytes} bytes beside the engine's own host needs, which 'auto' placement fills "
+            "with states, and activation_host_bytes (the activations' share of host_budget) is not set. Set "
+            "activation_host_bytes to keep them in RAM (offload plan --model M --seq-len N --batch B prints the "
+            "bytes one forward needs), or raise host_budget. Warned once.")
 
     def _new_group(self, unit_name: str) -> _Group:
         group = _Group(self, unit_name)
@@ -445,6 +470,7 @@ class ActivationStore:
         self._release_host(group)
         moved = group.counts["moved_bytes"]
         group.counts["where"] = "nvme"
+        self._pass_written_on.append((group.unit_name, moved))
         self._pass_moved["host"] -= moved
         self._pass_moved["nvme"] += moved
         self.moved_bytes["host"] -= moved

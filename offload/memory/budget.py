@@ -204,7 +204,9 @@ def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: Dev
 # placement, placement.place_units); the activations may hold whatever the rest leaves
 # (``activation_host_room_bytes``), at least their share. So "auto" placement never takes
 # the activations' share, and the two never pass host_budget. ``offload plan --seq-len``
-# (plan_activations.host_bytes_needed) gives the share one forward needs.
+# (plan_activations.activation_host_share) gives the share one forward needs. With no share
+# set, the first forward whose activations go on to NVMe for want of that room warns once,
+# naming activation_host_bytes (ActivationStore, ``warn_room_spill``).
 def activation_host_room_bytes(layout: Layout, planned_host_bytes: int) -> Optional[int]:
     """[Note: activation host room] What the saved activations' host buffers may hold: the
     host budget less what wrap planned (``check_host_budget(...).total``), at least
