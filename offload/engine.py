@@ -795,10 +795,11 @@ class Engine:
     @property
     def debug(self) -> SimpleNamespace:
         """For tests and tools only, not a stable API: the tiers (``device``, ``host``,
-        ``nvme``: None without swap), ``homes``, ``residency``, ``updates`` and
+        ``nvme``: None without swap), ``homes``, ``residency``, ``updates``, ``gradients``
+        (``grad_range`` reads a parameter's gradient between backward and its update) and
         ``activations`` (the ActivationStore, with its own ``nvme`` tier), so that a test
         reads a counter or swaps in a wrapper without the engine's private fields
         (docs/architecture.md, "Seams"). Failures are injected through offload.faults."""
         return SimpleNamespace(device=self._device, host=self._host, nvme=self._nvme, homes=self._homes, residency=self._residency,
                                updates=self._updates, timeline=self._timeline, prefetcher=self._prefetcher,
-                               activations=self._activations)
+                               gradients=self._gradients, activations=self._activations)

@@ -34,7 +34,7 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.hooks import wrap_unit_inputs
-from offload.memory.activations import buffer_layout, movable
+from offload.memory.activations import buffer_layout, movable, same_reading
 from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
                                    check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout
@@ -94,12 +94,13 @@ class ActivationPlan:
 
 
 class _Record:
-    __slots__ = ("trace", "num_bytes", "on_device", "source", "version", "__weakref__")
+    __slots__ = ("trace", "num_bytes", "on_device", "tensor", "source", "version", "__weakref__")
 
     def __init__(self, trace: "_Trace", t: torch.Tensor) -> None:
         self.trace = trace
         self.num_bytes = t.numel() * t.element_size()
         self.on_device = True
+        self.tensor: Optional[torch.Tensor] = t  # held while on the device, as the store's record
         self.source = weakref.ref(t)
         self.version = t._version
 
@@ -148,8 +149,9 @@ class _Trace:
         key = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
         found = self.seen.get(key)
         record = found() if found is not None else None
-        if record is not None and record.source() is t and record.version == t._version:
-            return record
+        if record is not None and record.version == t._version and \
+                (record.source() is t or (record.on_device and same_reading(record.tensor, t))):
+            return record  # ActivationStore.pack: the same tensor, or the same bytes still on the device
         num_bytes = t.numel() * t.element_size()
         while self.resident and self.room_bytes is not None and self.device_bytes + num_bytes > self.room_bytes:
             self._send_away(self.resident.pop(0))
@@ -188,7 +190,7 @@ class _Trace:
                     f"{self.host_room_bytes} bytes host_budget leaves beside the engine's plan"
                     + ("" if self.has_nvme else " (set swap_dir so that activations beyond it go on to NVMe)"))
         for r in records:
-            r.on_device = False
+            r.on_device, r.tensor = False, None
             self.device_bytes -= r.num_bytes
         group.counts.update(moved_bytes=sum(r.num_bytes for r in records), where=self.destination)
         self.host_bytes += group.num_bytes

@@ -441,3 +441,76 @@ def test_device_pages_given_back_change_no_number(mode, tmp_path):
     assert follows == [True] * 3
     assert_same_run(plain, offloaded)
     assert offloaded[2]["activations"]["to_host_bytes" if mode == "host" else "to_nvme_bytes"] > 0
+
+
+class _ThreeReaders(torch.nn.Module):
+    """A block whose three Linears read one 3-D input (each saves its own 2-D view of the
+    same bytes, as a Llama's q, k and v projections do) and whose complex product saves a
+    tensor and its lazy conjugate (the same bytes, read otherwise)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        h = self.q(x) * self.k(x) + self.v(x)
+        c = torch.complex(h, 0.5 * h)
+        return x + (c * c.conj()).real
+
+
+class _ReadersNet(torch.nn.Module):
+    def __init__(self, width=64, depth=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ThreeReaders(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def test_views_of_the_same_bytes_are_copied_once_and_a_conjugate_is_not_taken_for_them():
+    """[Note: saved activations] "Once": the three Linears' views of one input are one
+    record (each forward's kept + moved bytes are what plain autograd saves, counted once
+    per storage, offset, shape, strides and dtype), while a lazy conjugate of a saved
+    tensor, over the same bytes, is a record of its own: the run equals the one without
+    offload, bit for bit."""
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(config):
+        torch.manual_seed(0)
+        model = _ReadersNet()
+        losses, states = [], []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for _ in range(3):
+                loss = engine(x)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                states.append(engine.state_dict())
+            return losses, states, engine.stats()
+
+    torch.manual_seed(0)
+    model = _ReadersNet()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, conjugates = {}, 0
+
+    def pack(t):
+        nonlocal conjugates
+        if t.untyped_storage().data_ptr() not in parameters:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.is_conj())
+            saved[key] = t.numel() * t.element_size()
+            conjugates += t.is_conj()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    assert conjugates > 0
+    plain = run({})
+    offloaded = run(dict(activation_offload="host"))
+    assert_same_run(plain, offloaded)
+    act = offloaded[2]["activations"]
+    assert act["to_host_bytes"] > 0
+    assert act["kept_bytes"] + act["to_host_bytes"] == sum(saved.values())

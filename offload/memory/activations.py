@@ -31,8 +31,13 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   subclass or another device, and the last group. They are counted as kept.
 - Once. A tensor saved twice (by two ops, or by one unit and again by the next) is one
   record while it lives: found again by its storage, offset, shape, strides and version
-  and checked to be the same tensor (a weak reference), never by ``id``. Distinct views of
-  one storage are copied each.
+  and checked to be the same tensor (a weak reference), never by ``id``. So is another
+  tensor object over the same bytes (the same storage, offset, shape, strides and dtype,
+  its version unchanged: views share their base's counter; not a lazy conjugate or
+  negation of it: ``same_reading``) while the first record still
+  holds its tensor on the device, which keeps that storage alive so that its address
+  names no other (each Linear of q, k and v saves its own 2-D view of one input). Views
+  of one storage that differ in offset, shape or strides are copied each.
 - Back. When a unit's backward starts (``Hooks._pre_backward``), its own group and the one
   before it in this forward's order come back (the next one backward needs, one group
   ahead, as the parameter prefetcher does from the recorded trace): host buffers copied
@@ -90,7 +95,7 @@ from offload.memory.layout import sub_extent
 from offload.stats import Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 
-__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
+__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "same_reading", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
@@ -122,6 +127,14 @@ def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
     ``plain_type``: what a tensor that is no subclass is (offload plan's trace: FakeTensor)."""
     return (type(t) is plain_type and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
             and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES and _dense(t))
+
+
+def same_reading(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """[Note: saved activations] Whether two tensors over the same bytes (storage, offset,
+    shape, strides, dtype) read the same values: of one type, dense strided and not
+    quantized (no scale of their own), neither a lazy conjugate or negation the other is not."""
+    return (type(a) is type(b) and a.layout == b.layout == torch.strided and not a.is_quantized
+            and not b.is_quantized and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -344,8 +357,9 @@ class ActivationStore:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.size()), t.stride(), t.dtype)
         found = self._seen.get(key)
         record = found() if found is not None else None
-        if record is not None and record.source() is t and record.version == t._version:
-            return record
+        if record is not None and record.version == t._version and \
+                (record.source() is t or (record.tensor is not None and same_reading(record.tensor, t))):
+            return record  # [Note: saved activations] once
         group = self._current if movable(t) else None
         self._hold(t.numel() * t.element_size(), self._current.unit_name)
         record = SavedActivation(self, t, group)
