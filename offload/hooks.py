@@ -492,7 +492,7 @@ class Hooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         try:
-            self._activations.end_pass()
+            self._activations.end_pass(abandoned=True)
         except OSError:
             pass  # a failed swap write of this abandoned pass: nothing will read it
         for alias in self._aliases:

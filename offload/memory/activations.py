@@ -311,8 +311,9 @@ class ActivationStore:
         else:
             self._send_away(previous)
 
-    def end_pass(self) -> None:
-        """The forward is over (or abandoned): its last group stays on the device."""
+    def end_pass(self, abandoned: bool = False) -> None:
+        """The forward is over (or ``abandoned``: it raised, and warns of nothing): its last
+        group stays on the device."""
         if not self._open:
             return
         self._open = False
@@ -323,7 +324,7 @@ class ActivationStore:
         self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
                           "to_host_bytes": moved["host"], "to_nvme_bytes": moved["nvme"]}
         self.last_pass_units = self._pass_units
-        if self._pass_written_on and self._warn_room_spill:
+        if self._pass_written_on and self._warn_room_spill and not abandoned:
             self._warn_room_spill = False  # once
             self._warn_written_on()
 
