@@ -876,3 +876,20 @@ def test_the_gpu_check_runs_on_the_cpu_so_a_lent_gpus_minutes_are_not_spent_on_i
     assert [r["row"] for r in rows] == ["plain", "nvme-floor"] and all(r["step_s"] > 0 for r in rows)
     assert rows[1]["per_step"]["bytes_read_nvme"] > 0
     assert "nvme-floor" in out.stdout.splitlines()[-1]
+
+
+def test_report_prints_the_tables_writes_config_then_rows_and_counts_the_failures(tmp_path, capsys):
+    """train_harness.report, the end of train_rows, train_optimizers, train_ranks,
+    bench_defaults and bench_sweep: a blank line, the tables, the JSON (config, the extra
+    keys, rows, in that order) and the exit code, 1 only for a row that counts as failed."""
+    harness = load_tool(TOOLS_DIR / "train_harness.py")
+    rows = [{"row": "plain", "step_seconds": 1.0}, {"row": "ds", "error": "no deepspeed"}]
+    out = tmp_path / "rows.json"
+    code = harness.report(rows, lambda r: print(f"table of {len(r)} rows"), str(out), {"batch": 2},
+                          json_extra={"deepspeed": "skipped"})
+    assert code == 1
+    assert capsys.readouterr().out == "\ntable of 2 rows\n"
+    assert list(json.loads(out.read_text())) == ["config", "deepspeed", "rows"]
+    assert json.loads(out.read_text()) == {"config": {"batch": 2}, "deepspeed": "skipped", "rows": rows}
+    assert harness.report(rows, lambda r: None, None, {}, failed=lambda r: "error" in r and r["row"] != "ds") == 0
+    assert capsys.readouterr().out == "\n"

@@ -21,12 +21,11 @@ Imports train_harness only (see the graph in tools/bench_train.py).
 """
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
 
-from train_harness import GB, GiB, floor_rows_base, run_row
+from train_harness import GB, GiB, floor_rows_base, report, run_row
 
 SCENARIOS = (
     ("nothing set", dict(no_device_budget=True)),
@@ -69,13 +68,9 @@ def main(args) -> int:
     finally:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
-    print()
-    print_comparison(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": base, "rows": results}, f, indent=1)
     # the old defaults refused in the tight scenario is the expected outcome, not a failure
-    return 1 if any("error" in r for r in results if r["row"] == "defaults") else 0
+    return report(results, print_comparison, args.json, base,
+                  failed=lambda r: "error" in r and r["row"] == "defaults")
 
 
 def _where(r: dict) -> str:

@@ -23,14 +23,13 @@ Imports train_harness only (see the graph in tools/bench_train.py).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 
-from train_harness import GB, GiB, floor_rows_base, pipeline_depth, run_row
+from train_harness import GB, GiB, floor_rows_base, pipeline_depth, report, run_row
 
 DEFAULT_FRACTIONS = (0.3, 0.45, 0.5, 0.6, 0.75, 0.9, 1.05, 1.2)  # 0.5 and 0.75: issue #19's targets
 
@@ -89,11 +88,7 @@ def main(args) -> int:
     finally:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
-    print()
-    print_sweep(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": base, "rows": results}, f, indent=1)
+    code = report(results, print_sweep, args.json, base)
     if args.plot:
         try:
             plot(results, args.plot)
@@ -101,7 +96,7 @@ def main(args) -> int:
             print("--plot needs matplotlib, which is not installed (the table above is complete)", file=sys.stderr)
             return 1
         print(f"plot written to {args.plot}")
-    return 1 if any("error" in r for r in results) else 0
+    return code
 
 
 # plain runs before the sweep (and one after it): see main

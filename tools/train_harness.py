@@ -223,6 +223,19 @@ def run_row(spec: dict, timeout_s: float) -> dict:
     return {"row": spec["row"], "dtype": spec["dtype"], "error": error, "stderr_tail": tail}
 
 
+def report(results: list, print_tables, json_path, config: dict, json_extra: dict | None = None,
+           failed=lambda r: "error" in r) -> int:
+    """The end of every table tool: a blank line, ``print_tables(results)``, the run's config
+    and rows as JSON to ``json_path`` (when given; ``json_extra``'s keys between the two),
+    and the exit code: 1 when a row is ``failed`` (by default: it has an error), else 0."""
+    print()
+    print_tables(results)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"config": config, **(json_extra or {}), "rows": results}, f, indent=1)
+    return 1 if any(failed(r) for r in results) else 0
+
+
 def fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 

@@ -28,13 +28,12 @@ Imports train_harness (see the graph in tools/bench_train.py); its rows run trai
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import tempfile
 
-from train_harness import GB, GiB, QUICK_STEPS, STEPS, WARMUP_STEPS, batch_size, fmt, model_config, run_row
+from train_harness import GB, GiB, QUICK_STEPS, STEPS, WARMUP_STEPS, batch_size, fmt, model_config, report, run_row
 
 BASELINE = "adamw"
 OFFLOAD_ROW = "nvme-prefetch"  # the config of every optimizer row (train_rows.offload_config)
@@ -81,12 +80,7 @@ def main(args) -> int:
     finally:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
-    print()
-    print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": base, "rows": results}, f, indent=1)
-    return 1 if any("error" in r for r in results) else 0
+    return report(results, print_table, args.json, base)
 
 
 def print_table(results: list, out=sys.stdout) -> None:

@@ -19,7 +19,7 @@ import time
 
 from train_harness import (GB, GiB, MiB, QUICK_STEPS, STEPS, WARMUP_STEPS, RESULT_PREFIX, batch_size, build_gpt,
                            end_of_step, error_line, fmt, foreach_adamw, free_port, make_adamw, model_config,
-                           print_baselines, rank_batch, step_barrier, timed_loop, worker_command)
+                           print_baselines, rank_batch, report, step_barrier, timed_loop, worker_command)
 
 STAGES = (0, 1, 2, 3)
 TIERS = ("host", "nvme")
@@ -327,9 +327,4 @@ def main(args) -> int:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
 
-    print()
-    print_nproc_table(results, nproc)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": base, "rows": results}, f, indent=1)
-    return 1 if any("error" in r for r in results) else 0
+    return report(results, lambda rows: print_nproc_table(rows, nproc), args.json, base)

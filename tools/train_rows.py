@@ -9,7 +9,6 @@ train_deepspeed (the DeepSpeed rows); see the graph in tools/bench_train.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,7 @@ from train_deepspeed import DS_ROWS, deepspeed_importable
 from train_harness import (ADAMW_OPTIONS, GB, GiB, MiB, QUICK_STEPS, STEPS, WARMUP_STEPS, batch_size,
                            build_gpt, compute_element_bytes, end_of_step, fmt, foreach_adamw, make_adamw,
                            make_batch, model_config, peak_rss_bytes, pipeline_depth, print_baselines, rank_batch,
-                           run_row, step_barrier, timed_loop)
+                           report, run_row, step_barrier, timed_loop)
 from train_replay import median_phases, paired_replay
 
 ROWS = ("plain", "compute-only", "host", "nvme-noprefetch", "nvme-prefetch", "nvme-clip", "nvme-clip-serial",
@@ -373,11 +372,10 @@ def main(args) -> int:
         if own_swap:
             shutil.rmtree(swap_root, ignore_errors=True)
 
-    print()
-    print_table(results)
-    print_trace_summaries(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in base.items()}, "deepspeed": deepspeed_note,
-                       "rows": results}, f, indent=1)
-    return 1 if any("error" in r and r["row"] not in DS_ROWS for r in results) else 0
+    def print_tables(rows: list) -> None:
+        print_table(rows)
+        print_trace_summaries(rows)
+
+    # a DeepSpeed row that fails is reported, not a failure of the run
+    return report(results, print_tables, args.json, base, json_extra={"deepspeed": deepspeed_note},
+                  failed=lambda r: "error" in r and r["row"] not in DS_ROWS)
