@@ -100,7 +100,7 @@ class _Record:
         self.trace = trace
         self.num_bytes = t.numel() * t.element_size()
         self.on_device = True
-        self.tensor: Optional[torch.Tensor] = t  # held while on the device, as the store's record
+        self.tensor: Optional[torch.Tensor] = t.detach()  # held while on the device, as the store's record
         self.source = weakref.ref(t)
         self.version = t._version
 

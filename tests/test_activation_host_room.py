@@ -149,6 +149,7 @@ def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(t
     once, naming activation_host_bytes and the bytes that went to disk; later steps do not
     warn again. With the share set (nothing goes to disk), with everything fitting, and with
     "nvme" (asked for, not for want of room) no step warns."""
+    import gc
     import warnings
 
     def warnings_per_step(config, steps=3):
@@ -191,7 +192,8 @@ def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(t
              dict(activation_offload="host", swap_dir=swap),  # no host budget: everything fits
              dict(activation_offload="nvme", host_budget=HOST_BUDGET, swap_dir=swap)]
     # a forward interrupted after groups went to NVMe (Hooks.abort_forward ends its pass)
-    # warns of nothing, so that a warning filter set to raise cannot hide the interrupt
+    # warns of nothing, so that a warning filter set to raise cannot hide the interrupt; its
+    # graph gone, its host buffers are free, and the next forward that sends groups there warns
     torch.manual_seed(0)
     model = gpt()
     b = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=torch.Generator().manual_seed(7))
@@ -205,6 +207,14 @@ def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(t
                     engine(b[:, :-1], b[:, 1:])
         assert engine.stats()["activations"]["to_nvme_bytes"] > 0
         assert not [w for w in caught if "activation_host_bytes" in str(w.message)]
+        gc.collect()  # the interrupt's traceback, a cycle, held the abandoned graph
+        assert engine.stats()["activations"]["host_bytes"] == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = engine(b[:, :-1], b[:, 1:])
+        assert len([w for w in caught if "activation_host_bytes" in str(w.message)]) == 1
+        engine.backward(loss)
+        engine.step()
     for config in quiet:
         seen, stats = warnings_per_step(config, steps=2)
         assert all(not w and not a for w, a, _ in seen), config

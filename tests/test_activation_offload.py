@@ -514,3 +514,30 @@ def test_views_of_the_same_bytes_are_copied_once_and_a_conjugate_is_not_taken_fo
     act = offloaded[2]["activations"]
     assert act["to_host_bytes"] > 0
     assert act["kept_bytes"] + act["to_host_bytes"] == sum(saved.values())
+
+
+@pytest.mark.parametrize("mode", ["host", "nvme"])
+def test_a_graph_dropped_without_backward_lets_go_of_its_activations(mode, tmp_path):
+    """[Note: saved activations] (cycles): a forward under grad mode whose loss is dropped
+    without backward (an evaluation that forgot no_grad; a forward that raised) lets go of
+    every record at once, the saved outputs' too: nothing stays counted on the device or
+    held in host RAM or swap, and the next step trains as if it never ran."""
+    config = dict(activation_offload=mode, swap_dir=str(tmp_path / "swap"))
+    plain = train(config, steps=1)
+    torch.manual_seed(0)
+    model = GPT(ACT_CFG)
+    b = data(1)[0]
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        for _ in range(2):
+            loss = engine(b[:, :-1], b[:, 1:])
+            act = engine.stats()["activations"]
+            assert act["device_bytes"] > 0 and act["to_host_bytes" if mode == "host" else "to_nvme_bytes"] > 0
+            del loss  # no backward, no gc.collect(): reference counts alone free the graph
+            act = engine.stats()["activations"]
+            assert act["device_bytes"] == act["host_bytes"] == act["nvme_bytes"] == 0
+            assert engine.debug.device.activation_bytes == 0
+        loss = engine(b[:, :-1], b[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        assert loss.item() == plain[0][0]
+        assert_same_state(engine.state_dict(), plain[1][0])

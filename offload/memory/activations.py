@@ -69,6 +69,12 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   (``ActivationStore.nvme``: its I/O counters are the activations' alone) and are reused
   (the smallest free one that holds a group), so the swap space grows with the most bytes
   away at once, not with the number of steps or of batch shapes.
+- Cycles. A record holds its tensor detached (same bytes, version counter and conj/neg
+  bits, no grad_fn): a saved output's grad_fn is the node that holds the record, a cycle
+  through autograd's C++ graph that Python's collector cannot see, so a graph dropped
+  without backward (an evaluation under grad mode, a forward that raised) would keep its
+  records, their device bytes and host buffers, for good. Autograd rebuilds the unpacked
+  tensor's grad_fn itself, as for the fresh tensors a group comes back as.
 - Failures. A swap read that fails raises an OSError naming the unit and the swap file
   from the unpack, inside backward: the engine's rule for a failed backward applies
   (``Engine.backward``, [Note: failures inside a step]).
@@ -208,7 +214,8 @@ class SavedActivation:
         self.numel = t.numel()
         self.num_bytes = t.numel() * t.element_size()
         self.offset = 0          # in its group's host buffer
-        self.tensor: Optional[torch.Tensor] = t  # on the device (as saved, or back), None while away
+        # on the device (as saved, or back), None while away; detached ([Note: saved activations], cycles)
+        self.tensor: Optional[torch.Tensor] = t.detach()
         self.source = weakref.ref(t)
         self.version = t._version
 
