@@ -241,3 +241,20 @@ def test_compact_states_reach_the_pipelined_step_built_alone_through_the_homes_p
             assert not torch.equal(got.exact(k)[0], initial[e.fqn].reshape(-1)), e.fqn  # the step moved it
     finally:
         built.close()
+
+
+@pytest.mark.parametrize("num_slots", [0, 1])
+def test_a_staged_step_built_without_two_staging_slots_is_a_value_error_naming_them(tmp_path, num_slots):
+    """[Note: the piece ring] Slot 0 serves the step's first unit and the early updates' ring the
+    others: fewer than two would divide by zero in the ring, so construction refuses them."""
+    torch.manual_seed(0)
+    model = Tiny()
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR), _config(tmp_path))
+    try:
+        assert built.layout.staged_step and len(built.step.slots) == built.layout.optimizer_pipeline_depth
+        with pytest.raises(ValueError, match=f"slots: .*at least 2 staging slots.*got {num_slots}"):
+            PipelinedStep(built.step.slots[:num_slots], layout=built.layout, tiers=built.tiers, homes=built.homes,
+                          adam=built.adam, gradients=built.gradients, failures=built.failures,
+                          host_planned_bytes=0)
+    finally:
+        built.close()

@@ -107,7 +107,14 @@ class PipelinedStep:
         ``gradients``: given back (``release``) once a unit's update is done. ``failures``:
         stops the engine after a step failed part-way (fatal) and records a failed write
         (not fatal). ``host_planned_bytes``: what the host budget check planned, which the
-        dirty copies may not eat into."""
+        dirty copies may not eat into. A staged step (``layout.staged_step``) with fewer than
+        two slots is a ValueError here: slot 0 serves the step's first unit and the early
+        updates' ring the others ([Note: the piece ring]), which would divide by zero."""
+        if layout.staged_step and len(slots) < 2:
+            raise ValueError(f"slots: the staged optimizer step (a state on NVMe) needs at least 2 staging slots "
+                             f"(optimizer_pipeline_depth >= 2: slot 0 for the step's first unit, the others "
+                             f"for the early updates' ring), got {len(slots)}; build them with "
+                             "Homes.allocate_staging")
         self.slots = slots
         self._layout = layout
         self._device, self._host, self._nvme = tiers.device, tiers.host, tiers.nvme
