@@ -105,16 +105,34 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol
 
 from offload import faults
 from offload.memory.layout import Layout, UnitState
-from offload.optim.step import PipelinedStep
-from offload.stats import Stats, Timeline
+from offload.memory.residency import DeviceResidency
+from offload.optim.failure import FailureState
+from offload.optim.gradients import Gradients
+from offload.optim.paths import UpdatePaths
+from offload.tiers.context import TierContext
 from offload.units import Residency
 
-__all__ = ["DelayedUpdates"]
+__all__ = ["DelayedUpdates", "OptimizerWorker"]
+
+
+class OptimizerWorker(Protocol):
+    """What the delayed updates need of the update scheduler (optim.updates.UpdateScheduler),
+    which owns the optimizer worker and counts the micro-steps."""
+
+    micro_step: int  # the engine's step() calls so far
+
+    def submit_update(self, run: Callable[..., None], *args: Any) -> Future:
+        """Run ``run(*args)`` on the optimizer worker after what is queued there;
+        ``finish_optimizer`` waits for it with every other update."""
+
+    def finish_optimizer(self) -> Optional[BaseException]:
+        """Wait for every update on the worker and the staging slots' writes (a failed
+        update stops the engine); return an interrupt that came meanwhile."""
 
 
 class DelayedUpdates:
@@ -125,43 +143,24 @@ class DelayedUpdates:
     (one update at a time, like every update there).
     """
 
-    def __init__(self, units: List[UnitState], *, layout: Layout, worker: ThreadPoolExecutor,
-                 step_ring: PipelinedStep, stats: Stats, timeline: Timeline,
-                 micro_step: Callable[[], int],
-                 track: Callable[[Future], None],
-                 finish_optimizer: Callable[[], Optional[BaseException]],
-                 fail_step: Callable[[BaseException, str], NoReturn],
-                 update_in_place: Callable[..., None],
-                 release_grad: Callable[[UnitState], None],
-                 take_back: Callable[[UnitState], None],
-                 release: Callable[[UnitState], None],
-                 drain_fetches: Callable[[], None],
-                 sharded_step: Optional[Any] = None, partition: Optional[Any] = None) -> None:
-        """``track(ticket)``: the scheduler waits for it with every update on the worker
-        (``finish_optimizer``, which also finishes the staging slots' writes and returns an
-        interrupt that came meanwhile). The other
-        callables are the scheduler's and the engine's: the micro-step counter, stopping the
-        engine, Adam on host-homed states, giving a unit's gradients back, taking its
-        gradient fields back (Gradients.take_back), dropping a device copy, landing fetches.
-        [zero] ``sharded_step``: the ShardedStep at stage >= 1 (it runs the shard updates);
-        ``partition``: the Partition of several ranks ([Note: delayed updates across ranks])."""
+    def __init__(self, units: List[UnitState], *, layout: Layout, tiers: TierContext, paths: UpdatePaths,
+                 worker: OptimizerWorker, gradients: Gradients, residency: DeviceResidency,
+                 failures: FailureState) -> None:
+        """``tiers``: its counters and timeline are what it records in. ``paths``: how a
+        unit's update runs (``UpdatePaths.delayed``), the staged step's failed spare writes,
+        [zero] the partition whose per-step gradient record ``queue`` clears. ``worker``: the
+        update scheduler, which runs the updates on its worker and waits for them.
+        ``gradients``: a unit's gradients given back once its update is done, its fields
+        taken back. ``residency``: the stale device copies a commit drops, the fetches it
+        lands first. ``failures``: a failed update or spare write stops the engine."""
         self._units = units
         self._layout = layout
+        self._stats, self._timeline = tiers.stats, tiers.timeline
+        self._paths = paths
         self._worker = worker
-        self._step_ring = step_ring
-        self._stats = stats
-        self._timeline = timeline
-        self._micro_step = micro_step
-        self._track = track
-        self._finish_optimizer = finish_optimizer
-        self._fail_step = fail_step
-        self._update_in_place = update_in_place
-        self._release_grad = release_grad
-        self._take_back = take_back
-        self._release = release
-        self._drain_fetches = drain_fetches
-        self._sharded_step = sharded_step
-        self._partition = partition
+        self._gradients = gradients
+        self._residency = residency
+        self._failures = failures
         self._running: List[Future] = []  # tickets of the last delayed step's updates
         # [Note: delayed updates across ranks] an update of the last delayed step failed on
         # this rank: the worker runs none of the others (written there, reset by queue())
@@ -175,12 +174,13 @@ class DelayedUpdates:
         """Wait for every delayed update and its writes (step 1 of the Note); a failure of
         either stops the engine. An interrupt meanwhile is raised after both are judged
         ([Note: interrupts while waiting])."""
-        interrupt = self._finish_optimizer()  # raises through fail_step when an update failed
+        interrupt = self._worker.finish_optimizer()  # raises through fail_step when an update failed
         self._running.clear()
-        failed, self._step_ring.failed_spare_writes = self._step_ring.failed_spare_writes, []
+        ring = self._paths.ring
+        failed, ring.failed_spare_writes = ring.failed_spare_writes, []
         if failed:
             names = ", ".join(sorted({repr(u.name) for u, _ in failed}))
-            self._fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
+            self._failures.fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
         if interrupt is not None:
             raise interrupt
 
@@ -190,7 +190,7 @@ class DelayedUpdates:
         first_error = None
         for u in self._units:
             try:
-                self._take_back(u)
+                self._gradients.take_back(u)
             except BaseException as error:  # noqa: B902 - raised below, after the other units
                 first_error = first_error or error
         if first_error is not None:
@@ -199,18 +199,18 @@ class DelayedUpdates:
     def commit(self) -> None:
         """Step 3 of the Note: the pending updates become the homes; the device copies read
         from the old ones are dropped. Main thread, after ``wait``."""
-        self._drain_fetches()  # a copy in flight lands before it is judged
+        self._residency.drain_fetches()  # a copy in flight lands before it is judged
         for u in self._units:
             if u.delayed_pending:
                 u.commit_spare()
                 u.delayed_pending = False
                 if u.compute_state == Residency.LOADED:
-                    self._release(u)
+                    self._residency.release(u)
 
     def delays(self, skip: bool, clipped: bool) -> bool:
         """Whether this optimizer step's update is delayed (the rule of the Note); a step
         past the warm-up that is not counts as a fallback."""
-        past_warmup = self._micro_step() // self._layout.accumulation_steps > self._layout.delayed_update_warmup_steps
+        past_warmup = self._worker.micro_step // self._layout.accumulation_steps > self._layout.delayed_update_warmup_steps
         if past_warmup and (skip or clipped):
             self._stats.count("delayed_fallbacks")
         return past_warmup and not skip and not clipped
@@ -225,13 +225,12 @@ class DelayedUpdates:
             if not any(u.has_grad):
                 continue
             u.delayed_pending = True
-            ticket = self._worker.submit(self._run, u, groups, grad_factor)
+            ticket = self._worker.submit_update(self._run, u, groups, grad_factor)
             u.delayed_update = ticket
             self._running.append(ticket)
-            self._track(ticket)
         self._stats.count("delayed_updates")
-        if self._partition is not None:  # [zero] the next backward's gradients start afresh
-            self._partition.zero_grad()
+        if self._paths.partition is not None:  # [zero] the next backward's gradients start afresh
+            self._paths.partition.zero_grad()
 
     def _run(self, u: UnitState, groups: List[Dict[str, Any]], grad_factor: float) -> None:
         """On the optimizer worker: u's update from its homes into its spare homes."""
@@ -241,16 +240,11 @@ class DelayedUpdates:
         try:
             faults.hit("optim.deferred_update", unit=u.name)
             start = time.perf_counter()
-            if self._sharded_step is not None:  # [Note: delayed updates across ranks]
-                self._sharded_step.run([u], grad_factor, self._micro_step(), groups, speculative=True, lane="param")
-            elif self._layout.staged_step:
-                self._step_ring.update_early(u, groups, grad_factor, into_spare=True)
-            else:
-                self._update_in_place(u, grad_factor, groups, speculative=True)
+            self._paths.delayed(u, groups, grad_factor, self._worker.micro_step)
         except BaseException:
             self._abandoned = True
             raise
-        self._release_grad(u)  # the update owns them ([Note: threads] in memory/layout.py)
+        self._gradients.release(u)  # the update owns them ([Note: threads] in memory/layout.py)
         end = time.perf_counter()
         self._timeline.span("optimizer", f"update {u.name} (delayed)", start, end)
         self._stats.add_seconds("worker_updates", end - start)

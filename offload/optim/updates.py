@@ -90,6 +90,7 @@ from offload.optim.adam_ranges import UnitAdam
 from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import FailureState, wait_through_interrupts, with_note
 from offload.optim.gradients import Gradients
+from offload.optim.paths import UpdatePaths
 from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
 from offload.tiers.context import TierContext
@@ -127,7 +128,7 @@ class UpdateScheduler:
         # Early optimizer updates (a unit's Adam as soon as its gradients are final in backward;
         # when, see Layout.early_allowed) run on this worker, overlapping the rest of backward.
         # [zero] Collectives run only on the main thread (this also skips the root prestage).
-        self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
         self._step_ring = step_ring
         self._sharded_step = sharded_step
         self._partition = partition
@@ -170,13 +171,16 @@ class UpdateScheduler:
         self.gathers_owed = False
         # [Note: delayed updates] None unless delayed_update
         self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
-            units, layout=layout, worker=worker, step_ring=step_ring, stats=stats, timeline=timeline,
-            micro_step=lambda: self.micro_step, track=lambda ticket: self._early_futures.append(ticket),
-            finish_optimizer=self.finish_optimizer,
-            fail_step=status.fail_step, update_in_place=adam.update_in_place, release_grad=gradients.release,
-            take_back=gradients.take_back, release=residency.release,
-            drain_fetches=residency.drain_fetches, sharded_step=sharded_step,
-            partition=partition) if layout.delayed_update else None
+            units, layout=layout, tiers=tiers,
+            paths=UpdatePaths(layout, ring=step_ring, sharded=sharded_step, adam=adam, partition=partition),
+            worker=self, gradients=gradients, residency=residency, failures=status) if layout.delayed_update else None
+
+    def submit_update(self, run: Callable[..., None], *args: Any) -> Future:
+        """Run ``run(*args)`` on the optimizer worker after what is queued there (the delayed
+        updates' OptimizerWorker port); ``finish_optimizer`` waits for it with the rest."""
+        ticket = self._worker.submit(run, *args)
+        self._early_futures.append(ticket)
+        return ticket
 
     def shutdown_worker(self) -> None:
         """Stop the optimizer worker once what it runs has finished (close())."""
