@@ -51,6 +51,7 @@ from offload.optim.several import GroupRule, OptimizerSet, as_optimizer_list
 from offload.optim.whole import probe_rule
 from offload.optim.failure import FailureState, with_note
 from offload.optim.gradients import Gradients
+from offload.optim.paths import UpdatePaths
 from offload.optim.sharded import ShardedStep
 from offload.optim.step import PipelinedStep
 from offload.optim.updates import UpdateScheduler
@@ -262,9 +263,9 @@ class Engine:
             # 7. The update scheduler, with the worker that updates units ([Note: early updates],
             # [Note: deferred updates]: when each unit's Adam runs, and what waits for it), hooks.
             self._updates = UpdateScheduler(
-                self.units, layout=layout, tiers=tiers, step_ring=self._step_ring, sharded_step=self._sharded_step,
-                partition=self._partition, prefetcher=self._prefetcher, gradients=self._gradients,
-                residency=self._residency, status=self._status, adam=self._adam)
+                self.units, layout=layout, tiers=tiers, paths=UpdatePaths(
+                    layout, ring=self._step_ring, sharded=self._sharded_step, adam=self._adam, partition=self._partition),
+                prefetcher=self._prefetcher, gradients=self._gradients, residency=self._residency, status=self._status)
             self._residency.connect(self._updates)
             self._activations.connect(self._residency)  # [Note: saved activations] room by eviction
             self._gradients.connect(self._updates)

@@ -5,10 +5,11 @@ deferred (after step() returned: [Note: deferred updates]), and what waits for i
 ``UpdateScheduler`` owns the worker's queue (a heap, best first), its lock and the
 tickets of what is queued, and whether a deferred step is pending; each unit's part is
 its ``UnitUpdate`` record (``u.update``, [Note: update states]). The engine builds it
-once at wrap and hands it the mechanisms it drives: the staged step (PipelinedStep), the
-[zero] sharded step, the prefetcher, the gradients, the residency, Adam over a unit
-(UnitAdam, which also snapshots the param groups an update runs with) and the failure
-state. It owns the optimizer worker (one thread) and shuts it down (``shutdown_worker``).
+once at wrap and hands it the mechanisms it drives: the update paths (``UpdatePaths``: the
+staged step, the [zero] sharded step and Adam over a unit, UnitAdam, which also snapshots
+the param groups an update runs with), the prefetcher, the gradients, the residency and the
+failure state. It owns the optimizer worker (one thread) and shuts it down
+(``shutdown_worker``), and builds the delayed updates over the same collaborators.
 
 [Note: speculative updates] With max_grad_norm, fp16 or skip_nonfinite_steps the step needs
 the global gradient norm before any update, and the norm is known only when backward ends.
@@ -86,12 +87,10 @@ from offload import faults
 from offload.errors import warn_at_caller
 from offload.memory.layout import Layout, UnitState
 from offload.memory.residency import DeviceResidency
-from offload.optim.adam_ranges import UnitAdam
 from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import FailureState, wait_through_interrupts, with_note
 from offload.optim.gradients import Gradients
 from offload.optim.paths import UpdatePaths
-from offload.optim.step import PipelinedStep
 from offload.prefetch import Prefetcher
 from offload.tiers.context import TierContext
 from offload.units import Residency
@@ -109,19 +108,18 @@ class UpdateScheduler:
     ([Note: update states]); the residency code takes it for that (``prefetch_updating``).
     """
 
-    def __init__(self, units: List[UnitState], *, layout: Layout, tiers: TierContext, step_ring: PipelinedStep,
-                 sharded_step: Optional[Any], partition: Optional[Any], prefetcher: Prefetcher,
-                 gradients: Gradients, residency: DeviceResidency, status: FailureState, adam: UnitAdam) -> None:
+    def __init__(self, units: List[UnitState], *, layout: Layout, tiers: TierContext, paths: UpdatePaths,
+                 prefetcher: Prefetcher, gradients: Gradients, residency: DeviceResidency, status: FailureState) -> None:
         """``units``: every unit, the root first. ``tiers``: its counters and timeline are what
-        it records in. ``sharded_step``: [zero] the ShardedStep at
-        stage >= 1, else None; ``partition``: [zero] the Partition of several ranks, or
-        None. ``gradients``: the gradients the updates read, whose norm, factor and skip
-        decision the step takes and which zero_grad drops. ``residency``: the device copies
-        an update makes stale (dropped on the main thread), releases, the fetches it lands
-        and those it brings behind updates. ``status``: the engine's failure state (refuse
-        when failed, stop after a step failed part-way). ``adam``: Adam over a whole
-        host-homed unit. The scheduler counts the micro-steps (``micro_step``: the engine's
-        step() calls so far)."""
+        it records in. ``paths``: how a unit's update runs (the staged step, [zero] the
+        sharded step at stage >= 1, Adam in place on host homes) and [zero] the Partition of
+        several ranks, or None. ``prefetcher``: the order of the passes, which early updates
+        and deferred ones follow. ``gradients``: the gradients the updates read, whose norm,
+        factor and skip decision the step takes and which zero_grad drops. ``residency``:
+        the device copies an update makes stale (dropped on the main thread), releases, the
+        fetches it lands and those it brings behind updates. ``status``: the engine's failure
+        state (refuse when failed, stop after a step failed part-way). The scheduler counts
+        the micro-steps (``micro_step``: the engine's step() calls so far)."""
         self._units = units
         self._root = units[0]
         self._layout = layout
@@ -129,20 +127,18 @@ class UpdateScheduler:
         # when, see Layout.early_allowed) run on this worker, overlapping the rest of backward.
         # [zero] Collectives run only on the main thread (this also skips the root prestage).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-        self._step_ring = step_ring
-        self._sharded_step = sharded_step
-        self._partition = partition
+        self._paths = paths
+        self._step_ring, self._sharded_step, self._partition = paths.ring, paths.sharded, paths.partition
         self._prefetcher = prefetcher
-        stats, timeline = tiers.stats, tiers.timeline
-        self._stats, self._timeline = stats, timeline
+        self._stats, self._timeline = tiers.stats, tiers.timeline
         self._mark_stale = residency.mark_stale
         self._forget_stale = residency.forget_stale
         self._gradients = gradients
         self.micro_step = 0  # step() calls so far; a checkpoint keeps it
         self._check_not_failed = status.check
         self._fail_step = status.fail_step
-        self._update_in_place = adam.update_in_place
-        self._hyperparameters = adam.hyperparameters
+        self._update_in_place = paths.adam.update_in_place
+        self._hyperparameters = paths.adam.hyperparameters
         self._release = residency.release
         self._drain_fetches = residency.drain_fetches
         self._land_fills = residency.land_fills
@@ -171,9 +167,8 @@ class UpdateScheduler:
         self.gathers_owed = False
         # [Note: delayed updates] None unless delayed_update
         self.delayed: Optional[DelayedUpdates] = DelayedUpdates(
-            units, layout=layout, tiers=tiers,
-            paths=UpdatePaths(layout, ring=step_ring, sharded=sharded_step, adam=adam, partition=partition),
-            worker=self, gradients=gradients, residency=residency, failures=status) if layout.delayed_update else None
+            units, layout=layout, tiers=tiers, paths=paths, worker=self, gradients=gradients, residency=residency,
+            failures=status) if layout.delayed_update else None
 
     def submit_update(self, run: Callable[..., None], *args: Any) -> Future:
         """Run ``run(*args)`` on the optimizer worker after what is queued there (the delayed
@@ -603,14 +598,7 @@ class UpdateScheduler:
                 if u.early_nonfinite is None and not math.isfinite(square):
                     u.early_nonfinite = e
                 u.early_grad_squares.append(square)
-        if self._sharded_step is not None:  # [zero] stage 3: Adam over this rank's shard, no collective
-            # ([Note: early updates across ranks])
-            self._sharded_step.run([u], grad_factor, self.micro_step, groups, speculative=u.update.speculative,
-                                   early=True)
-        elif self._layout.staged_step:
-            self._step_ring.update_early(u, groups, grad_factor)
-        else:
-            self._update_in_place(u, grad_factor, groups, speculative=u.update.speculative)
+        self._paths.early(u, groups, grad_factor, self.micro_step)  # [zero] no collective at stage 3
         if u.update.speculative:  # its gradients wait for the norm, on NVMe if they came from there
             self._gradients.park(u)  # ([Note: gradient spill])
         # The whole unit, its I/O waits included ("adam" spans are the kernel alone).
