@@ -275,11 +275,8 @@ class Engine:
             self._last_optimizer_seconds = 0.0
             # Every use of a unit, in forward and backward, goes through these hooks; the
             # gradient hooks hand gradients to self._gradients ([Note: gradient ownership]).
-            self._hooks = Hooks(
-                model, self.units, gradients=self._gradients, device=self._device, partition=self._partition,
-                prefetcher=self._prefetcher, timeline=self._timeline, activations=self._activations,
-                residency=self._residency, updates=self._updates, begin_pass=self._begin_pass,
-                settled_values=self._settled)
+            self._hooks = Hooks(model, self.units, tiers=tiers, gradients=self._gradients, partition=self._partition,
+                                activations=self._activations, residency=self._residency, updates=self._updates)
             undo.callback(self._hooks.remove)
             self._hooks.install()
             self._hooks.install_copies(self._plain_values)  # [Note: copies of a wrapped model]
@@ -410,7 +407,7 @@ class Engine:
         """Full-precision weights keyed as ``model.state_dict()``, on the CPU: the fp32
         master where one exists, else the compute copy. [zero] With several ranks at stage
         >= 1 it gathers the shards: every rank must call it (like save_checkpoint)."""
-        values = self._settled("state_dict")
+        values = self._updates.settled_values("state_dict")
         return {name: value.to("cpu", copy=True) for name, value in iter_weights(self.module, self.units, values)}
 
     def save_pretrained(self, directory: str, dtype: "torch.dtype | str | None" = None,
@@ -429,28 +426,9 @@ class Engine:
         unit order); rank 0 alone writes ``directory``, the others read the values and
         drop them. The others return without waiting for rank 0's files to be in place."""
         checkpoint.export.save_pretrained(
-            directory, self.module, self.units, self._settled("save_pretrained"),
+            directory, self.module, self.units, self._updates.settled_values("save_pretrained"),
             torch.float32 if self.layout.merged else self.compute_dtype, dtype, max_shard_size,
             write=self._partition is None or self._partition.rank == 0)
-
-    def _settled(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
-        """The reader of a unit's current values, once this step's updates are all done or none started."""
-        self._status.check_open(what)
-        return self._values_reader(what)
-
-    def _values_reader(self, what: str, step_finished: bool = False) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
-        """_settled without the check that the engine is open (close() reads through it;
-        ``step_finished``: close() waited for a deferred step whose bookkeeping it skips,
-        so units marked updated hold that whole step)."""
-        self._updates.settle_for_reading()  # [Note: delayed updates] read through read_committed
-        early = [] if step_finished else self._updates.updated_early()
-        if early:
-            raise RuntimeError(
-                f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
-                f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
-                "and not the others yet, so the weights would mix two steps; call it after step()")
-        return lambda u: self._updates.read_committed(
-            u, lambda: self._homes.unit_values(u, self._step_ring.dirty.get(u.index, {})))
 
     def restore_model(self) -> None:
         """Between steps: every parameter of the model holds a copy of its current value
@@ -470,7 +448,8 @@ class Engine:
         if too_big:
             raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict(), "
                              "engine.save_pretrained(DIR) or inside `with engine.gathered(params):`")
-        self._residency.restored.restore(model_copies(self.units, self._residency.released, self._settled(what)))
+        self._residency.restored.restore(model_copies(self.units, self._residency.released,
+                                                      self._updates.settled_values(what)))
 
     def _plain_values(self, module: nn.Module) -> Dict[nn.Parameter, torch.Tensor]:
         """[Note: copies of a wrapped model] New copies of the current values of ``module``'s
@@ -483,27 +462,14 @@ class Engine:
         if too_big:
             raise ValueError(f"{what}: {too_big}; read the weights with engine.state_dict() or save them with "
                              "engine.save_pretrained(DIR)")
-        return model_copies(units, self._residency.released, self._settled(what))
-
-    def _end_restore(self, what: str, compare: bool = True) -> List[str]:
-        """[Note: restored parameters] End a restore, if one is on; the names of the
-        parameters written meanwhile (``compare=False``: not looked for, the caller replaces
-        every value)."""
-        restored = self._residency.restored
-        if not restored.active:
-            return []
-        return restored.end(self.units, self._settled(what) if compare else None, self._residency.point_back)
+        return model_copies(units, self._residency.released, self._updates.settled_values(what))
 
     def _end_restore_or_raise(self, what: str, compare: bool = True) -> None:
-        """_end_restore, a RuntimeError naming the parameters written while restored."""
-        written = self._end_restore(what, compare)
+        """[Note: restored parameters] End a restore, if one is on (DeviceResidency.end_restore);
+        a RuntimeError naming the parameters written while restored."""
+        written = self._residency.end_restore(what, compare)
         if written:
             self._residency.released.check_unwritten([], written)
-
-    def _begin_pass(self) -> None:
-        """The forward hooks' start of a pass: a restore ends, and the residency's
-        begin_pass names what was written ([Note: restored parameters])."""
-        self._residency.begin_pass(self._end_restore("a forward"))
 
     @contextlib.contextmanager
     def gathered(self, params_or_modules: "nn.Parameter | nn.Module | Iterable[nn.Parameter | nn.Module] | None" = None,
@@ -744,7 +710,7 @@ class Engine:
                 held = self._residency.restored.take_held()
                 try:
                     copies.update(model_copies(self.units, self._residency.released,
-                                              self._values_reader("close", step_finished=deferred), held))
+                                              self._updates.values_reader("close", step_finished=deferred), held))
                 except Exception as error:  # noqa: B902 - close() goes on; the values stay where they are
                     # (a RuntimeError between backward() and step(): two steps' values)
                     copies.clear()

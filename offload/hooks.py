@@ -39,9 +39,7 @@ from offload import faults
 from offload.memory.activations import ActivationStore, SavedActivation
 from offload.memory.layout import UnitState
 from offload.optim.gradients import Gradients
-from offload.prefetch import Prefetcher
-from offload.stats import Timeline
-from offload.tiers import DeviceTier
+from offload.tiers.context import TierContext
 from offload.units import Residency
 from offload.zero import Partition
 
@@ -132,10 +130,9 @@ class _StateDicts:
     the parameter objects, as ever. ``load_state_dict`` into a wrapped model is refused
     with a ValueError naming the ways to load weights (its writes would be lost)."""
 
-    def __init__(self, module: nn.Module, units: List[UnitState],
-                 settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
+    def __init__(self, module: nn.Module, units: List[UnitState], updates: "PassUpdates") -> None:
         self._module = module
-        self._settled_values = settled_values
+        self._updates = updates
         entry_of = {e.param: (u, e) for u in units for e in u.spec.entries}
         self._owned: Dict[nn.Module, List[Tuple[str, UnitState, Any]]] = {}
         for m in module.modules():
@@ -156,7 +153,7 @@ class _StateDicts:
 
     def _pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._call is None:
-            self._values = None if keep_vars else self._settled_values("state_dict")
+            self._values = None if keep_vars else self._updates.settled_values("state_dict")
             self._call = (module, keep_vars)
 
     def _post(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
@@ -313,6 +310,14 @@ class _Copies:
 class UnitsOnDevice(Protocol):
     """What the hooks need of the residency (memory.residency.DeviceResidency)."""
 
+    def begin_pass(self) -> None:
+        """A forward pass begins, no unit is the current one: a restore ends, and it raises,
+        before the pass changes anything, if a parameter was written where the write is lost
+        ([Note: released parameters], [Note: restored parameters])."""
+
+    def begin_trace(self, key: Hashable, training: bool) -> None:
+        """The pass of kind ``key`` begins: the prefetcher replays its trace, or records one."""
+
     def need(self, u: UnitState) -> None:
         """u is about to be used: have it on the device (or its transfer in flight) and start
         the transfers the prefetch plan says come next."""
@@ -337,6 +342,10 @@ class PassUpdates(Protocol):
     def maybe_update_early(self) -> None:
         """Start the updates of the units now done."""
 
+    def settled_values(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """The reader of a unit's current values (Homes.unit_values), raising if ``what``
+        came between an early update and step() ([Note: state_dict of a wrapped model])."""
+
 
 class Hooks:
     """The hooks on the model (its root, every other unit's module, every trainable
@@ -345,36 +354,27 @@ class Hooks:
     unit whose backward runs now, the key of the last training pass. Main thread only
     (autograd runs these hooks on the thread that calls backward)."""
 
-    def __init__(self, module: nn.Module, units: List[UnitState], *, gradients: Gradients,
-                 device: DeviceTier, partition: Optional[Partition], prefetcher: Prefetcher,
-                 timeline: Timeline, activations: ActivationStore, residency: UnitsOnDevice,
-                 updates: PassUpdates, begin_pass: Callable[[], None],
-                 settled_values: Callable[[str], Callable[[UnitState], Dict[int, torch.Tensor]]]) -> None:
-        """``units``: the root first. ``gradients`` takes each parameter's gradient once
-        autograd has accumulated it. ``partition``: [zero] the ranks' partition, or None.
-        ``activations``: where saved tensors other than parameters go ([Note: saved
-        activations]; a store with no mode hands them back as they are).
-        ``residency`` brings units to the device; ``updates`` runs the optimizer beside the
-        passes. The engine's callables:
-        - ``begin_pass()``: a new pass begins, no unit is the current one (raising, before
-          the pass changes anything, if a parameter was written where the write is lost:
-          [Note: released parameters], [Note: restored parameters]);
-        - ``settled_values(what)``: the reader of a unit's current values (Homes.unit_values),
-          raising if ``what`` came between an early update and step() ([Note: state_dict
-          of a wrapped model])."""
+    def __init__(self, module: nn.Module, units: List[UnitState], *, tiers: TierContext, gradients: Gradients,
+                 partition: Optional[Partition], activations: ActivationStore, residency: UnitsOnDevice,
+                 updates: PassUpdates) -> None:
+        """``units``: the root first. ``tiers``: the device tier (the arena's views, the reads
+        a forward is done with) and the timeline. ``gradients`` takes each parameter's
+        gradient once autograd has accumulated it. ``partition``: [zero] the ranks'
+        partition, or None. ``activations``: where saved tensors other than parameters go
+        ([Note: saved activations]; a store with no mode hands them back as they are).
+        ``residency`` begins passes and brings units to the device; ``updates`` runs the
+        optimizer beside the passes and reads the units' values for ``state_dict()``."""
         self._module = module
         self._units = units
         self._root = units[0]
         self._gradients = gradients
-        self._device = device
+        self._device = tiers.device
         self._partition = partition
-        self._prefetcher = prefetcher
-        self._timeline = timeline
+        self._timeline = tiers.timeline
         self._activations = activations
         self._residency = residency
         self._updates = updates
-        self._begin_pass = begin_pass
-        self._state_dicts = _StateDicts(module, units, settled_values)
+        self._state_dicts = _StateDicts(module, units, updates)
         # [zero] Buffers kept in step across ranks (like DDP's broadcast_buffers).
         self._buffers = [b for b in module.buffers()]
         self._handles: List[Any] = []
@@ -441,7 +441,7 @@ class Hooks:
         # A new pass, no unit the current one. It raises, before anything of the pass
         # changes, if a released parameter was written ([Note: released parameters]); the
         # root post-forward hook runs all the same (always_call) and undoes the depth.
-        self._begin_pass()
+        self._residency.begin_pass()
         self._in_engine_backward = False  # a backward that raised did not reach end_backward
         # 1. The last step's updates are done ([Note: deferred updates]: else each fetch
         #    waits for its own unit; [Note: delayed updates]: else nothing waits for them
@@ -452,7 +452,7 @@ class Hooks:
             self._partition.broadcast_buffers(self._buffers)
         # 2. A new pass: the trace of its kind is replayed, every unit's calls counted anew.
         key = self._pass_key(args, kwargs)
-        self._prefetcher.begin_pass(key, training=key[0] and key[1])
+        self._residency.begin_trace(key, training=key[0] and key[1])
         for u in self._units:
             u.calls = u.backward_done = 0
         # 3. Saved views of the arena become references ([Note: saved parameters]), other

@@ -1,6 +1,8 @@
-"""The staged optimizer step and the homes built on their own, without wrap(): each from the
-few collaborators its constructor names (the TierContext, the Homes, UnitAdam, Gradients,
-FailureState), small real ones here, so that the ports are usable by themselves.
+"""The mechanisms built on their own, without wrap(): the staged optimizer step, the homes,
+the delayed updates, the update scheduler and the hooks, each from the few collaborators
+its constructor names (the TierContext, the Homes, UnitAdam, Gradients, FailureState,
+DeviceResidency, UpdatePaths, the ports of the classes built after them), small real ones
+here, so that the ports are usable by themselves.
 
 A unit's update through PipelinedStep is held against torch.optim.AdamW as tests/
 test_optim_cpu_adam.py does ([Note: how exact the tests are] there): the moments bit for bit,
@@ -9,6 +11,8 @@ one MKL's)."""
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
@@ -21,14 +25,20 @@ from offload.memory.budget import UnitSizes, check_device_budget, check_host_bud
 from offload.memory.homes import Homes
 from offload.memory.layout import Layout, UnitState, on_nvme
 from offload.memory.placement import resolve_placement
-from offload.memory.released import ReleasedParameters
+from offload.hooks import Hooks
+from offload.memory.activations import ActivationStore
+from offload.memory.residency import DeviceResidency
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import CompactUnit, UnitCompactStates
 from offload.optim.cpu_adam import adam_flavour
+from offload.optim.delayed import DelayedUpdates
 from offload.optim.failure import FailureState
 from offload.optim.gradients import Gradients
+from offload.optim.paths import UpdatePaths
 from offload.optim.several import GroupRule, OptimizerSet
 from offload.optim.step import PipelinedStep
+from offload.optim.updates import UpdateScheduler
+from offload.prefetch import Prefetcher
 from offload.stats import Stats, Timeline
 from offload.tiers import DeviceTier, HostTier, NvmeTier
 from offload.tiers.context import TierContext
@@ -45,6 +55,11 @@ class Tiny(nn.Module):
         self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
         self.head = nn.Linear(16, 5)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
 
 class NoEarlyUpdates:
     """Gradients' EarlyUpdates port with nothing to start early (no update scheduler here)."""
@@ -57,8 +72,8 @@ class NoEarlyUpdates:
 
 class StandAlone:
     """What the engine's wrap builds for the optimizer step, built by hand from the config:
-    the units, the Layout, the tiers, the Homes (every unit's initial state written home),
-    UnitAdam, Gradients and the PipelinedStep over them."""
+    the units, the Layout, the tiers, the residency, the Homes (every unit's initial state
+    written home), UnitAdam, Gradients and the PipelinedStep over them."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: offload.OffloadConfig) -> None:
         device = torch.device("cpu")
@@ -77,9 +92,12 @@ class StandAlone:
         self.nvme = NvmeTier(config.swap_dir, swap_bytes(sizes, layout), "threads", config.io_block_bytes,
                              config.io_queue_depth) if layout.needs_nvme else None
         self.tiers = TierContext(device_tier, host, self.nvme, stats, timeline)
-        released = ReleasedParameters(specs, layout.compute_dtype, device, device_tier.streams, host)
-        self.homes = Homes(self.units, layout, tiers=self.tiers, partition=None, release_param=released.release,
-                           bind=lambda u: None, compact=UnitCompactStates())
+        self.prefetcher = Prefetcher(layout.prefetch, layout.prefetch_units, max_bytes_ahead=layout.prefetch_bytes)
+        self.residency = DeviceResidency(layout=layout, units=self.units, tiers=self.tiers, partition=None,
+                                         prefetcher=self.prefetcher)
+        self.homes = Homes(self.units, layout, tiers=self.tiers, partition=None,
+                           release_param=self.residency.released.release, bind=self.residency.bind,
+                           compact=UnitCompactStates())
         self.homes.allocate()
         slots = self.homes.allocate_staging(slot_shape(sizes, layout))
         with torch.no_grad():
@@ -103,7 +121,13 @@ class StandAlone:
                 e.param.grad = grads[e.fqn].clone()
                 self.gradients.on_grad_ready(u, k, e.param)
 
+    def paths(self) -> UpdatePaths:
+        """The update paths of one process: the staged step or Adam in place, no sharded step."""
+        return UpdatePaths(self.layout, ring=self.step, sharded=None, adam=self.adam, partition=None)
+
     def close(self) -> None:
+        self.residency.drain_fetches()
+        self.residency.shutdown()
         if self.nvme is not None:
             self.nvme.close()
         self.tiers.host.close()
@@ -257,4 +281,184 @@ def test_a_staged_step_built_without_two_staging_slots_is_a_value_error_naming_t
                           adam=built.adam, gradients=built.gradients, failures=built.failures,
                           host_planned_bytes=0)
     finally:
+        built.close()
+
+
+class OneWorker:
+    """The delayed updates' OptimizerWorker port over a thread of its own, as the update
+    scheduler runs it: what it was given to run is what finish_optimizer waits for."""
+
+    def __init__(self, micro_step: int) -> None:
+        self.micro_step = micro_step
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-worker")
+        self._tickets: List[Future] = []
+
+    def submit_update(self, run: Callable[..., None], *args: Any) -> Future:
+        ticket = self._pool.submit(run, *args)
+        self._tickets.append(ticket)
+        return ticket
+
+    def finish_optimizer(self) -> Optional[BaseException]:
+        tickets, self._tickets = self._tickets, []
+        for ticket in tickets:
+            ticket.result()
+        return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _adamw_after_one_step(model: nn.Module, grads: dict, **hyperparameters) -> dict:
+    """Each parameter of a copy of ``model`` after one torch.optim.AdamW step with ``grads``."""
+    reference = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(reference.parameters(), **hyperparameters)
+    for name, p in reference.named_parameters():
+        p.grad = grads[name].clone()
+    adamw.step()
+    return {name: p.detach().reshape(-1) for name, p in reference.named_parameters()}
+
+
+def _assert_masters(built: "StandAlone", want: dict, units: List[UnitState], read=None) -> None:
+    for u in units:
+        master = built.homes.read_master(u) if read is None else read(u)
+        for e in u.trainable:
+            tolerance = 1e-6 * max(float(want[e.fqn].abs().max()), 1.0)
+            assert float((master[e.offset:e.offset + e.numel] - want[e.fqn]).abs().max()) <= tolerance, e.fqn
+
+
+@pytest.mark.parametrize("optimizer_tier", ["host", "nvme"])
+def test_delayed_updates_built_alone_write_the_spare_homes_until_the_commit(tmp_path, optimizer_tier):
+    """[Note: delayed updates] DelayedUpdates from its eight collaborators (a worker of its
+    own for the OptimizerWorker port): queued updates leave the homes as they were and write
+    the spare homes, which read_committed shows and commit makes the homes; the master is
+    then torch's AdamW step, the gradients are given back and taken back."""
+    torch.manual_seed(0)
+    model = Tiny()
+    initial = {name: p.detach().reshape(-1).clone() for name, p in model.named_parameters()}
+    grads = _grads(model)
+    want = _adamw_after_one_step(model, grads, lr=LR, weight_decay=WEIGHT_DECAY)
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                       _config(tmp_path, optimizer_tier=optimizer_tier, delayed_update=True,
+                               delayed_update_warmup_steps=0))
+    worker = OneWorker(micro_step=1)
+    try:
+        assert built.layout.delayed_update and built.layout.staged_step == (optimizer_tier == "nvme")
+        delayed = DelayedUpdates(built.units, layout=built.layout, tiers=built.tiers, paths=built.paths(),
+                                 worker=worker, gradients=built.gradients, residency=built.residency,
+                                 failures=built.failures)
+        built.hand_gradients(grads)
+        assert delayed.delays(skip=False, clipped=False)  # past the warm-up (micro-step 1, W = 0)
+        delayed.queue(built.adam.hyperparameters(), grad_factor=1.0)
+        delayed.wait()
+        assert all(u.delayed_pending for u in built.units)
+        for u in built.units:  # the homes hold the values before the step: the forward reads them
+            values = built.homes.unit_values(u, {})
+            for e in u.trainable:
+                assert torch.equal(values[e.offset].reshape(-1), initial[e.fqn]), e.fqn
+        _assert_masters(built, want, built.units,
+                        read=lambda u: delayed.read_committed(u, lambda: built.homes.read_master(u)))
+        delayed.take_back_all()
+        assert not any(any(u.has_grad) for u in built.units)
+        assert not any(_holds_gradients(u) for u in built.units)  # the updates gave them back
+        delayed.commit()
+        assert not any(u.delayed_pending for u in built.units)
+        _assert_masters(built, want, built.units)
+        assert [u.steps for u in built.units] == [[1] * len(u.trainable) for u in built.units]
+        assert built.failures.failure is None
+    finally:
+        worker.close()
+        built.close()
+
+
+def _scheduler(built: "StandAlone") -> UpdateScheduler:
+    """The update scheduler over what ``built`` holds, connected to the residency and the
+    gradients as wrap connects them."""
+    scheduler = UpdateScheduler(built.units, layout=built.layout, tiers=built.tiers, paths=built.paths(),
+                                prefetcher=built.prefetcher, gradients=built.gradients, residency=built.residency,
+                                status=built.failures)
+    built.residency.connect(scheduler)
+    built.gradients.connect(scheduler)
+    return scheduler
+
+
+@pytest.mark.parametrize("optimizer_tier", ["host", "nvme"])
+def test_the_update_scheduler_built_alone_steps_every_unit_as_torchs_adamw(tmp_path, optimizer_tier):
+    """UpdateScheduler from its eight collaborators: step() at the accumulation boundary
+    updates every unit with a gradient through the update paths (with states on NVMe
+    deferred to the worker, through the staged step; Adam in place on the host) and drops
+    the gradients (zero_grad); a second step() without gradients changes nothing."""
+    torch.manual_seed(0)
+    model = Tiny()
+    grads = _grads(model)
+    want = _adamw_after_one_step(model, grads, lr=LR, weight_decay=WEIGHT_DECAY)
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                       _config(tmp_path, optimizer_tier=optimizer_tier))
+    scheduler = _scheduler(built)
+    try:
+        built.hand_gradients(grads)
+        scheduler.micro_step = 1
+        scheduler.step()
+        # [Note: deferred updates] with the states on NVMe step() leaves the updates to the
+        # worker and returns; settle_all finishes them and the step's bookkeeping
+        assert scheduler.step_pending == (optimizer_tier == "nvme")
+        scheduler.settle_all()
+        _assert_masters(built, want, built.units)
+        assert [u.steps for u in built.units] == [[1] * len(u.trainable) for u in built.units]
+        assert not any(any(u.has_grad) or _holds_gradients(u) for u in built.units)
+        moments = [built.homes.load(u.moments_home, 2 * u.shard.state_numel, torch.float32).clone()
+                   for u in built.units]
+        scheduler.micro_step = 2
+        scheduler.step()  # no gradient: no unit moves
+        assert [u.steps for u in built.units] == [[1] * len(u.trainable) for u in built.units]
+        for u, before in zip(built.units, moments):
+            assert torch.equal(built.homes.load(u.moments_home, 2 * u.shard.state_numel, torch.float32), before)
+        assert built.failures.failure is None
+    finally:
+        scheduler.shutdown_worker()
+        built.close()
+
+
+def test_the_hooks_built_alone_run_the_models_function_and_hand_its_gradients_over(tmp_path):
+    """Hooks from their eight collaborators (the residency and the update scheduler for their
+    ports): a forward through the installed hooks fetches each unit to the device and
+    computes what the plain model computes; its backward (begun as engine.backward begins
+    one) hands every parameter's gradient to Gradients, which the scheduler's step then
+    applies as torch's AdamW does with the plain model's gradients. state_dict() of the
+    wrapped model reads the values through the scheduler's settled_values."""
+    torch.manual_seed(0)
+    model = Tiny()
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    expected_out = plain(x)
+    expected_out.sum().backward()
+    grads = {name: p.grad.clone() for name, p in plain.named_parameters()}
+    want = _adamw_after_one_step(model, grads, lr=LR)
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR), _config(tmp_path))
+    scheduler = _scheduler(built)
+    activations = ActivationStore(None, device=built.tiers.device, host=built.tiers.host, nvme=None,
+                                  timeline=built.tiers.timeline)
+    hooks = Hooks(model, built.units, tiers=built.tiers, gradients=built.gradients, partition=None,
+                  activations=activations, residency=built.residency, updates=scheduler)
+    hooks.install()
+    try:
+        out = model(x)
+        assert torch.allclose(out, expected_out, rtol=1e-6, atol=1e-6)
+        assert all(u.calls == (0 if u is built.units[0] else 1) for u in built.units)
+        hooks.begin_backward()
+        out.sum().backward()
+        built.gradients.finish_backward()
+        hooks.end_backward()
+        assert all(all(u.has_grad) for u in built.units)
+        scheduler.micro_step = 1
+        scheduler.step()
+        scheduler.settle_all()  # [Note: deferred updates] the pass's trace let step() defer them
+        _assert_masters(built, want, built.units)
+        state = model.state_dict()  # [Note: state_dict of a wrapped model]
+        for name, value in state.items():
+            assert torch.equal(value.reshape(-1), want[name]) or \
+                float((value.reshape(-1) - want[name]).abs().max()) <= 1e-6, name
+    finally:
+        hooks.remove()
+        scheduler.shutdown_worker()
+        activations.close()
         built.close()

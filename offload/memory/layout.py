@@ -16,8 +16,9 @@ write, so the rule for every field of it and of the mechanism objects lives here
   no update queued or running), and it alone
   moves ``compute_state`` and ``device_offset``, publishes ``pending``/``ready_event``
   (memory/residency.py), runs the step with clipping, fp16 or ZeRO and every collective
-  except stage 3's gathers and stage 1-2 delayed updates' gathers, and owns the engine's
-  own fields (micro-step, failure state).
+  except stage 3's gathers and stage 1-2 delayed updates' gathers, and writes the
+  micro-step count (``UpdateScheduler.micro_step``, which a delayed update reads on the
+  optimizer worker) and the failure state (``FailureState``).
 - The copy worker (``offload-copy``, DeviceResidency) runs the transfers of a fetch into
   the device slot it was handed and stage-3 all-gathers ([Note: parameter all-gathers]):
   it writes tensor data in the slot, no field of UnitState, and takes and gives back the

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -100,6 +100,11 @@ class PendingUpdates(Protocol):
     def pending(self, u: UnitState) -> bool:
         """Whether u's queued update or its swap writes are not done: such a unit is not
         evicted while another will do, and its prefetch waits for the update."""
+
+    def settled_values(self, what: str) -> Callable[[UnitState], Dict[int, torch.Tensor]]:
+        """The reader of a unit's current values once the last step's updates are done,
+        refusing ``what`` between an early update and step(); ending a restore compares the
+        restored copies with it ([Note: restored parameters])."""
 
 
 class DeviceResidency:
@@ -162,16 +167,29 @@ class DeviceResidency:
         """The update scheduler, once it is built (it is built with this residency)."""
         self._updates = updates
 
+    def begin_trace(self, key: Hashable, training: bool) -> None:
+        """The pass of kind ``key`` begins: the prefetcher replays its trace, or records one."""
+        self._prefetcher.begin_pass(key, training=training)
+
     def shutdown(self) -> None:
         """Stop the copy worker (after drain_fetches: nothing may be in flight)."""
         self._copy_worker.shutdown(wait=True)
 
-    def begin_pass(self, restored_written: Sequence[str] = ()) -> None:
+    def end_restore(self, what: str, compare: bool = True) -> List[str]:
+        """[Note: restored parameters] End a restore, if one is on; the names of the
+        parameters written meanwhile (``compare=False``: not looked for, the caller replaces
+        every value)."""
+        if not self.restored.active:
+            return []
+        return self.restored.end(self.units, self._updates.settled_values(what) if compare else None, self.point_back)
+
+    def begin_pass(self) -> None:
         """A forward pass starts: its first unit is a new use, whatever the last pass used.
-        First, a ValueError inside engine.gathered() ([Note: gathered parameters]), and a
-        RuntimeError if a released parameter was written or a parameter's ``.data``
-        replaced ([Note: released parameters]), or a restored one written
-        (``restored_written``, the caller ended the restore: [Note: restored parameters])."""
+        First, a restore ends (``end_restore``), then a ValueError inside engine.gathered()
+        ([Note: gathered parameters]), and a RuntimeError if a released parameter was
+        written or a parameter's ``.data`` replaced ([Note: released parameters]), or a
+        restored one written ([Note: restored parameters])."""
+        restored_written = self.end_restore("a forward")
         self.refuse_while_held("a forward")
         self.released.check_unwritten(self._point_back_replaced(), restored_written)
         self._last_needed = None

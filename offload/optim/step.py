@@ -142,6 +142,11 @@ class PipelinedStep:
         # next piece's first page; written and read by the thread that runs the unit's ring
         self._compact_carry: Dict[int, torch.Tensor] = {}
 
+    def unit_values(self, u: UnitState) -> Dict[int, torch.Tensor]:
+        """u's current values (``Homes.unit_values``): its homes', or where a swap write failed
+        the host copy kept here, which is current ([Note: swap I/O failures])."""
+        return self._homes.unit_values(u, self.dirty.get(u.index, {}))
+
     def master_home(self, homes: Any) -> Any:
         """Where the master lives in ``homes`` (a UnitState, or its SpareHomes)."""
         return homes.compute_home if self._layout.merged else homes.master_home

@@ -136,6 +136,7 @@ class UpdateScheduler:
         self._gradients = gradients
         self.micro_step = 0  # step() calls so far; a checkpoint keeps it
         self._check_not_failed = status.check
+        self._check_open = status.check_open
         self._fail_step = status.fail_step
         self._update_in_place = paths.adam.update_in_place
         self._hyperparameters = paths.adam.hyperparameters
@@ -237,6 +238,28 @@ class UpdateScheduler:
         self.settle_all()
         if self.delayed is not None:
             self.delayed.wait()
+
+    def settled_values(self, what: str) -> Callable[[UnitState], Dict[int, Any]]:
+        """The reader of a unit's current values (``values_reader``), refused (RuntimeError)
+        when the engine is closed."""
+        self._check_open(what)
+        return self.values_reader(what)
+
+    def values_reader(self, what: str, step_finished: bool = False) -> Callable[[UnitState], Dict[int, Any]]:
+        """The reader of a unit's current values (``PipelinedStep.unit_values``: element
+        offset -> tensor), once this step's updates are all done or none started: a
+        RuntimeError naming ``what`` between early updates and step(), unless
+        ``step_finished`` (close() waited for a deferred step whose bookkeeping it skips,
+        so units marked updated hold that whole step). [Note: delayed updates] a pending
+        delayed update's result is read (``read_committed``)."""
+        self.settle_for_reading()
+        early = [] if step_finished else self.updated_early()
+        if early:
+            raise RuntimeError(
+                f"{what}() between backward() and step(): the optimizer already updated {len(early)} "
+                f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
+                "and not the others yet, so the weights would mix two steps; call it after step()")
+        return lambda u: self.read_committed(u, lambda: self._step_ring.unit_values(u))
 
     def read_committed(self, u: UnitState, read: Callable[[], Any]) -> Any:
         """``read()`` of u's values with a pending delayed update's result in its homes."""
