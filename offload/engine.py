@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from offload import checkpoint, faults, units
-from offload.checkpoint import CheckpointAccess, EngineState, HomeIO
+from offload.checkpoint import CheckpointAccess, RunRecord
 from offload.config import OffloadConfig
 from offload.errors import EngineFailedError, warn_at_caller
 from offload.hooks import Hooks
@@ -286,30 +286,11 @@ class Engine:
         optimizer_set.forget_state(list(adam_state))  # the homes hold it now
 
         # 8. Checkpoints reach the states through this object alone ([Note: checkpoint
-        # access]); the counters and the failure state stay here, read and set by callables.
-        def restore_counters(counters: Dict[str, Any]) -> None:
-            gradients = self._gradients
-            self._updates.micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
-            gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
-
+        # access]); the training counters and failed writes' host copies through the scheduler.
         self._checkpoint = CheckpointAccess(
-            self.units, layout, self._partition, self._device, model, optimizer_set, config,
-            homes=HomeIO(read_master_range=self._homes.read_master_range, load_range=self._homes.load_range,
-                         store_range=self._homes.store_range, store_master_range=self._homes.store_master_range,
-                         forget_contents=self._homes.forget_contents, zero_master_padding=self._homes.zero_master_padding,
-                         store_compute_range=self._homes.store_compute_range, round_master=self._homes.round_master,
-                         buffer=self._homes.buffer,
-                         drop_buffers=self._homes.drop_buffers,
-                         release=self._residency.release, read_compact=self._homes.read_compact,
-                         compact=self._homes.compact, store=self._homes.store),
-            state=EngineState(
-                closed=lambda: self._status.closed, failure=lambda: self._status.failure, set_failure=self._status.set,
-                dirty=lambda index: self._step_ring.dirty.get(index, {}), forget_dirty=self._step_ring.dirty.clear,
-                counters=lambda: {"micro_step": self._updates.micro_step, "loss_scale": self._gradients.loss_scale,
-                                  "good_steps": self._gradients.good_steps,
-                                  "last_grad_norm": self._gradients.last_grad_norm},
-                restore_counters=restore_counters),
-            optimizer_state=optimizer_set.layout(rules))
+            self.units, layout, RunRecord(model, optimizer_set, config, optimizer_set.layout(rules)),
+            homes=self._homes, residency=self._residency, failures=self._status, training=self._updates,
+            partition=self._partition)
 
     # ------------------------------------------------------------------ public API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,8 +1,8 @@
 """The mechanisms built on their own, without wrap(): the staged optimizer step, the homes,
-the delayed updates, the update scheduler and the hooks, each from the few collaborators
-its constructor names (the TierContext, the Homes, UnitAdam, Gradients, FailureState,
-DeviceResidency, UpdatePaths, the ports of the classes built after them), small real ones
-here, so that the ports are usable by themselves.
+the delayed updates, the update scheduler, the hooks and the checkpoints' access, each from
+the few collaborators its constructor names (the TierContext, the Homes, UnitAdam,
+Gradients, FailureState, DeviceResidency, UpdatePaths, the ports of the classes built after
+them), small real ones here, so that the ports are usable by themselves.
 
 A unit's update through PipelinedStep is held against torch.optim.AdamW as tests/
 test_optim_cpu_adam.py does ([Note: how exact the tests are] there): the moments bit for bit,
@@ -25,6 +25,7 @@ from offload.memory.budget import UnitSizes, check_device_budget, check_host_bud
 from offload.memory.homes import Homes
 from offload.memory.layout import Layout, UnitState, on_nvme
 from offload.memory.placement import resolve_placement
+from offload.checkpoint import CheckpointAccess, RunRecord
 from offload.hooks import Hooks
 from offload.memory.activations import ActivationStore
 from offload.memory.residency import DeviceResidency
@@ -77,7 +78,8 @@ class StandAlone:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: offload.OffloadConfig) -> None:
         device = torch.device("cpu")
-        optimizers = OptimizerSet([optimizer])
+        self.config = config
+        self.optimizers = optimizers = OptimizerSet([optimizer])
         layout = Layout.resolve(config, device, None)
         group_of = {p: gi for gi, group in enumerate(optimizers.param_groups) for p in group["params"]}
         specs = split_into_units(model, group_of, layout.compute_element_bytes)
@@ -461,4 +463,58 @@ def test_the_hooks_built_alone_run_the_models_function_and_hand_its_gradients_ov
         hooks.remove()
         scheduler.shutdown_worker()
         activations.close()
+        built.close()
+
+
+@pytest.mark.parametrize("optimizer_tier", ["host", "nvme"])
+def test_checkpoint_access_built_alone_writes_a_units_state_and_reads_it_back(tmp_path, optimizer_tier):
+    """[Note: checkpoint access] CheckpointAccess from its eight collaborators (the Homes, the
+    residency, the FailureState, the update scheduler as its TrainingState): a unit's state
+    written as a load writes it (master, both moments, step counts) reads back bit for bit
+    from the homes, the weights go to the compute copy too, and the counters go to the
+    scheduler and the gradients; a save is refused while gradients are pending, and a load
+    marks the engine failed until it is finished."""
+    torch.manual_seed(0)
+    model = Tiny()
+    built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                       _config(tmp_path, optimizer_tier=optimizer_tier))
+    scheduler = _scheduler(built)
+    access = CheckpointAccess(built.units, built.layout, RunRecord(model, built.optimizers, built.config),
+                              homes=built.homes, residency=built.residency, failures=built.failures,
+                              training=scheduler, partition=None)
+    try:
+        generator = torch.Generator().manual_seed(2)
+        u = built.units[1]
+        n = u.spec.trainable_numel
+        saved = {"master": torch.randn(n, generator=generator), "exp_avg": torch.randn(n, generator=generator),
+                 "exp_avg_sq": torch.rand(n, generator=generator)}
+
+        def read(section: str, lo: int, hi: int, out: torch.Tensor) -> None:
+            out.copy_(saved[section][lo:hi])
+
+        access.begin_state_load("a test's load did not finish")
+        with pytest.raises(EngineFailedError, match="a test's load did not finish"):
+            built.failures.check("step")
+        access.write_unit_state(u, read, steps=[7] * len(u.trainable))
+        access.finish_state_load()
+        built.failures.check("step")  # trains again
+        master, exp_avg, exp_avg_sq = access.read_trainable_state(u, 0, n)
+        for name, got in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            assert torch.equal(got, saved[name]), name
+        assert u.steps == [7] * len(u.trainable)
+        values = built.homes.unit_values(u, {})
+        for e in u.trainable:  # fp32: the compute copy is the master
+            assert torch.equal(values[e.offset].reshape(-1), saved["master"][e.offset:e.offset + e.numel]), e.fqn
+
+        access.restore_training_counters({"micro_step": 4, "loss_scale": 1.0, "good_steps": 0,
+                                          "last_grad_norm": 0.5}, saved_dtype="fp32")
+        assert scheduler.micro_step == 4 and built.gradients.last_grad_norm == 0.5
+        assert access.training_counters()["micro_step"] == 4
+        access.check_allowed(saving=True)
+        built.hand_gradients(_grads(model))
+        with pytest.raises(ValueError, match="save_checkpoint: gradients of un-stepped micro-batch"):
+            access.check_allowed(saving=True)
+    finally:
+        access.release_buffers()
+        scheduler.shutdown_worker()
         built.close()

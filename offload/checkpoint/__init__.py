@@ -37,12 +37,12 @@ reads] in files.py); export copies in 4 MiB chunks.
 [Note: atomic checkpoint directory] is in directory.py: every crash of a save leaves a
 complete checkpoint at its name, or complete copies beside it that load names.
 """
-from offload.checkpoint.access import CheckpointAccess, EngineState, HomeIO
+from offload.checkpoint.access import CheckpointAccess, RunRecord, TrainingState
 from offload.checkpoint.export import export_checkpoint, export_pretrained
 from offload.checkpoint.format import FORMAT, MANIFEST, VERSION, read_manifest
 from offload.checkpoint.load import load_checkpoint
 from offload.checkpoint.save import save_checkpoint
 from offload.checkpoint.state_dict import load_weights
 
-__all__ = ["CheckpointAccess", "EngineState", "HomeIO", "FORMAT", "MANIFEST", "VERSION",
+__all__ = ["CheckpointAccess", "RunRecord", "TrainingState", "FORMAT", "MANIFEST", "VERSION",
            "export_checkpoint", "export_pretrained", "load_checkpoint", "load_weights", "read_manifest", "save_checkpoint"]

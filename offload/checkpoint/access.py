@@ -5,14 +5,16 @@ elements of a unit (ranges of its trainable prefix or of its frozen tail) and th
 counters. How the homes hold them (merged or split master, host copies of failed swap
 writes, [zero] shards and chunks) is known here, and only here in offload/checkpoint/.
 The engine builds one CheckpointAccess at the end of wrap and hands over what it needs
-explicitly: the units, the layout, the partition, the device tier, its readers and
-writers of homes (HomeIO) and the state it owns (EngineState: counters and failure
-state, as callables). Nothing here reads an attribute of the engine.
+explicitly: the units, the layout, what the run is (RunRecord: model, optimizer, config),
+the Homes (which read and write unit homes), the residency (which drops a device copy a
+load makes stale), the FailureState, the update scheduler for the training counters and
+the failed writes' host copies (a TrainingState), and the partition. Nothing here reads an
+attribute of the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -26,105 +28,72 @@ CHUNK_NUMEL = 8 << 20
 
 if TYPE_CHECKING:
     from offload.config import OffloadConfig
-    from offload.memory.compact_codec import CompactStates
+    from offload.memory.homes import Homes
     from offload.memory.layout import Layout, UnitState
-    from offload.tiers import DeviceTier
+    from offload.memory.residency import DeviceResidency
+    from offload.optim.failure import FailureState
     from offload.zero import Partition
 
 
 @dataclass(frozen=True)
-class HomeIO:
-    """The engine's synchronous readers and writers of unit homes (the seam between the
-    checkpoint code and wherever homes are kept; today bound methods of offload/memory/
-    homes.py's Homes, and the engine's release)."""
+class RunRecord:
+    """What a checkpoint records of the run beside the states, and what a load checks
+    against: values fixed at wrap, no callables."""
 
-    read_master_range: Callable[["UnitState", int, int], torch.Tensor]
-    """``read_master_range(u, lo, hi)``: u's fp32 master of elements [lo, hi) of its
-    trainable prefix, inside this rank's shard, as its home holds it (merged: the compute
-    copy's; split, [Note: split master]: joined from the two halves). Valid until the next
-    call."""
-    load_range: Callable[[Any, int, int, torch.dtype, str], torch.Tensor]
-    """``load_range(home, start, numel, dtype, buffer)``: elements [start, start + numel) of
-    a home, read into the reused buffer named ``buffer`` (valid until that name is used
-    again) or a view of a host home."""
-    store_range: Callable[[Any, int, torch.Tensor, str], None]
-    """``store_range(home, start, src, buffer)``: overwrite elements [start, start + n) of a
-    home with ``src`` (through the reused buffer named ``buffer`` where it must)."""
-    store_master_range: Callable[["UnitState", torch.Tensor, int, torch.Tensor], None]
-    """``store_master_range(u, master, start, high)``: from ``master`` (fp32, elements from
-    ``start`` of u's trainable prefix) fill ``high`` (the compute copy's values there) and
-    write the master's home where it is kept apart (this rank's shard)."""
-    forget_contents: Callable[["UnitState"], None]
-    """``forget_contents(u)``: u's own homes are about to be written whole; what they hold
-    now is not checked again (their swap checksums are dropped)."""
-    zero_master_padding: Callable[["UnitState"], None]
-    """``zero_master_padding(u)``: zeros in the master's home past this rank's shard."""
-    store_compute_range: Callable[["UnitState", int, torch.Tensor], None]
-    """``store_compute_range(u, start, compute)``: overwrite elements from ``start`` of u's
-    compute copy at home (and past the frozen start, of its spare one: [Note: speculative
-    updates])."""
-    round_master: Callable[[torch.Tensor], torch.Tensor]
-    """``round_master(master)``: the compute copy's values of fp32 ``master`` (a new tensor),
-    as ``store_master_range`` derives them."""
-    buffer: Callable[[str, int], torch.Tensor]
-    """``buffer(name, nbytes)``: a page-aligned uint8 buffer reused under ``name``."""
-    drop_buffers: Callable[[], None]
-    """Let go of every buffer ``buffer``, ``load_range`` and ``store_range`` kept."""
-    release: Callable[["UnitState"], None]
-    """Drop u's device copy (about to be stale)."""
-    read_compact: Optional[Callable[["UnitState"], Any]] = None
-    """[Note: compact optimizer states] ``read_compact(u)``: u's CompactUnit as its homes
-    hold it (over them on the host, over copies read from NVMe)."""
-    compact: Optional["CompactStates"] = None
-    """The CompactStates port (Homes.compact): ``compact.over(u, buffer, compute)`` is u's
-    CompactUnit over a compact home's bytes (``buffer``) and a compute copy (``compute``,
-    whose views are the high parts)."""
-    store: Optional[Callable[[Any, torch.Tensor], None]] = None
-    """``store(home, src)``: overwrite a whole home (host or NVMe) with ``src``."""
+    module: nn.Module
+    """The model: its parameter names and buffers."""
+    optimizer: Any
+    """The optimizers' param groups as one sequence (optim.several.OptimizerSet)."""
+    config: "OffloadConfig"
+    """The config of the run: recorded in the manifest, compared on load."""
+    optimizer_state: Optional[Dict[str, Any]] = None
+    """An elementwise optimizer's state layout (what sections exp_avg and exp_avg_sq hold,
+    [Note: elementwise optimizers]); None for Adam's."""
 
 
-@dataclass(frozen=True)
-class EngineState:
-    """The engine's own state that a checkpoint reads or replaces. The engine keeps the
-    fields; these callables read and set them."""
+class TrainingState(Protocol):
+    """What a checkpoint reads and replaces of the optimizer step's own state
+    (optim.updates.UpdateScheduler)."""
 
-    closed: Callable[[], bool]
-    failure: Callable[[], Optional[Dict[str, Any]]]
-    """None, or why the engine refuses to train: {"fatal": bool, "message": str}
-    ([Note: swap I/O failures])."""
-    set_failure: Callable[[Optional[Dict[str, Any]]], None]
-    dirty: Callable[[int], Dict[str, torch.Tensor]]
-    """The states of the unit with this index whose swap write failed, held in host RAM
-    and current ([Note: swap I/O failures]): "master" and/or "moments"; {} when none."""
-    forget_dirty: Callable[[], None]
-    """Drop every host copy of a failed swap write (they are stale after a load)."""
-    counters: Callable[[], Dict[str, Any]]
-    """The scalar training state as a checkpoint keeps it: micro_step, loss_scale,
-    good_steps (fp16 steps since the loss scale last changed), last_grad_norm."""
-    restore_counters: Callable[[Dict[str, Any]], None]
-    """Set the counters that ``counters()`` returned."""
+    def training_counters(self) -> Dict[str, Any]:
+        """The scalar training state as a checkpoint keeps it: micro_step, loss_scale,
+        good_steps (fp16 steps since the loss scale last changed), last_grad_norm."""
+
+    def restore_training_counters(self, counters: Dict[str, Any]) -> None:
+        """Set the counters that ``training_counters()`` returned."""
+
+    def held_states(self, u: "UnitState") -> Dict[str, torch.Tensor]:
+        """The states of u whose swap write failed, held in host RAM and current ([Note:
+        swap I/O failures]): "master" and/or "moments"; {} when none."""
+
+    def forget_held_states(self) -> None:
+        """Drop every host copy of a failed swap write (they are stale after a load)."""
 
 
 class CheckpointAccess:
     """[Note: checkpoint access] What save and load see of one engine."""
 
-    def __init__(self, units: List["UnitState"], layout: "Layout", partition: Optional["Partition"],
-                 device: "DeviceTier", module: nn.Module, optimizer: torch.optim.Optimizer,
-                 config: "OffloadConfig", homes: HomeIO, state: EngineState,
-                 optimizer_state: Optional[Dict[str, Any]] = None) -> None:
-        """``optimizer_state``: an elementwise optimizer's state layout (what sections
-        exp_avg and exp_avg_sq hold, [Note: elementwise optimizers]); None for Adam's."""
+    def __init__(self, units: List["UnitState"], layout: "Layout", run: RunRecord, *, homes: "Homes",
+                 residency: "DeviceResidency", failures: "FailureState", training: TrainingState,
+                 partition: Optional["Partition"]) -> None:
+        """``homes``: the readers and writers of unit homes (ranged, whole, the master codec,
+        reused buffers, [Note: compact optimizer states] the CompactStates port), and, with
+        param_tier "device", the device slot that is a unit's home. ``residency``: drops a
+        unit's device copy a write makes stale. ``failures``: whether the engine is closed
+        or failed; a load marks it failed until it is done. ``training``: the counters and
+        failed writes' host copies. ``partition``: [zero] the ranks, or None."""
         self.units = units
-        self.module = module
-        self.optimizer = optimizer
-        self.optimizer_state = optimizer_state
-        self.config = config  # of the run: recorded in the manifest, compared on load
+        self.module = run.module
+        self.optimizer = run.optimizer
+        self.optimizer_state = run.optimizer_state
+        self.config = run.config  # of the run: recorded in the manifest, compared on load
         self.compute_dtype = layout.compute_dtype
         self._layout = layout
         self._partition = partition
-        self._device = device
         self._homes = homes
-        self._state = state
+        self._residency = residency
+        self._failures = failures
+        self._training = training
 
     def check_allowed(self, saving: bool) -> None:
         """Raise unless a checkpoint can be saved (``saving``) or loaded now: RuntimeError
@@ -132,14 +101,14 @@ class CheckpointAccess:
         (EngineFailedError) and while gradients of un-stepped micro-batches are pending
         (ValueError)."""
         what = "save_checkpoint" if saving else "load_checkpoint"
-        if self._state.closed():
+        if self._failures.closed:
             raise RuntimeError(f"{what}: engine is closed")
         if not saving:
             return
-        failure = self._state.failure()
+        failure = self._failures.failure
         if failure is not None and failure["fatal"]:
             raise EngineFailedError(f"save_checkpoint: {failure['message']}")
-        micro_step = self._state.counters()["micro_step"]
+        micro_step = self._training.training_counters()["micro_step"]
         pending = micro_step % self._layout.accumulation_steps
         if pending or any(any(u.has_grad) for u in self.units):
             raise ValueError(
@@ -201,7 +170,7 @@ class CheckpointAccess:
         s = u.shard  # whole on one process and at stage 0; the home buffers start at element s.lo
         # [Note: swap I/O failures] after a failed write the host copy is current (the staged
         # step that keeps one runs only where the shard is whole)
-        dirty = self._state.dirty(u.index)
+        dirty = self._training.held_states(u)
         if "master" in dirty:
             # merged at stages 0-2: the whole compute copy's prefix; stage 3: the rank's chunk
             base = 0 if self._layout.merged and u.param_shard is None else s.lo
@@ -246,7 +215,7 @@ class CheckpointAccess:
             return load(u.compute_home, p.trainable_chunk_numel + lo - p.frozen.lo, hi - lo, home_dtype, "ckpt.value")
         start = u.spec.frozen_start
         if self._layout.param_tier == "device":
-            return self._device.view(u.device_offset, u.compute_numel)[start + lo:start + hi].to("cpu", copy=True)
+            return self._homes.device_copy(u)[start + lo:start + hi].to("cpu", copy=True)
         return load(u.compute_home, start + lo, hi - lo, home_dtype, "ckpt.value")
 
     @torch.no_grad()
@@ -290,7 +259,7 @@ class CheckpointAccess:
         s, p = u.shard, u.param_shard
         on_device = self._layout.param_tier == "device"
         if not on_device:
-            self._homes.release(u)  # a device copy of this unit is stale from now on
+            self._residency.release(u)  # a device copy of this unit is stale from now on
         # The compute copy as its home holds it: (home start, section, first element, count)
         # of its trainable and frozen parts; the rest of the home is zeros.
         if p is None:
@@ -316,7 +285,7 @@ class CheckpointAccess:
                 read("master", lo, hi, master)
                 self._homes.store_master_range(u, master, lo, compute[x - a:y - a])
             if on_device:
-                self._device.view(u.device_offset, u.compute_numel)[a:b].copy_(compute)
+                self._homes.device_copy(u)[a:b].copy_(compute)
             elif p is None:
                 self._homes.store_compute_range(u, a, compute)  # merged: fp32, the master itself
             else:  # [zero] stage 3: the rank's chunks, the spare's too (its frozen chunk is never updated)
@@ -334,7 +303,7 @@ class CheckpointAccess:
         compact home and the compute copy are written whole."""
         on_device = self._layout.param_tier == "device"
         if not on_device:
-            self._homes.release(u)  # a device copy of this unit is stale from now on
+            self._residency.release(u)  # a device copy of this unit is stale from now on
         dtype, t = self.compute_dtype, u.spec.trainable_numel
         compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
         tail = u.spec.frozen_start
@@ -342,7 +311,7 @@ class CheckpointAccess:
             read("value", a, b, compute[tail + a:tail + b])
         if u.trainable:
             # the current high parts, and a copy of the compact home's bytes
-            current = self._device.view(u.device_offset, t) if on_device else \
+            current = self._homes.device_copy(u)[:t] if on_device else \
                 self._homes.load_range(u.compute_home, 0, t, dtype, "ckpt.high")
             compute[:t].copy_(current)
             home = u.compact_home
@@ -364,7 +333,7 @@ class CheckpointAccess:
                         low.copy_(torch.where(changed, new_low, low))
             self._homes.store(home, buffer)
         if on_device:
-            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+            self._homes.device_copy(u).copy_(compute)
         else:
             self._homes.store_compute_range(u, 0, compute)
 
@@ -437,7 +406,7 @@ class CheckpointAccess:
         on_device = self._layout.param_tier == "device"
         self._homes.forget_contents(u)
         if not on_device:
-            self._homes.release(u)  # a device copy of this unit is stale from now on
+            self._residency.release(u)  # a device copy of this unit is stale from now on
         dtype = self.compute_dtype
         compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
         tail = u.spec.frozen_start
@@ -452,15 +421,15 @@ class CheckpointAccess:
                 fill(k, states.param(k))
             self._homes.store(home, buffer)
         if on_device:
-            self._device.view(u.device_offset, u.compute_numel).copy_(compute)
+            self._homes.device_copy(u).copy_(compute)
         else:
             self._homes.store_compute_range(u, 0, compute)
         u.steps = list(steps)
         u.has_grad = [False] * len(u.trainable)
 
     def training_counters(self) -> Dict[str, Any]:
-        """The engine's scalar training state, as a checkpoint keeps it (EngineState.counters)."""
-        return self._state.counters()
+        """The engine's scalar training state, as a checkpoint keeps it (TrainingState.training_counters)."""
+        return self._training.training_counters()
 
     def restore_training_counters(self, counters: Dict[str, Any], saved_dtype: str) -> None:
         """Set the counters that ``training_counters()`` returned, from a checkpoint written
@@ -469,7 +438,7 @@ class CheckpointAccess:
         would multiply the gradients of a bf16 run, or a bf16 run's 1.0 start an fp16 one."""
         if saved_dtype != self.config.dtype:
             counters = {**counters, **self.fresh_loss_scaling()}
-        self._state.restore_counters(counters)
+        self._training.restore_training_counters(counters)
 
     def fresh_loss_scaling(self) -> Dict[str, Any]:
         """The loss-scale counters this engine's dtype starts a run with."""
@@ -478,13 +447,13 @@ class CheckpointAccess:
     def begin_state_load(self, message: str) -> None:
         """The states are about to be replaced: until ``finish_state_load()`` the engine may
         hold a mix of old and new ones, and refuses to train (EngineFailedError: ``message``)."""
-        self._state.set_failure({"fatal": True, "message": message})
+        self._failures.set({"fatal": True, "message": message})
 
     def finish_state_load(self) -> None:
         """Every state was replaced: host copies of failed swap writes are stale now, and
         the engine trains again."""
-        self._state.forget_dirty()
-        self._state.set_failure(None)
+        self._training.forget_held_states()
+        self._failures.set(None)
 
 
 class Ranks:

@@ -296,6 +296,10 @@ class Homes:
             self.store(u.moments_home, moments)
         u.steps = [state[0] if state is not None else 0 for state in carried]
 
+    def device_copy(self, u: UnitState) -> torch.Tensor:
+        """u's slot in the device arena: with param_tier "device" its compute copy's home."""
+        return self._device.view(u.device_offset, u.compute_numel)
+
     def compute_copy(self, u: UnitState) -> torch.Tensor:
         """[Note: compact optimizer states] u's whole compute copy in host memory, where the
         compact step writes the high parts: its host home, or its slot on a CPU device."""

@@ -180,7 +180,8 @@ class DelayedUpdates:
         failed, ring.failed_spare_writes = ring.failed_spare_writes, []
         if failed:
             names = ", ".join(sorted({repr(u.name) for u, _ in failed}))
-            self._failures.fail_step(failed[0][1], f"while writing the delayed updates of units {names} to their spare homes")
+            self._failures.fail_step(failed[0][1],
+                                     f"while writing the delayed updates of units {names} to their spare homes")
         if interrupt is not None:
             raise interrupt
 
@@ -210,7 +211,8 @@ class DelayedUpdates:
     def delays(self, skip: bool, clipped: bool) -> bool:
         """Whether this optimizer step's update is delayed (the rule of the Note); a step
         past the warm-up that is not counts as a fallback."""
-        past_warmup = self._worker.micro_step // self._layout.accumulation_steps > self._layout.delayed_update_warmup_steps
+        optimizer_steps = self._worker.micro_step // self._layout.accumulation_steps
+        past_warmup = optimizer_steps > self._layout.delayed_update_warmup_steps
         if past_warmup and (skip or clipped):
             self._stats.count("delayed_fallbacks")
         return past_warmup and not skip and not clipped

@@ -109,7 +109,8 @@ class UpdateScheduler:
     """
 
     def __init__(self, units: List[UnitState], *, layout: Layout, tiers: TierContext, paths: UpdatePaths,
-                 prefetcher: Prefetcher, gradients: Gradients, residency: DeviceResidency, status: FailureState) -> None:
+                 prefetcher: Prefetcher, gradients: Gradients, residency: DeviceResidency,
+                 status: FailureState) -> None:
         """``units``: every unit, the root first. ``tiers``: its counters and timeline are what
         it records in. ``paths``: how a unit's update runs (the staged step, [zero] the
         sharded step at stage >= 1, Adam in place on host homes) and [zero] the Partition of
@@ -260,6 +261,28 @@ class UpdateScheduler:
                 f"unit(s) during backward ({', '.join(early[:4])}{', ...' if len(early) > 4 else ''}) "
                 "and not the others yet, so the weights would mix two steps; call it after step()")
         return lambda u: self.read_committed(u, lambda: self._step_ring.unit_values(u))
+
+    def training_counters(self) -> Dict[str, Any]:
+        """The scalar training state as a checkpoint keeps it (checkpoint.access.TrainingState):
+        the micro-steps counted here, the loss scale, good steps and last norm of the gradients."""
+        gradients = self._gradients
+        return {"micro_step": self.micro_step, "loss_scale": gradients.loss_scale,
+                "good_steps": gradients.good_steps, "last_grad_norm": gradients.last_grad_norm}
+
+    def restore_training_counters(self, counters: Dict[str, Any]) -> None:
+        """Set the counters that ``training_counters()`` returned (a checkpoint load)."""
+        gradients = self._gradients
+        self.micro_step, gradients.loss_scale = counters["micro_step"], counters["loss_scale"]
+        gradients.good_steps, gradients.last_grad_norm = counters["good_steps"], counters["last_grad_norm"]
+
+    def held_states(self, u: UnitState) -> Dict[str, Any]:
+        """[Note: swap I/O failures] u's states whose swap write failed, held in host RAM by
+        the staged step and current: "master" and/or "moments"; {} when none."""
+        return self._step_ring.dirty.get(u.index, {})
+
+    def forget_held_states(self) -> None:
+        """Drop every host copy of a failed swap write (stale after a checkpoint load)."""
+        self._step_ring.dirty.clear()
 
     def read_committed(self, u: UnitState, read: Callable[[], Any]) -> Any:
         """``read()`` of u's values with a pending delayed update's result in its homes."""
