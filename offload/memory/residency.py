@@ -86,7 +86,8 @@ class _Staging:
 
 
 class PendingUpdates(Protocol):
-    """What residency needs of the update scheduler ([Note: deferred updates])."""
+    """What residency needs of the update scheduler ([Note: deferred updates]; and the
+    current values a restore is compared with, [Note: restored parameters])."""
 
     #: the lock under which the optimizer worker takes an update off its queue and marks it
     #: started (``u.update.started``); a fill is attached under it, so the update either
@@ -116,8 +117,8 @@ class DeviceResidency:
 
     Collaborators, given at construction: ``layout``; ``units`` (``units[0]`` is the root);
     the ``tiers`` with their counters and timeline (``nvme`` None without swap);
-    ``partition`` ([zero] None with one rank); ``prefetcher`` (the engine's: it
-    also starts passes and reads the trace). The update scheduler, which is built after it
+    ``partition`` ([zero] None with one rank); ``prefetcher`` (the engine's: the hooks
+    start its passes through ``begin_trace``, the update scheduler reads its trace). The update scheduler, which is built after it
     and drives it, is connected once built (``connect``: a PendingUpdates, [Note: deferred
     updates]).
     """
