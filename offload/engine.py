@@ -43,6 +43,7 @@ from offload.memory.materialize import install_stand_ins, meta_stand_ins, move_t
 from offload.memory.placement import Placement, describe_units, resolve_placement
 from offload.memory.residency import DeviceResidency
 from offload.memory.restored import copies_too_big, model_copies
+from offload.memory.state_slots import slot_indices
 from offload.memory.weights import close_weights, iter_weights, open_weights
 from offload.optim.adam_ranges import UnitAdam
 from offload.optim.compact import UnitCompactStates, check_compact_supported
@@ -150,8 +151,12 @@ class Engine:
         # that ([Note: a failed wrap changes nothing]).
         meta_replacements = meta_stand_ins(specs)
         whole_groups = {gi for gi, r in enumerate(group_rules) if r.rule is not None and r.rule.whole}
+        # [Note: per-entry state slots] each parameter's moments take the slots its optimizer keeps
         self.units = [UnitState(spec, compute_element_bytes, state_slots,
-                                whole_step=any(e.group_index in whole_groups for e in spec.entries if e.trainable))
+                                whole_step=any(e.group_index in whole_groups for e in spec.entries if e.trainable),
+                                entry_slots=[slot_indices(group_rules[e.group_index].rule,
+                                                          group_rules[e.group_index].local_index, len(e.shape))
+                                             for e in spec.trainable_entries])
                       for spec in specs]
         self._root = self.units[0]
         if self._partition is not None:

@@ -61,6 +61,7 @@ from offload.memory.budget import (UnitSizes, compact_num_pieces, floor_prefetch
                                    minimum_host_budget, swap_bytes, unit_gradient_bytes, unit_home_bytes)
 from offload.memory.compact_codec import BLOCK_NUMEL, compact_padded_numel
 from offload.memory.layout import DTYPE_NAMES, Layout
+from offload.memory.state_slots import StateSlots
 from offload.memory import placement as unit_placement
 from offload.plan_optimizers import OptimizerLayout, describe, state_layout
 from offload.units import padded_numel
@@ -84,12 +85,15 @@ class UnitShape:
     shared_numel: int = 0  # trainable elements of tied parameters ([Note: shared parameter gradients])
     compact_numel: Optional[int] = None  # [Note: compact optimizer states] None: parameter sizes unknown
     whole_step: bool = False  # it holds a parameter stepped whole ([Note: whole-parameter optimizers])
+    # [Note: per-entry state slots] its moments home's fp32 elements where its parameters keep
+    # different slots (None: every one keeps all of them, or parameter sizes unknown)
+    moments_numel: Optional[int] = None
 
     def sizes(self, element_bytes: int) -> UnitSizes:
         """The unit's sizes as wrap has them on one process."""
         sizes = UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
                                     element_bytes, self.shared_numel, self.compact_numel)
-        return dataclasses.replace(sizes, whole_step=self.whole_step)
+        return dataclasses.replace(sizes, whole_step=self.whole_step, moments_numel=self.moments_numel)
 
 
 @dataclass(frozen=True)
@@ -194,12 +198,23 @@ def shape_from_module(model, name: str, unit_classes: Sequence[str] = (), optimi
 
     layout = None if optimizer is None else state_layout(optimizer, model)
     whole = frozenset() if layout is None else layout.whole_params
-    group_of = {p: 0 for p in model.parameters() if p.requires_grad}
-    specs = split_into_units(model, group_of, 4, unit_classes)  # layout only: offsets unused
+    # wrap orders a unit's trainable parameters by param group: the trainable prefix's offsets
+    # (the master's and the moments') are the same with any compute element size
+    group_of = {p: 0 for p in model.parameters() if p.requires_grad} if layout is None else layout.group_of
+    specs = split_into_units(model, group_of, 4, unit_classes)
+
+    def moments_numel(spec) -> Optional[int]:  # [Note: per-entry state slots] as UnitState counts it
+        if layout is None or not layout.state_slots:
+            return None
+        pages = StateSlots.of(layout.state_slots, padded_numel(spec.trainable_numel, FP32_BYTES),
+                              [(e.offset, e.numel, layout.param_slots[e.param]) for e in spec.trainable_entries])
+        return None if pages is None else pages.numel
+
     units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
                             max((e.numel for e in s.entries if e.trainable), default=0),
                             s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]),
-                            whole_step=any(e.param in whole for e in s.entries if e.trainable))
+                            whole_step=any(e.param in whole for e in s.entries if e.trainable),
+                            moments_numel=moments_numel(s))
                   for s in specs)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
                       units, exact=True, optimizer=layout)
@@ -256,8 +271,9 @@ def optimizer_lines(layout: Optional[OptimizerLayout]) -> List[str]:
     names = ", ".join(n for slots in layout.slots for n in slots) or "none"
     side = ", ".join(n for names in layout.side for n in names)
     return [f"optimizer: {layout.name}: {describe(layout.name)}",
-            f"  per-element state: {names}; every unit's state home holds {layout.state_slots} fp32 "
-            f"tensor{'' if layout.state_slots == 1 else 's'} per parameter (the most any of its optimizers keeps)"
+            f"  per-element state: {names}; a state home holds up to {layout.state_slots} fp32 "
+            f"tensor{'' if layout.state_slots == 1 else 's'} per parameter, each parameter's those its own "
+            "optimizer keeps (whole 4 KiB pages of each)"
             + (f"; per parameter in host RAM: {side}" if side else "")
             + ("; updates whole parameters (one piece per unit that holds one)" if layout.whole else "")]
 
@@ -365,8 +381,10 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     else:
         master_on_nvme = (param_tier == "nvme") if merged else (optimizer_tier == "nvme")
         trainable_master = sum(m for m, t in zip(master_numel, trainable) if t)
+        # [Note: per-entry state slots] the staged step moves each home's slots whole
+        trainable_moments = sum(u.moments_home_numel for u in sizes if u.trainable)
         optimizer_io = (trainable_master * FP32_BYTES if master_on_nvme and not split else 0) + \
-            (state_slots * trainable_master * FP32_BYTES if optimizer_tier == "nvme" else 0)
+            (trainable_moments * FP32_BYTES if optimizer_tier == "nvme" else 0)
         if split:  # the low halves, and the high ones: the compute copy, read from its home
             optimizer_io += prefix_bytes
             if param_tier == "nvme":
@@ -533,14 +551,26 @@ def _prefetch_room(shape: ModelShape, dtype: str) -> Optional[dict]:
             "device_budget_for_units_ahead": {k: max(floor, room.budget_for(k)) for k in (1, 2, 4)}}
 
 
-def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str) -> Dict[str, float]:
+def state_bytes_per_param(shape: ModelShape, state_slots: int) -> float:
+    """Optimizer state bytes per trainable parameter, before page padding: what its optimizer
+    keeps for each parameter of a model ([Note: per-entry state slots]), or ``state_slots``
+    fp32 tensors for every parameter where the plan has only a parameter count."""
+    if shape.optimizer is not None and shape.exact:
+        return shape.optimizer.state_bytes_per_param()
+    return float(state_slots * FP32_BYTES)
+
+
+def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str,
+                     state_per_param: Optional[float] = None) -> Dict[str, float]:
     """Bytes of each state per trainable parameter, before padding (to pages; compact: each
-    parameter to whole blocks)."""
+    parameter to whole blocks). ``state_per_param``: the optimizer state's (default:
+    ``state_slots`` fp32 tensors)."""
     if optimizer_states == "compact":  # [Note: compact optimizer states] two fp32 scales a block
         return {"compute copy": element_bytes, "gradients": element_bytes, COMPACT_MASTER_NAME: 1,
                 COMPACT_MOMENTS_NAME: 2 + 2 * FP32_BYTES / BLOCK_NUMEL}
     return {"compute copy": element_bytes, "gradients": element_bytes, "fp32 master": FP32_BYTES,
-            optimizer_state_name(state_slots): state_slots * FP32_BYTES}
+            optimizer_state_name(state_slots): state_slots * FP32_BYTES if state_per_param is None
+            else state_per_param}
 
 
 def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
@@ -574,7 +604,8 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "adam_params_per_second": profile["adam_params_per_second"],
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
             "host_budget_default": host_budget_default,
-            "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states),
+            "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states,
+                                                state_bytes_per_param(shape, state_slots)),
             "optimizer": None if shape.optimizer is None else optimizer_json(shape.optimizer),
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
@@ -617,10 +648,12 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                   "  (compact with param_tier device: only where the device is the host, a CPU run; "
                   "an accelerator's is refused at wrap)"]
     else:
+        per_param = state_bytes_per_param(shape, state_slots)  # [Note: per-entry state slots]
         lines += [f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
                   ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
                   f"  {optimizer_state_name(state_slots) if state_slots == 2 else 'optimizer state':<15} "
-                  f"{state_slots * 4} B/param   {format_size(n * state_slots * 4):>12}"]
+                  f"{per_param:g} B/param   {format_size(int(n * per_param)):>12}"
+                  + ("   (each parameter's own optimizer's tensors)" if per_param != state_slots * 4 else "")]
     lines.append("")
     header = (f"{'param_tier':<11}{'opt_tier':<9}{'device':>12}{'host':>12}{'nvme':>12}  "
               f"{'fits':<5}{'step (serial)':>14}{'(overlap)':>11}  placement")

@@ -5,18 +5,20 @@ learns it.
 The layout is not a table per class: ``state_layout`` builds the named optimizers over the
 model and probes each one as wrap does (``optim.whole.probe_rule``: [Note: elementwise
 optimizers], [Note: whole-parameter optimizers]; Adam's kernel keeps two slots), and every
-unit's state home gets ``OptimizerSet.state_slots`` of them, the number wrap gives it ([Note:
-several optimizers]). So the plan counts the bytes wrap allocates and moves for that
-optimizer; ``tests/test_plan_optimizers.py`` checks the two against a run.
+unit's state home has ``OptimizerSet.state_slots`` of them, the number wrap gives it ([Note:
+several optimizers]), each parameter's moments only the slots its own optimizer keeps for it
+(``param_slots``, [Note: per-entry state slots]). So the plan counts the bytes wrap allocates
+and moves for that optimizer; ``tests/test_plan_optimizers.py`` checks the two against a run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Set, Tuple
 
 import torch
 from torch import nn
 
+from offload.memory.state_slots import slot_indices
 from offload.optim.several import OptimizerSet
 from offload.optim.whole import probe_rule
 
@@ -94,6 +96,16 @@ class OptimizerLayout:
     slots: Tuple[Tuple[str, ...], ...]  # per optimizer: the names of its per-element state tensors
     side: Tuple[Tuple[str, ...], ...]   # per optimizer: its other tensors, kept per parameter in host RAM
     whole_params: FrozenSet[nn.Parameter]  # the model's parameters stepped whole ([Note: whole-parameter optimizers])
+    # [Note: per-entry state slots] per model parameter: its param group's index in wrap's one
+    # sequence of groups (which orders a unit's parameters) and the slots its optimizer keeps
+    group_of: Dict[nn.Parameter, int] = field(default_factory=dict)
+    param_slots: Dict[nn.Parameter, Tuple[int, ...]] = field(default_factory=dict)
+
+    def state_bytes_per_param(self) -> float:
+        """fp32 state bytes per trainable parameter of the model, before page padding: what
+        torch keeps per parameter in tensors shaped like it."""
+        numel = sum(p.numel() for p in self.param_slots)
+        return sum(len(k) * p.numel() for p, k in self.param_slots.items()) * 4 / numel if numel else 0.0
 
     @property
     def whole(self) -> bool:
@@ -116,7 +128,17 @@ def state_layout(name: str, model: nn.Module) -> OptimizerLayout:
         rules = [None if isinstance(opt, torch.optim.Adam) else probe_rule(opt) for opt in optimizers]
     whole = frozenset(of_stand_in[s] for opt, rule in zip(optimizers, rules) if rule is not None and rule.whole
                       for group in opt.param_groups for s in group["params"])
+    group_of: Dict[nn.Parameter, int] = {}
+    param_slots: Dict[nn.Parameter, Tuple[int, ...]] = {}
+    first = 0
+    for opt, rule in zip(optimizers, rules):
+        for gi, group in enumerate(opt.param_groups):
+            for s in group["params"]:
+                group_of[of_stand_in[s]] = first + gi
+                param_slots[of_stand_in[s]] = slot_indices(rule, gi, s.dim())
+        first += len(opt.param_groups)
     return OptimizerLayout(
         name, OptimizerSet.state_slots(rules),
         tuple(("exp_avg", "exp_avg_sq") if rule is None else rule.slots for rule in rules),
-        tuple(() if rule is None else getattr(rule, "side_names", ()) for rule in rules), whole)
+        tuple(() if rule is None else getattr(rule, "side_names", ()) for rule in rules), whole,
+        group_of, param_slots)

@@ -17,9 +17,11 @@ from support import CFG, batches, gpt_loss
 
 NAMES = list(OPTIMIZERS)
 # fp32 state tensors per element each unit's state home holds, as the issue states them
+# (the most any of its parameters keeps: each parameter's elements only in its own optimizer's,
+# [Note: per-entry state slots])
 STATE_SLOTS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1, "rmsprop": 1,
-               "adafactor": 1,  # the vectors' exp_avg_sq: every unit holds the slot, matrices too
-               "muon": 2}       # AdamW's two, which every unit gets (Muon's momentum needs one)
+               "adafactor": 1,  # the vectors' exp_avg_sq (the factored matrices keep none)
+               "muon": 2}       # AdamW's two (Muon's matrices keep one, their momentum)
 FACTORY = f"""
 from offload.gpt import GPT, GPTConfig
 
@@ -117,3 +119,33 @@ def test_an_unknown_optimizer_name_is_refused(capsys):
     assert "--optimizer: expected one of adamw" in capsys.readouterr().err
     assert main(["plan", "--params", "1e6", "--optimizer", "sgd", "--optimizer-state-tensors", "0"]) == 1
     assert "give one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_plans_state_bytes_per_parameter_are_what_torch_keeps(name, tmp_path, monkeypatch, capsys):
+    """[Note: per-entry state slots] The plan's optimizer state bytes per parameter (JSON and
+    text) are the fp32 tensors shaped like each parameter that plain PyTorch keeps for it,
+    averaged over the parameters: Muon's matrices one, AdamW's two; Adafactor's factored
+    matrices none, its vectors one."""
+    if name == "adafactor":
+        pytest.importorskip("transformers")
+    report, _ = plan_json(tmp_path, monkeypatch, name, "fp32")
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = build_optimizers(name, model)
+    gpt_loss(model, batches(1)[0]).backward()
+    for opt in opts:
+        opt.step()
+    state = {p: s for opt in opts for p, s in opt.state.items()}
+    params = list(model.parameters())
+    tensors = [sum(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape for v in state.get(p, {}).values())
+               for p in params]
+    kept = sum(k * p.numel() * 4 for k, p in zip(tensors, params))
+    per_param = kept / sum(p.numel() for p in params)
+    slots = report["optimizer"]["state_slots"]
+    assert report["bytes_per_param"][optimizer_state_name(slots)] == pytest.approx(per_param, rel=1e-12)
+    if name in ("muon", "adafactor"):  # fewer than the most slots for every parameter
+        assert per_param < slots * 4
+    capsys.readouterr()
+    assert main(["plan", "--model", "plan_optimizers_gpt:build", "--optimizer", name]) == 0
+    assert f" {report['bytes_per_param'][optimizer_state_name(slots)]:g} B/param" in capsys.readouterr().out

@@ -54,6 +54,14 @@ class UnitSizes:
     whole_step: bool = False    # updated as one piece ([Note: whole-parameter optimizers])
     compact_numel: int = 0      # [Note: compact optimizer states] trainable elements, each parameter padded to blocks
     bucket_numel: int = 0       # [zero] stage >= 2: its fp32 gradient bucket on the device (0: none)
+    # [Note: per-entry state slots] fp32 elements of the moments home where its parameters keep
+    # different slots (None: state_slots whole slots)
+    moments_numel: Optional[int] = None
+
+    @property
+    def moments_home_numel(self) -> int:
+        """fp32 elements of the unit's moments home (one copy)."""
+        return self.state_slots * self.state_numel if self.moments_numel is None else self.moments_numel
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -63,7 +71,8 @@ class UnitSizes:
                    low_numel(u.shard.numel), u.grad_numel,
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
                    u.spec.shared_numel, u.state_slots, u.whole_step,
-                   compact_padded_numel([e.numel for e in u.trainable]), u.bucket_numel)
+                   compact_padded_numel([e.numel for e in u.trainable]), u.bucket_numel,
+                   None if u.state_pages is None else u.state_pages.numel)
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -322,7 +331,7 @@ def unit_home_bytes(u: UnitSizes, layout: Layout, index: int) -> HomeBytes:
         return HomeBytes(compute, state_copies * low,
                          state_copies * (compact_home_bytes(u, layout.state_tier(index)) - low))
     master = u.low_numel * 2 if layout.split_master else 0 if layout.merged else u.state_numel * FP32_BYTES
-    return HomeBytes(compute, state_copies * master, state_copies * u.state_slots * u.state_numel * FP32_BYTES)
+    return HomeBytes(compute, state_copies * master, state_copies * u.moments_home_numel * FP32_BYTES)
 
 
 def compact_home_bytes(u: UnitSizes, tier: str) -> int:

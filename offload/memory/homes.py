@@ -26,6 +26,7 @@ from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, com
 from offload.memory.compact_codec import CompactStates, decode_master
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
+from offload.memory.state_slots import PackedHome
 from offload.tiers.nvme import wait_all
 from offload.tiers.context import TierContext
 from offload.units import PAGE_BYTES, ParamEntry, Residency, round_up
@@ -104,7 +105,11 @@ class Homes:
                 elif not layout.merged:
                     u.master_home = self._allocate_home(state_tier, state_numel, torch.float32)
                 if u.state_slots:  # none for an optimizer without per-element state (plain SGD)
-                    u.moments_home = self._allocate_home(state_tier, u.state_slots * state_numel, torch.float32)
+                    if u.state_pages is None:
+                        u.moments_home = self._allocate_home(state_tier, u.state_slots * state_numel, torch.float32)
+                    else:  # [Note: per-entry state slots] the slots each parameter's optimizer keeps
+                        u.moments_home = PackedHome(self._allocate_home(state_tier, u.state_pages.numel,
+                                                                        torch.float32), u.state_pages)
                 # [Note: speculative updates] a second set, same sizes and tiers; [Note: delayed
                 # updates] a second compute copy, master and moments shared (written in place)
                 if layout.has_spare(u.index, True):
@@ -127,6 +132,8 @@ class Homes:
         """A new home on ``tier`` the size (and dtype) of ``home``; None for None."""
         if home is None:
             return None
+        if isinstance(home, PackedHome):
+            return PackedHome(self._like(tier, home.home), home.slots)
         if isinstance(home, torch.Tensor):
             return self._allocate_home(tier, home.numel(), home.dtype)
         return self._nvme.allocate(home.nbytes)
@@ -415,7 +422,10 @@ class Homes:
 
     # ------------------------------------------------------------------ whole buffers
     def store(self, home: Any, src: torch.Tensor) -> None:
-        """Synchronous copy of a whole buffer home (setup and checkpoint load only)."""
+        """Synchronous copy of a whole buffer home (setup and checkpoint load only); a
+        PackedHome takes ``src`` in the virtual layout ([Note: per-entry state slots])."""
+        if isinstance(home, PackedHome):
+            home, src = home.home, home.slots.pack(src)
         if isinstance(home, torch.Tensor):
             home.copy_(src)
             return
@@ -444,6 +454,8 @@ class Homes:
         """Zero a whole buffer at home (setup): on NVMe nothing to write when the extent reads
         as zeros already ([Note: zeroed extents]), else from one small zero buffer, written
         piece by piece, all pieces in flight at once."""
+        if isinstance(home, PackedHome):
+            home = home.home
         if isinstance(home, torch.Tensor):
             home.zero_()
             return
@@ -457,7 +469,10 @@ class Homes:
                   for offset in range(0, home.nbytes, _ZEROS_BYTES)], self._stats)
 
     def load(self, home: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Synchronous read of a whole buffer from its home into a new host tensor."""
+        """Synchronous read of a whole buffer from its home into a new host tensor (a
+        PackedHome's in the virtual layout, [Note: per-entry state slots])."""
+        if isinstance(home, PackedHome):
+            return home.slots.unpack(self.load(home.home, home.slots.numel, torch.float32))[:numel]
         if isinstance(home, torch.Tensor):
             return home[:numel].clone()
         from offload.io import aligned_empty
@@ -482,7 +497,16 @@ class Homes:
     def load_range(self, home: Any, start: int, numel: int, dtype: torch.dtype, buffer: str) -> torch.Tensor:
         """Elements [start, start + numel) of a buffer home holding ``dtype``: a view of the
         home itself on the host; on NVMe, read (the whole pages that hold them) into the
-        reused buffer of that name (see ``buffer``), valid until the name is used again."""
+        reused buffer of that name (see ``buffer``), valid until the name is used again. A
+        PackedHome's elements are those of the virtual layout, read into a buffer of their
+        own (zeros where a parameter does not use the slot: [Note: per-entry state slots])."""
+        if isinstance(home, PackedHome):
+            slots, (s, lo) = home.slots, divmod(start, home.slots.state_numel)
+            assert lo + numel <= slots.state_numel, "a range inside one slot"
+            out = self.buffer(f"{buffer}.virtual", numel * FP32_BYTES).view(torch.float32).zero_()
+            for a, b in slots.owned_parts(s, lo, lo + numel):
+                out[a - lo:b - lo].copy_(self.load_range(home.home, slots.physical(s, a), b - a, dtype, buffer))
+            return out
         if isinstance(home, torch.Tensor):
             return home[start:start + numel]
         size = dtype.itemsize
@@ -497,8 +521,16 @@ class Homes:
         """Overwrite elements [start, start + n) of a buffer home with ``src`` (n elements,
         the home's dtype), synchronously. On NVMe whole pages are written: from ``src``
         itself when it covers them exactly from a page-aligned address, else through the
-        reused buffer named ``buffer``, with the edge pages' other bytes read first."""
+        reused buffer named ``buffer``, with the edge pages' other bytes read first. A
+        PackedHome takes elements of the virtual layout and keeps those of parameters using
+        the slot ([Note: per-entry state slots])."""
         n = src.numel()
+        if isinstance(home, PackedHome):
+            slots, (s, lo) = home.slots, divmod(start, home.slots.state_numel)
+            assert lo + n <= slots.state_numel, "a range inside one slot"
+            for a, b in slots.owned_parts(s, lo, lo + n):
+                self.store_range(home.home, slots.physical(s, a), src[a - lo:b - lo], buffer)
+            return
         if isinstance(home, torch.Tensor):
             home[start:start + n].copy_(src)
             return
@@ -581,6 +613,8 @@ class Homes:
         if sums is None:
             return
         for home in (u.compute_home, u.master_home, u.moments_home, u.compact_home):
+            if isinstance(home, PackedHome):
+                home = home.home
             if home is not None and on_nvme(home):
                 sums.forget(home.path, home.offset, home.nbytes)
 
@@ -643,6 +677,8 @@ class Homes:
 
     @staticmethod
     def _home_bytes(home: Any) -> int:
+        if isinstance(home, PackedHome):
+            home = home.home
         if isinstance(home, torch.Tensor):
             return home.numel() * home.element_size()
         return 0 if home is None else home.nbytes

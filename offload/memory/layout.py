@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,7 @@ from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig, local_world_size
 from offload.tiers import HostTier
 from offload.tiers.streams import Event, standin_requested
+from offload.memory.state_slots import PackedHome, StateSlots
 from offload.units import ParamEntry, Residency, ResidencyState, UnitSpec, UnitUpdate, padded_numel
 from offload.zero.shards import ParamShard, ShardRange
 
@@ -384,6 +385,8 @@ def slot_views(buffer: torch.Tensor, slots: int, stride: int, lo: int, hi: int
 def on_nvme(home: Any) -> bool:
     """Whether ``home`` is a swap extent (not a host tensor, nor None: no home, as the
     compute copy of a unit that lives on the device)."""
+    if isinstance(home, PackedHome):  # [Note: per-entry state slots]
+        home = home.home
     return home is not None and not isinstance(home, torch.Tensor)
 
 
@@ -391,9 +394,12 @@ class UnitState:
     """Runtime state of one unit: where each of its buffers lives and what is on the device."""
 
     def __init__(self, spec: UnitSpec, compute_element_bytes: int, state_slots: int = 2,
-                 whole_step: bool = False) -> None:
+                 whole_step: bool = False, entry_slots: Optional[Sequence[Tuple[int, ...]]] = None) -> None:
         """``state_slots``: fp32 state tensors per trainable element, 0 to 2 (Adam's two
         moments; an elementwise optimizer's own, [Note: elementwise optimizers]).
+        ``entry_slots``: the slots each trainable parameter's optimizer keeps (default: all);
+        where some keep fewer, the moments home holds only theirs ([Note: per-entry state
+        slots]: ``state_pages``).
         ``whole_step``: it holds a parameter whose optimizer steps whole parameters only, so
         its update is one piece ([Note: whole-parameter optimizers])."""
         self.spec = spec
@@ -404,10 +410,18 @@ class UnitState:
         self.compute_numel = padded_numel(spec.total_numel, compute_element_bytes)
         self.master_numel = padded_numel(spec.trainable_numel, FP32_BYTES)
         self.trainable = spec.trainable_entries
+        self.entry_slots: List[Tuple[int, ...]] = [tuple(range(state_slots))] * len(self.trainable) \
+            if entry_slots is None else [tuple(k) for k in entry_slots]
+        # [Note: per-entry state slots] None: every slot keeps every page (the plain layout)
+        self.state_pages: Optional[StateSlots] = StateSlots.of(
+            state_slots, self.master_numel,
+            [(e.offset, e.numel, k) for e, k in zip(self.trainable, self.entry_slots)]) if state_slots else None
         # Homes: a host tensor or a swap extent, whichever the tier gives.
         self.compute_home: Any = None       # None when param_tier == "device" (lives in the arena)
         self.master_home: Any = None        # None when merged with the compute copy
-        self.moments_home: Any = None       # state_slots slots (exp_avg then exp_avg_sq), master_numel each; None with none
+        # state_slots slots (exp_avg then exp_avg_sq), master_numel each (a PackedHome with
+        # state_pages: [Note: per-entry state slots]); None with none
+        self.moments_home: Any = None
         # [Note: compact optimizer states] its CompactUnit (optim/compact.py) over a host home,
         # the high parts views of compute_home; master_home and moments_home are None then
         self.compact_home: Optional[torch.Tensor] = None  # its buffer: compact_unit_bytes, uint8
@@ -482,6 +496,7 @@ class UnitState:
         calls it once per unit at wrap, and nothing else sets these fields."""
         if shards is None:
             return
+        assert self.state_pages is None, "[Note: per-entry state slots] stages >= 1 step Adam alone"
         self.shard, self.grad_numel, self.grad_base = shards.shard, shards.grad_numel, shards.grad_base
         self.bucket_numel = shards.bucket_numel
         if shards.param_shard is not None:  # stage 3

@@ -411,7 +411,7 @@ def predict_step(units: Sequence[UnitSizes], layout: Layout, profile: dict,
                 read += compact_home_bytes(u, "nvme")
                 write += compact_home_bytes(u, "nvme")
         elif u.trainable and layout.state_tier(i) == "nvme":
-            state = u.state_slots * u.state_numel * FP32_BYTES
+            state = u.moments_home_numel * FP32_BYTES  # [Note: per-entry state slots]
             if layout.split_master:
                 state += u.low_numel * 2
                 if layout.compute_tier(i) == "nvme":

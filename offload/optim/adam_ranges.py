@@ -16,6 +16,7 @@ import torch
 from offload import faults
 from offload.memory.compact_codec import CompactPiece, NonFiniteStateError, compact_pieces
 from offload.memory.layout import Layout, UnitState, slot_views
+from offload.memory.state_slots import PackedHome, PackedSlot, home_views
 from offload.optim import compact as compact_kernel, native_kernels
 from offload.optim.cpu_adam import adam_step_flat
 from offload.optim.generic import ParamStep
@@ -24,7 +25,7 @@ from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
 
-__all__ = ["OutOfPlace", "UnitAdam", "step_elementwise"]
+__all__ = ["OutOfPlace", "UnitAdam", "moment_views", "step_elementwise"]
 
 
 class OutOfPlace(NamedTuple):
@@ -44,6 +45,22 @@ class OutOfPlace(NamedTuple):
 
 def _sliced(tensors: Tuple[Optional[torch.Tensor], ...], r: slice) -> Tuple[Optional[torch.Tensor], ...]:
     return tuple(None if t is None else t[r] for t in tensors)
+
+
+def _own_slots(u: UnitState, k: int, moments: Tuple[Any, Any]) -> Tuple[Any, Any]:
+    """The moments of u's trainable parameter k: [Note: per-entry state slots] in a per-entry
+    home only the slots its optimizer keeps (None for the others, which hold none of it)."""
+    if u.state_pages is None:
+        return moments
+    return tuple(m if i in u.entry_slots[k] else None for i, m in enumerate(moments))  # type: ignore[return-value]
+
+
+def moment_views(home: Any, u: UnitState, lo: int, hi: int) -> Tuple[Any, Any]:
+    """Slots 0 and 1 of elements [lo, hi) of u's host moments home (plain, or PackedSlots of
+    a per-entry one: [Note: per-entry state slots]), each indexed from lo."""
+    if isinstance(home, PackedHome):
+        return home_views(home, lo, hi)
+    return slot_views(home, u.state_slots, u.master_numel, lo, hi)
 
 
 def step_elementwise(rule: GroupRule, shape: torch.Size, group: Dict[str, Any], step: int, grad: torch.Tensor,
@@ -166,9 +183,10 @@ class UnitAdam:
                 assert not rule.rule.whole or (a, b) == (e.offset, e.offset + e.numel), \
                     f"a piece cuts {e.fqn!r}, whose optimizer steps whole parameters"
                 step_elementwise(rule, e.shape, group, steps[k], self._gradients.grad_range(u, k, a, b),
-                                 grad_factor, master[r], _sliced((exp_avg, exp_avg_sq), r),
+                                 grad_factor, master[r], _sliced(_own_slots(u, k, (exp_avg, exp_avg_sq)), r),
                                  None if compute_out is None else compute_out[r],
-                                 None if out is None else _sliced((out.master, out.exp_avg, out.exp_avg_sq), r))
+                                 None if out is None else
+                                 _sliced((out.master,) + _own_slots(u, k, (out.exp_avg, out.exp_avg_sq)), r))
                 updated.append((r.start, r.stop))
                 continue
             beta1, beta2 = group["betas"]
@@ -208,7 +226,10 @@ class UnitAdam:
             if src is None or dst is None or src.data_ptr() == dst.data_ptr():
                 continue
             for a, b in gaps:
-                dst[a:b].copy_(src[a:b])
+                if isinstance(dst, PackedSlot):  # [Note: per-entry state slots] what the slot holds
+                    dst.copy_owned(src, a, b)
+                else:
+                    dst[a:b].copy_(src[a:b])
 
     def compute_target(self, u: UnitState) -> Optional[torch.Tensor]:
         """Where Adam writes the new compute copy when it is a separate 16-bit buffer that
@@ -249,11 +270,11 @@ class UnitAdam:
             spare = u.spare
             assert target is None or target is u.compute_home, "a speculative update never writes the device copy"
             spare_master = spare.compute_home if self._layout.merged else spare.master_home
-            out = OutOfPlace(spare_master[:n], *slot_views(spare.moments_home, u.state_slots, n, 0, n),
+            out = OutOfPlace(spare_master[:n], *moment_views(spare.moments_home, u, 0, n),
                              None if target is None else target[:n])
             target = None if target is None else spare.compute_home
         start = time.perf_counter()
-        self.adam_range(u, 0, n, steps, master[:n], *slot_views(moments, u.state_slots, n, 0, n), target, False,
+        self.adam_range(u, 0, n, steps, master[:n], *moment_views(moments, u, 0, n), target, False,
                         grad_factor, groups=groups, out=out)
         self._timeline.span("adam", f"adam {u.name}", start, time.perf_counter())
         (u.spare if speculative else u).steps = steps

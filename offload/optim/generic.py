@@ -13,7 +13,8 @@ ranges of the flat buffers. ``probe`` checks this at wrap on a dummy parameter (
 two slices, two steps) and learns the state's layout from the optimizer itself: per-element
 tensors shaped like the parameter (float32) become *slots*, and a unit's moments home holds
 ``UnitState.state_slots`` of them (0 to 2: none for plain SGD, Adam's exp_avg and exp_avg_sq
-are its slots 0 and 1), which the budgets and the planner count; everything else must be a
+are its slots 0 and 1; each parameter's elements only in the slots its group keeps: [Note:
+per-entry state slots]), which the budgets and the planner count; everything else must be a
 scalar (a 0-dim tensor or a Python number). An optimizer that fails these checks is probed
 as one that steps whole parameters ([Note: whole-parameter optimizers] in optim/whole.py).
 

@@ -11,7 +11,8 @@ parameter knows its group by its index in that sequence (``ParamEntry.group_inde
 ``GroupRule`` of each index says which optimizer's rule updates it: the native Adam kernel
 (with AdamW's or Adam's decay) or the optimizer's ElementwiseRule with the group's index
 inside that optimizer ([Note: elementwise optimizers]). Every unit has the largest number of
-state slots any of the optimizers needs; a parameter uses the ones its own optimizer names.
+state slots any of the optimizers needs; a parameter uses the ones its own optimizer names,
+and its elements are kept only in those ([Note: per-entry state slots]).
 A single optimizer is the set of one, and behaves exactly as before.
 """
 from __future__ import annotations
@@ -87,7 +88,8 @@ class OptimizerSet:
 
     @staticmethod
     def state_slots(rules: Sequence[Optional[Any]]) -> int:
-        """The fp32 state slots of every unit's state home: the most any optimizer needs,
+        """The fp32 state slots of every unit's state home: the most any optimizer needs
+        (each parameter's elements kept in its own optimizer's only: [Note: per-entry state slots]),
         Adam's kernel two, a rule its own (``rules``: one per optimizer, None for Adam's)."""
         return max(2 if rule is None else len(rule.slots) for rule in rules)
 

@@ -24,8 +24,9 @@ from offload.memory.compact_codec import CompactPiece, compact_home_layout, comp
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
 from offload.optim.compact import compact_piece_regions, compact_range_over
-from offload.optim.adam_ranges import OutOfPlace
 from offload.memory.master_codec import join_master, split_master
+from offload.memory.state_slots import PackedHome, staged_parts, staged_views
+from offload.optim.adam_ranges import OutOfPlace, moment_views
 from offload.stats import Stats
 from offload.tiers.nvme import drain, wait_all
 from offload.units import Residency, padded_numel
@@ -296,6 +297,9 @@ class PipelinedStep:
         (each of u's state_slots) of u's moments ``home`` (its own or its spare): one request
         when the piece is the whole unit (the slots are adjacent on disk)."""
         n, k = hi - lo, u.state_slots
+        if isinstance(home, PackedHome):  # [Note: per-entry state slots] each slot's span of the piece
+            return [(slot.moments[start:start + b - a], sub_extent(home.home, a * FP32_BYTES, (b - a) * FP32_BYTES))
+                    for start, a, b in staged_parts(home.slots, lo, hi) if b > a]
         if n == u.master_numel:
             return [(slot.moments[:k * n], home)]
         return [(slot.moments[i * n:(i + 1) * n], sub_extent(home, (i * u.master_numel + lo) * FP32_BYTES,
@@ -326,13 +330,13 @@ class PipelinedStep:
             join_master(high, slot.low[:n], master)
         k = u.state_slots
         if on_nvme(u.moments_home) or k == 0:
-            exp_avg, exp_avg_sq = slot_views(slot.moments, k, n, 0, n)
+            exp_avg, exp_avg_sq = slot_views(slot.moments, k, n, 0, n) if u.state_pages is None else \
+                staged_views(u.state_pages, slot.moments, lo, hi)  # [Note: per-entry state slots]
             exp_avg_out, exp_avg_sq_out = exp_avg, exp_avg_sq
         else:
-            m = u.master_numel
-            exp_avg, exp_avg_sq = slot_views(u.moments_home, k, m, lo, hi)
+            exp_avg, exp_avg_sq = moment_views(u.moments_home, u, lo, hi)
             exp_avg_out, exp_avg_sq_out = (exp_avg, exp_avg_sq) if spare is None else \
-                slot_views(spare.moments_home, k, m, lo, hi)
+                moment_views(spare.moments_home, u, lo, hi)
         compute_in = None
         if high is not None:  # split again below, not rounded by the kernel
             compute_out, staging = None, False
@@ -631,6 +635,10 @@ class PipelinedStep:
         n = hi - lo
         if "master" in dirty:
             dirty["master"][lo:hi].copy_(slot.master[:n])
-        if "moments" in dirty:
+        if "moments" in dirty and u.state_pages is not None:  # [Note: per-entry state slots] to the virtual layout
+            for i, view in enumerate(staged_views(u.state_pages, slot.moments, lo, hi)[:u.state_slots]):
+                for a, b in u.state_pages.owned_parts(i, lo, hi):
+                    dirty["moments"][i * u.master_numel + a:i * u.master_numel + b].copy_(view[a - lo:b - lo])
+        elif "moments" in dirty:
             for i in range(u.state_slots):
                 dirty["moments"][i * u.master_numel + lo:i * u.master_numel + hi].copy_(slot.moments[i * n:(i + 1) * n])

@@ -1,0 +1,261 @@
+"""Per-entry state slots ([Note: per-entry state slots] in offload/memory/state_slots.py): each
+parameter's moments take only the slots its own optimizer keeps, in whole pages, so Muon's
+matrices beside AdamW keep one fp32 tensor and Adafactor's factored matrices none; the bytes on
+each tier are what torch keeps per parameter (to the page), the numbers stay plain PyTorch's."""
+import copy
+
+import pytest
+import torch
+
+import offload
+from offload.gpt import GPT, GPTConfig
+from offload.memory.state_slots import PAGE_NUMEL, StateSlots
+
+from support import batches, correctly_rounded_sqrt, gpt_loss, train_offload
+
+# d_model 64: a block's matrices are whole pages (64 x 64 = 4 pages), its norms and biases are not
+WIDE = GPTConfig(vocab_size=64, seq_len=16, d_model=64, num_heads=2, num_layers=2)
+PAGE_BYTES = PAGE_NUMEL * 4
+
+
+def blocks_matrices(model):
+    return [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+
+
+def the_rest(m):
+    return [p for p in m.parameters() if not any(p is q for q in blocks_matrices(m))]
+
+
+OPTIMIZERS = {
+    "muon+adamw": lambda m: [torch.optim.Muon(blocks_matrices(m), lr=0.02, weight_decay=0.1),
+                             torch.optim.AdamW(the_rest(m), lr=1e-2, foreach=False)],
+    "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.01, foreach=False)],
+}
+
+
+def torch_state(model, opts, data):
+    """For each parameter of ``model`` (by name): how many fp32 tensors shaped like it its
+    optimizer keeps in plain PyTorch after ``data``'s steps."""
+    for b in data:
+        gpt_loss(model, b).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = {p: s for opt in opts for p, s in opt.state.items()}
+    return {n: sum(isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 for v in state[p].values())
+            for n, p in model.named_parameters()}
+
+
+def paged_bytes(units, tensors_of):
+    """The moments homes' bytes as the page rule gives them from torch's counts: slot s of a
+    unit holds every page its master shares with a parameter keeping more than s tensors."""
+    total = 0
+    for u in units:
+        for s in range(u.state_slots):
+            pages = {page for e in u.trainable if tensors_of[e.fqn] > s and e.numel
+                     for page in range(e.offset // PAGE_NUMEL, (e.offset + e.numel - 1) // PAGE_NUMEL + 1)}
+            total += len(pages) * PAGE_BYTES
+    return total
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_bytes_on_each_tier_are_what_torch_keeps_per_parameter(name, tier, tmp_path):
+    """fp32 (the master is the compute copy, so the state homes hold the optimizer's tensors
+    alone): the state bytes on the tier are torch's tensors per parameter, in whole pages,
+    far below a home of the most slots for every parameter; on NVMe a step reads and writes
+    them once; the numbers are plain PyTorch's bit for bit."""
+    torch.manual_seed(0)
+    reference = GPT(WIDE)
+    model = copy.deepcopy(reference)
+    data = batches(3)
+    with correctly_rounded_sqrt():
+        tensors_of = torch_state(reference, OPTIMIZERS[name](reference), data)
+        config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier=tier,
+                      swap_dir=str(tmp_path / "swap"), overlap_step_with_forward=False)
+        with offload.wrap(model, OPTIMIZERS[name](model), config=config) as engine:
+            units = engine.units
+            train_offload(engine, data[:2])
+            before = engine.stats()
+            train_offload(engine, data[2:])
+            after = engine.stats()
+            got = engine.state_dict()
+    torch_bytes = sum(k * p.numel() * 4 for (n, p), k in zip(reference.named_parameters(), tensors_of.values()))
+    expected = paged_bytes(units, tensors_of)
+    assert after["optimizer_state_bytes"] == expected
+    whole_slots = sum(u.state_slots * u.master_numel * 4 for u in units)
+    assert torch_bytes <= expected < whole_slots
+    # at most one page per slot where a unit's parameters change between keeping it and not
+    changes = sum(1 for u in units for s in range(u.state_slots)
+                  for a, b in zip(u.trainable, u.trainable[1:]) if (tensors_of[a.fqn] > s) != (tensors_of[b.fqn] > s))
+    assert expected - torch_bytes <= (changes + sum(u.state_slots for u in units)) * PAGE_BYTES
+    if tier == "nvme":
+        assert after["bytes_read_nvme"] - before["bytes_read_nvme"] == expected
+        assert after["bytes_written_nvme"] - before["bytes_written_nvme"] == expected
+    else:
+        assert after["bytes_read_nvme"] == after["bytes_written_nvme"] == 0
+    expected_values = reference.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in expected_values.items())
+
+
+def test_a_unit_whose_parameters_keep_every_slot_has_the_plain_layout():
+    assert StateSlots.of(2, 2048, [(0, 1000, (0, 1)), (1000, 1000, (0, 1))]) is None
+    slots = StateSlots.of(2, 3 * PAGE_NUMEL, [(0, 2048, (0,)), (2048, 100, (0, 1)), (2148, 10, ())])
+    assert slots.slot_numel == [3 * PAGE_NUMEL, PAGE_NUMEL]
+    # slot 1 keeps only the third page: the second parameter's elements, from the home's
+    # page 3 on; a piece of the master's pages is one page-aligned span of each slot
+    assert slots.physical(1, 2048 + 5) == 3 * PAGE_NUMEL + 5
+    assert slots.span(1, 0, 2 * PAGE_NUMEL) == (3 * PAGE_NUMEL, 3 * PAGE_NUMEL)
+    assert slots.span(1, 2 * PAGE_NUMEL, 3 * PAGE_NUMEL) == (3 * PAGE_NUMEL, 4 * PAGE_NUMEL)
+    assert slots.owned_parts(1, 0, 3 * PAGE_NUMEL) == [(2048, 2148)]
+
+
+def sgd_matrices_adamw_rest(m):
+    return [torch.optim.SGD(blocks_matrices(m), lr=0.05, momentum=0.9, foreach=False),
+            torch.optim.AdamW(the_rest(m), lr=1e-2, foreach=False)]
+
+
+def run_pieces(model, tier, swap, data, **kw):
+    config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier=tier, swap_dir=str(swap), **kw)
+    with offload.wrap(model, sgd_matrices_adamw_rest(model), config=config) as engine:
+        assert any(u.state_pages is not None for u in engine.units)
+        train_offload(engine, data, settle_backward=kw.get("speculative_updates", False))
+        return engine.state_dict(), engine.stats()
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_per_entry_slots_over_pieces_and_speculation_equal_plain_pytorch(tier, tmp_path, monkeypatch):
+    """SGD with momentum on the matrices (one slot) beside AdamW (two), updated in pieces of
+    one page (every piece a span of each slot, pieces without the second slot included):
+    plain PyTorch's numbers; with clipping that triggers, speculative updates (out of place
+    into the spare homes, what a parameter does not update carried over slot by slot, some
+    redone) give the serialized step's numbers."""
+    monkeypatch.setattr(offload.units, "OPTIMIZER_PIECE_NUMEL", PAGE_NUMEL)
+    torch.manual_seed(0)
+    reference = GPT(WIDE)
+    fresh = copy.deepcopy(reference)
+    data = batches(4)
+    with correctly_rounded_sqrt():
+        opts = sgd_matrices_adamw_rest(reference)
+        for b in data:
+            gpt_loss(reference, b).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        got, _ = run_pieces(copy.deepcopy(fresh), tier, tmp_path / "plain", data)
+        assert all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
+        on, on_stats = run_pieces(copy.deepcopy(fresh), tier, tmp_path / "on", data, max_grad_norm=0.5,
+                                  speculative_updates=True)
+        off, _ = run_pieces(copy.deepcopy(fresh), tier, tmp_path / "off", data, max_grad_norm=0.5,
+                            speculative_updates=False)
+    assert on_stats["speculative_updates"] > 0 and on_stats["redone_updates"] > 0
+    assert all(torch.equal(on[k], off[k]) for k in off)
+
+
+class SometimesBlock(torch.nn.Module):
+    """A matrix (SGD's), a norm and a vector ``extra`` (AdamW's) that forward uses only while
+    ``use_extra`` is set: on the other steps it gets no gradient and keeps its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64, bias=False)
+        self.norm = torch.nn.LayerNorm(64)
+        self.extra = torch.nn.Parameter(torch.randn(64) * 0.1)
+        self.use_extra = True
+
+    def forward(self, x):
+        x = self.norm(torch.tanh(self.linear(x)))
+        return x + self.extra if self.use_extra else x
+
+
+class Sometimes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([SometimesBlock() for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def sometimes_optimizers(m):
+    matrices = [b.linear.weight for b in m.blocks]
+    return [torch.optim.SGD(matrices, lr=0.05, momentum=0.9, foreach=False),
+            torch.optim.AdamW([p for p in m.parameters() if not any(p is q for q in matrices)], lr=1e-2,
+                              foreach=False)]
+
+
+def run_sometimes(model, tier, swap, inputs, speculative, max_grad_norm):
+    config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier=tier, swap_dir=str(swap),
+                  max_grad_norm=max_grad_norm, speculative_updates=speculative)
+    with offload.wrap(model, sometimes_optimizers(model), config=config) as engine:
+        assert all(u.state_pages is not None for u in engine.units[1:])
+        for i, x in enumerate(inputs):
+            for b in model.blocks:
+                b.use_extra = i % 2 == 0
+            engine.backward(engine(x).square().mean())
+            if speculative:
+                engine.debug.updates.wait_optimizer()
+            engine.step()
+        return engine.state_dict(), engine.stats()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_parameter_without_a_gradient_keeps_its_slots_through_speculative_updates(tier, tmp_path):
+    """Speculative updates write the spare homes, which become the homes; a parameter of a
+    per-entry home with no gradient on every other step keeps its state (AdamW's two slots
+    beside the matrix's one): the serialized step's numbers. (Its unit's update then waits
+    for step(): an early one starts only once every gradient of the unit has come.)"""
+    torch.manual_seed(0)
+    fresh = Sometimes()
+    inputs = [torch.randn(4, 64) for _ in range(6)]
+    # the norm stays under 1.0: the speculations are committed
+    on, on_stats = run_sometimes(copy.deepcopy(fresh), tier, tmp_path / "on", inputs, True, 1.0)
+    off, _ = run_sometimes(copy.deepcopy(fresh), tier, tmp_path / "off", inputs, False, 1.0)
+    assert on_stats["speculative_updates"] > 0
+    assert all(torch.equal(on[k], off[k]) for k in off)
+
+
+def train_steps(engine, data):
+    for b in data:
+        engine.backward(gpt_loss(engine, b))
+        engine.step()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failed_write_of_per_entry_slots_is_held_and_saved_in_the_checkpoint_layout(tmp_path, monkeypatch):
+    """[Note: swap I/O failures] A swap write of a per-entry home fails part-way through a
+    unit's pieces: the unit's states are held in host RAM in the checkpoint's layout (every
+    slot whole, zeros where a parameter keeps none), state_dict() reads them, a checkpoint
+    saved then resumes in a fresh engine as the run that never failed."""
+    from support import FaultyIO, unwrap_swap_io, wrap_swap_io
+    import errno
+
+    monkeypatch.setattr(offload.units, "OPTIMIZER_PIECE_NUMEL", PAGE_NUMEL)
+    torch.manual_seed(0)
+    fresh = GPT(WIDE)
+    data = batches(5)
+    config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier="nvme",
+                  swap_dir=str(tmp_path / "swap"), overlap_step_with_forward=False)
+    with correctly_rounded_sqrt():
+        with offload.wrap(model := copy.deepcopy(fresh), sgd_matrices_adamw_rest(model), config=config) as ref:
+            train_steps(ref, data[:3])
+            after_fault_step = ref.state_dict()
+            train_steps(ref, data[3:])
+            final = ref.state_dict()
+        with offload.wrap(model := copy.deepcopy(fresh), sgd_matrices_adamw_rest(model), config=config) as engine:
+            train_steps(engine, data[:2])
+            wrap_swap_io(engine, FaultyIO, errno.EIO, fail_write=2)  # a unit's second piece
+            engine.backward(gpt_loss(engine, data[2]))
+            with pytest.raises(OSError, match="save_checkpoint"):
+                engine.step()
+            assert all(torch.equal(v, after_fault_step[k]) for k, v in engine.state_dict().items())
+            unwrap_swap_io(engine)
+            engine.save_checkpoint(str(tmp_path / "elsewhere"))
+        with offload.wrap(model := copy.deepcopy(fresh), sgd_matrices_adamw_rest(model), config=config) as engine:
+            engine.load_checkpoint(str(tmp_path / "elsewhere"))
+            train_steps(engine, data[3:])
+            got = engine.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in final.items())
