@@ -259,3 +259,50 @@ def test_a_failed_write_of_per_entry_slots_is_held_and_saved_in_the_checkpoint_l
             train_steps(engine, data[3:])
             got = engine.state_dict()
     assert all(torch.equal(got[k], v) for k, v in final.items())
+
+
+MODES = {
+    # (optimizers, config): delayed updates write master and moments in place, the compute copy
+    # into the spare one; the checkpoint is taken with an update pending
+    "delayed-nvme": (sgd_matrices_adamw_rest, dict(param_tier="nvme", optimizer_tier="nvme", device_budget=1 << 20,
+                                                   delayed_update=True)),
+    "muon-host-clip-accumulate": (OPTIMIZERS["muon+adamw"], dict(param_tier="host", optimizer_tier="host",
+                                                                 max_grad_norm=0.5, gradient_accumulation_steps=2)),
+    "adafactor-nvme-bf16": (OPTIMIZERS["adafactor"], dict(param_tier="nvme", optimizer_tier="nvme", dtype="bf16")),
+}
+
+
+def run_mode(mode, swap, ckpt):
+    make, extra = MODES[mode]
+    torch.manual_seed(0)
+    model = GPT(WIDE)
+    config = dict(dict(device="cpu", swap_dir=str(swap)), **extra)
+    with offload.wrap(model, make(model), config=config) as engine:
+        losses = train_offload(engine, batches(6))
+        engine.save_checkpoint(str(ckpt))
+        return losses, engine.state_dict(), [u.state_pages is not None for u in engine.units]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_per_entry_slots_change_no_number_and_no_checkpoint_byte(mode, tmp_path, monkeypatch):
+    """The same run with every unit's moments home in whole slots (StateSlots.of taken away,
+    as before per-entry slots) and with per-entry slots: the same losses and weights bit for
+    bit, and checkpoints whose unit files are the same bytes (the checkpoint keeps every slot
+    whole, zeros where a parameter keeps none)."""
+    import os
+
+    with correctly_rounded_sqrt():
+        losses, weights, packed = run_mode(mode, tmp_path / "swap-a", tmp_path / "packed")
+        assert any(packed)
+        monkeypatch.setattr(StateSlots, "of", classmethod(lambda cls, *args: None))
+        whole_losses, whole_weights, whole = run_mode(mode, tmp_path / "swap-b", tmp_path / "whole")
+        assert not any(whole)
+    assert losses == whole_losses
+    assert all(torch.equal(weights[k], whole_weights[k]) for k in weights)
+    files = sorted(f for f in os.listdir(tmp_path / "packed") if f != "manifest.json")
+    assert files == sorted(f for f in os.listdir(tmp_path / "whole") if f != "manifest.json") and files
+    for f in files:
+        a, b = tmp_path / "packed" / f, tmp_path / "whole" / f
+        if a.is_file():
+            assert a.read_bytes() == b.read_bytes(), f
