@@ -15,13 +15,15 @@ Columns: step time (median of the timed steps) and its ratio to AdamW's on NVMe;
 read and written per step (the engine's counters, bytes_read_nvme / bytes_written_nvme,
 summed over the timed steps and divided by their number: an update deferred from one step
 into the next counts once); "state B/p", the optimizer's state at home per trainable
-parameter (stats()["optimizer_state_bytes"]: the moments home's slots, and the master apart
-from the compute copy, which fp32 merges into it); "side B/p", the tensors a whole-parameter
+parameter (stats()["optimizer_state_bytes"]: the moments home, each parameter's own
+optimizer's tensors in whole pages ([Note: per-entry state slots]), and the master apart from
+the compute copy: none in fp32, which merges it into the compute copy, its 2-byte low halves in
+bf16 on NVMe, split_master); "side B/p", the tensors a whole-parameter
 optimizer keeps per parameter in host RAM (Adafactor's row and column factors,
 stats()["optimizer_side_bytes"]); peak RSS.
 
     python tools/bench_train.py --optimizer adamw sgd-momentum adagrad rmsprop adafactor muon \\
-        --dtypes fp32 --warmup 1 --steps 3
+        --dtypes fp32 bf16 --warmup 1 --steps 3
 
 Imports train_harness (see the graph in tools/bench_train.py); its rows run train_rows.run_offload
 (bench_train.worker_main) with the spec's "optimizer".
