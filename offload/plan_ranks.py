@@ -76,7 +76,9 @@ def rank_unit_sizes(shape: ModelShape, dtype: str, stage: int, shard_rank: int, 
             base, compute_numel=shards.compute_numel or base.compute_numel,
             home_numel=param.home_numel if param is not None else base.home_numel,
             state_numel=shards.shard.state_numel, low_numel=low_numel(shards.shard.numel),
-            grad_numel=shards.grad_numel, bucket_numel=shards.bucket_numel))
+            grad_numel=shards.grad_numel, bucket_numel=shards.bucket_numel,
+            # whole slots of the shard: stages >= 1 run Adam alone ([Note: per-entry state slots])
+            moments_numel=None))
     return sizes
 
 
