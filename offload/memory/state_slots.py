@@ -16,8 +16,9 @@ home. So
   request per slot per piece, as with whole slots (optim/step.py ``_moment_parts``);
 - a parameter's elements are contiguous in every slot it uses (all its pages are kept);
 - a page partly held by parameters that do not use the slot is kept whole: its other elements
-  are never read as state; ``read_virtual`` gives zeros there, ``write_virtual`` ignores them.
-A unit whose every parameter uses every slot keeps every page: the layout is the one before
+  are never read as state; the virtual layout below reads zeros there and drops what is
+  written there (``StateSlots.unpack``, ``pack``, ``owned_parts``).
+A unit whose slots keep every page (every parameter uses every slot) has the layout before
 (slot s at ``s * state_numel``) and its home is a plain home (``StateSlots.of`` gives None).
 Otherwise the home is a ``PackedHome``: the tier's buffer and its StateSlots. Code that steps
 states works on the physical slots (``StateSlots.span``, ``PackedSlot``); checkpoints and the
@@ -25,7 +26,7 @@ failed-write copies (``PipelinedStep.dirty``) see the *virtual* layout, every sl
 before, through ``Homes.load``, ``load_range``, ``store``, ``store_range`` (zeros where a
 parameter does not use a slot, as the whole slots held), so their format is unchanged. The
 budgets, "auto" placement and ``offload plan --optimizer`` count the physical bytes
-(``UnitSizes.moments_numel``, from ``moments_numel`` here). Only one process or ZeRO stage 0
+(``UnitSizes.moments_numel``: ``StateSlots.numel``). Only one process or ZeRO stage 0
 has such homes: stages >= 1 run Adam alone, whose parameters use both slots.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from offload._sizes import FP32_BYTES, PAGE_BYTES
 
-__all__ = ["PAGE_NUMEL", "PackedHome", "PackedSlot", "StateSlots", "home_views", "moments_numel", "slot_indices",
+__all__ = ["PAGE_NUMEL", "PackedHome", "PackedSlot", "StateSlots", "home_views", "slot_indices",
            "staged_parts", "staged_views"]
 
 PAGE_NUMEL = PAGE_BYTES // FP32_BYTES  # fp32 elements of a page
@@ -96,9 +97,6 @@ class StateSlots:
             return None
         slots = cls(num_slots, state_numel, entries)
         return None if slots.numel == num_slots * state_numel else slots
-
-    def identity(self) -> bool:
-        return self.numel == self.num_slots * self.state_numel
 
     def physical(self, s: int, x: int) -> int:
         """Element of the home holding master element x of slot s (x on a kept page, or a
@@ -177,12 +175,6 @@ class PackedSlot:
         ``src``, the same slot of the same range elsewhere."""
         for x, y in self.slots.owned_parts(self.s, self.lo + a, self.lo + b):
             self[x - self.lo:y - self.lo].copy_(src[x - self.lo:y - self.lo])
-
-
-def moments_numel(num_slots: int, state_numel: int, entries: Sequence[Tuple[int, int, Sequence[int]]]) -> int:
-    """fp32 elements of a unit's moments home ([Note: per-entry state slots]); the planner's
-    and wrap's count."""
-    return StateSlots(num_slots, state_numel, entries).numel
 
 
 def home_views(home: PackedHome, lo: int, hi: int) -> Tuple[Optional[PackedSlot], Optional[PackedSlot]]:
