@@ -3,6 +3,7 @@ parameter's moments take only the slots its own optimizer keeps, in whole pages,
 matrices beside AdamW keep one fp32 tensor and Adafactor's factored matrices none; the bytes on
 each tier are what torch keeps per parameter (to the page), the numbers stay plain PyTorch's."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from support import batches, correctly_rounded_sqrt, gpt_loss, train_offload
 # d_model 64: a block's matrices are whole pages (64 x 64 = 4 pages), its norms and biases are not
 WIDE = GPTConfig(vocab_size=64, seq_len=16, d_model=64, num_heads=2, num_layers=2)
 PAGE_BYTES = PAGE_NUMEL * 4
+# six blocks: "auto" has host budgets between all on NVMe and all in RAM (test_memory_placement's gpt-wide)
+DEEP = GPTConfig(vocab_size=128, seq_len=16, d_model=64, num_heads=4, num_layers=6)
 
 
 def blocks_matrices(model):
@@ -306,3 +309,45 @@ def test_per_entry_slots_change_no_number_and_no_checkpoint_byte(mode, tmp_path,
         a, b = tmp_path / "packed" / f, tmp_path / "whole" / f
         if a.is_file():
             assert a.read_bytes() == b.read_bytes(), f
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+def test_auto_placement_of_per_entry_homes_is_the_plans(name, tmp_path):
+    """"auto" places each unit by its home bytes: with per-entry slots wrap and `offload plan
+    --optimizer NAME` (plan.auto_placement over the shape it learns) place every unit alike
+    at host budgets from the all-NVMe floor to the all-RAM need."""
+    from offload import plan
+    from offload.config import OffloadConfig
+    from offload.memory.budget import host_bytes, minimum_device_budget, minimum_host_budget
+    from offload.memory.layout import Layout
+    from offload.plan_optimizers import build_optimizers
+
+    if name == "adafactor":
+        pytest.importorskip("transformers")
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        shape = plan.shape_from_module(GPT(DEEP), "gpt", optimizer=name)
+    assert any(u.moments_numel is not None for u in shape.units)
+    slots = shape.optimizer.state_slots
+    # bf16: in fp32 this model has no budget between all in RAM and gradient spills
+    # (test_memory_placement's note) where states are split between the tiers
+    sizes = [u.sizes(2) for u in shape.units]
+    config = dict(device="cpu", dtype="bf16", swap_dir=str(tmp_path / "swap"), param_tier="auto",
+                  optimizer_tier="auto", max_grad_norm=1.0, device_budget=minimum_device_budget(sizes, "nvme", 2))
+    sizes = [dataclasses.replace(s, state_slots=slots) for s in sizes]
+
+    def need(tier, bound):
+        return bound(sizes, Layout.resolve(OffloadConfig(**config), cpu, None, ((tier,) * len(sizes),
+                                                                               (tier,) * len(sizes))))
+    floor = need("nvme", minimum_host_budget)
+    full = need("host", lambda s, layout: host_bytes(s, layout).total)
+    seen = set()
+    for budget in (floor + (full - floor) * k // 6 for k in range(7)):
+        planned, _, _ = plan.auto_placement(shape, dict(config, host_budget=budget), slots)
+        torch.manual_seed(0)
+        model = GPT(DEEP)
+        with offload.wrap(model, build_optimizers(name, model), config=dict(config, host_budget=budget)) as engine:
+            assert engine.placement() == planned, budget
+        seen.add(str(planned))
+    assert len(seen) >= 2  # the budgets change the placement (Adafactor's tiny states: two of them)
