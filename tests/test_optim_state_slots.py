@@ -351,3 +351,23 @@ def test_auto_placement_of_per_entry_homes_is_the_plans(name, tmp_path):
             assert engine.placement() == planned, budget
         seen.add(str(planned))
     assert len(seen) >= 2  # the budgets change the placement (Adafactor's tiny states: two of them)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_state_carried_from_optimizers_that_have_stepped_goes_into_per_entry_homes(tier, tmp_path):
+    """Muon and AdamW that took two steps in plain PyTorch are wrapped: their momentum buffers
+    and moments go into the per-entry homes, and two more steps are plain PyTorch's four."""
+    torch.manual_seed(0)
+    reference = GPT(WIDE)
+    model = copy.deepcopy(reference)
+    data = batches(4)
+    with correctly_rounded_sqrt():
+        torch_state(reference, OPTIMIZERS["muon+adamw"](reference), data)
+        opts = OPTIMIZERS["muon+adamw"](model)
+        torch_state(model, opts, data[:2])
+        config = dict(device="cpu", param_tier="host", optimizer_tier=tier, swap_dir=str(tmp_path / "swap"))
+        with offload.wrap(model, opts, config=config) as engine:
+            assert any(u.state_pages is not None for u in engine.units)
+            train_offload(engine, data[2:])
+            got = engine.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
