@@ -81,6 +81,18 @@ def wrap(model: nn.Module, optimizer: "torch.optim.Optimizer | List[torch.optim.
     return Engine(model, optimizer, OffloadConfig.from_any(config), init_fn=init_fn, weights=weights)
 
 
+def check_stale_grads(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """A gradient from before wrap is added into the first step, as plain PyTorch adds it,
+    where autograd can accumulate into it: fp32, or the compute dtype. Any other (a float64
+    .grad left by .double()) is a ValueError naming the parameter, before anything changes."""
+    for name, p in model.named_parameters():
+        g = p.grad
+        if p.requires_grad and g is not None and g.dtype not in (torch.float32, compute_dtype):
+            raise ValueError(f"{name}: its .grad from before wrap is {g.dtype}, and the engine computes gradients "
+                             f"in {compute_dtype} (accumulated into fp32 or {compute_dtype} only); call "
+                             "model.zero_grad(set_to_none=True) before wrap, or convert the .grad")
+
+
 class Engine:
     """Trains one model with its state spread over device, host and NVMe tiers.
 
@@ -109,6 +121,7 @@ class Engine:
         # [Note: layout] every mode resolved once; nothing below reads the config again.
         self.layout = layout = Layout.resolve(config, self.device, self._partition)
         self.compute_dtype = layout.compute_dtype
+        check_stale_grads(model, layout.compute_dtype)
         if layout.fp16 and self.device.type == "cpu":
             warn_at_caller("dtype='fp16' on a CPU device: torch's CPU kernels run fp16 matmuls many times "
                            "slower than bf16 ones, and fp16 needs loss scaling; dtype='bf16' keeps fp32's "

@@ -110,6 +110,28 @@ def test_a_parameter_only_in_the_optimizer_is_refused_naming_it(tmp_path):
     assert os.listdir(tmp_path / "swap") == []
 
 
+def test_a_gradient_from_before_wrap_in_another_dtype_is_refused_naming_it(tmp_path):
+    """A float64 .grad left by .double() after a backward: autograd would have accumulated
+    the first step's fp32 gradients into it (an internal assertion at the first backward,
+    the device's accounting passed); now a ValueError at wrap naming the parameter, the
+    model and the grads as they were. An fp32 .grad is added into the first step as plain
+    PyTorch adds it (the bf16 engine accepts it)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    gpt_loss(model, batches(1)[0]).backward()
+    model.double()
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"^wte.weight: its .grad from before wrap is torch.float64.*"
+                                         r"model.zero_grad\(set_to_none=True\)"):
+        offload.wrap(model, make_opt(model.parameters()), config=nvme_config(tmp_path))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    assert os.listdir(tmp_path / "swap") == []
+    model.float()  # fp32 grads again: wrap takes them, in bf16 too
+    with offload.wrap(model, make_opt(model.parameters()), config=dict(nvme_config(tmp_path), dtype="bf16")) as engine:
+        one_step(engine, batches(1)[0])
+
+
 def test_a_model_wrapped_twice_is_refused_before_anything_is_touched(tmp_path):
     """Item 10: the second wrap of a model (or of one of its modules) while its engine is
     live says so instead of failing on empty parameters; after close() it wraps."""
