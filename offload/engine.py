@@ -241,7 +241,7 @@ class Engine:
                 if layout.activation_offload is not None and config.swap_dir else None
             made_activation_swap_dir = activation_swap_dir is not None and not os.path.lexists(activation_swap_dir)
             self._activations = ActivationStore(
-                layout.activation_offload, device=self._device, host=self._host, timeline=self._timeline,
+                layout.activation_offload, tiers=tiers,
                 nvme=NvmeTier(activation_swap_dir, 0, config.io_backend, config.io_block_bytes,
                               config.io_queue_depth, checksums=config.swap_checksums)
                 if activation_swap_dir is not None else None,

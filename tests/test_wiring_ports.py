@@ -437,8 +437,7 @@ def test_the_hooks_built_alone_run_the_models_function_and_hand_its_gradients_ov
     want = _adamw_after_one_step(model, grads, lr=LR)
     built = StandAlone(model, torch.optim.AdamW(model.parameters(), lr=LR), _config(tmp_path))
     scheduler = _scheduler(built)
-    activations = ActivationStore(None, device=built.tiers.device, host=built.tiers.host, nvme=None,
-                                  timeline=built.tiers.timeline)
+    activations = ActivationStore(None, tiers=built.tiers, nvme=None)
     hooks = Hooks(model, built.units, tiers=built.tiers, gradients=built.gradients, partition=None,
                   activations=activations, residency=built.residency, updates=scheduler)
     hooks.install()

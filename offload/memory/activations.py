@@ -90,7 +90,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -98,8 +98,10 @@ from offload.config import format_size
 from offload.errors import warn_at_caller
 from offload.io.swap import Extent
 from offload.memory.layout import sub_extent
-from offload.stats import Timeline
-from offload.tiers import DeviceTier, HostTier, NvmeTier
+from offload.tiers import NvmeTier
+
+if TYPE_CHECKING:
+    from offload.tiers.context import TierContext
 
 __all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "same_reading", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
 
@@ -229,11 +231,12 @@ class ActivationStore:
     activation_offload "host", "nvme" or "auto" (``mode``; None: ``pack`` returns every
     tensor as it is). Main thread, except that a record may end on the thread where autograd drops it."""
 
-    def __init__(self, mode: Optional[str], *, device: DeviceTier, host: HostTier,
-                 nvme: Optional[NvmeTier], timeline: Timeline, room_bytes: Optional[int] = None,
+    def __init__(self, mode: Optional[str], *, tiers: "TierContext",
+                 nvme: Optional[NvmeTier], room_bytes: Optional[int] = None,
                  host_room_bytes: Optional[int] = None, warn_room_spill: bool = False,
                  remove_dir: Optional[str] = None) -> None:
-        """``room_bytes``: "auto"'s bound on the activations kept on the device
+        """``tiers``: the engine's device and host tiers and its timeline (the store's NVMe
+        tier is ``nvme``). ``room_bytes``: "auto"'s bound on the activations kept on the device
         (``budget.activation_room_bytes``; None: no bound). ``host_room_bytes``: what the
         host buffers may hold (``budget.activation_host_room_bytes``; None: no bound).
         ``warn_room_spill``: no activation_host_bytes was set, so the first forward whose
@@ -249,11 +252,11 @@ class ActivationStore:
         self._room_bytes = room_bytes if mode == "auto" else None
         self._host_room_bytes = host_room_bytes
         self._warn_room_spill = warn_room_spill
-        self._device = device
-        self.host = host
+        self._device = tiers.device
+        self.host = tiers.host
         self.nvme = nvme  # the store's own: its counters are the activations' bytes
         self._remove_dir = remove_dir
-        self._timeline = timeline  # the "activations" lane: each group's way out and back
+        self._timeline = tiers.timeline  # the "activations" lane: each group's way out and back
         self._evictor: Optional[Evictor] = None
         self._lock = threading.RLock()  # records end on whichever thread drops them
         # free swap extents, reused (the smallest that holds a group), so that the swap space
