@@ -65,3 +65,18 @@ def nvme(tmp_path):
 def offload_trainer(base_dir, args, offload_config, meta=False, **kwargs):
     return OffloadTrainer(model=model_from(base_dir, meta), args=args, offload_config=offload_config,
                           weights=base_dir if meta else None, **kwargs)
+
+
+def trainer_losses(tmp_path, use_cpu):
+    """The logged losses of OffloadTrainer on the tiny Llama, both tiers on NVMe, clipping every
+    step, on the CPU (``use_cpu``) or on the Trainer's CUDA device: the body of the gpu-marked
+    Trainer test (tests/test_engine_gpu.py), also run on the CPU device (test_hf_trainer.py)."""
+    base_dir = save_base_model(tmp_path / "base")
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", use_cpu=use_cpu), nvme(tmp_path / "swap"),
+                              train_dataset=TokenDataset(24, seed=1))
+    try:
+        assert trainer.engine.device.type == ("cpu" if use_cpu else "cuda")
+        trainer.train()
+        return logged(trainer, "loss")
+    finally:
+        trainer.close()

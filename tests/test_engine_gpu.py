@@ -9,7 +9,7 @@ import offload
 from offload.gpt import GPT
 
 from support import (BF16_LOSS_REL_TOL, CFG, REL_TOL, batches, budget_for, check_activation_offload,
-                     check_delayed_updates, make_opt, max_rel_error, train_offload)
+                     check_delayed_updates, make_opt, max_rel, max_rel_error, train_offload)
 
 pytestmark = pytest.mark.gpu
 
@@ -172,3 +172,12 @@ def test_cuda_delayed_updates_follow_the_cpu_device(tmp_path):
 @pytest.mark.parametrize("kind", ["host", "nvme"])
 def test_cuda_activation_offload_returns_what_it_moved(kind, tmp_path):
     check_activation_offload(kind, ("cuda",), tmp_path)
+
+
+def test_cuda_offload_trainer_follows_the_cpu_device(tmp_path):
+    """OffloadTrainer on the Trainer's CUDA device (states on NVMe, clipping every step): the
+    loss curve of the same run on the CPU device."""
+    from hf_support import trainer_losses
+
+    cuda, cpu = trainer_losses(tmp_path / "cuda", use_cpu=False), trainer_losses(tmp_path / "cpu", use_cpu=True)
+    assert len(cuda) == len(cpu) > 0 and max_rel(cuda, cpu) < 1e-4

@@ -859,3 +859,12 @@ def test_the_finetune_llama_example_runs(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "loaded with from_pretrained" in result.stdout
     assert (tmp_path / "finetuned" / "model.safetensors").exists()
+
+
+def test_the_body_of_the_gpu_trainer_test_runs_on_the_cpu_device(tmp_path):
+    """tests/test_engine_gpu.py's OffloadTrainer test has not run on a GPU yet: its body runs
+    here, twice on the CPU device, the same curve bit for bit."""
+    from hf_support import trainer_losses
+
+    first, second = trainer_losses(tmp_path / "a", use_cpu=True), trainer_losses(tmp_path / "b", use_cpu=True)
+    assert len(first) == 6 and first == second
