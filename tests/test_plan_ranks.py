@@ -23,6 +23,18 @@ CASES = [(1, "host", "nvme", "bf16", "exact"), (2, "nvme", "nvme", "bf16", "exac
          (0, "host", "nvme", "bf16", "compact"), (0, "nvme", "host", "bf16", "compact")]
 
 
+def budget_refusals(wrap, row):
+    """The fields named by wrap's refusals of one byte less of the row's host budget, then of
+    its device budget (a wrap that accepts one is closed and names nothing)."""
+    refused = []
+    for budgets in (dict(host_budget=row["host_bytes"] - 1), dict(device_budget=row["device_bytes"] - 1)):
+        try:
+            wrap(**budgets).close()
+        except ValueError as e:
+            refused.append(str(e).split(":")[0])
+    return refused
+
+
 def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD, optimizer_states="exact",
             delayed_update=False):
     with torch.device("meta"):
@@ -51,13 +63,7 @@ def _worker(rank, port, swap_root, out_dir):
 
             with wrap(host_budget=row["host_bytes"], device_budget=row["device_bytes"]) as engine:
                 got = {"nvme": engine.stats()["nvme_bytes"], "device": engine.stats()["device_budget_bytes"]}
-            refused = []
-            for budgets in (dict(host_budget=row["host_bytes"] - 1), dict(device_budget=row["device_bytes"] - 1)):
-                try:
-                    wrap(**budgets).close()
-                except ValueError as e:
-                    refused.append(str(e).split(":")[0])
-            results.append(dict(got, refused=refused, row=row))
+            results.append(dict(got, refused=budget_refusals(wrap, row), row=row))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -162,13 +168,7 @@ def _delayed_worker(rank, port, swap_root, out_dir):
                 stats = engine.stats()
                 got = {"nvme": stats["nvme_bytes"], "device": stats["device_budget_bytes"],
                        "host_peak": stats["host_peak_bytes"], "delayed": stats["delayed_updates"]}
-            refused = []
-            for budgets in (dict(host_budget=row["host_bytes"] - 1), dict(device_budget=row["device_bytes"] - 1)):
-                try:
-                    wrap(**budgets).close()
-                except ValueError as e:
-                    refused.append(str(e).split(":")[0])
-            results.append(dict(got, refused=refused, row=row))
+            results.append(dict(got, refused=budget_refusals(wrap, row), row=row))
         torch.save(results, os.path.join(out_dir, f"delayed-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
