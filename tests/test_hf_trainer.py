@@ -144,7 +144,11 @@ def test_an_accumulation_window_cut_short_by_the_epoch_end_is_stepped_like_the_p
 
 def test_activation_checkpointing_trains_like_the_plain_trainer(base_dir, plain_run, tmp_path):
     plain, _ = plain_run
-    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", activation_checkpointing=True),
+    from transformers import TrainingArguments
+    # the field's name since transformers 5.2x; gradient_checkpointing before
+    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+        else "gradient_checkpointing"
+    trainer = offload_trainer(base_dir, training_args(tmp_path / "out", **{name: True}),
                               nvme(tmp_path / "swap"), train_dataset=TokenDataset(24, seed=1))
     try:
         trainer.train()

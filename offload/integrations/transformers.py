@@ -518,9 +518,10 @@ class OffloadTrainer(Trainer):
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
-        if self.loss_is_scaled_for_ga is not None:
-            loss_is_scaled_for_ga = self.loss_is_scaled_for_ga
-        else:  # as Trainer.training_step decides it
+        declared = getattr(self, "loss_is_scaled_for_ga", None)  # a Trainer field since transformers 5.2x
+        if declared is not None:
+            loss_is_scaled_for_ga = declared
+        else:  # as Trainer.training_step decides it (transformers 5.17 to 5.24 alike)
             loss_is_scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
         if not loss_is_scaled_for_ga:
