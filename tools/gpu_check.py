@@ -63,6 +63,10 @@ BENCH_MODELS = {
 }
 
 
+# parity's models: two small ones and the reference GPT (10 steps of batch 4 x 64 each)
+PARITY_MODELS = {"gpt": ("gpt", SMALL_GPT), "llama": ("llama", SMALL_LLAMA), "gpt166m": BENCH_MODELS["gpt166m"][:2]}
+
+
 def build(kind, cfg):
     torch.manual_seed(0)
     if kind == "gpt":
@@ -111,9 +115,10 @@ def peak(device):
 
 
 # ------------------------------------------------------------------------------------ parity
-def plain_run(kind, model, data, device):
+def plain_run(kind, model, data, device, fused=False):
     ref = copy.deepcopy(model).to(device)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, **({"fused": True} if fused else
+                                                                            {"foreach": False}))
     losses, act_peak = [], 0
     for b in data:
         sync(device)
@@ -130,6 +135,18 @@ def plain_run(kind, model, data, device):
     state = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
     del ref, opt
     return losses, state, act_peak
+
+
+def plain_reference(kind, model, data, device):
+    """plain_run's (losses, state, activation peak) and the spread of two torch steps: the
+    largest loss and state errors between torch's AdamW with foreach=False and with
+    fused=True over the same steps. [Note: the spread of two torch steps] Two correct
+    implementations of one step round differently per element and drift apart on this model
+    by this much; offload's CPU Adam differs from torch's GPU step the same way."""
+    losses, state, act_peak = plain_run(kind, model, data, device)
+    fused_losses, fused_state, _ = plain_run(kind, model, data, device, fused=True)
+    spread = (max(abs(a - b) / abs(b) for a, b in zip(fused_losses, losses)), max_rel_error(fused_state, state))
+    return losses, state, act_peak, spread
 
 
 def max_rel_error(state, ref_state):
@@ -151,14 +168,14 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
     config = dict(device=str(device), dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier,
                   swap_dir=swap_dir, device_budget=budget, max_grad_norm=1.0,
                   activation_offload=activation_offload)
-    ref_losses, ref_state, act_peak = plain
+    ref_losses, ref_state, act_peak, spread = plain
     data = data_for(cfg["vocab_size"], 10, 4, 64, device)
     gc.collect()  # the previous case's engine is gone before the baseline is read
     sync(device)
     before = allocated(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     row = dict(model=kind, dtype=dtype, tiers=f"{param_tier},{optimizer_tier}", act=activation_offload or "-",
-               budget=budget, plain_act_peak=act_peak)
+               budget=budget, plain_act_peak=act_peak, spread_loss=spread[0], spread_state=spread[1])
     with offload.wrap(model, opt, config=config) as engine:
         sync(device)
         row["arena"] = allocated(device) - before
@@ -183,7 +200,9 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
     row["state_err"] = max_rel_error(state, ref_state)
     ok = [all(l == l for l in losses)]
     if dtype == "fp32":
-        ok += [loss_err < LOSS_TOL_FP32, row["state_err"] < STATE_TOL_FP32]
+        # the state bound: 1e-3, or twice the spread of two torch steps where that is larger
+        # (a bigger model drifts further: [Note: the spread of two torch steps])
+        ok += [loss_err < LOSS_TOL_FP32, row["state_err"] < max(STATE_TOL_FP32, 2 * spread[1])]
     else:
         ok += [loss_err < LOSS_TOL_BF16]
     ok.append(row["arena"] <= budget + MiB or device.type != "cuda")
@@ -198,12 +217,20 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
 def parity(args):
     device = torch.device(args.device)
     rows = []
-    for kind, cfg in (("gpt", SMALL_GPT), ("llama", SMALL_LLAMA)):
+    for name in args.models:
+        kind, cfg = PARITY_MODELS[name]
         model = build(kind, cfg)
-        plain = plain_run(kind, model, data_for(cfg["vocab_size"], 10, 4, 64, device), device)
-        cases = [(d, t, None) for d in ("fp32", "bf16") for t in (("host", "host"), ("nvme", "nvme"), ("auto", "auto"))]
-        cases.append(("fp32", ("host", "host"), "host"))
-        for dtype, tiers, act in cases:
+        plain = plain_reference(kind, model, data_for(cfg["vocab_size"], 10, 4, 64, device), device)
+        print(f"SPREAD {name}: loss {plain[3][0]:.2e} state {plain[3][1]:.2e}", flush=True)
+        if name == "gpt166m":  # the reference GPT: one case per tier and dtype pair that matters most
+            cases = [("fp32", ("host", "host"), None), ("bf16", ("nvme", "nvme"), None),
+                     ("bf16", ("auto", "auto"), None), ("bf16", ("host", "host"), "host"),
+                     ("bf16", ("host", "host"), "nvme")]
+        else:
+            cases = [(d, t, None) for d in ("fp32", "bf16")
+                     for t in (("host", "host"), ("nvme", "nvme"), ("auto", "auto"))]
+            cases += [("fp32", ("host", "host"), "host"), ("bf16", ("host", "host"), "host")]
+        for dtype, tiers, act in [c for c in cases if c[0] in args.dtypes]:
             try:
                 row = parity_case(kind, cfg, dtype, tiers, act, device, args.swap_dir, plain)
             except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
@@ -213,14 +240,14 @@ def parity(args):
             rows.append(row)
             print("PARITY", json.dumps(row), flush=True)
     print(f"\n{'model':6} {'dtype':5} {'tiers':10} {'act':4} {'loss err':>9} {'state err':>9} {'budget MiB':>10} "
-          f"{'arena MiB':>9} {'peak-arena':>10} {'plain act':>9} {'pinned MiB':>10} ok")
+          f"{'arena MiB':>9} {'peak-arena':>10} {'plain act':>9} {'pinned MiB':>10} {'spread':>9} ok")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:6} {r['dtype']:5} {r['tiers']:10} {r['act']:4} ERROR {r['error']}")
             continue
         print(f"{r['model']:6} {r['dtype']:5} {r['tiers']:10} {r['act']:4} {r['loss_err']:9.2e} {r['state_err']:9.2e} "
               f"{r['budget'] / MiB:10.2f} {r['arena'] / MiB:9.2f} {r['peak_over_arena'] / MiB:10.2f} "
-              f"{r['plain_act_peak'] / MiB:9.2f} {r['pinned'] / MiB:10.2f} {'ok' if r['ok'] else 'FAIL'}")
+              f"{r['plain_act_peak'] / MiB:9.2f} {r['pinned'] / MiB:10.2f} {r['spread_state']:9.2e} {'ok' if r['ok'] else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -350,6 +377,10 @@ def main(argv=None):
     p.add_argument("--swap-dir", required=True)
     p.add_argument("--json", default=None)
     p.add_argument("--model", choices=tuple(BENCH_MODELS), default="gpt166m")
+    p.add_argument("--models", nargs="+", choices=tuple(PARITY_MODELS), default=["gpt", "llama"],
+                   help="parity's models")
+    p.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="parity's compute dtypes")
     p.add_argument("--rows", nargs="+", choices=tuple(ROWS), default=list(ROWS))
     p.add_argument("--row", choices=tuple(ROWS))
     p.add_argument("--steps", type=int, default=5)
