@@ -697,6 +697,15 @@ class OffloadTrainer(Trainer):
                 _remove_checkpoint(checkpoint)
                 num_to_remove -= 1
 
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Trainer.save_model, with _save called on every rank: the weights are read
+        collectively ([Note: OffloadTrainer with several ranks] 4). transformers 5.2x's Trainer
+        does so too; 5.17's called _save on the main process alone, and the other rank never
+        joined its all-gathers."""
+        self._save(output_dir if output_dir is not None else self.args.output_dir)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         """Hugging Face weights streamed from the tiers (engine.save_pretrained); a PEFT model
         saves its adapters with its own save_pretrained. Then what Trainer._save adds."""
