@@ -132,21 +132,26 @@ def plain_run(kind, model, data, device, fused=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if len(losses) == 1:
+            first = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
     state = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
     del ref, opt
-    return losses, state, act_peak
+    return losses, state, act_peak, first
 
 
 def plain_reference(kind, model, data, device):
-    """plain_run's (losses, state, activation peak) and the spread of two torch steps: the
+    """plain_run's (losses, state, activation peak), the spread of two torch steps (the
     largest loss and state errors between torch's AdamW with foreach=False and with
-    fused=True over the same steps. [Note: the spread of two torch steps] Two correct
-    implementations of one step round differently per element and drift apart on this model
-    by this much; offload's CPU Adam differs from torch's GPU step the same way."""
-    losses, state, act_peak = plain_run(kind, model, data, device)
-    fused_losses, fused_state, _ = plain_run(kind, model, data, device, fused=True)
+    fused=True over the same steps) and the state after the first step.
+    [Note: the spread of two torch steps] Two correct implementations of one optimizer step
+    round differently per element and drift apart on this model by this much. It measures
+    the optimizer's rounding only: forward and backward are the same kernels in both runs.
+    On the H200 the reference GPT's fp32 (host, host) state error was 22x this spread and its
+    loss error 65x (docs/gpu.md): not explained yet, and the case fails."""
+    losses, state, act_peak, first = plain_run(kind, model, data, device)
+    fused_losses, fused_state, _, _ = plain_run(kind, model, data, device, fused=True)
     spread = (max(abs(a - b) / abs(b) for a, b in zip(fused_losses, losses)), max_rel_error(fused_state, state))
-    return losses, state, act_peak, spread
+    return losses, state, act_peak, spread, first
 
 
 def max_rel_error(state, ref_state):
@@ -168,7 +173,7 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
     config = dict(device=str(device), dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier,
                   swap_dir=swap_dir, device_budget=budget, max_grad_norm=1.0,
                   activation_offload=activation_offload)
-    ref_losses, ref_state, act_peak, spread = plain
+    ref_losses, ref_state, act_peak, spread, ref_first = plain
     data = data_for(cfg["vocab_size"], 10, 4, 64, device)
     gc.collect()  # the previous case's engine is gone before the baseline is read
     sync(device)
@@ -186,6 +191,9 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+            if len(losses) == 1:  # where a difference starts: the first step's state
+                row["state_err_step1"] = max_rel_error(
+                    {k: v.detach().float().cpu() for k, v in engine.state_dict().items()}, ref_first)
         sync(device)
         row["peak"] = peak(device) - before
         stats = engine.stats()
@@ -197,6 +205,7 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
         state = {k: v.detach().float().cpu() for k, v in engine.state_dict().items()}
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     row["loss_err"] = loss_err
+    row["loss_errs"] = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
     row["state_err"] = max_rel_error(state, ref_state)
     ok = [all(l == l for l in losses)]
     if dtype == "fp32":
