@@ -480,14 +480,25 @@ def host_bytes(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:
     if layout.staged_step:
         staging = layout.optimizer_pipeline_depth * slot_shape(units, layout).num_bytes(layout.compute_element_bytes)
     staging += 2 * sum(update_buffer_bytes(units, layout).values())  # two buffer sets
-    largest = max(u.compute_numel for u in units)
-    fetch = 0
-    if layout.gathers:  # [zero] gathered on the device: only the NVMe reads' buffer
-        if any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
-            fetch += max(u.home_numel for u in units) * home_element_bytes
-    elif not layout.device_is_host and any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
-        fetch = (layout.prefetch_units + 1) * largest * home_element_bytes
+    fetch = sum(fetch_buffer_numels(units, layout)) * home_element_bytes
     return HostBytes(grads, compute, master, moments, staging, fetch, squares_scratch_bytes(units, layout))
+
+
+def fetch_buffer_numels(units: Sequence[UnitSizes], layout: Layout) -> Tuple[int, ...]:
+    """Elements (of ``layout.home_dtype``) of each host buffer the device residency reads
+    compute copies from NVMe into on their way to the device: the buffers
+    ``DeviceResidency`` allocates at wrap and ``host_bytes`` counts ("fetch staging
+    buffers"). None where no compute copy is on NVMe, nor on a device the host addresses
+    (a CPU device as users run it: reads land in the slot itself). [zero] Stage 3: one
+    buffer of the rank's chunks (gathered on the device); else ``prefetch_units + 1``
+    buffers of the largest unit, used in turn ([Note: streams])."""
+    if not any(layout.compute_tier(i) == "nvme" for i in range(len(units))):
+        return ()
+    if layout.gathers:
+        return (max(u.home_numel for u in units),)
+    if layout.device_is_host:
+        return ()
+    return (max(u.compute_numel for u in units),) * (layout.prefetch_units + 1)
 
 
 # [Note: gradient squares] (optim/squares.py) a gradient's squares are summed over chunks

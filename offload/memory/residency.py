@@ -58,7 +58,7 @@ import torch
 
 from offload import faults
 from offload.errors import warn_at_caller
-from offload.memory.budget import compute_home_numel
+from offload.memory.budget import UnitSizes, compute_home_numel, fetch_buffer_numels
 from offload.memory.layout import Layout, UnitState, on_nvme, sub_extent
 from offload.memory.released import ReleasedParameters
 from offload.memory.restored import RestoredParameters
@@ -152,17 +152,15 @@ class DeviceResidency:
         # Copies to the device run on this one worker thread (the CPU's "copy stream"; on
         # CUDA it chains NVMe reads and copy-stream transfers), so they overlap compute.
         self._copy_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
-        home_dtype = torch.float32 if layout.merged else layout.compute_dtype
+        # the host buffers of reads from NVMe, as budget.host_bytes counts them
+        fetch_numels = fetch_buffer_numels([UnitSizes.of(u) for u in units], layout)
         # used in turn ([Note: streams])
-        self._fetch_staging: List[_Staging] = [
-            _Staging(host.allocate(max(u.compute_numel for u in units), home_dtype))
-            for _ in range(layout.prefetch_units + 1)
-        ] if not layout.device_is_host and not layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else []
+        self._fetch_staging: List[_Staging] = [] if layout.gathers else \
+            [_Staging(host.allocate(numel, layout.home_dtype)) for numel in fetch_numels]
         # [zero] Stage 3 fetches run one at a time on the copy worker: one buffer for the
         # rank's chunks read from NVMe (gathered on the device: [Note: collectives on the device]).
-        self._gather_home: Optional[torch.Tensor] = host.allocate(
-            max(compute_home_numel(u.compute_numel, u.param_shard) for u in units), home_dtype) \
-            if layout.gathers and any(layout.compute_tier(u.index) == "nvme" for u in units) else None
+        self._gather_home: Optional[torch.Tensor] = host.allocate(fetch_numels[0], layout.home_dtype) \
+            if layout.gathers and fetch_numels else None
 
     def connect(self, updates: PendingUpdates) -> None:
         """The update scheduler, once it is built (it is built with this residency)."""
