@@ -105,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-units", type=_positive_int, default=24,
                       help="with --params: units the model is cut into (default 24)")
     plan.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="compute dtype (default bf16)")
-    plan.add_argument("--device-budget", type=_size, default=None, help="default: GPU memory, or no limit without CUDA")
+    plan.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="the compute device the run will use (default auto: what wrap resolves device='auto' "
+                           "to here, CUDA where torch sees a GPU); cuda plans a GPU run on any machine: pinned "
+                           "fetch staging buffers for reads from NVMe and fp32 gradients on the host")
+    plan.add_argument("--device-budget", type=_size, default=None,
+                      help="default: the GPU's memory where --device is cuda and this machine has one, else no limit")
     plan.add_argument("--host-budget", type=_size, default=None,
                       help="default: 3/4 of the memory available now (wrap's default)")
     plan.add_argument("--nvme-budget", type=_size, default=None, help="default: free space of --swap-dir, else no limit")
@@ -234,8 +239,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # fp32 state tensors per element: the optimizer's, as wrap learns them, or as given
     state_slots = shape.optimizer.state_slots if shape.optimizer is not None else \
         2 if args.optimizer_state_tensors is None else args.optimizer_state_tensors
+    try:
+        device = plan.plan_device(args.device)
+    except ValueError as e:
+        return _error(str(e))
     device_budget = args.device_budget
-    if device_budget is None:
+    if device_budget is None and device.type == "cuda":
         import torch
         if torch.cuda.is_available():
             device_budget = torch.cuda.get_device_properties(0).total_memory
@@ -271,7 +280,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     text, any_fits = plan.report(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                  args.pipeline_depth, args.flops_per_second, args.tokens_per_step,
                                  host_budget_default=host_budget_default, state_slots=state_slots,
-                                 optimizer_states=args.optimizer_states)
+                                 optimizer_states=args.optimizer_states, device=device)
     compute = args.compute_seconds
     if compute is None and args.flops_per_second:
         compute = 6.0 * shape.num_params * args.tokens_per_step / args.flops_per_second
@@ -287,16 +296,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         activation_config = dict(auto_config, param_tier=args.param_tier, activation_offload=args.activation_offload)
         share = args.activation_host_bytes
         if share is None:
-            share = activation_host_share(args.model, activation_config, args.seq_len, args.batch)
+            share = activation_host_share(args.model, activation_config, args.seq_len, args.batch, device=device)
         auto_config.update(activation_offload=args.activation_offload, activation_host_bytes=share)
         activations = plan_activations(args.model, dict(activation_config, activation_host_bytes=share),
-                                       args.seq_len, args.batch)
-    auto = plan.auto_plan(shape, auto_config, profile, compute, state_slots)
+                                       args.seq_len, args.batch, device=device)
+    auto = plan.auto_plan(shape, auto_config, profile, compute, state_slots, device)
     text += "\n\n" + "\n".join(plan.auto_report(auto, host_budget_default))
     rank_plan = None
     if ranks is not None:
         rank_plan = plan_ranks.plan_ranks(shape, args.dtype, args.ranks, args.stage, *ranks, args.pipeline_depth,
-                                          args.optimizer_states, args.delayed_update)
+                                          args.optimizer_states, args.delayed_update, device)
         text += "\n\n" + "\n".join(plan_ranks.ranks_report(rank_plan, args.ranks, args.stage, *ranks,
                                                             host_budget, host_budget_default))
     if activations is not None:
@@ -308,7 +317,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             report = plan.as_json(shape, args.dtype, profile, device_budget, host_budget, nvme_budget,
                                   args.pipeline_depth, args.flops_per_second, args.tokens_per_step, auto,
                                   host_budget_default=host_budget_default,
-                                  state_slots=state_slots, optimizer_states=args.optimizer_states)
+                                  state_slots=state_slots, optimizer_states=args.optimizer_states, device=device)
             report["activations"] = None if activations is None else activations.as_json()
             if rank_plan is not None:
                 report["ranks"] = {"world_size": args.ranks, "stage": args.stage, "shard_group_size": ranks[0],

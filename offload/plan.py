@@ -2,7 +2,9 @@
 long an optimizer step would take, for a model and a machine profile.
 
 The bytes of each tier are those wrap checks its budgets against (offload/memory/budget.py),
-for a CPU device and one process; a test wraps real models and checks that the two agree. A
+for one process on the device ``--device`` names (``plan_device``: "auto" is the device wrap
+resolves "auto" to; the CPU stand-in of CUDA, OFFLOAD_DEVICE_STANDIN=cuda, plans as CUDA,
+as wrap runs there); tests wrap real models and check that the two agree. A
 row fits a host budget below its host need as wrap does, down to minimum_host_budget where a
 tier is on NVMe ([Note: gradient spill]: the gradients beyond the budget spilled, their
 extents added to the swap; ``shortfalls``).
@@ -15,11 +17,15 @@ Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for 
   Adam moments   8 B      home: optimizer_tier (exp_avg and exp_avg_sq, fp32; another elementwise
                           optimizer: 4 B per state tensor, --optimizer-state-tensors)
   gradients      e B      home: host, as autograd made them ([Note: 16-bit gradients]);
-                          4 B with fp32 compute or micro-steps to accumulate
+                          4 B with fp32 compute or micro-steps to accumulate, and on a
+                          device the host does not address (CUDA: pooled fp32 buffers)
 
 plus, whenever a tier is "nvme", ``optimizer_pipeline_depth`` host staging slots of
 3 x 4 B x (largest unit's master) (+ e x largest unit's compute copy when param_tier is
-"nvme" and not merged). Every buffer is padded to whole 4 KiB pages. The device holds, with
+"nvme" and not merged; on CUDA also with param_tier "device" and 16-bit compute), and on
+CUDA with param_tier "nvme" ``prefetch_units + 1`` pinned fetch staging buffers of the
+largest unit's compute copy at home (budget.fetch_buffer_numels, what wrap allocates).
+Every buffer is padded to whole 4 KiB pages. The device holds, with
 param_tier="device", every unit's compute copy; otherwise the root unit plus the largest
 other unit; in both cases plus one largest parameter's gradient on its way out.
 
@@ -247,19 +253,44 @@ class Placement:
 
 
 NO_SWAP_DIR = "<offload plan: writes no swap files>"
+CPU = torch.device("cpu")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def plan_device(name: str) -> torch.device:
+    """The device ``offload plan --device`` models: "auto" is the one wrap resolves
+    device="auto" to on this machine; "cuda" needs no GPU here (a plan for a GPU machine).
+    The layout decides what the device takes: on the CPU stand-in of CUDA a "cpu" device
+    plans as CUDA, as wrap runs there (``Layout.device_is_host``)."""
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"--device: expected one of {', '.join(DEVICE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        return torch.device(OffloadConfig(device="auto").resolved_device().type)
+    return torch.device(name)
+
+
+def describe_device(device: torch.device) -> str:
+    """What the report says of the device the plan models."""
+    layout = _layout("bf16", "nvme", "nvme", 2, True, device=device)
+    if layout.device_is_host:
+        return f"device: {device.type} (the host's RAM: reads from NVMe land in the device's slots)"
+    standin = " (the CPU stand-in of CUDA)" if device.type == "cpu" else ""
+    return (f"device: {device.type}{standin}: its host buffers pinned, reads from NVMe through fetch "
+            "staging buffers, gradients held in fp32 on the host")
 
 
 def _layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
-            split_master: bool, optimizer_states: str = "exact") -> Layout:
-    """The Layout of a run of these settings on a CPU device and one process, the run the
-    plan models. (On a CUDA device the host also holds fetch staging buffers, and with
-    param_tier="device" every staging slot a compute piece; the plan leaves them out.)"""
+            split_master: bool, optimizer_states: str = "exact", device: torch.device = CPU) -> Layout:
+    """The Layout of a run of these settings on ``device`` and one process, the run the
+    plan models (on CUDA and its CPU stand-in: fetch staging buffers, pooled fp32
+    gradients, staging slots with a compute piece where param_tier is "device")."""
     config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier,
                            optimizer_tier=optimizer_tier, split_master=split_master,
                            optimizer_states=optimizer_states, swap_dir=NO_SWAP_DIR)
     # --pipeline-depth takes 1, which a config refuses (wrap needs two slots): set after it.
     # No host budget: the table sets each configuration's whole need against --host-budget.
-    return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), None),
+    # (The config's device field plays no part in the layout: ``device`` is the device.)
+    return dataclasses.replace(Layout.resolve(config, device, None),
                                optimizer_pipeline_depth=pipeline_depth, host_budget=None,
                                host_budget_default=False)
 
@@ -319,13 +350,15 @@ def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, 
 
 def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
           pipeline_depth: int = 3, split_master: bool = True, state_slots: int = 2,
-          optimizer_states: str = "exact") -> Placement:
+          optimizer_states: str = "exact", device: torch.device = CPU) -> Placement:
     """``state_slots``: fp32 optimizer state tensors per parameter (Adam's 2; an elementwise
     optimizer's own, 0 for plain SGD: [Note: elementwise optimizers]); ``optimizer_states``
-    "compact": [Note: compact optimizer states] (bf16, Adam; check_optimizer_states)."""
+    "compact": [Note: compact optimizer states] (bf16, Adam; check_optimizer_states);
+    ``device``: the compute device (``plan_device``). A ValueError where wrap refuses the
+    configuration on that device (compact states with param_tier "device" on CUDA)."""
     check_optimizer_states(optimizer_states, dtype, state_slots)
     e = _ELEMENT_BYTES[dtype]
-    layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master, optimizer_states)
+    layout = _layout(dtype, param_tier, optimizer_tier, pipeline_depth, split_master, optimizer_states, device)
     merged = layout.merged
     # [Note: split master] (Config.split_master): the master at home is its low half
     split = layout.split_master
@@ -350,9 +383,9 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     device_bytes = minimum_device_budget(sizes, param_tier, e)
     device_compute = [n * e for n in compute_numel]
     host = host_bytes(sizes, layout)
-    assert host.fetch_staging == 0  # a CPU device fetches without them
     host_parts = host.parts()
-    del host_parts["fetch staging buffers"]
+    if layout.device_is_host:  # reads from NVMe land in the slots: never any
+        del host_parts["fetch staging buffers"]
     nvme_bytes = swap_bytes(sizes, layout)
 
     if compact:
@@ -401,10 +434,11 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
                      state_tier, state_bytes, traffic, floor, spill)
 
 
-def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slots: int = 2
-                   ) -> Tuple[unit_placement.Placement, Layout, List[UnitSizes]]:
+def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slots: int = 2,
+                   device: torch.device = CPU) -> Tuple[unit_placement.Placement, Layout, List[UnitSizes]]:
     """The placement wrap makes under ``config`` (param_tier/optimizer_tier "auto") for a
-    model of ``shape``, every parameter trainable, on one process with a CPU device: the
+    model of ``shape``, every parameter trainable, on one process with ``device`` as the
+    compute device (``plan_device``; the config's device field plays no part): the
     same function as wrap's ([Note: placement by budget]); with it the Layout and the unit
     sizes (for ``unit_placement.predict_step``). ValueError as wrap raises it."""
     from offload.optim.compact import check_compact_config
@@ -416,7 +450,7 @@ def auto_placement(shape: ModelShape, config: "OffloadConfig | dict", state_slot
                          f"{state_slots} fp32 state tensors per parameter")
     e = _ELEMENT_BYTES[config.dtype]
     sizes = [dataclasses.replace(u.sizes(e), state_slots=state_slots) for u in shape.units]
-    layout = unit_placement.resolve_placement(config, torch.device("cpu"), None, sizes)
+    layout = unit_placement.resolve_placement(config, device, None, sizes)
     return unit_placement.describe_units(sizes, layout), layout, sizes
 
 
@@ -424,7 +458,7 @@ _HOST_DEFAULT_NOTE = "default: 3/4 of the memory available now, as wrap's"
 
 
 def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
-              compute_seconds: Optional[float], state_slots: int = 2) -> dict:
+              compute_seconds: Optional[float], state_slots: int = 2, device: torch.device = CPU) -> dict:
     """What `offload plan` reports for "auto" (its text and its --json both come from this):
     each unit's tiers, bytes per tier, NVMe bytes per step and the predicted step ([Note:
     step prediction]); ``possible`` False with ``error`` where wrap would refuse the config."""
@@ -432,7 +466,7 @@ def auto_plan(shape: ModelShape, config: "OffloadConfig | dict", profile: dict,
     settings = {"host_budget": config.host_budget, "host_budget_default": False, "max_grad_norm": config.max_grad_norm,
                 "delayed_update": config.delayed_update, "activation_host_bytes": config.activation_host_bytes}
     try:
-        placement, layout, sizes = auto_placement(shape, config, state_slots)
+        placement, layout, sizes = auto_placement(shape, config, state_slots, device)
     except ValueError as error:
         return {"possible": False, "error": str(error), **settings}
     prediction = unit_placement.predict_step(sizes, layout, profile, compute_seconds)
@@ -560,15 +594,24 @@ def state_bytes_per_param(shape: ModelShape, state_slots: int) -> float:
     return float(state_slots * FP32_BYTES)
 
 
+def _gradient_element_bytes(dtype: str, device: torch.device) -> int:
+    """Bytes per element of the gradients a run of one micro-step per step holds on the host
+    ([Note: 16-bit gradients]: the compute dtype where they are adopted, else fp32)."""
+    return _layout(dtype, "nvme", "nvme", 2, True, device=device).grad_element_bytes
+
+
 def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str,
-                     state_per_param: Optional[float] = None) -> Dict[str, float]:
+                     state_per_param: Optional[float] = None,
+                     gradient_bytes: Optional[int] = None) -> Dict[str, float]:
     """Bytes of each state per trainable parameter, before padding (to pages; compact: each
     parameter to whole blocks). ``state_per_param``: the optimizer state's (default:
-    ``state_slots`` fp32 tensors)."""
+    ``state_slots`` fp32 tensors); ``gradient_bytes``: a gradient element's (default: the
+    compute dtype's, ``_gradient_element_bytes`` of a CPU device)."""
+    grad = element_bytes if gradient_bytes is None else gradient_bytes
     if optimizer_states == "compact":  # [Note: compact optimizer states] two fp32 scales a block
-        return {"compute copy": element_bytes, "gradients": element_bytes, COMPACT_MASTER_NAME: 1,
+        return {"compute copy": element_bytes, "gradients": grad, COMPACT_MASTER_NAME: 1,
                 COMPACT_MOMENTS_NAME: 2 + 2 * FP32_BYTES / BLOCK_NUMEL}
-    return {"compute copy": element_bytes, "gradients": element_bytes, "fp32 master": FP32_BYTES,
+    return {"compute copy": element_bytes, "gradients": grad, "fp32 master": FP32_BYTES,
             optimizer_state_name(state_slots): state_slots * FP32_BYTES if state_per_param is None
             else state_per_param}
 
@@ -576,13 +619,19 @@ def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str
 def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
             host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
             flops_per_second: Optional[float], tokens_per_step: int, auto: dict,
-            host_budget_default: bool = False, state_slots: int = 2, optimizer_states: str = "exact") -> dict:
+            host_budget_default: bool = False, state_slots: int = 2, optimizer_states: str = "exact",
+            device: torch.device = CPU) -> dict:
     """What `offload plan --json` writes: every number of the text report (``auto``:
-    ``auto_plan``'s answer, made under the same host budget)."""
+    ``auto_plan``'s answer, made under the same host budget). A configuration wrap refuses
+    on ``device`` is ``{"param_tier", "optimizer_tier", "fits": False, "refused": why}``."""
     configurations = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
-                  optimizer_states=optimizer_states)
+        p = _place_or_refusal(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots,
+                              optimizer_states, device)
+        if isinstance(p, str):
+            configurations.append({"param_tier": param_tier, "optimizer_tier": optimizer_tier, "fits": False,
+                                   "refused": p})
+            continue
         pred = predict(p, shape, profile, flops_per_second, tokens_per_step)
         configurations.append({
             "param_tier": param_tier, "optimizer_tier": optimizer_tier, "merged": p.merged,
@@ -598,14 +647,16 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "predicted_compute_seconds": pred.compute_seconds})
     e = _ELEMENT_BYTES[dtype]
     return {"model": shape.description, "num_params": shape.num_params, "num_trainable": shape.num_trainable,
-            "exact": shape.exact, "dtype": dtype, "optimizer_states": optimizer_states,
+            "exact": shape.exact, "dtype": dtype, "optimizer_states": optimizer_states, "device": device.type,
+            "device_is_host": _layout(dtype, "nvme", "nvme", 2, True, device=device).device_is_host,
             "profile_source": profile.get("source", "measured"),
             "bandwidth_bytes_per_second": dict(profile["bandwidth_bytes_per_second"]),
             "adam_params_per_second": profile["adam_params_per_second"],
             "budgets": {"device": device_budget, "host": host_budget, "nvme": nvme_budget},
             "host_budget_default": host_budget_default,
             "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states,
-                                                state_bytes_per_param(shape, state_slots)),
+                                                state_bytes_per_param(shape, state_slots),
+                                                _gradient_element_bytes(dtype, device)),
             "optimizer": None if shape.optimizer is None else optimizer_json(shape.optimizer),
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
@@ -613,22 +664,34 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "auto": auto}
 
 
+def _place_or_refusal(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
+                      state_slots: int, optimizer_states: str, device: torch.device) -> "Placement | str":
+    """``place``'s answer for one row of the table, or why wrap refuses the row on
+    ``device`` (compact states with param_tier "device" on CUDA)."""
+    try:
+        return place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
+                     optimizer_states=optimizer_states, device=device)
+    except ValueError as refused:
+        return str(refused)
+
+
 def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional[int],
            host_budget: Optional[int], nvme_budget: Optional[int], pipeline_depth: int,
            flops_per_second: Optional[float], tokens_per_step: int,
            host_budget_default: bool = False, state_slots: int = 2,
-           optimizer_states: str = "exact") -> Tuple[str, bool]:
+           optimizer_states: str = "exact", device: torch.device = CPU) -> Tuple[str, bool]:
     """The text `offload plan` prints (the auto placement's lines come from auto_report),
     and whether any configuration fits."""
     from offload.config import format_size
 
     e = _ELEMENT_BYTES[dtype]
+    g = _gradient_element_bytes(dtype, device)
     n = shape.num_trainable
     budgets = [f"{tier} {format_size(b) if b is not None else 'no limit'}"
                for tier, b in (("device", device_budget), ("host", host_budget), ("nvme", nvme_budget))]
     if host_budget_default and host_budget is not None:
         budgets[1] += f" ({_HOST_DEFAULT_NOTE})"
-    lines = [f"model: {shape.description}", f"dtype: {dtype} (compute copy {e} B/param)",
+    lines = [f"model: {shape.description}", describe_device(device), f"dtype: {dtype} (compute copy {e} B/param)",
              f"optimizer states: {optimizer_states}",
              f"profile: {profile.get('source', 'measured')}",
              "budgets: " + ", ".join(budgets)] + optimizer_lines(shape.optimizer) + [
@@ -636,7 +699,8 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
              "bytes per state (per trainable parameter, before 4 KiB page padding):",
              f"  compute copy    {e} B/param   {format_size(shape.num_params * e):>12}"
              "   (4 B and no separate master when fp32 and param_tier != device)",
-             f"  gradients       {e} B/param   {format_size(n * e):>12}   (host; 4 B summed over micro-steps)"]
+             f"  gradients       {g} B/param   {format_size(n * g):>12}   (host"
+             + ("; 4 B summed over micro-steps)" if g < FP32_BYTES else "; fp32)")]
     if optimizer_states == "compact":  # [Note: compact optimizer states]
         per_param = _bytes_per_param(e, state_slots, optimizer_states)
         low, moments = per_param[COMPACT_MASTER_NAME], per_param[COMPACT_MOMENTS_NAME]
@@ -661,9 +725,14 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
     lines.append("-" * len(header))
     any_fits = False
     missing: List[str] = []
+    placements = {}
     for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
-                  optimizer_states=optimizer_states)
+        p = _place_or_refusal(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots,
+                              optimizer_states, device)
+        if isinstance(p, str):
+            lines.append(f"{param_tier:<11}{optimizer_tier:<9}refused: {p}")
+            continue
+        placements[param_tier, optimizer_tier] = p
         short = shortfalls(p, device_budget, host_budget, nvme_budget)
         fits = not short
         any_fits = any_fits or fits
@@ -684,9 +753,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
                       + ", ".join(f"{format_size(b)} for {k}" for k, b in room["device_budget_for_units_ahead"].items())
                       + f" (units of the median size, {format_size(room['unit_bytes'])})"]
     lines += ["", "bytes moved per optimizer step (one micro-batch):"]
-    for param_tier, optimizer_tier in CONFIGURATIONS:
-        p = place(shape, dtype, param_tier, optimizer_tier, pipeline_depth, state_slots=state_slots,
-                  optimizer_states=optimizer_states)
+    for (param_tier, optimizer_tier), p in placements.items():
         moved = ", ".join(f"{link} {format_size(b)}" for link, b in p.traffic.items() if b)
         lines.append(f"  {param_tier}/{optimizer_tier}: {moved}")
     bw = profile["bandwidth_bytes_per_second"]

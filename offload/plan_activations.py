@@ -41,6 +41,8 @@ from offload.memory.layout import Layout
 from offload.memory.placement import minimum_state_host_bytes, resolve_placement
 from offload.units import split_into_units
 
+_CPU = torch.device("cpu")  # the device a plan models where none is given
+
 __all__ = ["GroupPlan", "ActivationPlan", "trace_activations", "plan_activations", "activation_host_share",
            "activation_report"]
 
@@ -264,28 +266,29 @@ def _factory(spec: str) -> Callable[[], nn.Module]:
 
 
 def plan_activations(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict", seq_len: int,
-                     batch: int, unit_classes: Sequence[str] = ()) -> ActivationPlan:
+                     batch: int, unit_classes: Sequence[str] = (), device: torch.device = _CPU) -> ActivationPlan:
     """[Note: saved activations] What a run of ``config`` (its activation_offload, dtype,
-    device_budget, tiers; a CPU device, one process) does with the activations of one
+    device_budget, tiers; one process on ``device``, plan.plan_device's: the config's
+    device field plays no part) does with the activations of one
     forward of ``batch`` sequences of ``seq_len`` tokens, the model built by ``build()``
     (or ``"module:factory"``) without memory. ValueError for a bad argument, for a config
     wrap refuses, or a model that cannot run without values, and where the run's forward
     would raise one (activations beyond their host room without a swap_dir)."""
-    return _plan(build, config, seq_len, batch, unit_classes, bounded=True)
+    return _plan(build, config, seq_len, batch, unit_classes, bounded=True, device=device)
 
 
 def activation_host_share(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict", seq_len: int,
-                          batch: int, unit_classes: Sequence[str] = ()) -> int:
+                          batch: int, unit_classes: Sequence[str] = (), device: torch.device = _CPU) -> int:
     """[Note: activation host room] The activation_host_bytes that keeps the host buffers of
     one forward (as ``plan_activations``) in RAM beside the engine's own host needs:
     their peak with no bound, or as much as host_budget holds beside those needs at their
-    least. ``config``'s own activation_host_bytes plays no part."""
+    least (on ``device``, as plan_activations). ``config``'s own activation_host_bytes plays no part."""
     config = dataclasses.replace(OffloadConfig.from_any(config), activation_host_bytes=None)
-    return _plan(build, config, seq_len, batch, unit_classes, bounded=False).host_share_bytes
+    return _plan(build, config, seq_len, batch, unit_classes, bounded=False, device=device).host_share_bytes
 
 
 def _plan(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict", seq_len: int, batch: int,
-          unit_classes: Sequence[str], bounded: bool) -> ActivationPlan:
+          unit_classes: Sequence[str], bounded: bool, device: torch.device) -> ActivationPlan:
     """The plan; with ``bounded`` False the groups as if the host room had no bound."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -297,7 +300,7 @@ def _plan(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict"
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     factory = _factory(build) if isinstance(build, str) else build
-    layout_dtype = Layout.resolve(config, torch.device("cpu"), None).compute_dtype
+    layout_dtype = Layout.resolve(config, device, None).compute_dtype
     with FakeTensorMode():
         try:
             model = factory()
@@ -311,12 +314,12 @@ def _plan(build: "Callable[[], nn.Module] | str", config: "OffloadConfig | dict"
         model.train()
         element_bytes = torch.empty(0, dtype=layout_dtype).element_size()
         sizes = model_unit_sizes(model, element_bytes, unit_classes or config.unit_classes, config.unit_predicate)
-        layout = resolve_placement(config, torch.device("cpu"), None, sizes)
+        layout = resolve_placement(config, device, None, sizes)
         room = activation_room_bytes(sizes, layout, check_device_budget(sizes, layout))
         host_room = activation_host_room_bytes(layout, check_host_budget(sizes, layout).total)
         # [Note: activation host room] what host_budget can give the activations at most
         share_cap = None if layout.host_budget is None else \
-            max(0, layout.host_budget - minimum_state_host_bytes(config, torch.device("cpu"), None, sizes))
+            max(0, layout.host_budget - minimum_state_host_bytes(config, device, None, sizes))
         # the engine's activations have swap space beyond the host room where swap_dir is set
         # (offload plan without --swap-dir sets a placeholder: it writes nothing)
         from offload.plan import NO_SWAP_DIR

@@ -26,7 +26,7 @@ from offload._sizes import FP32_BYTES
 from offload.config import OffloadConfig
 from offload.memory.budget import UnitSizes, host_bytes, low_numel, minimum_device_budget, swap_bytes
 from offload.memory.layout import Layout
-from offload.plan import _ELEMENT_BYTES, CONFIGURATIONS, NO_SWAP_DIR, ModelShape
+from offload.plan import _ELEMENT_BYTES, CONFIGURATIONS, CPU, NO_SWAP_DIR, ModelShape
 from offload.zero.shards import StageShards, UnitShards
 
 
@@ -83,34 +83,35 @@ def rank_unit_sizes(shape: ModelShape, dtype: str, stage: int, shard_rank: int, 
 
 
 def _rank_layout(dtype: str, param_tier: str, optimizer_tier: str, pipeline_depth: int,
-                 ranks: PlannedRanks, optimizer_states: str, delayed_update: bool) -> Layout:
+                 ranks: PlannedRanks, optimizer_states: str, delayed_update: bool, device: torch.device) -> Layout:
     # The config wrap checks: its refusals (param_tier "device" at stage 3 or with delayed
     # updates) are the plan's, and the layout's spare homes ([Note: delayed updates]) count
     config = OffloadConfig(device="cpu", dtype=dtype, param_tier=param_tier, optimizer_tier=optimizer_tier,
                            swap_dir=NO_SWAP_DIR, stage=ranks.stage, optimizer_states=optimizer_states,
                            delayed_update=delayed_update)
-    return dataclasses.replace(Layout.resolve(config, torch.device("cpu"), ranks),
+    return dataclasses.replace(Layout.resolve(config, device, ranks),
                                optimizer_pipeline_depth=pipeline_depth, host_budget=None,
                                host_budget_default=False)
 
 
 def plan_ranks(shape: ModelShape, dtype: str, ranks: int, stage: int, shard_group_size: int,
                ranks_per_node: int, pipeline_depth: int = 3, optimizer_states: str = "exact",
-               delayed_update: bool = False) -> List[Dict[str, Any]]:
+               delayed_update: bool = False, device: torch.device = CPU) -> List[Dict[str, Any]]:
     """Per configuration of ``offload plan``'s table: a row per place in a sharding group
     (device, host and NVMe bytes of each rank there) and the node's sums, or the reason
     wrap refuses it ("refused"). ``optimizer_states`` "compact" ([Note: compact optimizer
     states]): each rank's whole compact states at stage 0; refused at stage >= 1.
     ``delayed_update``: the run's ([Note: delayed updates across ranks]): each rank's
     spare compute copy (of its chunks at stage 3) counts on its tier, and param_tier
-    "device" is refused, as wrap refuses it."""
+    "device" is refused, as wrap refuses it. ``device``: the compute device
+    (``plan.plan_device``; on CUDA each rank's fetch buffers and fp32 gradients count)."""
     planned = PlannedRanks(ranks, stage)
     e = _ELEMENT_BYTES[dtype]
     out = []
     for param_tier, optimizer_tier in CONFIGURATIONS:
         try:
             layout = _rank_layout(dtype, param_tier, optimizer_tier, pipeline_depth, planned, optimizer_states,
-                                  delayed_update)
+                                  delayed_update, device)
         except ValueError as refused:  # as wrap refuses it (param_tier "device" at stage 3 or delayed)
             out.append({"param_tier": param_tier, "optimizer_tier": optimizer_tier, "refused": str(refused)})
             continue

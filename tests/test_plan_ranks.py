@@ -13,6 +13,8 @@ import offload
 from offload import plan, plan_ranks
 from offload.gpt import GPT, GPTConfig
 
+from offload.tiers.streams import STANDIN_ENV
+
 from support import batches, free_port
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=3)
@@ -36,15 +38,20 @@ def budget_refusals(wrap, row):
 
 
 def planned(stage, param_tier, optimizer_tier, dtype, world=WORLD, group=WORLD, optimizer_states="exact",
-            delayed_update=False):
+            delayed_update=False, device=plan.CPU):
     with torch.device("meta"):
         shape = plan.shape_from_module(GPT(CFG), "gpt")
     configurations = plan_ranks.plan_ranks(shape, dtype, world, stage, group, world, optimizer_states=optimizer_states,
-                                           delayed_update=delayed_update)
+                                           delayed_update=delayed_update, device=device)
     return next(c for c in configurations if (c["param_tier"], c["optimizer_tier"]) == (param_tier, optimizer_tier))
 
 
-def _worker(rank, port, swap_root, out_dir):
+def _worker(rank, port, swap_root, out_dir, standin=False):
+    # the forkserver's children have its environment, not the test's: set it here
+    if standin:
+        os.environ[STANDIN_ENV] = "cuda"
+    else:
+        os.environ.pop(STANDIN_ENV, None)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = []
@@ -74,14 +81,7 @@ def test_each_ranks_planned_bytes_are_what_its_wrap_checks_its_budgets_against(t
     bytes it holds are the row's) and refuses one byte less of either, naming the budget:
     stage 1 (host, nvme), 2 (nvme, nvme) and (device, host), 3 (host, host); compact states
     at stage 0 (host, nvme) and (nvme, host). Compact states at stage >= 1 are refused rows."""
-    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path / "swap"), str(tmp_path)), nprocs=WORLD,
-                       join=True, start_method="forkserver")
-    for rank in range(WORLD):
-        for case, got in zip(CASES, torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)):
-            assert got["nvme"] == got["row"]["nvme_bytes"], (rank, case)
-            assert got["device"] == got["row"]["device_bytes"], (rank, case)
-            assert got["refused"] == ["host_budget", "device_budget"], (rank, case)
+    run_workers(tmp_path, standin=False)
     compact = planned(0, "host", "nvme", "bf16", optimizer_states="compact")["rows"][0]
     assert compact["nvme_bytes"] == plan.place(plan.shape_from_module(GPT(CFG), "gpt"), "bf16", "host", "nvme",
                                                optimizer_states="compact").nvme_bytes  # whole states on each rank
@@ -92,6 +92,36 @@ def test_each_ranks_planned_bytes_are_what_its_wrap_checks_its_budgets_against(t
     one = plan.place(plan.shape_from_count(10**6, 4), "bf16", "host", "host")
     two = planned(1, "host", "host", "bf16")
     assert two["rows"][0]["host_bytes"] < one.host_bytes
+
+
+def run_workers(tmp_path, standin):
+    """Each rank's wrap at its row's budgets, and at one byte less of each (``_worker``)."""
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path / "swap"), str(tmp_path), standin), nprocs=WORLD,
+                       join=True, start_method="forkserver")
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    for rank in range(WORLD):
+        for case, got in zip(CASES, results[rank]):
+            assert got["nvme"] == got["row"]["nvme_bytes"], (rank, case)
+            assert got["device"] == got["row"]["device_bytes"], (rank, case)
+            assert got["refused"] == ["host_budget", "device_budget"], (rank, case)
+    return results
+
+
+def test_each_ranks_planned_bytes_on_the_cuda_standin_are_what_its_wrap_checks_against(tmp_path):
+    """The same on the CPU stand-in of CUDA (each rank plans and wraps with device "cpu",
+    which the stand-in runs as CUDA): the rows are those of ``--device cuda``, and where
+    compute copies are read from NVMe below stage 3 they hold the fetch staging buffers
+    a CPU device's rows do not."""
+    results = run_workers(tmp_path, standin=True)
+    cuda = torch.device("cuda")
+    for rank in range(WORLD):
+        for case, got in zip(CASES, results[rank]):
+            stage, param_tier, optimizer_tier, dtype, states = case
+            assert got["row"] == planned(stage, param_tier, optimizer_tier, dtype, optimizer_states=states,
+                                         device=cuda)["rows"][rank], (rank, case)
+    stage_2_nvme = CASES.index((2, "nvme", "nvme", "bf16", "exact"))
+    assert results[0][stage_2_nvme]["row"]["host_bytes"] > planned(2, "nvme", "nvme", "bf16")["rows"][0]["host_bytes"]
 
 
 def test_node_sums_its_ranks_and_groups_replicate():
