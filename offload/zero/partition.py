@@ -76,6 +76,15 @@ unit early (``UpdateScheduler.updated_early``): every rank refuses it alike. Not
 (its gradients are reduced in step()) nor at stage 2 with a compute copy on NVMe or the
 device (the owed gather would read and write it again).
 
+[Note: one GPU per rank] NCCL runs one rank per GPU: two ranks whose buffers are on one
+device fail deep inside it ("Duplicate GPU detected: rank 0 and rank 1 both on CUDA
+device"), once the first device collective runs, well after wrap. So where the device is
+CUDA, ``from_environment`` first exchanges each rank's (host name, device index) over the
+gloo group it has just made, and every rank raises the same ValueError naming the ranks
+that share a device and what to do (``check_one_device_per_rank``), before any NCCL group
+is made and before wrap changes anything. A CPU device (its stand-in of CUDA included)
+has no device groups of NCCL, and its ranks may share the host.
+
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
 connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
@@ -86,6 +95,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -198,6 +208,8 @@ class Partition(StageShards):
         world_size = dist.get_world_size()
         shard_size = resolve_shard_group_size(shard_group_size, world_size, os.environ)
         group = dist.new_group(backend="gloo", timeout=timeout)
+        if device.type == "cuda":  # [Note: one GPU per rank] before any NCCL group
+            check_one_device_per_rank(group, dist.get_rank(), world_size, device)
         param_group = dist.new_group(backend="gloo", timeout=timeout)
         store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
         partition = cls(group, store, dist.get_rank(), world_size, stage, shard_size, device)
@@ -627,6 +639,33 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, environ
         raise ValueError(f"shard_group_size: {size}{where} does not divide the world size {world_size}; groups of "
                          "that many ranks cannot cover every rank once (set it to a divisor of the world size)")
     return size
+
+
+def check_one_device_per_rank(group: Any, rank: int, world_size: int, device: torch.device,
+                              host: Optional[str] = None) -> None:
+    """[Note: one GPU per rank] A ValueError, on every rank of ``group`` alike, where two
+    ranks would compute on the same device of one host: ``device`` is this rank's (with its
+    index, as ``OffloadConfig.resolved_device`` gives it), ``host`` its host name (default:
+    this machine's). A collective over ``group`` (gloo: host objects)."""
+    assert device.index is not None, "the resolved device has its index"
+    mine = (host if host is not None else socket.gethostname(), device.type, device.index)
+    everyone: List[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks_of: Dict[Any, List[int]] = {}
+    for r, where in enumerate(everyone):
+        ranks_of.setdefault(tuple(where), []).append(r)
+    shared = [(where, ranks) for where, ranks in ranks_of.items() if len(ranks) > 1]
+    if not shared:
+        return
+    (host_name, kind, index), ranks = shared[0]
+    names = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    more = f" (and {len(shared) - 1} more device(s) shared likewise)" if len(shared) > 1 else ""
+    raise ValueError(
+        f"device: ranks {names} would all compute on {kind}:{index} of host {host_name!r}{more}, and NCCL "
+        f"runs one rank per GPU (it fails with 'Duplicate GPU detected'); this is rank {rank}. Give each rank "
+        "its own GPU: launch with torchrun (it sets LOCAL_RANK, and device 'auto' or 'cuda' then takes "
+        "cuda:LOCAL_RANK), or call torch.cuda.set_device(local_rank) before wrap, or set device='cuda:N' in each "
+        "rank's config; and start at most as many ranks on a host as it has GPUs")
 
 
 def _subgroup(members: List[List[int]], timeout: timedelta, backend: str = "gloo") -> Any:
