@@ -269,10 +269,15 @@ def plan_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_is_host(device: torch.device) -> bool:
+    """Whether a run on ``device`` computes in host RAM the engine addresses directly (a CPU
+    device as users run it), as ``Layout.device_is_host`` says for wrap."""
+    return _layout("bf16", "nvme", "nvme", 2, True, device=device).device_is_host
+
+
 def describe_device(device: torch.device) -> str:
     """What the report says of the device the plan models."""
-    layout = _layout("bf16", "nvme", "nvme", 2, True, device=device)
-    if layout.device_is_host:
+    if device_is_host(device):
         return f"device: {device.type} (the host's RAM: reads from NVMe land in the device's slots)"
     standin = " (the CPU stand-in of CUDA)" if device.type == "cpu" else ""
     return (f"device: {device.type}{standin}: its host buffers pinned, reads from NVMe through fetch "
@@ -648,7 +653,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
     e = _ELEMENT_BYTES[dtype]
     return {"model": shape.description, "num_params": shape.num_params, "num_trainable": shape.num_trainable,
             "exact": shape.exact, "dtype": dtype, "optimizer_states": optimizer_states, "device": device.type,
-            "device_is_host": _layout(dtype, "nvme", "nvme", 2, True, device=device).device_is_host,
+            "device_is_host": device_is_host(device),
             "profile_source": profile.get("source", "measured"),
             "bandwidth_bytes_per_second": dict(profile["bandwidth_bytes_per_second"]),
             "adam_params_per_second": profile["adam_params_per_second"],

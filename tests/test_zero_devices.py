@@ -44,7 +44,12 @@ def _worker(rank, port, out_dir):
         out = {
             "own GPUs": _refusal(lambda: check_one_device_per_rank(group, rank, WORLD, cuda(rank))),
             "two hosts": _refusal(lambda: check_one_device_per_rank(group, rank, WORLD, cuda(0), host=f"node{rank}")),
-            "one GPU": _refusal(lambda: check_one_device_per_rank(group, rank, WORLD, cuda(0))),
+            "one GPU": _refusal(lambda: check_one_device_per_rank(group, rank, WORLD, cuda(0), environ={})),
+            # a launcher that gives each rank its own GPU through CUDA_VISIBLE_DEVICES: cuda:0 each
+            "own visible GPUs": _refusal(lambda: check_one_device_per_rank(
+                group, rank, WORLD, cuda(0), environ={"CUDA_VISIBLE_DEVICES": f"{rank + 2},7"})),
+            "one visible GPU": _refusal(lambda: check_one_device_per_rank(
+                group, rank, WORLD, cuda(rank), environ={"CUDA_VISIBLE_DEVICES": "3,3"})),
             "wrap, one GPU": _refusal(lambda: Partition.from_environment(2, 30.0, None, cuda(0))),
             "groups before the refusal": list(made),
         }
@@ -65,11 +70,13 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl_naming_ranks_and_device(tm
     mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for rank, out in enumerate(results):
-        assert out["own GPUs"] is None and out["two hosts"] is None, out
+        assert out["own GPUs"] is None and out["two hosts"] is None and out["own visible GPUs"] is None, out
         for refused in (out["one GPU"], out["wrap, one GPU"]):
-            assert refused is not None and refused.startswith("device: ranks 0 and 1 "), out
-            assert "cuda:0" in refused and f"this is rank {rank}" in refused
+            assert refused is not None and refused.startswith("device: ranks 0 and 1 would all compute on cuda:0 "), out
+            assert f"this is rank {rank}" in refused
             assert "LOCAL_RANK" in refused and "torch.cuda.set_device" in refused and "device='cuda:N'" in refused
+        # two indices, one physical GPU: named by both and by what CUDA_VISIBLE_DEVICES says it is
+        assert out["one visible GPU"].startswith("device: ranks 0 and 1 would all compute on cuda:0 / cuda:1 (GPU 3)")
         # refused on the first gloo group, before a second group or any NCCL one
         assert out["groups before the refusal"] == ["gloo"], out
         # one GPU each: on to the device groups (NCCL on CUDA), after the check

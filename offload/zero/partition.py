@@ -79,11 +79,13 @@ device (the owed gather would read and write it again).
 [Note: one GPU per rank] NCCL runs one rank per GPU: two ranks whose buffers are on one
 device fail deep inside it ("Duplicate GPU detected: rank 0 and rank 1 both on CUDA
 device"), once the first device collective runs, well after wrap. So where the device is
-CUDA, ``from_environment`` first exchanges each rank's (host name, device index) over the
-gloo group it has just made, and every rank raises the same ValueError naming the ranks
-that share a device and what to do (``check_one_device_per_rank``), before any NCCL group
-is made and before wrap changes anything. A CPU device (its stand-in of CUDA included)
-has no device groups of NCCL, and its ranks may share the host.
+CUDA, ``from_environment`` first exchanges each rank's (host name, device) over the gloo
+group it has just made, and every rank raises the same ValueError naming the ranks that
+share a device and what to do (``check_one_device_per_rank``), before any NCCL group is
+made and before wrap changes anything. A device is the physical GPU its index names: the
+index-th entry of the rank's CUDA_VISIBLE_DEVICES where that is set (launchers that give
+each rank one GPU that way make every rank's device cuda:0), else the index. A CPU device
+(its stand-in of CUDA included) has no NCCL groups, and its ranks may share the host.
 
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
@@ -642,26 +644,31 @@ def resolve_shard_group_size(configured: Optional[int], world_size: int, environ
 
 
 def check_one_device_per_rank(group: Any, rank: int, world_size: int, device: torch.device,
-                              host: Optional[str] = None) -> None:
+                              host: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> None:
     """[Note: one GPU per rank] A ValueError, on every rank of ``group`` alike, where two
-    ranks would compute on the same device of one host: ``device`` is this rank's (with its
+    ranks would compute on the same GPU of one host: ``device`` is this rank's (with its
     index, as ``OffloadConfig.resolved_device`` gives it), ``host`` its host name (default:
-    this machine's). A collective over ``group`` (gloo: host objects)."""
+    this machine's), ``environ`` its environment (CUDA_VISIBLE_DEVICES). A collective over
+    ``group`` (gloo: host objects)."""
     assert device.index is not None, "the resolved device has its index"
-    mine = (host if host is not None else socket.gethostname(), device.type, device.index)
+    visible = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    physical = visible[device.index] if device.index < len(visible) else str(device.index)
+    mine = (host if host is not None else socket.gethostname(), physical)
     everyone: List[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, (mine, str(device)), group=group)
     ranks_of: Dict[Any, List[int]] = {}
-    for r, where in enumerate(everyone):
+    for r, (where, _) in enumerate(everyone):
         ranks_of.setdefault(tuple(where), []).append(r)
     shared = [(where, ranks) for where, ranks in ranks_of.items() if len(ranks) > 1]
     if not shared:
         return
-    (host_name, kind, index), ranks = shared[0]
+    (host_name, physical), ranks = shared[0]
     names = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
-    more = f" (and {len(shared) - 1} more device(s) shared likewise)" if len(shared) > 1 else ""
+    devices = sorted({everyone[r][1] for r in ranks})
+    more = f" (and {len(shared) - 1} more GPU(s) shared likewise)" if len(shared) > 1 else ""
     raise ValueError(
-        f"device: ranks {names} would all compute on {kind}:{index} of host {host_name!r}{more}, and NCCL "
+        f"device: ranks {names} would all compute on {' / '.join(devices)} (GPU {physical}) of host "
+        f"{host_name!r}{more}, and NCCL "
         f"runs one rank per GPU (it fails with 'Duplicate GPU detected'); this is rank {rank}. Give each rank "
         "its own GPU: launch with torchrun (it sets LOCAL_RANK, and device 'auto' or 'cuda' then takes "
         "cuda:LOCAL_RANK), or call torch.cuda.set_device(local_rank) before wrap, or set device='cuda:N' in each "
