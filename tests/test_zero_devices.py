@@ -72,7 +72,8 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl_naming_ranks_and_device(tm
     for rank, out in enumerate(results):
         assert out["own GPUs"] is None and out["two hosts"] is None and out["own visible GPUs"] is None, out
         for refused in (out["one GPU"], out["wrap, one GPU"]):
-            assert refused is not None and refused.startswith("device: ranks 0 and 1 would both compute on cuda:0 "), out
+            assert refused is not None, out
+            assert refused.startswith("device: ranks 0 and 1 would both compute on cuda:0 "), out
             assert f"this is rank {rank}" in refused
             assert "LOCAL_RANK" in refused and "torch.cuda.set_device" in refused and "device='cuda:N'" in refused
         # two indices, one physical GPU: named by both and by what CUDA_VISIBLE_DEVICES says it is

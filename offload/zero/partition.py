@@ -667,8 +667,8 @@ def check_one_device_per_rank(group: Any, rank: int, world_size: int, device: to
     devices = sorted({everyone[r][1] for r in ranks})
     more = f" (and {len(shared) - 1} more GPU(s) shared likewise)" if len(shared) > 1 else ""
     raise ValueError(
-        f"device: ranks {names} would {'both' if len(ranks) == 2 else 'all'} compute on {' / '.join(devices)} (GPU {physical}) of host "
-        f"{host_name!r}{more}, and NCCL "
+        f"device: ranks {names} would {'both' if len(ranks) == 2 else 'all'} compute on {' / '.join(devices)} "
+        f"(GPU {physical}) of host {host_name!r}{more}, and NCCL "
         f"runs one rank per GPU (it fails with 'Duplicate GPU detected'); this is rank {rank}. Give each rank "
         "its own GPU: launch with torchrun (it sets LOCAL_RANK, and device 'auto' or 'cuda' then takes "
         "cuda:LOCAL_RANK), or call torch.cuda.set_device(local_rank) before wrap, or set device='cuda:N' in each "
