@@ -686,7 +686,15 @@ class Engine:
         (the model is not read into RAM at close), those values would not fit in host
         memory, the engine failed, or several ranks shard the states (stage >= 1): then its parameters
         hold no values (a warning says so where the values would not fit) and wrapping it
-        again is refused, naming why."""
+        again is refused, naming why. [zero] With several ranks every rank calls it: it
+        returns once every rank has reached its close() and finished what it had in flight,
+        or raises (after releasing everything) naming the ranks that did not within
+        collective_timeout_seconds ([Note: closing with several ranks])."""
+        self._close(propagating=None)
+
+    def _close(self, propagating: Optional[BaseException]) -> None:
+        """close(), from the exit of a ``with`` block that ``propagating`` is leaving (None:
+        none is, or close() itself): then a rank missing at the barrier is a warning."""
         status = vars(self).get("_status")  # none after a failed wrap ([Note: a failed wrap changes nothing])
         if status is None or status.closed:
             return
@@ -724,7 +732,16 @@ class Engine:
             elif status.not_restored is None:
                 status.not_restored = "close() failed before it read them"  # an earlier finish step raised
 
-        status.close(finish=[wait_updates, self._residency.drain_fetches, copy_values],
+        def wait_for_ranks() -> None:  # [Note: closing with several ranks] before anything is torn down
+            try:
+                self._partition.close_barrier()
+            except RuntimeError as error:
+                if propagating is None:
+                    raise
+                warn_at_caller(f"close() while {type(propagating).__name__} leaves the with block: {error}")
+
+        finish = [wait_updates, self._residency.drain_fetches, copy_values]
+        status.close(finish=finish + [wait_for_ranks] if self._partition is not None else finish,
                      release=[self._residency.shutdown, self._updates.shutdown_worker,
                               self._hooks.remove, self._close_tiers, give_back_values],
                      write_errors=lambda: self._step_ring.write_errors if deferred else [])
@@ -754,8 +771,8 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self._close(propagating=exc)
 
     # ------------------------------------------------------------------ seams
     @property

@@ -88,11 +88,10 @@ def _worker(rank, port, world, config, data, out_dir, cut, hold):
         if hold:
             result["held_losses"], result["held_state"], _, result["held"] = train_holding_the_first_delayed_update(
                 _rank_config(config, out_dir, rank, "held"), mine, timeout=20)
+        # No barrier of its own: with two groups the other group's ranks may still be in their
+        # last delayed update's gathers when rank 0 is done, and close() waits for them
+        # ([Note: closing with several ranks]) before rank 0 leaves and takes the store along.
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Rank 0 hosts the store every collective marks its sequence in: with two groups the
-        # other group's ranks may still be in their last delayed update's gathers when rank 0
-        # is done (seen under load: "Connection reset by peer" in the store's set)
-        dist.barrier()
     finally:
         dist.destroy_process_group()
 

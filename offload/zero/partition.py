@@ -90,7 +90,26 @@ each rank one GPU that way make every rank's device cuda:0), else the index. A C
 [Note: failures] Before every collective a rank writes its sequence number and the name of
 the collective to the process group's store. A collective that fails (a peer exited: the
 connection closes) or times out (``collective_timeout_seconds``: a peer hangs) raises a
-RuntimeError naming the ranks that never reached it, read back from the store.
+RuntimeError naming the ranks that never reached it (behind it, or at its number in
+another collective), read back from the store.
+
+[Note: closing with several ranks] close() is collective, like state_dict(): every rank
+calls it. A rank's close() first finishes what it has in flight (its deferred and delayed
+updates with their all-gathers, stage 3's fetches with theirs), then waits at a barrier
+(``close_barrier``) for every rank to have done the same, and only then stops its threads,
+removes its hooks and deletes its swap files. So no rank tears down while another still
+runs a collective (a group's gathers may go on after the other group is done), and no
+rank returns from close(), and ends its process, while another still marks its
+collectives in the store (which lives in rank 0's process). The barrier runs on a process
+group of its own (``close_group``), so that it is never matched with a collective that a
+failed rank left unfinished on another group. It counts on the main lane, so a rank that
+does not reach it is named as for any collective ([Note: failures]), within
+``collective_timeout_seconds`` (at once where its process has exited); a rank still in the
+collective another left for its close() is at the barrier's number with another name, and
+named too. Such a failure does not stop the teardown: the engine releases everything,
+then raises it; from the exit of a ``with`` block that an exception is leaving, it warns
+instead and the exception goes on (the rank that failed first reaches the barrier on its
+way out while the others may still wait in the collective it left, until the timeout).
 """
 from __future__ import annotations
 
@@ -159,6 +178,7 @@ class Partition(StageShards):
         self.device = device
         self.device_group: Any = group
         self.device_param_group: Any = None  # the param lane's ([Note: parameter all-gathers])
+        self.close_group: Any = group  # [Note: closing with several ranks] its own from from_environment
         self.num_cross_group_reduces = 0  # all-reduces across groups (one per unit and step)
         self._store = store
         self._seq: Dict[str, int] = {"main": 0, "param": 0}
@@ -213,9 +233,11 @@ class Partition(StageShards):
         if device.type == "cuda":  # [Note: one GPU per rank] before any NCCL group
             check_one_device_per_rank(group, dist.get_rank(), world_size, device)
         param_group = dist.new_group(backend="gloo", timeout=timeout)
+        close_group = dist.new_group(backend="gloo", timeout=timeout)  # [Note: closing with several ranks]
         store = dist.PrefixStore("offload/", dist.distributed_c10d._get_default_store())
         partition = cls(group, store, dist.get_rank(), world_size, stage, shard_size, device)
         partition.param_group = partition.param_shard_group = param_group
+        partition.close_group = close_group
         partition.timeout_seconds = timeout_seconds
         groups = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(world_size // shard_size)]
         if shard_size < world_size:  # every rank creates every group, in one order
@@ -290,6 +312,12 @@ class Partition(StageShards):
         self._collective(what, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def close_barrier(self) -> None:
+        """[Note: closing with several ranks] Wait until every rank has reached close() and
+        finished what it had in flight; a RuntimeError naming the ranks that did not within
+        collective_timeout_seconds."""
+        self._collective("close() barrier", lambda: dist.barrier(group=self.close_group))
+
     def _mark(self, what: str, lane: str = "main") -> None:
         """Count a collective of ``lane`` ("main": the main thread on ``group``; "param":
         the copy worker on ``param_group``, or below stage 3 the optimizer worker's delayed
@@ -300,8 +328,8 @@ class Partition(StageShards):
     def _collective(self, what: str, call: Callable[[], Any], lane: str = "main") -> Any:
         """Run one collective; [Note: failures] turns a failure into a RuntimeError naming
         the ranks that did not get there."""
-        self._mark(what, lane)
         try:
+            self._mark(what, lane)  # inside: a store that is gone (rank 0 exited) is diagnosed too
             return call()
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError
             raise RuntimeError(self._diagnose(what, exc, lane)) from exc
@@ -317,7 +345,9 @@ class Partition(StageShards):
                 raw = self._store.get(f"seq/{lane}/{r}").decode() \
                     if self._store.check([f"seq/{lane}/{r}"]) else "0:none yet"
                 seq, _, last = raw.partition(":")
-                if int(seq) < mine:
+                # behind, or at this number in another collective (a close() barrier in place of
+                # this one: [Note: closing with several ranks])
+                if int(seq) < mine or (int(seq) == mine and last != what):
                     behind.append(f"rank {r} (its last collective was #{seq}: {last})")
         except Exception as store_exc:  # the store lives in rank 0's process (MASTER_ADDR)
             return (f"{head}: lost contact with the other ranks and with the store on rank 0 "
