@@ -12,8 +12,8 @@ numbers them). Each rank's host budget is its own ``host_budget``; its default i
 share (``host_budget_share``: 3/4 of available memory over the node's ranks).
 
 A rank's device bytes at stage >= 2 include the room device_budget keeps for the gradient
-buckets ([Note: gradient buckets in the device budget]). Not planned: the collectives' own
-scratch, and "auto" placement per rank.
+buckets and the reduce-scatter's output ([Note: gradient buckets in the device budget]).
+Not planned: what a backend allocates inside a collective, and "auto" placement per rank.
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def rank_unit_sizes(shape: ModelShape, dtype: str, stage: int, shard_rank: int, 
             home_numel=param.home_numel if param is not None else base.home_numel,
             state_numel=shards.shard.state_numel, low_numel=low_numel(shards.shard.numel),
             grad_numel=shards.grad_numel, bucket_numel=shards.bucket_numel,
+            reduce_out_numel=shards.shard.shard_numel if shards.bucket_numel else 0,
             # whole slots of the shard: stages >= 1 run Adam alone ([Note: per-entry state slots])
             moments_numel=None))
     return sizes
@@ -140,7 +141,7 @@ def ranks_report(planned: List[Dict[str, Any]], ranks: int, stage: int, shard_gr
     lines = [f"several ranks: {ranks} ranks, ZeRO stage {stage}, sharding groups of {shard_group_size}, "
              f"{ranks_per_node} ranks per node; host budget per rank: {budget}",
              "per rank (ranks at the same place of their groups hold the same); device: the smallest "
-             "device_budget wrap accepts (at stage >= 2 with room for two gradient buckets)"]
+             "device_budget wrap accepts (at stage >= 2 with room for two gradient buckets and their output)"]
     header = f"{'param_tier':<11}{'opt_tier':<9}{'ranks':<14}{'device':>12}{'host':>12}{'nvme':>12}  fits"
     lines += [header, "-" * len(header)]
     for c in planned:

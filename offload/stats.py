@@ -216,6 +216,8 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         **{f"home_bytes_{tier}": n for tier, n in home_bytes.items()},
         "gradient_bucket_peak_bytes":
             partition.bucket_peak_bytes if partition is not None else 0,
+        # [Note: gradient buckets in the device budget] the reduce-scatters' output on the device
+        "reduce_scatter_output_bytes": partition.output_bytes if partition is not None else 0,
         # [Note: saved activations] ActivationStore.stats: kept, moved, peaks per tier
         "activations": activations.stats(),
     }

@@ -188,12 +188,14 @@ def model_fp32_bytes(model):
 def bucket_room_bytes(model, stage):
     """[Note: gradient buckets in the device budget] What device_budget keeps beside the
     arena at stage >= 2: the root unit's fp32 gradient bucket and the largest block's, each
-    its trainable elements cut into WORLD equal shards (0 below stage 2)."""
+    its trainable elements cut into WORLD equal shards, and the reduce-scatter's output, the
+    larger one's shard (0 below stage 2)."""
     if stage is None or stage < 2:
         return 0
     blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model.blocks]
     root = sum(p.numel() for p in model.parameters() if p.requires_grad) - sum(blocks)
-    return 4 * sum(-(-n // WORLD) * WORLD for n in (root, max(blocks)))
+    buckets = [-(-n // WORLD) * WORLD for n in (root, max(blocks))]
+    return 4 * (sum(buckets) + max(buckets) // WORLD)
 
 
 def model_compute_bytes(case):

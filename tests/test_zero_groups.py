@@ -245,8 +245,8 @@ def test_a_checkpoint_of_two_groups_resumes_on_other_worlds_as_the_uninterrupted
 
 
 @pytest.mark.host_device  # the budgets are the CPU device's (CUDA's host also holds fetch buffers)
-@pytest.mark.parametrize("stage,host_budget,device_budget", [(1, 500_000, None), (2, 350_000, 150_000),
-                                                              (3, 350_000, 150_000)])
+@pytest.mark.parametrize("stage,host_budget,device_budget", [(1, 500_000, None), (2, 350_000, 175_000),
+                                                              (3, 350_000, 175_000)])
 def test_auto_tiers_place_each_ranks_shards_under_its_budget(stage, host_budget, device_budget, tmp_path):
     """Issue 38: "auto" placement works per rank, on what the rank keeps (its shards) under
     its host budget, instead of putting every auto role on the host: with these budgets

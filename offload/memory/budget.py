@@ -54,6 +54,7 @@ class UnitSizes:
     whole_step: bool = False    # updated as one piece ([Note: whole-parameter optimizers])
     compact_numel: int = 0      # [Note: compact optimizer states] trainable elements, each parameter padded to blocks
     bucket_numel: int = 0       # [zero] stage >= 2: its fp32 gradient bucket on the device (0: none)
+    reduce_out_numel: int = 0   # [zero] stage >= 2: its shard of the bucket, the reduce-scatter's output (fp32)
     # [Note: per-entry state slots] fp32 elements of the moments home where its parameters keep
     # different slots (None: state_slots whole slots)
     moments_numel: Optional[int] = None
@@ -72,6 +73,7 @@ class UnitSizes:
                    max((e.numel for e in u.trainable), default=0), bool(u.trainable),
                    u.spec.shared_numel, u.state_slots, u.whole_step,
                    compact_padded_numel([e.numel for e in u.trainable]), u.bucket_numel,
+                   u.shard.shard_numel if u.bucket_numel else 0,
                    None if u.state_pages is None else u.state_pages.numel)
 
     @classmethod
@@ -122,27 +124,32 @@ def _gradient_reserve_bytes(units: Sequence[UnitSizes], compute_element_bytes: i
 
 # [Note: gradient buckets in the device budget] [zero] At stage >= 2 a unit's gradients are
 # summed into an fp32 bucket on the device until its reduce-scatter ([Note: collectives on
-# the device] in zero/partition.py). device_budget keeps room for two buckets beside the
-# arena and the largest gradient: the root unit's (its gradients arrive first and last in
-# backward: the head's, then the embeddings') and the largest other unit's (the blocks'
-# arrive one unit after another, each bucket reused by the next unit of its size). The
-# device tier counts the buckets (``DeviceTier.hold_buckets``); with a device_budget given
-# the partition keeps them within that room (``Partition._take_bucket``): spare buckets go
-# first; a backward that needs more at once (a unit whose gradients are still arriving
+# the device] in zero/partition.py), whose output, the rank's shard, is on the device too
+# until its copy to the host has run. device_budget keeps room for them beside the arena
+# and the largest gradient: two buckets, the root unit's (its gradients arrive first and
+# last in backward: the head's, then the embeddings') and the largest other unit's (the
+# blocks' arrive one unit after another, each bucket reused by the next unit of its size),
+# and one output as long as the largest unit's shard (``Partition._reduce_output``: every
+# reduce-scatter writes into it, after the copy out of what it held last has run). The
+# device tier counts them all (``DeviceTier.hold_buckets``); with a device_budget given
+# the partition keeps them within that room (``Partition._hold_on_device``): spare buckets
+# go first; a backward that needs more at once (a unit whose gradients are still arriving
 # while two others' are: a parameter of a block used early and late, or not at all) holds
 # the excess in the arena's free capacity, as saved activations do (a slot is refused
 # while they hold it), and where that is short too it stops with a ValueError naming
 # device_budget and the bytes to add, not past the budget. Without device_budget they are
-# counted and bound nothing. ``offload plan --ranks`` counts the room. Not counted:
-# the reduce-scatter's output shard (a bucket's 1/shard_size, fresh per unit where its copy
-# to the host runs behind) and the collectives' scratch.
+# counted and bound nothing. ``offload plan --ranks`` counts the room. Not counted: what a
+# backend allocates inside a collective (gloo's reduce-scatter on a CPU device works on a
+# copy of the bucket for the call's duration; NCCL's works in place).
 def gradient_bucket_room_bytes(units: Sequence[UnitSizes]) -> int:
-    """[Note: gradient buckets in the device budget] The root unit's bucket and the largest
-    other unit's, in bytes (0 below stage 2 and on one process)."""
+    """[Note: gradient buckets in the device budget] The root unit's bucket, the largest
+    other unit's and the reduce-scatter's output (the largest unit's shard), in bytes (0
+    below stage 2 and on one process)."""
     if not units:
         return 0
     largest = max((u.bucket_numel for u in units[1:]), default=0)
-    return (units[0].bucket_numel + largest) * FP32_BYTES
+    output = max(u.reduce_out_numel for u in units)
+    return (units[0].bucket_numel + largest + output) * FP32_BYTES
 
 
 def _device_need(units: Sequence[UnitSizes], param_tier: str,
@@ -186,7 +193,7 @@ def check_device_budget(units: Sequence[UnitSizes], layout: Layout) -> DeviceBud
             f"device_budget: {format_size(budget)} ({budget} bytes) is too small: {why}, plus "
             f"{format_size(grad_reserve - buckets)} for the largest gradient on its way out"
             + (f" and {format_size(buckets)} for the gradient buckets of the reduce-scatters (the root unit's and "
-               "the largest other unit's, fp32)" if buckets else "")
+               "the largest other unit's, fp32) and their output (the largest unit's shard)" if buckets else "")
             + f"; at least {needed} bytes ({format_size(needed)}) are needed")
     return DeviceBudget((budget - grad_reserve) // element_bytes, budget, needed, buckets)
 

@@ -541,22 +541,18 @@ class Gradients:
     # same buffer is added on the host after the first has landed.
     # ------------------------------------------------------------------ [zero] the partition's port
     # (offload.zero.partition.GradientShards)
-    @property
-    def copies_behind(self) -> bool:
-        """Whether a shard handed to ``land_shard`` may still be read after it returns."""
-        return self._copies_out
-
     def host_buffer(self, u: UnitState) -> torch.Tensor:
         """u's host gradient buffer once every copy into it has landed."""
         self.landed(u)
         return self.grad_buffer(u)
 
-    def land_shard(self, u: UnitState, shard: torch.Tensor, add: bool) -> None:
+    def land_shard(self, u: UnitState, shard: torch.Tensor, add: bool) -> Optional[Event]:
         """[Note: collectives on the device] u's reduce-scattered shard (fp32, on the device)
         into u's host buffer, or added to what the earlier micro-steps left there (``add``).
         On a device the host does not address, the first is queued on the device-to-host
-        stream (``shard`` must not be written again until it has run: the partition gives
-        a fresh tensor each time); an added one is copied synchronously, then added."""
+        stream and its event returned (``shard`` must not be written again until it has
+        completed: the partition's next reduce-scatter into it waits for it); an added one
+        is copied synchronously, then added (None: nothing reads ``shard`` any more)."""
         self.take_back(u)  # [Note: delayed updates] a unit this rank gave no gradient reaches here alone
         self._stats.add_bytes("device_to_host", shard.numel() * shard.element_size())
         dst = self.host_buffer(u)[:shard.numel()]
@@ -571,6 +567,8 @@ class Gradients:
             event = self._device.streams.copy_out(dst, shard, what=f"the gradient shard of unit {u.name!r}")
             with self._grad_pool_lock:
                 self._copies.setdefault(u.index, []).append(event)
+            return event
+        return None
 
     def landed(self, u: UnitState) -> None:
         """[Note: gradients off the device] Wait for u's gradients still on their way out."""

@@ -38,16 +38,20 @@ node) the groups are the world and nothing else changes.
 
 [Note: collectives on the device] At stage >= 2 a unit's gradients are summed into a
 bucket on the compute device as autograd makes them (``gradient_bucket``), reduce-scattered
-there inside the group (``device_group``: NCCL on CUDA, gloo on a CPU device) into a fresh
-shard-sized tensor, and only that shard leaves the device, into the unit's host buffer
-(``GradientShards.land_shard``: queued on the device-to-host stream where the host does not
-address the device). So a rank moves 1/shard_size of each gradient device -> host. At
+there inside the group (``device_group``: NCCL on CUDA, gloo on a CPU device) into the
+output buffer on the device (``_reduce_output``: one for every unit, written again once the
+copy out of the last shard has run), and only that shard leaves the device, into the
+unit's host buffer (``GradientShards.land_shard``: queued on the device-to-host stream where
+the host does not address the device). So a rank moves 1/shard_size of each gradient
+device -> host. At
 stage 3 a fetch copies only this rank's chunks of the unit into their place in its device
 slot and all-gathers the rest there (``gather_params_on_device``, on the copy worker, over
 ``device_param_group``). The buckets (fp32, the size of a unit's trainable prefix: one per
-unit whose gradients are arriving, at most two spare) count in the device tier and, with a
-device_budget, stay within the room it keeps for them ([Note: gradient buckets in the
-device budget] in memory/budget.py); their peak is ``stats()["gradient_bucket_peak_bytes"]``. Collectives on host buffers (flags, norm
+unit whose gradients are arriving, at most two spare) and the output (the largest unit's
+shard) count in the device tier and, with a device_budget, stay within the room it keeps
+for them ([Note: gradient buckets in the device budget] in memory/budget.py); the buckets'
+peak is ``stats()["gradient_bucket_peak_bytes"]``, the output's bytes
+``stats()["reduce_scatter_output_bytes"]``. Collectives on host buffers (flags, norm
 squares, stage 0/1 gradients, the sum across groups, the main thread's parameter gathers
 for state_dict and checkpoints) stay on gloo.
 
@@ -138,13 +142,12 @@ _RANK_LOCAL_FIELDS = ("device", "swap_dir", "io_backend", "io_block_bytes", "io_
 class GradientShards(Protocol):
     """What the partition needs of the gradients (offload.optim.gradients.Gradients)."""
 
-    copies_behind: bool  # a shard given to land_shard may be read after it returns
-
     def host_buffer(self, u: Any) -> torch.Tensor:
         """u's host gradient buffer (``grad_numel`` elements), every copy into it landed."""
 
-    def land_shard(self, u: Any, shard: torch.Tensor, add: bool) -> None:
-        """u's reduce-scattered shard, on the device, into (or added to) its host buffer."""
+    def land_shard(self, u: Any, shard: torch.Tensor, add: bool) -> Optional[Any]:
+        """u's reduce-scattered shard, on the device, into (or added to) its host buffer;
+        the event of a copy that may still read ``shard`` (None: it has been read)."""
 
 
 class Partition(StageShards):
@@ -199,6 +202,11 @@ class Partition(StageShards):
         self.timeout_seconds: Optional[float] = None
         self.bucket_bytes = 0
         self.bucket_peak_bytes = 0
+        # [Note: gradient buckets in the device budget] the reduce-scatters' output, made at
+        # the first, and the event of the copy out that may still read it
+        self._output: Optional[torch.Tensor] = None
+        self._output_copied: Optional[Any] = None
+        self.output_bytes = 0
         self._gradients: Optional[GradientShards] = None  # bind_gradients
         self._device_tier: Any = None  # count_buckets_in
         self._mark("wrap")
@@ -494,36 +502,67 @@ class Partition(StageShards):
 
     def _take_bucket(self, u: Any) -> torch.Tensor:
         """A bucket for u's gradients: a spare one of its size, else a new one within the
-        room device_budget keeps ([Note: gradient buckets in the device budget]): spare
-        buckets go first; a ValueError naming device_budget when the buckets still in use
-        leave too little."""
+        room device_budget keeps ([Note: gradient buckets in the device budget])."""
         numel = u.bucket_numel
         for i, b in enumerate(self._free_buckets):
             if b.numel() == numel:
                 return self._free_buckets.pop(i)
         num_bytes = numel * FP32_BYTES
+        self._hold_on_device(num_bytes, f"that of unit {u.name!r}")
+        self.bucket_bytes += num_bytes
+        self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def _hold_on_device(self, num_bytes: int, what: str) -> None:
+        """Count ``num_bytes`` more of the reduce-scatters' buffers (``what``: a unit's
+        bucket, or the output) in the device tier, within the room device_budget keeps for
+        them ([Note: gradient buckets in the device budget]): spare buckets go first; a
+        ValueError naming device_budget when the buffers still in use leave too little."""
         tier = self._device_tier
-        while self._free_buckets and tier is not None and not tier.buckets_fit(num_bytes):
+        if tier is None:
+            return
+        while self._free_buckets and not tier.buckets_fit(num_bytes):
             self._drop_bucket(self._free_buckets.pop(0))
-        if tier is not None and not tier.buckets_fit(num_bytes):
+        if not tier.buckets_fit(num_bytes):
             names = {v.index: v.name for v in self._units}
             arriving = ", ".join(repr(names[i]) for i in sorted(self._buckets))
-            needed = self.bucket_bytes + num_bytes
+            output = f", the reduce-scatter's output ({self.output_bytes} bytes)" if self.output_bytes else ""
+            needed = self.bucket_bytes + self.output_bytes + num_bytes
             free = tier.capacity_bytes - tier.slot_bytes - tier._held_bytes()
             raise ValueError(
                 f"device_budget: the fp32 gradient buckets of the units whose gradients are arriving in this "
-                f"backward ({arriving}: {self.bucket_bytes} bytes) and that of unit {u.name!r} ({num_bytes} bytes) "
+                f"backward ({arriving}: {self.bucket_bytes} bytes){output} and {what} ({num_bytes} bytes) "
                 f"need {needed} bytes, more than the {tier.bucket_room_bytes} bytes device_budget keeps for them (the "
-                "root unit's bucket and the largest other unit's: [Note: gradient buckets in the device budget]) "
-                f"and the {max(free, 0)} bytes of the arena the slots in use leave, "
-                f"{needed - tier.bucket_room_bytes - max(free, 0)} bytes short: raise device_budget by at least that "
-                "(a unit's bucket stays open while a parameter of it has not had its gradient: one that gets none, "
-                "or two uses far apart), or device_budget=None lets the buckets grow unbounded")
-        self.bucket_bytes += num_bytes
-        self.bucket_peak_bytes = max(self.bucket_peak_bytes, self.bucket_bytes)
-        if tier is not None:
-            tier.hold_buckets(num_bytes)
-        return torch.empty(numel, dtype=torch.float32, device=self.device)
+                "root unit's bucket, the largest other unit's and the output, the largest unit's shard: [Note: "
+                f"gradient buckets in the device budget]) and the {max(free, 0)} bytes of the arena the slots in use "
+                f"leave, {needed - tier.bucket_room_bytes - max(free, 0)} bytes short: raise device_budget by at least "
+                "that (a unit's bucket stays open while a parameter of it has not had its gradient: one that gets "
+                "none, or two uses far apart), or device_budget=None lets the buckets grow unbounded")
+        tier.hold_buckets(num_bytes)
+
+    def _reduce_output(self, numel: int) -> torch.Tensor:
+        """[Note: gradient buckets in the device budget] ``numel`` elements of the
+        reduce-scatters' output: one fp32 buffer on the device for every unit, as long as the
+        largest unit's shard, made (and counted in the device tier) at the first
+        reduce-scatter. It is written again only after the copy out of what it held has run
+        (where that copy runs behind, on CUDA and its stand-in, the compute stream waits for
+        it, and the collective's stream for the compute stream)."""
+        if self._output is None:
+            longest = max(v.shard.shard_numel for v in self._units if v.bucket_numel)
+            self._hold_on_device(longest * FP32_BYTES, "the reduce-scatter's output (the largest unit's shard)")
+            self.output_bytes = longest * FP32_BYTES
+            self._output = torch.empty(longest, dtype=torch.float32, device=self.device)
+        out = self._output[:numel]
+        streams = self._device_tier.streams if self._device_tier is not None else None
+        if self._output_copied is not None:
+            if streams is not None:
+                streams.compute_wait(self._output_copied)
+            else:
+                self._output_copied.synchronize()
+            self._output_copied = None
+        if streams is not None:  # the stand-in checks that no copy out reads it still
+            streams.compute_access(out, write=True, what="the reduce-scatter's output")
+        return out
 
     def _drop_bucket(self, bucket: torch.Tensor) -> None:
         num_bytes = bucket.numel() * FP32_BYTES
@@ -540,12 +579,10 @@ class Partition(StageShards):
             bucket.zero_()
         bucket.mul_(1.0 / self.world_size)  # [Note: gradient averaging]
         s = u.shard
-        # [Note: collectives on the device] a fresh shard where its copy out runs behind
-        out = torch.empty(s.shard_numel, dtype=torch.float32, device=self.device) \
-            if self._gradients.copies_behind else self._scratch_of(torch.float32, s.shard_numel)
+        out = self._reduce_output(s.shard_numel)  # [Note: collectives on the device]
         self._collective(f"gradient reduce-scatter of unit {u.name!r}",
                          lambda: _reduce_scatter_into(out, bucket, group=self.device_group))
-        self._gradients.land_shard(u, out[:s.numel], add=u.index in self._reduced_this_window)
+        self._output_copied = self._gradients.land_shard(u, out[:s.numel], add=u.index in self._reduced_this_window)
         self._reduced_this_window.add(u.index)
         self._reduced_this_backward.add(u.index)
         if self.settle_in_backward:  # [Note: early updates across ranks]
