@@ -27,9 +27,10 @@ GLOBAL_BATCH = 4
 # rank's close() takes with nothing to wait for, so a close() that does not wait for it
 # returns while it sleeps.
 SLOW_SECONDS = 3.0
-# How much later than rank 1's barrier rank 0 enters the collective rank 1 left (whose
-# timeout, 3 s, then ends after rank 1's barrier has timed out).
-LATE_SECONDS = 1.5
+# How long rank 0 waits before the collective rank 1 left, so that its timeout (3 s) ends
+# after that of rank 1's barrier: rank 1 enters the barrier one forward after rank 0 starts
+# waiting, and the test needs that forward to take less than this.
+LATE_SECONDS = 3.0
 # A guard against a hang of the ranks (not a measure of speed): far above what they take.
 HANG_GUARD_SECONDS = 180
 
