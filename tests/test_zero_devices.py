@@ -80,7 +80,8 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl_naming_ranks_and_device(tm
         assert out["one visible GPU"].startswith("device: ranks 0 and 1 would both compute on cuda:0 / cuda:1 (GPU 3)")
         # refused on the first gloo group, before a second group or any NCCL one
         assert out["groups before the refusal"] == ["gloo"], out
-        # one GPU each: on to the device groups (NCCL on CUDA), after the check
-        assert out["wrap, own GPUs"] is None and out["groups"] == ["gloo", "gloo", "nccl", "nccl"], out
+        # one GPU each: on to the device groups (NCCL on CUDA), after the check; the third gloo
+        # group is close()'s ([Note: closing with several ranks])
+        assert out["wrap, own GPUs"] is None and out["groups"] == ["gloo", "gloo", "gloo", "nccl", "nccl"], out
         # a CPU device exchanges nothing and makes no NCCL group
-        assert out["wrap, CPU"] is None and out["groups on the CPU"] == ["gloo", "gloo"], out
+        assert out["wrap, CPU"] is None and out["groups on the CPU"] == ["gloo", "gloo", "gloo"], out
