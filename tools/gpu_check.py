@@ -115,7 +115,17 @@ def peak(device):
 
 
 # ------------------------------------------------------------------------------------ parity
-def plain_run(kind, model, data, device, fused=False):
+def clip_exactly(params, max_norm):
+    """torch's clip_grad_norm_ with the norm summed in float64: the coefficient to 1e-15."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
+def plain_run(kind, model, data, device, fused=False, exact_norm=False):
     ref = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, **({"fused": True} if fused else
                                                                             {"foreach": False}))
@@ -128,30 +138,37 @@ def plain_run(kind, model, data, device, fused=False):
         loss.backward()
         sync(device)
         act_peak = max(act_peak, peak(device) - base)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        if exact_norm:
+            clip_exactly(list(ref.parameters()), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if len(losses) == 1:
-            first = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
+            first = {k: v.detach().float().cpu().clone() for k, v in ref.state_dict().items()}  # not the live tensors
     state = {k: v.detach().float().cpu() for k, v in ref.state_dict().items()}
     del ref, opt
     return losses, state, act_peak, first
 
 
 def plain_reference(kind, model, data, device):
-    """plain_run's (losses, state, activation peak), the spread of two torch steps (the
-    largest loss and state errors between torch's AdamW with foreach=False and with
-    fused=True over the same steps) and the state after the first step.
-    [Note: the spread of two torch steps] Two correct implementations of one optimizer step
-    round differently per element and drift apart on this model by this much. It measures
-    the optimizer's rounding only: forward and backward are the same kernels in both runs.
-    On the H200 the reference GPT's fp32 (host, host) state error was 22x this spread and its
-    loss error 65x (docs/gpu.md): not explained yet, and the case fails."""
+    """plain_run's (losses, state, activation peak), the spread of correct steps (the
+    largest loss and state errors against it of the same steps with torch's fused AdamW, and
+    with the clipping norm summed in float64) and the state after the first step.
+    [Note: the spread of two torch steps] Correct implementations of one step round
+    differently and drift apart on this model by this much. The clipping norm matters most:
+    torch's fp32 vector_norm on the CPU is off by up to 1.7e-3 on the reference GPT's
+    gradients (offload's, taken in chunks and summed in float64, by up to 6e-4), and Adam
+    turns a coefficient that differs by that into updates that differ by a good part of the
+    learning rate wherever a parameter's gradients cancel from step to step (docs/gpu.md)."""
     losses, state, act_peak, first = plain_run(kind, model, data, device)
-    fused_losses, fused_state, _, _ = plain_run(kind, model, data, device, fused=True)
-    spread = (max(abs(a - b) / abs(b) for a, b in zip(fused_losses, losses)), max_rel_error(fused_state, state))
-    return losses, state, act_peak, spread, first
+    spread = [0.0, 0.0]
+    for other in (dict(fused=True), dict(exact_norm=True)):
+        other_losses, other_state, _, _ = plain_run(kind, model, data, device, **other)
+        spread[0] = max(spread[0], max(abs(a - b) / abs(b) for a, b in zip(other_losses, losses)))
+        spread[1] = max(spread[1], max_rel_error(other_state, state))
+    return losses, state, act_peak, tuple(spread), first
 
 
 def max_rel_error(state, ref_state):
@@ -209,9 +226,9 @@ def parity_case(kind, cfg, dtype, tiers, activation_offload, device, swap_root, 
     row["state_err"] = max_rel_error(state, ref_state)
     ok = [all(l == l for l in losses)]
     if dtype == "fp32":
-        # the state bound: 1e-3, or twice the spread of two torch steps where that is larger
+        # the bounds: 1e-4 and 1e-3, or twice the spread of correct steps where that is larger
         # (a bigger model drifts further: [Note: the spread of two torch steps])
-        ok += [loss_err < LOSS_TOL_FP32, row["state_err"] < max(STATE_TOL_FP32, 2 * spread[1])]
+        ok += [loss_err < max(LOSS_TOL_FP32, 2 * spread[0]), row["state_err"] < max(STATE_TOL_FP32, 2 * spread[1])]
     else:
         ok += [loss_err < LOSS_TOL_BF16]
     ok.append(row["arena"] <= budget + MiB or device.type != "cuda")
