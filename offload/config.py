@@ -175,8 +175,11 @@ class OffloadConfig:
     host buffers. The engine's own host needs (and "auto" placement, which moves state into
     RAM while host_budget holds it: [Note: placement by budget]) fit in host_budget less
     this, so that those buffers find at least this much room; beyond their room the
-    earliest units' activations go on to NVMe. None (0): the activations get what the plan
-    leaves, and the first forward that sends some of them to NVMe for want of room warns once. ``offload plan --model M --seq-len N --batch B`` prints the bytes one forward
+    earliest units' activations go on to NVMe (a unit's larger than the room, in pieces
+    through it). None (0): the activations get what the plan leaves, and the first forward
+    that sends some of them to NVMe for want of room warns once. Where they may reach NVMe
+    (a swap_dir and a host budget) at least 256 KiB is kept for them either way, the room
+    for those pieces. ``offload plan --model M --seq-len N --batch B`` prints the bytes one forward
     needs in RAM ([Note: activation host room] in offload/memory/budget.py)."""
 
     machine_profile: Optional[str] = None

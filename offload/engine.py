@@ -247,7 +247,7 @@ class Engine:
                 if activation_swap_dir is not None else None,
                 room_bytes=activation_room_bytes(unit_sizes, layout, arena),
                 host_room_bytes=activation_host_room_bytes(layout, self._host_planned_bytes),
-                warn_room_spill=not layout.activation_host_bytes,
+                warn_room_spill=not config.activation_host_bytes,
                 remove_dir=activation_swap_dir if made_activation_swap_dir else None)
             # 5. The device residency of the compute copies ([Note: residency]), the homes
             # and their codec, the optimizer steps.

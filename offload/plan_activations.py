@@ -11,7 +11,8 @@ root's, then one group per unit call; a unit's tensor inputs go through the engi
 is one record, records end when autograd drops them. What leaves is decided by the store's
 rules: "host" and "nvme" send every complete group away, "auto" the earliest ones while the
 kept would pass ``budget.activation_room_bytes``; beyond the host room
-(``budget.activation_host_room_bytes``) the earliest in RAM go on to NVMe. The plan also
+(``budget.activation_host_room_bytes``) the earliest in RAM go on to NVMe, and a group larger
+than the room even then goes there in pieces ([Note: activation pieces]). The plan also
 gives the host RAM the groups take at their peak with no bound on it, and the share of
 host_budget (``activation_host_bytes``) that keeps them there ([Note: activation host room]
 in memory/budget.py). ``tests/test_plan_activations.py`` checks
@@ -34,7 +35,7 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.hooks import wrap_unit_inputs
-from offload.memory.activations import buffer_layout, movable, same_reading
+from offload.memory.activations import PAGE_BYTES as _PAGE_BYTES, buffer_layout, movable, same_reading
 from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
                                    check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout
@@ -185,6 +186,16 @@ class _Trace:
                 earliest.in_ram = False
                 earliest.counts["where"] = "nvme"
                 self.host_bytes -= earliest.num_bytes
+            if not self._host_fits(group.num_bytes) and self.has_nvme:
+                # [Note: activation pieces] straight to NVMe through what the room has free
+                piece = min(group.num_bytes, (self.host_room_bytes - self.host_bytes) // _PAGE_BYTES * _PAGE_BYTES)
+                if piece > 0:
+                    for r in records:
+                        r.on_device, r.tensor = False, None
+                        self.device_bytes -= r.num_bytes
+                    group.counts.update(moved_bytes=sum(r.num_bytes for r in records), where="nvme")
+                    self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes + piece)
+                    return
             if not self._host_fits(group.num_bytes):
                 raise ValueError(
                     f"host_budget: the saved activations of unit {group.counts['unit']!r} ({group.num_bytes} bytes) "

@@ -92,7 +92,9 @@ def test_the_share_counts_where_gradients_spill(tmp_path):
     torch.manual_seed(0)
     model = gpt()
     with offload.wrap(model, make_opt(model.parameters()), config=dict(config, host_budget=None)) as engine:
-        floor = minimum_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout)
+        # the engine's own least needs: without what Layout keeps for activations (the piece floor)
+        floor = minimum_host_budget([UnitSizes.of(u) for u in engine.units], engine.layout) \
+            - engine.layout.activation_host_bytes
     # a few units' gradients at most in RAM beside the activations' share
     budget = floor + share + (64 << 10)
     spilling = dict(config, host_budget=budget, activation_host_bytes=share)
@@ -224,3 +226,163 @@ def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(t
             assert stats["activations"]["moved_to_nvme_bytes"] == 0
     assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
     assert not [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+
+
+# "auto" placement leaves 86,720 bytes of host room beside its plan at this budget without a
+# floor, less than one block's group of saved activations (229,376 bytes).
+TIGHT_BUDGET = 3_000_000
+GROUP_BYTES = 229_376
+
+
+def _swap_files(tmp_path):
+    return [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("mode", ["nvme", "auto"])
+def test_nvme_and_auto_without_a_share_train_where_auto_placement_fills_host_budget(mode, tmp_path):
+    """[Note: activation host room] At TIGHT_BUDGET "auto" placement took all but 86,720
+    bytes of host room, and "nvme" (or "auto" moving groups beyond its device room) stopped
+    at the first forward with a ValueError naming host_budget, after wrap had accepted the
+    config. Layout now keeps ACTIVATION_PIECE_BYTES for activations that may reach NVMe:
+    placement plans beside it, whole groups fit, and the run is the one without offload."""
+    from offload.memory.layout import ACTIVATION_PIECE_BYTES
+
+    config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
+    if mode == "auto":
+        config["device_budget"] = 1_900_000  # moves groups off the device
+    plain = train(dict(host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap")))
+    predicted = plan_activations(gpt, config, CFG.seq_len, BATCH)
+    with pytest.warns(RuntimeWarning, match="activation_host_bytes") if mode == "auto" else _no_warning():
+        losses, stats, _, planned = train(config)
+    act = stats["activations"]
+    assert losses == plain[0]
+    assert GROUP_BYTES <= ACTIVATION_PIECE_BYTES <= act["host_room_bytes"] == predicted.host_room_bytes
+    # the engine's own needs (gradients spilling where they pass their part) beside the room
+    assert min(planned, TIGHT_BUDGET - ACTIVATION_PIECE_BYTES) + act["host_room_bytes"] == TIGHT_BUDGET
+    assert [dict(u) for u in act["units"]] == [vars(g) for g in predicted.groups]
+    to_nvme = act["to_nvme_bytes"]
+    assert to_nvme == predicted.moved_bytes("nvme") > 0 and to_nvme % GROUP_BYTES == 0
+    # three steps, every group written and read back whole (GROUP_BYTES is whole pages)
+    assert act["nvme_bytes_written"] == act["written_to_nvme_bytes"] == act["nvme_bytes_read"] == 3 * to_nvme
+    assert act["host_peak_bytes"] == predicted.host_peak_bytes <= act["host_room_bytes"]
+    assert stats["host_peak_bytes"] <= TIGHT_BUDGET
+    assert not _swap_files(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["nvme", "auto"])
+def test_a_group_larger_than_the_host_room_goes_to_nvme_in_pieces(mode, tmp_path, monkeypatch):
+    """[Note: activation pieces] With the floor at 64 KiB, the host room at TIGHT_BUDGET
+    (86,720 bytes) holds no whole group: each goes to its swap extent and back through one
+    buffer of the room's whole pages (86,016 bytes), and the run is still the one without
+    offload, bit for bit. The bytes: every group's are written once and read once a step,
+    the host buffers never hold more than that piece, and offload plan predicts it."""
+    import offload.memory.layout as layout_module
+
+    monkeypatch.setattr(layout_module, "ACTIVATION_PIECE_BYTES", 64 << 10)
+    config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
+    if mode == "auto":
+        config["device_budget"] = 1_900_000
+    plain = train(dict(host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap")))
+    predicted = plan_activations(gpt, config, CFG.seq_len, BATCH)
+    with pytest.warns(RuntimeWarning, match="activation_host_bytes") if mode == "auto" else _no_warning():
+        losses, stats, _, planned = train(config)
+    act = stats["activations"]
+    assert losses == plain[0]
+    room = act["host_room_bytes"]
+    assert room == predicted.host_room_bytes == TIGHT_BUDGET - planned == 86_720 < GROUP_BYTES
+    piece = room // 4096 * 4096
+    assert act["host_peak_bytes"] == predicted.host_peak_bytes == piece
+    assert [dict(u) for u in act["units"]] == [vars(g) for g in predicted.groups]
+    moved = [u for u in act["units"] if u["where"] != "keep"]
+    assert moved and all(u["where"] == "nvme" and u["moved_bytes"] == GROUP_BYTES for u in moved)
+    to_nvme = act["to_nvme_bytes"]
+    assert to_nvme == len(moved) * GROUP_BYTES
+    assert act["nvme_bytes_written"] == act["written_to_nvme_bytes"] == act["nvme_bytes_read"] == 3 * to_nvme
+    assert act["moved_to_nvme_bytes"] == 3 * to_nvme and act["moved_to_host_bytes"] == 0
+    assert not _swap_files(tmp_path)
+
+
+def test_failed_piece_io_fails_that_forward_or_backward_by_the_engines_rule(tmp_path, monkeypatch):
+    """[Note: activation pieces] A piece's swap write that fails raises an OSError naming the
+    unit and the swap file from the forward, nothing having left the device; a piece's read
+    that fails raises one from the backward, whose gradients are dropped (max_grad_norm: no
+    early updates), and the next batch trains as if the failed ones never ran."""
+    import errno
+
+    import offload.memory.layout as layout_module
+    from support import FaultyIO, assert_same_state
+
+    monkeypatch.setattr(layout_module, "ACTIVATION_PIECE_BYTES", 64 << 10)
+    config = dict(activation_offload="nvme", host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"),
+                  max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=g) for _ in range(3)]
+
+    def run(engine, b):
+        engine.backward(engine(b[:, :-1], b[:, 1:]))
+        engine.step()
+
+    torch.manual_seed(0)
+    model = gpt()
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        run(engine, batches[0])
+        run(engine, batches[2])
+        expected = engine.state_dict()
+    torch.manual_seed(0)
+    model = gpt()
+    with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+        run(engine, batches[0])
+        store = engine.debug.activations
+        b = batches[1]
+        store.nvme.io = FaultyIO(store.nvme.io, errno.EIO, fail_write=2)  # the first group's second piece
+        with pytest.raises(OSError, match=r"writing the saved activations of unit 'blocks\.0' to .*swap-\d+\.bin"):
+            engine(b[:, :-1], b[:, 1:])
+        store.nvme.io = store.nvme.io.inner
+        assert store.stats()["host_bytes"] == 0
+        store.nvme.io = FaultyIO(store.nvme.io, errno.EIO, fail_read=1)
+        loss = engine(b[:, :-1], b[:, 1:])
+        with pytest.raises(OSError, match=r"reading the saved activations of unit 'blocks\.\d' from .*swap-\d+\.bin"):
+            engine.backward(loss)
+        store.nvme.io = store.nvme.io.inner
+        del loss
+        assert store.stats()["host_bytes"] == 0
+        engine.step()  # a no-op: the gradients were dropped
+        run(engine, batches[2])
+        assert_same_state(engine.state_dict(), expected)
+    assert not _swap_files(tmp_path)
+
+
+def test_a_host_budget_without_room_for_a_piece_is_refused_at_wrap(tmp_path):
+    """[Note: activation host room] host_budget at the engine's least host needs plus
+    ACTIVATION_PIECE_BYTES trains with activations on NVMe; one byte less is a ValueError at
+    wrap naming host_budget and the bytes, before anything is touched (it used to stop at the
+    first forward)."""
+    from offload.memory.budget import model_unit_sizes
+    from offload.memory.layout import ACTIVATION_PIECE_BYTES
+    from offload.memory.placement import minimum_state_host_bytes
+
+    config = dict(activation_offload="nvme", swap_dir=str(tmp_path / "swap"))
+    sizes = model_unit_sizes(gpt(), 4, (), None)
+    least = minimum_state_host_bytes(offload.OffloadConfig.from_any(dict(config, host_budget=TIGHT_BUDGET)),
+                                     torch.device("cpu"), None, sizes) + ACTIVATION_PIECE_BYTES
+    losses, stats, placement, _ = train(dict(config, host_budget=least), steps=1)
+    assert placement.bytes_per_tier()["host"] == 0 and stats["activations"]["to_nvme_bytes"] > 0
+    torch.manual_seed(0)
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"host_budget: .*{least} bytes\) in RAM .*kept for activations"):
+        offload.wrap(model, make_opt(model.parameters()), config=dict(config, host_budget=least - 1))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not _swap_files(tmp_path)
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def block():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            yield
+    return block()

@@ -61,8 +61,9 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   then the earliest groups of the forward in host RAM are written on to NVMe (the store has
   an NVMe tier wherever swap_dir is set, whatever the mode), so within a forward the groups
   on NVMe come before those in RAM and backward reads them back once the later ones have
-  let go of their buffers; a group that does not fit even so is a ValueError naming host_budget,
-  before it moves. "nvme" stages at most two groups there. So host_budget bounds the
+  let go of their buffers; a group that does not fit even so goes to NVMe in pieces through
+  what the room has free ([Note: activation pieces]), and without a swap_dir is a ValueError
+  naming host_budget, before it moves. "nvme" stages at most two groups there. So host_budget bounds the
   activations too, and on a CPU device ([Note: device pages follow the slots] in
   tiers/device.py) the process's RAM adds up to host_budget + device_budget + the runtime's
   own. Swap extents come from an NVMe tier of the store's own
@@ -103,7 +104,7 @@ from offload.tiers import NvmeTier
 if TYPE_CHECKING:
     from offload.tiers.context import TierContext
 
-__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "same_reading", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR"]
+__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "same_reading", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR", "PAGE_BYTES"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
@@ -113,8 +114,22 @@ ACTIVATIONS_SWAP_SUBDIR = "activations"
 ACTIVATION_MIN_BYTES = 4096
 # Each tensor's offset in its group's host buffer is a multiple of this (any dtype's alignment).
 _TENSOR_ALIGN_BYTES = 64
-# A group's host buffer and swap extent are whole pages (O_DIRECT).
-_PAGE_BYTES = 4096
+# A group's host buffer and swap extent are whole pages (O_DIRECT), and so is each piece.
+PAGE_BYTES = 4096
+
+
+# [Note: activation pieces] A group whose host buffer does not fit in the host room (even
+# once the earlier groups in RAM went on to NVMe) goes to its swap extent in pieces through
+# one buffer of what the room has free, whole pages, at most the group (``_piece_bytes``): each
+# piece's bytes copied off the device, written, then the next; backward reads it back the
+# same way into fresh device tensors, at its first unpack (never ahead: ahead of need only
+# whole groups that fit move). The extent holds the same bytes at the same offsets as a whole
+# group's buffer would, so the tensors come back bit for bit. Where activations may reach
+# NVMe, Layout keeps at least ACTIVATION_PIECE_BYTES of host_budget for them whatever "auto"
+# placement takes ([Note: activation host room] in memory/budget.py), so no forward stops for
+# want of host room after wrap accepted the config; ``offload plan`` mirrors the rule
+# (plan_activations). Slower than whole groups (each piece waits for its copy and its I/O),
+# it is the fallback, not the way: activation_host_bytes keeps whole groups in RAM.
 
 
 def _round_up(n: int, to: int) -> int:
@@ -127,7 +142,7 @@ def buffer_layout(sizes: List[int]) -> Tuple[List[int], int]:
     for size in sizes:
         offsets.append(offset)
         offset = _round_up(offset + size, _TENSOR_ALIGN_BYTES)
-    return offsets, _round_up(offset, _PAGE_BYTES)
+    return offsets, _round_up(offset, PAGE_BYTES)
 
 
 def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
@@ -421,7 +436,9 @@ class ActivationStore:
         offsets, group.num_bytes = buffer_layout([r.num_bytes for r in records])
         for r, offset in zip(records, offsets):
             r.offset = offset
-        self._make_host_room(group)  # a ValueError naming host_budget before anything moved
+        if not self._make_host_room(group):  # a ValueError naming host_budget before anything moved
+            self._send_in_pieces(group, records)
+            return
         started = time.perf_counter()
         buffer = self._host_buffer(group.num_bytes)
         event = None
@@ -450,13 +467,14 @@ class ActivationStore:
     def _host_fits(self, num_bytes: int) -> bool:
         return self._host_room_bytes is None or self.host_bytes + num_bytes <= self._host_room_bytes
 
-    def _make_host_room(self, group: _Group) -> None:
+    def _make_host_room(self, group: _Group) -> bool:
         """[Note: saved activations] Room in the host room for ``group``'s buffer: the swap
         writes in flight finished, then the earliest groups of this forward in host RAM
-        written on to NVMe (where the store has an NVMe tier: swap_dir); else a ValueError
-        naming host_budget."""
+        written on to NVMe (where the store has an NVMe tier: swap_dir). False where even
+        then only a piece fits (it goes to NVMe in pieces, ``_send_in_pieces``); else a
+        ValueError naming host_budget."""
         if self._host_fits(group.num_bytes):
-            return
+            return True
         self._finish_writes()
         while not self._host_fits(group.num_bytes) and self.nvme is not None:
             earliest = next((g for g in (ref() for ref in self._groups)
@@ -464,16 +482,117 @@ class ActivationStore:
             if earliest is None:
                 break
             self._write_on(earliest)
-        if not self._host_fits(group.num_bytes):
-            raise ValueError(
-                f"host_budget: the saved activations of unit {group.unit_name!r} ({group.num_bytes} bytes) do not "
-                f"fit in host RAM beside {self.host_bytes} bytes of activations there, within the "
-                f"{self._host_room_bytes} bytes host_budget leaves beside the engine's plan; raise host_budget "
-                "or activation_host_bytes, the activations' share of it, which 'auto' placement leaves free "
-                "(offload plan --seq-len prints what a forward needs)"
-                + (" (the largest unit's activations need a host buffer on their way to NVMe)"
-                   if self.nvme is not None else
-                   ", or set swap_dir so that activations beyond it go on to NVMe"))
+        if self._host_fits(group.num_bytes):
+            return True
+        if self.nvme is not None and self._piece_bytes(group.num_bytes) > 0:
+            return False
+        raise ValueError(
+            f"host_budget: the saved activations of unit {group.unit_name!r} ({group.num_bytes} bytes) do not "
+            f"fit in host RAM beside {self.host_bytes} bytes of activations there, within the "
+            f"{self._host_room_bytes} bytes host_budget leaves beside the engine's plan; raise host_budget "
+            "or activation_host_bytes, the activations' share of it, which 'auto' placement leaves free "
+            "(offload plan --seq-len prints what a forward needs)"
+            + (" (not a page of it is free for their pieces on the way to NVMe)"
+               if self.nvme is not None else
+               ", or set swap_dir so that activations beyond it go on to NVMe"))
+
+    def _piece_bytes(self, num_bytes: int) -> int:
+        """[Note: activation pieces] The bytes of a group of ``num_bytes`` moved at once
+        through host RAM: what the room has free, in whole pages, at most the group."""
+        free = self._host_room_bytes - self.host_bytes
+        return min(num_bytes, free // PAGE_BYTES * PAGE_BYTES)
+
+    @staticmethod
+    def _spans(records: List[SavedActivation], start: int, end: int):
+        """[Note: activation pieces] (index, record, [lo, hi) of its bytes) of each record
+        whose bytes in the group's layout overlap [start, end)."""
+        for i, r in enumerate(records):
+            lo, hi = max(start, r.offset), min(end, r.offset + r.num_bytes)
+            if lo < hi:
+                yield i, r, lo - r.offset, hi - r.offset
+
+    def _send_in_pieces(self, group: _Group, records: List[SavedActivation]) -> None:
+        """[Note: activation pieces] ``group`` straight to its swap extent through one host
+        buffer of ``_piece_bytes``, a piece at a time; the records let go of their device
+        tensors once every piece is written (a failed write leaves them on the device)."""
+        started = time.perf_counter()
+        piece = self._piece_bytes(group.num_bytes)
+        group.extent = self._take_extent(group.num_bytes)
+        staging = self._host_buffer(piece)
+        try:
+            for start in range(0, group.num_bytes, piece):
+                end = min(start + piece, group.num_bytes)
+                events = []
+                for _, r, lo, hi in self._spans(records, start, end):
+                    src = r.tensor.as_strided((r.numel,), (1,)).view(torch.uint8)[lo:hi]  # as they lie
+                    at = r.offset + lo - start
+                    events.append(self._device.streams.copy_out(staging[at:at + hi - lo], src,
+                                                                what=f"activations of {group.unit_name}"))
+                for event in events:  # [Note: streams] the piece is in the buffer, each copy seen done
+                    event.synchronize()
+                self.nvme.write(staging[:end - start], sub_extent(group.extent, start, end - start),
+                                unit=group.unit_name).wait()
+        except OSError as error:  # nothing left the device; the extent is free again
+            extent, group.extent = group.extent, None
+            with self._lock:
+                self._free_extents.append(extent)
+            raise OSError(error.errno, f"writing the saved activations of unit {group.unit_name!r} to "
+                                       f"{extent.path}: {error}") from error
+        finally:
+            self._release_buffer(staging)
+        for r in records:
+            r.tensor = None
+            self._dropped(r.num_bytes)
+        moved = sum(r.num_bytes for r in records)
+        group.counts.update(moved_bytes=moved, where="nvme")
+        self._pass_moved["nvme"] += moved
+        self.moved_bytes["nvme"] += moved
+        if self._destination != "nvme":
+            self._pass_written_on.append((group.unit_name, moved))  # for want of host room
+        self._count_nvme(group.num_bytes)
+        group.to("nvme")
+        self._timeline.span("activations", f"out in pieces {group.unit_name} ({moved >> 10} KiB)", started,
+                            time.perf_counter())
+
+    def _return_in_pieces(self, group: _Group, records: List[SavedActivation]) -> None:
+        """[Note: activation pieces] ``group`` back from its swap extent through one host
+        buffer of ``_piece_bytes``, a piece at a time, into fresh device tensors; a failed
+        read leaves it on NVMe (a later unpack tries again)."""
+        streams = self._device.streams
+        piece = self._piece_bytes(group.num_bytes)
+        self._make_room(sum(r.num_bytes for r in records), group.unit_name)  # all of them, or none
+        flats = []
+        for r in records:
+            self._hold(r.num_bytes, group.unit_name)
+            flat = torch.empty(r.numel, dtype=r.dtype, device=self._device.device)
+            streams.compute_access(flat, write=True, what="an allocation", check=False)  # [Note: streams]
+            flats.append(flat)
+        staging = self._host_buffer(piece)
+        try:
+            for start in range(0, group.num_bytes, piece):
+                end = min(start + piece, group.num_bytes)
+                self.nvme.read(staging[:end - start], sub_extent(group.extent, start, end - start),
+                               unit=group.unit_name).wait()
+                events = []
+                for i, r, lo, hi in self._spans(records, start, end):
+                    at = r.offset + lo - start
+                    events.append(streams.copy(flats[i].view(torch.uint8)[lo:hi], staging[at:at + hi - lo],
+                                               after=[streams.record_compute()],
+                                               what=f"activations of {group.unit_name}"))
+                for event in events:  # [Note: streams] before compute reads them, and before the
+                    streams.compute_wait(event)  # buffer takes the next piece
+                    event.synchronize()
+        except OSError as error:
+            for r in records:
+                self._dropped(r.num_bytes)
+            raise OSError(error.errno, f"reading the saved activations of unit {group.unit_name!r} from "
+                                       f"{group.extent.path} (offset {group.extent.offset}): {error}") from error
+        finally:
+            self._release_buffer(staging)
+        for r, flat in zip(records, flats):
+            r.tensor = flat.as_strided(r.size, r.stride, 0)  # as it was saved, strides included
+            self.returned_bytes += r.num_bytes
+        self._give_back_extent(group)
 
     def _write_on(self, group: _Group) -> None:
         """A group in host RAM goes on to a swap extent, for room (``_make_host_room``)."""
@@ -561,6 +680,17 @@ class ActivationStore:
             if not self._host_fits(group.num_bytes):
                 if not needed:
                     return  # at its first unpack
+                if self._piece_bytes(group.num_bytes) > 0:  # [Note: activation pieces]
+                    group.to("returning")
+                    try:
+                        self._return_in_pieces(group, records)
+                    except OSError:
+                        group.to("nvme")  # still there; a later unpack tries again
+                        raise
+                    group.to("back")
+                    self._timeline.span("activations", f"back in pieces {group.unit_name}", group.return_started,
+                                        time.perf_counter())
+                    return
                 raise RuntimeError(
                     f"host_budget: reading the saved activations of unit {group.unit_name!r} back needs "
                     f"{group.num_bytes} bytes of host RAM beside {self.host_bytes} bytes of activations there, "
@@ -627,9 +757,12 @@ class ActivationStore:
             if group.event is not None and group.read is None:
                 group.event.synchronize()  # no copy still reads or writes it
                 group.event = None
-            self.host.release(buffer)
-            with self._lock:
-                self.host_bytes -= buffer.numel()
+            self._release_buffer(buffer)
+
+    def _release_buffer(self, buffer: torch.Tensor) -> None:
+        self.host.release(buffer)
+        with self._lock:
+            self.host_bytes -= buffer.numel()
 
     def _take_extent(self, num_bytes: int) -> Extent:
         with self._lock:

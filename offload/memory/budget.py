@@ -19,7 +19,7 @@ from torch import nn
 from offload import units as unit_split
 from offload.config import format_size
 from offload.memory.compact_codec import compact_home_layout, compact_padded_numel, compact_piece_bytes, compact_piece_numel
-from offload.memory.layout import DTYPE_NAMES, FP32_BYTES, Layout, UnitState
+from offload.memory.layout import ACTIVATION_PIECE_BYTES, DTYPE_NAMES, FP32_BYTES, Layout, UnitState
 from offload.units import PAGE_BYTES, padded_numel, round_up, split_into_units
 from offload.zero import ParamShard
 
@@ -222,7 +222,12 @@ def activation_room_bytes(units: Sequence[UnitSizes], layout: Layout, arena: Dev
 # the activations' share, and the two never pass host_budget. ``offload plan --seq-len``
 # (plan_activations.activation_host_share) gives the share one forward needs. With no share
 # set, the first forward whose activations go on to NVMe for want of that room warns once,
-# naming activation_host_bytes (ActivationStore, ``warn_room_spill``).
+# naming activation_host_bytes (ActivationStore, ``warn_room_spill``). Where the activations
+# may reach NVMe (a swap_dir, a host budget), the share is at least
+# ``layout.ACTIVATION_PIECE_BYTES`` even when none is set: a group larger than the room goes
+# to NVMe in pieces through it ([Note: activation pieces] in memory/activations.py), so the
+# room must hold a piece whatever placement takes; wrap refuses a host_budget below the
+# engine's least needs plus that floor, naming host_budget and the bytes.
 def activation_host_room_bytes(layout: Layout, planned_host_bytes: int) -> Optional[int]:
     """[Note: activation host room] What the saved activations' host buffers may hold: the
     host budget less what wrap planned (``check_host_budget(...).total``), at least
@@ -638,9 +643,16 @@ def _budget_text(layout: Layout) -> str:
     budget = layout.host_budget
     text = f"{format_size(budget)} ({budget} bytes)"
     if layout.activation_host_bytes:
-        text += (f" less activation_host_bytes {format_size(layout.activation_host_bytes)} "
-                 f"({layout.activation_host_bytes} bytes) kept for activations")
+        text += f" less {activation_reserve_text(layout)}"
     return text
+
+
+def activation_reserve_text(layout: Layout) -> str:
+    """[Note: activation host room] The host bytes kept for activations, for an error."""
+    reserved = layout.activation_host_bytes
+    return (f"activation_host_bytes {format_size(reserved)} ({reserved} bytes) kept for activations"
+            + (" (the least kept where they may reach NVMe: the room for their pieces)"
+               if reserved == ACTIVATION_PIECE_BYTES else ""))
 
 
 def check_host_budget(units: Sequence[UnitSizes], layout: Layout) -> HostBytes:

@@ -132,7 +132,8 @@ class Layout:
     # [Note: saved activations] None, "host", "nvme" or "auto"
     activation_offload: Optional[str] = None
     # [Note: activation host room] (memory/budget.py) host_budget bytes kept for the saved
-    # activations' host buffers: the rest holds the engine's own host needs
+    # activations' host buffers (the config's share, at least ACTIVATION_PIECE_BYTES where
+    # they may reach NVMe): the rest holds the engine's own host needs
     activation_host_bytes: int = 0
     # [Note: compact optimizer states] (memory/compact_codec.py) optimizer_states="compact"
     compact_states: bool = False
@@ -292,13 +293,24 @@ class Layout:
         )
 
 
+# [Note: activation host room] The least host room kept for saved activations where they
+# may reach NVMe (activation_offload set, a swap_dir, a host budget): a group larger than its
+# free room goes to its swap extent in pieces through that room (ActivationStore), so the room
+# must hold a piece whatever "auto" placement takes. Whole pages; a floor, not the piece
+# size (a piece takes all the room has free).
+ACTIVATION_PIECE_BYTES = 256 << 10
+
+
 def _activation_host_bytes(config: OffloadConfig, host_budget: Optional[int]) -> int:
     """[Note: activation host room] config.activation_host_bytes (0 when None), checked
-    against the host budget the run takes (the default one too: the config checked a given one)."""
+    against the host budget the run takes (the default one too: the config checked a given
+    one), and at least ACTIVATION_PIECE_BYTES where the activations may reach NVMe."""
     reserved = config.activation_host_bytes or 0
     if host_budget is not None and reserved > host_budget:
         raise ValueError(f"activation_host_bytes: {reserved} bytes is more than the host budget "
                          f"({host_budget} bytes: 3/4 of the memory available now), which it is part of")
+    if config.activation_offload is not None and config.swap_dir and host_budget is not None:
+        reserved = max(reserved, ACTIVATION_PIECE_BYTES)
     return reserved
 
 

@@ -55,7 +55,7 @@ import torch
 from offload.config import OffloadConfig, format_size
 from offload.errors import warn_at_caller
 from offload.memory.budget import (
-    UnitSizes, compact_home_bytes, compact_num_pieces, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
+    UnitSizes, activation_reserve_text, compact_home_bytes, compact_num_pieces, held_shared_bytes, host_bytes, minimum_device_budget, minimum_host_budget, spill_floor_bytes,
     swap_bytes, unit_home_bytes)
 from offload.io.swap import usable_bytes
 from offload._sizes import PAGE_BYTES
@@ -208,7 +208,7 @@ def place_units(units: Sequence[UnitSizes], layout_for: Callable[[Tuple[str, ...
             f"host_budget: {format_size(host_budget)} ({host_budget} bytes) is too small even with every "
             f"'auto' state on NVMe: the run keeps {format_size(floor)} ({floor} bytes) in RAM "
             "(staging buffers, the gradients of the units in flight and whatever an explicit tier puts there"
-            + (f", and activation_host_bytes {format_size(reserved)} for activations" if reserved else "") + ")")
+            + (f", and {activation_reserve_text(layout)}" if reserved else "") + ")")
     bandwidth = profile["bandwidth_bytes_per_second"]
     read, write = 1.0 / bandwidth["nvme_read"], 1.0 / bandwidth["nvme_write"]
     gradient_worth = read + write  # a spilled gradient byte is written and read back once a step
@@ -295,7 +295,8 @@ def minimum_state_host_bytes(config: OffloadConfig, device: torch.device, partit
     states = tuple((start if config.optimizer_tier == "auto" else config.optimizer_tier) if u.trainable else ""
                    for u in units)
     layout = Layout.resolve(config, device, partition, (compute, states), base.host_budget)
-    return minimum_host_budget(units, layout)
+    # less what Layout keeps for activations even without a share (ACTIVATION_PIECE_BYTES)
+    return minimum_host_budget(units, layout) - layout.activation_host_bytes
 
 
 # [Note: speculative updates] Spare homes, an optional speed-up, take at most this share of
