@@ -35,7 +35,8 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.hooks import wrap_unit_inputs
-from offload.memory.activations import PAGE_BYTES as _PAGE_BYTES, buffer_layout, movable, same_reading
+from offload.memory.activations import (PAGE_BYTES as _PAGE_BYTES, buffer_layout, dense, movable, reach, same_reading,
+                                       view_spans)
 from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
                                    check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout
@@ -97,11 +98,15 @@ class ActivationPlan:
 
 
 class _Record:
-    __slots__ = ("trace", "num_bytes", "on_device", "tensor", "source", "version", "__weakref__")
+    __slots__ = ("trace", "num_bytes", "lo", "hi", "dense", "storage", "dtype", "on_device", "tensor", "source",
+                 "version", "__weakref__")
 
-    def __init__(self, trace: "_Trace", t: torch.Tensor) -> None:
+    def __init__(self, trace: "_Trace", t: torch.Tensor, storage: Any) -> None:
         self.trace = trace
         self.num_bytes = t.numel() * t.element_size()
+        self.lo, self.hi = reach(t)  # as ActivationStore's records: what leaves, by view_spans
+        self.dense = dense(t)
+        self.storage, self.dtype = storage, t.dtype
         self.on_device = True
         self.tensor: Optional[torch.Tensor] = t.detach()  # held while on the device, as the store's record
         self.source = weakref.ref(t)
@@ -158,7 +163,7 @@ class _Trace:
         num_bytes = t.numel() * t.element_size()
         while self.resident and self.room_bytes is not None and self.device_bytes + num_bytes > self.room_bytes:
             self._send_away(self.resident.pop(0))
-        record = _Record(self, t)
+        record = _Record(self, t, storage)
         self.device_bytes += num_bytes
         group = self.groups[-1]
         if movable(t, self.plain_type):
@@ -171,10 +176,17 @@ class _Trace:
         return self.host_room_bytes is None or self.host_bytes + num_bytes <= self.host_room_bytes
 
     def _send_away(self, group: _Group) -> None:
-        records = [r for r in (ref() for ref in group.records) if r is not None and r.on_device]
+        live = [r for r in (ref() for ref in group.records) if r is not None and r.on_device]
+        # ActivationStore._spans_of: dense records each, views with gaps by view_spans
+        views = [r for r in live if not r.dense]
+        spans = [[r] for r in live if r.dense]
+        moving = view_spans([(r.storage, r.dtype, r.lo, r.hi, r.num_bytes) for r in views])
+        spans += [[views[i] for i in indices] for indices, _, _ in moving]
+        records = [r for span in spans for r in span]
         if not records:
             return
-        group.num_bytes = buffer_layout([r.num_bytes for r in records])[1]
+        sizes = [r.hi - r.lo for r in live if r.dense] + [hi - lo for _, lo, hi in moving]
+        group.num_bytes = buffer_layout(sizes)[1]
         # ActivationStore._make_host_room: the staged write finished, then the earliest
         # groups in RAM on to NVMe
         if not self._host_fits(group.num_bytes):

@@ -21,7 +21,7 @@ CFG = GPTConfig(vocab_size=64, seq_len=32, d_model=64, num_heads=2, num_layers=5
 BATCH = 2
 # Above what the engine keeps in RAM with every "auto" role on NVMe plus the activations of
 # one forward, below what placing every role in RAM takes: "auto" placement fills it.
-HOST_BUDGET = 4_000_000
+HOST_BUDGET = 4_200_000
 
 
 def gpt():
@@ -229,9 +229,9 @@ def test_activations_sent_to_nvme_for_want_of_room_warn_once_at_the_first_step(t
 
 
 # "auto" placement leaves 86,720 bytes of host room beside its plan at this budget without a
-# floor, less than one block's group of saved activations (229,376 bytes).
+# floor, less than one block's group of saved activations (278,528 bytes, q, k and v included).
 TIGHT_BUDGET = 3_000_000
-GROUP_BYTES = 229_376
+GROUP_BYTES = 278_528
 
 
 def _swap_files(tmp_path):
@@ -244,7 +244,8 @@ def test_nvme_and_auto_without_a_share_train_where_auto_placement_fills_host_bud
     bytes of host room, and "nvme" (or "auto" moving groups beyond its device room) stopped
     at the first forward with a ValueError naming host_budget, after wrap had accepted the
     config. Layout now keeps ACTIVATION_PIECE_BYTES for activations that may reach NVMe:
-    placement plans beside it, whole groups fit, and the run is the one without offload."""
+    placement plans beside it, groups larger than that go in pieces through it, and the run
+    is the one without offload."""
     from offload.memory.layout import ACTIVATION_PIECE_BYTES
 
     config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
@@ -256,7 +257,7 @@ def test_nvme_and_auto_without_a_share_train_where_auto_placement_fills_host_bud
         losses, stats, _, planned = train(config)
     act = stats["activations"]
     assert losses == plain[0]
-    assert GROUP_BYTES <= ACTIVATION_PIECE_BYTES <= act["host_room_bytes"] == predicted.host_room_bytes
+    assert ACTIVATION_PIECE_BYTES <= act["host_room_bytes"] == predicted.host_room_bytes
     # the engine's own needs (gradients spilling where they pass their part) beside the room
     assert min(planned, TIGHT_BUDGET - ACTIVATION_PIECE_BYTES) + act["host_room_bytes"] == TIGHT_BUDGET
     assert [dict(u) for u in act["units"]] == [vars(g) for g in predicted.groups]

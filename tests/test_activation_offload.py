@@ -541,3 +541,92 @@ def test_a_graph_dropped_without_backward_lets_go_of_its_activations(mode, tmp_p
         engine.step()
         assert loss.item() == plain[0][0]
         assert_same_state(engine.state_dict(), plain[1][0])
+
+
+@pytest.mark.parametrize("mode", ["host", "nvme"])
+def test_q_k_v_views_with_gaps_leave_once_as_the_span_of_their_fused_projection(mode, tmp_path, monkeypatch):
+    """[Note: saved activations] The GPT's attention saves q, k and v: views with gaps into
+    one qkv output (each row holds q's, k's and v's parts side by side). They leave the device
+    together as one span, the qkv output's bytes, copied once, and come back as views of one
+    fresh storage with their own strides and offsets: the run equals the one without offload,
+    bit for bit. The bytes: against the same run with view_spans taken away (q, k and v then
+    stay on the device, as before), each block group that leaves moves exactly the qkv
+    output's bytes more, its host buffer and its swap writes grow by as much, and the
+    counters say so (views_moved_bytes; views_kept_bytes without it)."""
+    import offload.memory.activations as activations
+
+    config = dict(activation_offload=mode, swap_dir=str(tmp_path / "swap"))
+    steps = 3
+    qkv_bytes = 2 * ACT_CFG.seq_len * 3 * ACT_CFG.d_model * 4  # batch 2, fp32
+    plain = train({}, steps=steps)
+    spans = train(config, steps=steps)
+    assert_same_run(plain, spans)
+    with monkeypatch.context() as m:
+        m.setattr(activations, "view_spans", lambda views: [])
+        without = train(config, steps=steps)
+    assert_same_run(plain, without)
+    act, before = spans[2]["activations"], without[2]["activations"]
+    moved_groups = [u for u in act["units"] if u["where"] != "keep"]
+    assert len(moved_groups) == ACT_CFG.num_layers - 1  # every block's but the last
+    for u, v in zip(act["units"], before["units"]):
+        assert u["saved_bytes"] == v["saved_bytes"]
+        assert u["moved_bytes"] - v["moved_bytes"] == (qkv_bytes if u["where"] != "keep" else 0)
+    extra = len(moved_groups) * qkv_bytes
+    assert act["views_moved_bytes"] == steps * extra and act["views_kept_bytes"] == 0
+    assert before["views_moved_bytes"] == 0 and before["views_kept_bytes"] == extra
+    assert before["kept_bytes"] - act["kept_bytes"] == extra
+    assert act["device_peak_bytes"] < before["device_peak_bytes"]
+    # the host buffers (a whole block group's layout: qkv_bytes is whole pages) and the swap writes
+    if mode == "host":
+        assert act["host_peak_bytes"] - before["host_peak_bytes"] == extra
+        assert act["moved_to_host_bytes"] == steps * act["to_host_bytes"]
+    else:
+        assert act["host_peak_bytes"] - before["host_peak_bytes"] == 2 * qkv_bytes  # two groups staged
+        assert act["nvme_bytes_written"] - before["nvme_bytes_written"] == steps * extra
+        assert act["nvme_bytes_written"] == act["written_to_nvme_bytes"] == act["nvme_bytes_read"]
+    assert act["returned_bytes"] == steps * act[f"to_{mode}_bytes"]
+
+
+class _OneStridedView(torch.nn.Module):
+    """A block that saves one view with gaps (every other column of its Linear's output):
+    its span holds the columns between, which nothing saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            a = block(x)
+            s = a[..., ::2]
+            x = a + (s * s).sum(-1, keepdim=True)
+        return x.square().mean()
+
+
+def test_a_view_whose_span_holds_unsaved_bytes_stays_and_is_counted():
+    """[Note: saved activations] A view with gaps whose span holds bytes no saved view reads
+    (every other column of a tensor) stays on the device (moving its span would move twice
+    its bytes and free nothing the rest of its storage holds): counted in views_kept_bytes,
+    the run bit for bit the one without offload."""
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(config):
+        torch.manual_seed(0)
+        model = _OneStridedView()
+        losses = []
+        with offload.wrap(model, make_opt(model.parameters()), config=config) as engine:
+            for _ in range(2):
+                loss = engine(x)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            return losses, engine.state_dict(), engine.stats()
+
+    plain = run({})
+    offloaded = run(dict(activation_offload="host"))
+    assert offloaded[0] == plain[0]
+    assert_same_state(offloaded[1], plain[1])
+    act = offloaded[2]["activations"]
+    view_bytes = 2 * 32 * 32 * 4  # s: every other of 64 columns, fp32
+    assert act["views_kept_bytes"] == 2 * view_bytes  # blocks 0 and 1 leave; block 2's group stays whole
+    assert act["views_moved_bytes"] == 0 and act["to_host_bytes"] > 0

@@ -24,11 +24,18 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   happens to hold, so that ``offload plan`` predicts it from a meta-device trace
   (offload/plan_activations.py). With device_budget None (no limit) nothing moves; with a
   budget that holds everything, nothing moves either.
+- Spans. What leaves is storage bytes, copied as they lie, so that a tensor comes back with
+  its strides and every backward kernel sees the same layout, bit for bit: a dense tensor
+  its own bytes; the tensors with gaps of one storage and dtype in a group (the GPT's q, k
+  and v, views into one fused projection's output) together, once, as the span from the
+  least to the most byte they reach, where that span holds no more bytes than they do
+  (``view_spans``); they come back as views of one fresh storage, each at its own offset
+  in it (``_Span``). ``views_moved_bytes`` counts those spans' bytes.
 - What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
-  their bytes), tensors that are not dense (a view with gaps, an expanded tensor: only the
-  bytes a dense tensor spans are copied, as they lie, so that the tensor comes back with
-  its strides and every backward kernel sees the same layout, bit for bit), tensors of a
-  subclass or another device, and the last group. They are counted as kept.
+  their bytes), tensors with gaps whose span holds bytes none of them reads (one view of
+  a larger storage, an expanded tensor among others: moving the span would move more than
+  they hold and free nothing the rest of the storage keeps; ``views_kept_bytes``), tensors
+  of a subclass or another device, and the last group. They are counted as kept.
 - Once. A tensor saved twice (by two ops, or by one unit and again by the next) is one
   record while it lives: found again by its storage, offset, shape, strides and version
   and checked to be the same tensor (a weak reference), never by ``id``. So is another
@@ -91,7 +98,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -104,7 +111,7 @@ from offload.tiers import NvmeTier
 if TYPE_CHECKING:
     from offload.tiers.context import TierContext
 
-__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "movable", "same_reading", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR", "PAGE_BYTES"]
+__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "dense", "movable", "reach", "same_reading", "view_spans", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR", "PAGE_BYTES"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
@@ -146,10 +153,36 @@ def buffer_layout(sizes: List[int]) -> Tuple[List[int], int]:
 
 
 def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
-    """[Note: saved activations] Whether a saved tensor may leave the device (the rest stay).
-    ``plain_type``: what a tensor that is no subclass is (offload plan's trace: FakeTensor)."""
+    """[Note: saved activations] Whether a saved tensor may leave the device (the rest stay;
+    one that is not dense leaves only within a span, ``view_spans``). ``plain_type``: what a
+    tensor that is no subclass is (offload plan's trace: FakeTensor)."""
     return (type(t) is plain_type and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
-            and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES and _dense(t))
+            and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES)
+
+
+def reach(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes [lo, hi) of its storage that ``t``'s elements lie in (strides are never negative)."""
+    size = t.element_size()
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.storage_offset() * size, (last + 1) * size
+
+
+def view_spans(views: Sequence[Tuple[Any, torch.dtype, int, int, int]]) -> List[Tuple[List[int], int, int]]:
+    """[Note: saved activations] Which saved tensors that are not dense leave, and as what:
+    ``views`` are (storage key, dtype, lo, hi, bytes) of each, [lo, hi) the storage bytes it
+    reaches. Those of one storage and dtype leave together as one span, [least lo, most hi),
+    where the span holds no more bytes than they do (their elements cover it: q, k and v of
+    one fused projection); (indices into ``views``, lo, hi) of each such span. The others stay
+    (their span holds bytes no saved view reads: one view of a larger storage)."""
+    by_storage: Dict[Tuple[Any, torch.dtype], List[int]] = {}
+    for i, (key, dtype, _, _, _) in enumerate(views):
+        by_storage.setdefault((key, dtype), []).append(i)
+    spans = []
+    for indices in by_storage.values():
+        lo, hi = min(views[i][2] for i in indices), max(views[i][3] for i in indices)
+        if hi - lo <= sum(views[i][4] for i in indices):
+            spans.append((indices, lo, hi))
+    return spans
 
 
 def same_reading(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,7 +193,7 @@ def same_reading(a: torch.Tensor, b: torch.Tensor) -> bool:
             and not b.is_quantized and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill [storage_offset, storage_offset + numel) exactly."""
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
@@ -196,6 +229,7 @@ class _Group:
         self.store = store
         self.unit_name = unit_name
         self.records: List["weakref.ref[SavedActivation]"] = []
+        self.spans: List["_Span"] = []  # what left, as laid out in its host buffer and extent
         self.state = "open"
         self.host_buffer: Optional[torch.Tensor] = None
         self.extent: Optional[Extent] = None
@@ -212,17 +246,56 @@ class _Group:
     def live(self) -> List["SavedActivation"]:
         return [r for r in (ref() for ref in self.records) if r is not None]
 
+    def away(self) -> List["_Span"]:
+        """Its spans with a live record still away."""
+        return [span for span in self.spans if span.away()]
+
     def __del__(self) -> None:
         # Every record is gone (the graph was dropped, or backward used them all); a group
         # whose write is in flight is held by the store until the write is done.
         self.store._let_go(self)
 
 
+class _Span:
+    """[Note: saved activations] Storage bytes [lo, hi) that left the device together, at
+    ``offset`` in the group's host buffer and extent: one dense saved tensor's, or those of
+    the views with gaps of one storage (``view_spans``). Its records come back as views of
+    one fresh storage of these bytes, with their own shapes, strides and offsets in it."""
+
+    __slots__ = ("records", "dtype", "lo", "hi", "offset")
+
+    def __init__(self, records: List["SavedActivation"], lo: int, hi: int) -> None:
+        self.records = [weakref.ref(r) for r in records]
+        self.dtype = records[0].dtype
+        self.lo, self.hi = lo, hi
+        self.offset = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return self.hi - self.lo
+
+    def away(self) -> List["SavedActivation"]:
+        return [r for r in (ref() for ref in self.records) if r is not None and r.tensor is None]
+
+    def source(self, r: "SavedActivation") -> torch.Tensor:
+        """The span's bytes on the device, as they lie, through its record ``r`` (still there)."""
+        size = r.tensor.element_size()
+        return torch.as_strided(r.tensor, (self.num_bytes // size,), (1,), self.lo // size).view(torch.uint8)
+
+    def restore(self, flat: torch.Tensor) -> List["SavedActivation"]:
+        """Its records away, each a view of ``flat`` (the span's bytes back, of its dtype)."""
+        records = self.away()
+        size = flat.element_size()
+        for r in records:
+            r.tensor = flat.as_strided(r.size, r.stride, (r.lo - self.lo) // size)  # strides included
+        return records
+
+
 class SavedActivation:
     """What autograd holds for one saved tensor ([Note: saved activations])."""
 
-    __slots__ = ("store", "group", "size", "stride", "dtype", "numel", "num_bytes", "offset", "tensor",
-                 "source", "version", "__weakref__")
+    __slots__ = ("store", "group", "size", "stride", "dtype", "numel", "num_bytes", "lo", "hi", "dense",
+                 "storage", "tensor", "source", "version", "__weakref__")
 
     def __init__(self, store: "ActivationStore", t: torch.Tensor, group: Optional[_Group]) -> None:
         self.store = store
@@ -230,7 +303,9 @@ class SavedActivation:
         self.size, self.stride, self.dtype = t.size(), t.stride(), t.dtype
         self.numel = t.numel()
         self.num_bytes = t.numel() * t.element_size()
-        self.offset = 0          # in its group's host buffer
+        self.lo, self.hi = reach(t)  # the storage bytes it reaches
+        self.dense = dense(t)
+        self.storage = t.untyped_storage().data_ptr()  # while the record holds ``tensor``
         # on the device (as saved, or back), None while away; detached ([Note: saved activations], cycles)
         self.tensor: Optional[torch.Tensor] = t.detach()
         self.source = weakref.ref(t)
@@ -299,6 +374,11 @@ class ActivationStore:
         self._pass_units: List[Dict[str, Any]] = []
         self.last_pass_units: List[Dict[str, Any]] = []
         self.moved_bytes = {"host": 0, "nvme": 0}
+        # views with gaps ([Note: saved activations], view_spans): the span bytes that left
+        # since wrap, and the bytes of those the last forward kept (no span of theirs left)
+        self.views_moved_bytes = 0
+        self._pass_views_kept = 0
+        self.views_kept_bytes = 0
         self.returned_bytes = 0
         self.written_bytes = 0  # to swap: the groups' buffers, whole pages
         self.host_bytes = 0
@@ -324,6 +404,7 @@ class ActivationStore:
         self._groups, self._unit_groups, self._seen, self._resident = [], {}, {}, []
         self._pass_packed, self._pass_moved = 0, {"host": 0, "nvme": 0}
         self._pass_units, self._pass_written_on = [], []
+        self._pass_views_kept = 0
         self._current = self._new_group("root")
 
     def begin_unit(self, unit_name: str) -> None:
@@ -349,6 +430,7 @@ class ActivationStore:
         self.last_pass = {"kept_bytes": self._pass_packed - moved["host"] - moved["nvme"],
                           "to_host_bytes": moved["host"], "to_nvme_bytes": moved["nvme"]}
         self.last_pass_units = self._pass_units
+        self.views_kept_bytes = self._pass_views_kept
         if self._pass_written_on and self._warn_room_spill and not abandoned:
             self._warn_room_spill = False  # once
             self._warn_written_on()
@@ -429,25 +511,24 @@ class ActivationStore:
 
     def _send_away(self, group: _Group) -> None:
         """[Note: saved activations] Copy ``group`` off the device ("host", "nvme")."""
-        records = [r for r in group.live() if r.tensor is not None]
-        if not records:
+        group.spans = self._spans_of([r for r in group.live() if r.tensor is not None])
+        if not group.spans:
             group.to("back")
             return
-        offsets, group.num_bytes = buffer_layout([r.num_bytes for r in records])
-        for r, offset in zip(records, offsets):
-            r.offset = offset
+        offsets, group.num_bytes = buffer_layout([span.num_bytes for span in group.spans])
+        for span, offset in zip(group.spans, offsets):
+            span.offset = offset
         if not self._make_host_room(group):  # a ValueError naming host_budget before anything moved
-            self._send_in_pieces(group, records)
+            self._send_in_pieces(group)
             return
         started = time.perf_counter()
         buffer = self._host_buffer(group.num_bytes)
-        event = None
-        for r in records:
-            src = r.tensor.as_strided((r.numel,), (1,))  # the bytes it spans, as they lie
-            event = self._device.streams.copy_out(self._view(buffer, r), src, what=f"activations of {group.unit_name}")
-            r.tensor = None
-            self._dropped(r.num_bytes)
-        moved = sum(r.num_bytes for r in records)
+        event, moved = None, 0
+        for span in group.spans:
+            records = [r for r in (ref() for ref in span.records) if r is not None]
+            event = self._device.streams.copy_out(self._view(buffer, span), span.source(records[0]),
+                                                  what=f"activations of {group.unit_name}")
+            moved += self._left(records)
         group.counts.update(moved_bytes=moved, where=self._destination)
         self._pass_moved[self._destination] += moved
         self.moved_bytes[self._destination] += moved
@@ -463,6 +544,27 @@ class ActivationStore:
             self._count_nvme(group.num_bytes)
         self._timeline.span("activations", f"out {group.unit_name} ({moved >> 10} KiB)", started,
                             time.perf_counter())
+
+    def _spans_of(self, records: List[SavedActivation]) -> List[_Span]:
+        """[Note: saved activations] What of a group's ``records`` on the device leaves: each
+        dense one as its own span, the views with gaps by ``view_spans`` (the others stay,
+        counted in ``views_kept_bytes``)."""
+        spans = [_Span([r], r.lo, r.hi) for r in records if r.dense]
+        views = [r for r in records if not r.dense]
+        moving = view_spans([(r.storage, r.dtype, r.lo, r.hi, r.num_bytes) for r in views])
+        for indices, lo, hi in moving:
+            spans.append(_Span([views[i] for i in indices], lo, hi))
+            self.views_moved_bytes += hi - lo
+        staying = set(range(len(views))) - {i for indices, _, _ in moving for i in indices}
+        self._pass_views_kept += sum(views[i].num_bytes for i in staying)
+        return spans
+
+    def _left(self, records: List[SavedActivation]) -> int:
+        """``records``' tensors have left the device: their bytes, now free there."""
+        for r in records:
+            r.tensor = None
+            self._dropped(r.num_bytes)
+        return sum(r.num_bytes for r in records)
 
     def _host_fits(self, num_bytes: int) -> bool:
         return self._host_room_bytes is None or self.host_bytes + num_bytes <= self._host_room_bytes
@@ -503,15 +605,15 @@ class ActivationStore:
         return min(num_bytes, free // PAGE_BYTES * PAGE_BYTES)
 
     @staticmethod
-    def _spans(records: List[SavedActivation], start: int, end: int):
-        """[Note: activation pieces] (index, record, [lo, hi) of its bytes) of each record
-        whose bytes in the group's layout overlap [start, end)."""
-        for i, r in enumerate(records):
-            lo, hi = max(start, r.offset), min(end, r.offset + r.num_bytes)
+    def _overlaps(spans: List[_Span], start: int, end: int):
+        """[Note: activation pieces] (index, span, [lo, hi) of its bytes) of each span whose
+        bytes in the group's layout overlap [start, end)."""
+        for i, span in enumerate(spans):
+            lo, hi = max(start, span.offset), min(end, span.offset + span.num_bytes)
             if lo < hi:
-                yield i, r, lo - r.offset, hi - r.offset
+                yield i, span, lo - span.offset, hi - span.offset
 
-    def _send_in_pieces(self, group: _Group, records: List[SavedActivation]) -> None:
+    def _send_in_pieces(self, group: _Group) -> None:
         """[Note: activation pieces] ``group`` straight to its swap extent through one host
         buffer of ``_piece_bytes``, a piece at a time; the records let go of their device
         tensors once every piece is written (a failed write leaves them on the device)."""
@@ -519,13 +621,14 @@ class ActivationStore:
         piece = self._piece_bytes(group.num_bytes)
         group.extent = self._take_extent(group.num_bytes)
         staging = self._host_buffer(piece)
+        records = [[r for r in (ref() for ref in span.records) if r is not None] for span in group.spans]
         try:
             for start in range(0, group.num_bytes, piece):
                 end = min(start + piece, group.num_bytes)
                 events = []
-                for _, r, lo, hi in self._spans(records, start, end):
-                    src = r.tensor.as_strided((r.numel,), (1,)).view(torch.uint8)[lo:hi]  # as they lie
-                    at = r.offset + lo - start
+                for i, span, lo, hi in self._overlaps(group.spans, start, end):
+                    src = span.source(records[i][0])[lo:hi]  # as they lie
+                    at = span.offset + lo - start
                     events.append(self._device.streams.copy_out(staging[at:at + hi - lo], src,
                                                                 what=f"activations of {group.unit_name}"))
                 for event in events:  # [Note: streams] the piece is in the buffer, each copy seen done
@@ -540,10 +643,7 @@ class ActivationStore:
                                        f"{extent.path}: {error}") from error
         finally:
             self._release_buffer(staging)
-        for r in records:
-            r.tensor = None
-            self._dropped(r.num_bytes)
-        moved = sum(r.num_bytes for r in records)
+        moved = sum(self._left(span_records) for span_records in records)
         group.counts.update(moved_bytes=moved, where="nvme")
         self._pass_moved["nvme"] += moved
         self.moved_bytes["nvme"] += moved
@@ -554,17 +654,19 @@ class ActivationStore:
         self._timeline.span("activations", f"out in pieces {group.unit_name} ({moved >> 10} KiB)", started,
                             time.perf_counter())
 
-    def _return_in_pieces(self, group: _Group, records: List[SavedActivation]) -> None:
+    def _return_in_pieces(self, group: _Group, spans: List[_Span]) -> None:
         """[Note: activation pieces] ``group`` back from its swap extent through one host
         buffer of ``_piece_bytes``, a piece at a time, into fresh device tensors; a failed
         read leaves it on NVMe (a later unpack tries again)."""
         streams = self._device.streams
         piece = self._piece_bytes(group.num_bytes)
-        self._make_room(sum(r.num_bytes for r in records), group.unit_name)  # all of them, or none
+        held = sum(r.num_bytes for span in spans for r in span.away())
+        self._make_room(held, group.unit_name)  # all of them, or none
         flats = []
-        for r in records:
-            self._hold(r.num_bytes, group.unit_name)
-            flat = torch.empty(r.numel, dtype=r.dtype, device=self._device.device)
+        for span in spans:
+            for r in span.away():
+                self._hold(r.num_bytes, group.unit_name)
+            flat = self._fresh(span)
             streams.compute_access(flat, write=True, what="an allocation", check=False)  # [Note: streams]
             flats.append(flat)
         staging = self._host_buffer(piece)
@@ -574,8 +676,8 @@ class ActivationStore:
                 self.nvme.read(staging[:end - start], sub_extent(group.extent, start, end - start),
                                unit=group.unit_name).wait()
                 events = []
-                for i, r, lo, hi in self._spans(records, start, end):
-                    at = r.offset + lo - start
+                for i, span, lo, hi in self._overlaps(spans, start, end):
+                    at = span.offset + lo - start
                     events.append(streams.copy(flats[i].view(torch.uint8)[lo:hi], staging[at:at + hi - lo],
                                                after=[streams.record_compute()],
                                                what=f"activations of {group.unit_name}"))
@@ -583,15 +685,13 @@ class ActivationStore:
                     streams.compute_wait(event)  # buffer takes the next piece
                     event.synchronize()
         except OSError as error:
-            for r in records:
-                self._dropped(r.num_bytes)
+            self._dropped(held)
             raise OSError(error.errno, f"reading the saved activations of unit {group.unit_name!r} from "
                                        f"{group.extent.path} (offset {group.extent.offset}): {error}") from error
         finally:
             self._release_buffer(staging)
-        for r, flat in zip(records, flats):
-            r.tensor = flat.as_strided(r.size, r.stride, 0)  # as it was saved, strides included
-            self.returned_bytes += r.num_bytes
+        for span, flat in zip(spans, flats):
+            self.returned_bytes += sum(r.num_bytes for r in span.restore(flat))
         self._give_back_extent(group)
 
     def _write_on(self, group: _Group) -> None:
@@ -669,8 +769,8 @@ class ActivationStore:
     def _start_return(self, group: _Group, needed: bool) -> None:
         """Start bringing ``group`` back: its swap read, or its copies to the device. Not
         ``needed`` (ahead of need): only where its bytes fit, else at its first unpack."""
-        records = [r for r in group.live() if r.tensor is None]
-        num_bytes = sum(r.num_bytes for r in records)
+        spans = group.away()
+        num_bytes = sum(r.num_bytes for span in spans for r in span.away())
         if not needed and not self._device.activations_fit(num_bytes):
             return
         group.event = None  # the copies out: those back wait for them on the device ([Note: streams])
@@ -683,7 +783,7 @@ class ActivationStore:
                 if self._piece_bytes(group.num_bytes) > 0:  # [Note: activation pieces]
                     group.to("returning")
                     try:
-                        self._return_in_pieces(group, records)
+                        self._return_in_pieces(group, spans)
                     except OSError:
                         group.to("nvme")  # still there; a later unpack tries again
                         raise
@@ -700,23 +800,23 @@ class ActivationStore:
                                         unit=group.unit_name)
         group.to("returning")
         if group.read is None:
-            self._copies_in(group, records)
+            self._copies_in(group, spans)
 
-    def _copies_in(self, group: _Group, records: List[SavedActivation]) -> None:
+    def _copies_in(self, group: _Group, spans: List[_Span]) -> None:
         streams = self._device.streams
-        self._make_room(sum(r.num_bytes for r in records), group.unit_name)  # all of them, or none
-        for r in records:
-            self._hold(r.num_bytes, group.unit_name)
-            flat = torch.empty(r.numel, dtype=r.dtype, device=self._device.device)
+        self._make_room(sum(r.num_bytes for span in spans for r in span.away()), group.unit_name)  # all, or none
+        for span in spans:
+            for r in span.away():
+                self._hold(r.num_bytes, group.unit_name)
+            flat = self._fresh(span)
             # [Note: streams] the copy stream writes memory the compute stream's allocator
             # just handed out (after its last use there: the stand-in is told so), and reads
             # a host buffer the copies out filled
             streams.compute_access(flat, write=True, what="an allocation", check=False)
             after = [streams.record_compute()] + ([self._last_sent] if self._last_sent is not None else [])
-            group.event = streams.copy(flat, self._view(group.host_buffer, r), after=after,
+            group.event = streams.copy(flat.view(torch.uint8), self._view(group.host_buffer, span), after=after,
                                        what=f"activations of {group.unit_name}")
-            r.tensor = flat.as_strided(r.size, r.stride, 0)  # as it was saved, strides included
-            self.returned_bytes += r.num_bytes
+            self.returned_bytes += sum(r.num_bytes for r in span.restore(flat))
 
     def _finish_return(self, group: _Group) -> None:
         """``group`` is back: its copies landed, its host buffer and extent let go."""
@@ -729,7 +829,7 @@ class ActivationStore:
                 self._release_host(group)
                 raise OSError(error.errno, f"reading the saved activations of unit {group.unit_name!r} from "
                                            f"{group.extent.path} (offset {group.extent.offset}): {error}") from error
-            self._copies_in(group, [r for r in group.live() if r.tensor is None])
+            self._copies_in(group, group.away())
         if group.event is not None:
             self._device.streams.compute_wait(group.event)
             group.event.synchronize()  # before the host buffer is let go
@@ -741,8 +841,13 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
-    def _view(buffer: torch.Tensor, r: SavedActivation) -> torch.Tensor:
-        return buffer[r.offset:r.offset + r.num_bytes].view(r.dtype)
+    def _view(buffer: torch.Tensor, span: _Span) -> torch.Tensor:
+        return buffer[span.offset:span.offset + span.num_bytes]
+
+    def _fresh(self, span: _Span) -> torch.Tensor:
+        """Device memory for ``span``'s bytes, of its dtype."""
+        return torch.empty(span.num_bytes // torch.empty(0, dtype=span.dtype).element_size(), dtype=span.dtype,
+                           device=self._device.device)
 
     def _host_buffer(self, num_bytes: int) -> torch.Tensor:
         buffer = self.host.allocate(num_bytes, torch.uint8, planned=False)
@@ -809,6 +914,8 @@ class ActivationStore:
             "moved_to_host_bytes": self.moved_bytes["host"],
             "moved_to_nvme_bytes": self.moved_bytes["nvme"],
             "returned_bytes": self.returned_bytes,
+            "views_moved_bytes": self.views_moved_bytes,
+            "views_kept_bytes": self.views_kept_bytes,
             "written_to_nvme_bytes": self.written_bytes,
             "device_bytes": self._device.activation_bytes,
             "device_peak_bytes": self._device.activation_peak_bytes,
