@@ -35,8 +35,8 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.hooks import wrap_unit_inputs
-from offload.memory.activations import (PAGE_BYTES as _PAGE_BYTES, buffer_layout, dense, movable, reach, same_reading,
-                                       view_spans)
+from offload.memory.saved_bytes import (PAGE_BYTES as _PAGE_BYTES, buffer_layout, dense, movable, reach,
+                                        same_reading, view_spans)
 from offload.memory.budget import (activation_host_room_bytes, activation_room_bytes, check_device_budget,
                                    check_host_budget, model_unit_sizes)
 from offload.memory.layout import Layout

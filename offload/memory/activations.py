@@ -30,7 +30,7 @@ saved tensor on the engine's device to ``ActivationStore.pack``, which keeps it 
   and v, views into one fused projection's output) together, once, as the span from the
   least to the most byte they reach, where that span holds no more bytes than they do
   (``view_spans``); they come back as views of one fresh storage, each at its own offset
-  in it (``_Span``). ``views_moved_bytes`` counts those spans' bytes.
+  in it (``Span``). ``views_moved_bytes`` counts those spans' bytes.
 - What stays. Tensors under ``ACTIVATION_MIN_BYTES`` (their bookkeeping costs more than
   their bytes), tensors with gaps whose span holds bytes none of them reads (one view of
   a larger storage, an expanded tensor among others: moving the span would move more than
@@ -98,7 +98,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -106,23 +106,20 @@ from offload.config import format_size
 from offload.errors import warn_at_caller
 from offload.io.swap import Extent
 from offload.memory.layout import sub_extent
+from offload.memory.saved_bytes import (ACTIVATION_MIN_BYTES, PAGE_BYTES, Span, buffer_layout, dense, movable, reach,
+                                        same_reading, view_spans)
 from offload.tiers import NvmeTier
 
 if TYPE_CHECKING:
     from offload.tiers.context import TierContext
 
-__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "dense", "movable", "reach", "same_reading", "view_spans", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR", "PAGE_BYTES"]
+# buffer_layout .. PAGE_BYTES: from memory/saved_bytes.py, where offload plan takes them too
+__all__ = ["ActivationStore", "SavedActivation", "buffer_layout", "dense", "movable", "reach", "same_reading",
+           "view_spans", "ACTIVATION_MIN_BYTES", "ACTIVATIONS_SWAP_SUBDIR", "PAGE_BYTES"]
 
 # "nvme": the store's swap space lives in this directory under swap_dir (or under a rank's
 # directory in it), beside the engine's own run directory: one directory holds one run's lock.
 ACTIVATIONS_SWAP_SUBDIR = "activations"
-
-# Saved tensors below this stay on the device: a page, less than what a record and a copy cost.
-ACTIVATION_MIN_BYTES = 4096
-# Each tensor's offset in its group's host buffer is a multiple of this (any dtype's alignment).
-_TENSOR_ALIGN_BYTES = 64
-# A group's host buffer and swap extent are whole pages (O_DIRECT), and so is each piece.
-PAGE_BYTES = 4096
 
 
 # [Note: activation pieces] A group whose host buffer does not fit in the host room (even
@@ -137,70 +134,6 @@ PAGE_BYTES = 4096
 # want of host room after wrap accepted the config; ``offload plan`` mirrors the rule
 # (plan_activations). Slower than whole groups (each piece waits for its copy and its I/O),
 # it is the fallback, not the way: activation_host_bytes keeps whole groups in RAM.
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def buffer_layout(sizes: List[int]) -> Tuple[List[int], int]:
-    """Where tensors of ``sizes`` bytes lie in their group's host buffer, and its bytes."""
-    offsets, offset = [], 0
-    for size in sizes:
-        offsets.append(offset)
-        offset = _round_up(offset + size, _TENSOR_ALIGN_BYTES)
-    return offsets, _round_up(offset, PAGE_BYTES)
-
-
-def movable(t: torch.Tensor, plain_type: type = torch.Tensor) -> bool:
-    """[Note: saved activations] Whether a saved tensor may leave the device (the rest stay;
-    one that is not dense leaves only within a span, ``view_spans``). ``plain_type``: what a
-    tensor that is no subclass is (offload plan's trace: FakeTensor)."""
-    return (type(t) is plain_type and t.layout == torch.strided and not t.is_conj() and not t.is_neg()
-            and t.numel() * t.element_size() >= ACTIVATION_MIN_BYTES)
-
-
-def reach(t: torch.Tensor) -> Tuple[int, int]:
-    """The bytes [lo, hi) of its storage that ``t``'s elements lie in (strides are never negative)."""
-    size = t.element_size()
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return t.storage_offset() * size, (last + 1) * size
-
-
-def view_spans(views: Sequence[Tuple[Any, torch.dtype, int, int, int]]) -> List[Tuple[List[int], int, int]]:
-    """[Note: saved activations] Which saved tensors that are not dense leave, and as what:
-    ``views`` are (storage key, dtype, lo, hi, bytes) of each, [lo, hi) the storage bytes it
-    reaches. Those of one storage and dtype leave together as one span, [least lo, most hi),
-    where the span holds no more bytes than they do (their elements cover it: q, k and v of
-    one fused projection); (indices into ``views``, lo, hi) of each such span. The others stay
-    (their span holds bytes no saved view reads: one view of a larger storage)."""
-    by_storage: Dict[Tuple[Any, torch.dtype], List[int]] = {}
-    for i, (key, dtype, _, _, _) in enumerate(views):
-        by_storage.setdefault((key, dtype), []).append(i)
-    spans = []
-    for indices in by_storage.values():
-        lo, hi = min(views[i][2] for i in indices), max(views[i][3] for i in indices)
-        if hi - lo <= sum(views[i][4] for i in indices):
-            spans.append((indices, lo, hi))
-    return spans
-
-
-def same_reading(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """[Note: saved activations] Whether two tensors over the same bytes (storage, offset,
-    shape, strides, dtype) read the same values: of one type, dense strided and not
-    quantized (no scale of their own), neither a lazy conjugate or negation the other is not."""
-    return (type(a) is type(b) and a.layout == b.layout == torch.strided and not a.is_quantized
-            and not b.is_quantized and a.is_conj() == b.is_conj() and a.is_neg() == b.is_neg())
-
-
-def dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill [storage_offset, storage_offset + numel) exactly."""
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class Evictor(Protocol):
@@ -229,7 +162,7 @@ class _Group:
         self.store = store
         self.unit_name = unit_name
         self.records: List["weakref.ref[SavedActivation]"] = []
-        self.spans: List["_Span"] = []  # what left, as laid out in its host buffer and extent
+        self.spans: List["Span"] = []  # what left, as laid out in its host buffer and extent
         self.state = "open"
         self.host_buffer: Optional[torch.Tensor] = None
         self.extent: Optional[Extent] = None
@@ -246,7 +179,7 @@ class _Group:
     def live(self) -> List["SavedActivation"]:
         return [r for r in (ref() for ref in self.records) if r is not None]
 
-    def away(self) -> List["_Span"]:
+    def away(self) -> List["Span"]:
         """Its spans with a live record still away."""
         return [span for span in self.spans if span.away()]
 
@@ -254,41 +187,6 @@ class _Group:
         # Every record is gone (the graph was dropped, or backward used them all); a group
         # whose write is in flight is held by the store until the write is done.
         self.store._let_go(self)
-
-
-class _Span:
-    """[Note: saved activations] Storage bytes [lo, hi) that left the device together, at
-    ``offset`` in the group's host buffer and extent: one dense saved tensor's, or those of
-    the views with gaps of one storage (``view_spans``). Its records come back as views of
-    one fresh storage of these bytes, with their own shapes, strides and offsets in it."""
-
-    __slots__ = ("records", "dtype", "lo", "hi", "offset")
-
-    def __init__(self, records: List["SavedActivation"], lo: int, hi: int) -> None:
-        self.records = [weakref.ref(r) for r in records]
-        self.dtype = records[0].dtype
-        self.lo, self.hi = lo, hi
-        self.offset = 0
-
-    @property
-    def num_bytes(self) -> int:
-        return self.hi - self.lo
-
-    def away(self) -> List["SavedActivation"]:
-        return [r for r in (ref() for ref in self.records) if r is not None and r.tensor is None]
-
-    def source(self, r: "SavedActivation") -> torch.Tensor:
-        """The span's bytes on the device, as they lie, through its record ``r`` (still there)."""
-        size = r.tensor.element_size()
-        return torch.as_strided(r.tensor, (self.num_bytes // size,), (1,), self.lo // size).view(torch.uint8)
-
-    def restore(self, flat: torch.Tensor) -> List["SavedActivation"]:
-        """Its records away, each a view of ``flat`` (the span's bytes back, of its dtype)."""
-        records = self.away()
-        size = flat.element_size()
-        for r in records:
-            r.tensor = flat.as_strided(r.size, r.stride, (r.lo - self.lo) // size)  # strides included
-        return records
 
 
 class SavedActivation:
@@ -545,15 +443,15 @@ class ActivationStore:
         self._timeline.span("activations", f"out {group.unit_name} ({moved >> 10} KiB)", started,
                             time.perf_counter())
 
-    def _spans_of(self, records: List[SavedActivation]) -> List[_Span]:
+    def _spans_of(self, records: List[SavedActivation]) -> List[Span]:
         """[Note: saved activations] What of a group's ``records`` on the device leaves: each
         dense one as its own span, the views with gaps by ``view_spans`` (the others stay,
         counted in ``views_kept_bytes``)."""
-        spans = [_Span([r], r.lo, r.hi) for r in records if r.dense]
+        spans = [Span([r], r.lo, r.hi) for r in records if r.dense]
         views = [r for r in records if not r.dense]
         moving = view_spans([(r.storage, r.dtype, r.lo, r.hi, r.num_bytes) for r in views])
         for indices, lo, hi in moving:
-            spans.append(_Span([views[i] for i in indices], lo, hi))
+            spans.append(Span([views[i] for i in indices], lo, hi))
             self.views_moved_bytes += hi - lo
         staying = set(range(len(views))) - {i for indices, _, _ in moving for i in indices}
         self._pass_views_kept += sum(views[i].num_bytes for i in staying)
@@ -605,7 +503,7 @@ class ActivationStore:
         return min(num_bytes, free // PAGE_BYTES * PAGE_BYTES)
 
     @staticmethod
-    def _overlaps(spans: List[_Span], start: int, end: int):
+    def _overlaps(spans: List[Span], start: int, end: int):
         """[Note: activation pieces] (index, span, [lo, hi) of its bytes) of each span whose
         bytes in the group's layout overlap [start, end)."""
         for i, span in enumerate(spans):
@@ -654,7 +552,7 @@ class ActivationStore:
         self._timeline.span("activations", f"out in pieces {group.unit_name} ({moved >> 10} KiB)", started,
                             time.perf_counter())
 
-    def _return_in_pieces(self, group: _Group, spans: List[_Span]) -> None:
+    def _return_in_pieces(self, group: _Group, spans: List[Span]) -> None:
         """[Note: activation pieces] ``group`` back from its swap extent through one host
         buffer of ``_piece_bytes``, a piece at a time, into fresh device tensors; a failed
         read leaves it on NVMe (a later unpack tries again)."""
@@ -802,7 +700,7 @@ class ActivationStore:
         if group.read is None:
             self._copies_in(group, spans)
 
-    def _copies_in(self, group: _Group, spans: List[_Span]) -> None:
+    def _copies_in(self, group: _Group, spans: List[Span]) -> None:
         streams = self._device.streams
         self._make_room(sum(r.num_bytes for span in spans for r in span.away()), group.unit_name)  # all, or none
         for span in spans:
@@ -841,10 +739,10 @@ class ActivationStore:
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
-    def _view(buffer: torch.Tensor, span: _Span) -> torch.Tensor:
+    def _view(buffer: torch.Tensor, span: Span) -> torch.Tensor:
         return buffer[span.offset:span.offset + span.num_bytes]
 
-    def _fresh(self, span: _Span) -> torch.Tensor:
+    def _fresh(self, span: Span) -> torch.Tensor:
         """Device memory for ``span``'s bytes, of its dtype."""
         return torch.empty(span.num_bytes // torch.empty(0, dtype=span.dtype).element_size(), dtype=span.dtype,
                            device=self._device.device)
