@@ -324,3 +324,45 @@ def test_the_bodies_of_the_gpu_tests_of_delayed_updates_and_activation_offload_r
     check_delayed_updates(("cpu", "cpu"), tmp_path / "delayed")
     for kind in ("host", "nvme"):
         check_activation_offload(kind, ("cpu",), tmp_path / kind)
+
+
+def test_activations_moved_in_pieces_are_ordered_on_the_standin(standin, swap_dir, monkeypatch):
+    """[Note: activation pieces] Under the stand-in's hazard checker: groups larger than the
+    host room go to NVMe and back in pieces through one host buffer; every copy of a piece is
+    waited for before the buffer takes the next one or is let go (a buffer of the backward
+    reuses the bytes of one from the forward: waiting for the last copy out alone left the
+    others unordered, a StreamHazard). Bit for bit the run without offload."""
+    import offload.memory.layout as layout_module
+    from offload.memory.budget import model_unit_sizes
+    from offload.memory.placement import minimum_state_host_bytes
+    from offload.gpt import GPTConfig
+
+    monkeypatch.setattr(layout_module, "ACTIVATION_PIECE_BYTES", 64 << 10)
+    cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=64, num_heads=2, num_layers=3)
+    config = dict(param_tier="nvme", optimizer_tier="nvme", swap_dir=swap_dir)
+    room = 90_000  # below a block's group (278,528 bytes), above the floor
+
+    def run(activation_offload, host_budget=None):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        g = torch.Generator().manual_seed(7)
+        losses = []
+        extra = dict(activation_offload=activation_offload) if activation_offload else {}
+        with offload.wrap(model, make_opt(model.parameters()), config=dict(config, host_budget=host_budget,
+                                                                            **extra)) as engine:
+            for _ in range(3):
+                b = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g)
+                loss = engine(b[:, :-1], b[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            return losses, engine.stats(), engine.device
+
+    plain, _, device = run(None)
+    least = minimum_state_host_bytes(offload.OffloadConfig.from_any(dict(config, activation_offload="nvme")),
+                                     device, None, model_unit_sizes(GPT(cfg), 4))
+    losses, stats, _ = run("nvme", host_budget=least + room)
+    act = stats["activations"]
+    assert losses == plain
+    assert act["host_room_bytes"] == room and act["host_peak_bytes"] == room // 4096 * 4096
+    assert act["to_nvme_bytes"] > 0 and act["nvme_bytes_written"] == act["nvme_bytes_read"] == 3 * act["to_nvme_bytes"]
