@@ -337,8 +337,10 @@ def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, 
                            stage: int = 0) -> None:
     """A ValueError naming --optimizer-states where wrap would refuse the states for every
     configuration the plan shows, before anything is planned ([Note: compact optimizer
-    states]: wrap's own config checks, check_compact_config; ``stage``: --stage, with
-    --ranks)."""
+    states]: wrap's own config checks, check_compact_config; ``stage``: --stage with
+    --ranks, refused in the words wrap's ranks are refused with, check_compact_stage; 0 for
+    one process, which ignores the stage)."""
+    from offload.memory.layout import check_compact_stage
     from offload.optim.compact import check_compact_config
 
     if optimizer_states != "compact":
@@ -347,8 +349,9 @@ def check_optimizer_states(optimizer_states: str, dtype: str, state_slots: int, 
         raise ValueError(f"--optimizer-states compact: keeps Adam's two moments only, not "
                          f"--optimizer-state-tensors {state_slots} (use --optimizer-states exact)")
     try:
-        check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update, stage=stage,
+        check_compact_config(OffloadConfig(dtype=dtype, delayed_update=delayed_update,
                                            optimizer_states=optimizer_states))
+        check_compact_stage(stage)
     except ValueError as error:
         raise ValueError(f"--optimizer-states compact: {error}") from None
 

@@ -53,7 +53,6 @@ def _model():
 @pytest.mark.parametrize("optimizer,values,why", [
     ("sgd", {"dtype": "bf16"}, "SGD is not torch.optim.Adam/AdamW"),
     ("adamw", {"dtype": "fp32"}, "needs dtype='bf16'"),
-    ("adamw", {"dtype": "bf16", "stage": 1}, "ZeRO stage 1"),
     ("adamw", {"dtype": "bf16", "delayed_update": True, "param_tier": "host"}, "delayed_update=True"),
 ])
 def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_the_model(optimizer, values, why):
@@ -72,6 +71,26 @@ def test_wrap_refuses_compact_naming_the_field_and_the_reason_before_touching_th
     with offload.wrap(model, torch.optim.AdamW(params, lr=0.1), offload.OffloadConfig(device="cpu")) as engine:
         engine.backward(engine(torch.ones(3, 8)).sum())
         engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_process_ignores_the_stage_with_compact_states_as_with_exact_ones(stage, tmp_path):
+    """One process has no ranks to shard among: a ZeRO stage is ignored with Partition's
+    warning, for compact states as for exact ones, and the run is stage 0's bit for bit
+    (host homes; compute copies and compact homes on NVMe at stage 3, the home stage 3 asks for)."""
+    from support import batches, train_gpt
+
+    tiers = {"param_tier": "nvme", "optimizer_tier": "nvme"} if stage == 3 else {"param_tier": "host",
+                                                                                 "optimizer_tier": "host"}
+    config = dict(device="cpu", dtype="bf16", optimizer_states="compact", swap_dir=str(tmp_path), **tiers)
+    data = batches(3)
+    with pytest.warns(UserWarning, match=f"stage={stage} is ignored: this is a single process"):
+        losses, state, stats, _ = train_gpt(dict(config, stage=stage), data)
+    want_losses, want_state, want_stats, _ = train_gpt(dict(config, stage=0), data)
+    assert losses == want_losses
+    assert all(torch.equal(v, want_state[k]) for k, v in state.items())
+    assert stats["optimizer_state_bytes"] == want_stats["optimizer_state_bytes"]
+    assert not list(tmp_path.iterdir())  # both engines closed: their swap files are gone
 
 
 def test_the_layout_takes_compact_on_host_and_nvme_tiers_but_not_an_accelerators_device_tier():

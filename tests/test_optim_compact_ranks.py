@@ -189,3 +189,58 @@ def test_two_ranks_given_the_same_batches_equal_one_process_bit_for_bit(tmp_path
             assert run["losses"] == losses, tiers
             assert_same(run["states"], states)
             assert_same(run["state"], state)
+
+
+def _refusal_worker(rank, port, swap_root, out_dir):
+    """Each stage's wrap of compact states on 2 ranks: the ValueError's words, and whether
+    the model is as it was."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    refusals = {}
+    try:
+        for stage in (1, 2, 3):
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            config = dict(COMPACT, stage=stage, param_tier="nvme", optimizer_tier="nvme",
+                          swap_dir=os.path.join(swap_root, f"rank{rank}"))
+            try:
+                offload.wrap(model, make_opt(model.parameters()), config=config).close()
+                refusals[stage] = None
+            except ValueError as e:
+                unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+                refusals[stage] = (str(e), unchanged)
+        torch.save(refusals, os.path.join(out_dir, f"refusals{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_several_ranks_at_a_sharding_stage_are_refused_by_wrap_and_by_offload_plan_in_the_same_words(tmp_path):
+    """[Note: compact optimizer states] One process ignores the stage (test_optim_compact's
+    test_one_process_ignores_the_stage_...); where ranks really shard the states (stages
+    1-3 on 2 gloo ranks) wrap refuses compact states, naming the stage, the model untouched,
+    and `offload plan --ranks 2 --stage N` refuses them with the same words."""
+    import subprocess
+    import sys
+
+    for rank in range(WORLD):
+        (tmp_path / "swap" / f"rank{rank}").mkdir(parents=True)
+    mp.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "offload"])
+    mp.start_processes(_refusal_worker, args=(free_port(), str(tmp_path / "swap"), str(tmp_path)), nprocs=WORLD,
+                       join=True, start_method="forkserver")
+    refusals = [torch.load(tmp_path / f"refusals{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    for rank in range(WORLD):
+        assert refusals[rank] == refusals[0]
+        assert not list((tmp_path / "swap" / f"rank{rank}").iterdir())
+    for stage in (1, 2, 3):
+        words, unchanged = refusals[0][stage]
+        assert f"optimizer_states: 'compact' is not available with ZeRO stage {stage}" in words and unchanged
+        proc = subprocess.run([sys.executable, "-m", "offload", "plan", "--params", "1e6", "--optimizer-states",
+                               "compact", "--ranks", str(WORLD), "--stage", str(stage)],
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        assert proc.returncode == 1 and f"--optimizer-states compact: {words}" in proc.stderr, proc.stderr
+    # and the library's rows: each configuration refused in those words
+    from offload import plan, plan_ranks
+    rows = plan_ranks.plan_ranks(plan.shape_from_count(10**6, 4), "bf16", WORLD, 1, WORLD, WORLD,
+                                 optimizer_states="compact")
+    assert {c["refused"] for c in rows} == {refusals[0][1][0]}

@@ -314,6 +314,17 @@ def _activation_host_bytes(config: OffloadConfig, host_budget: Optional[int]) ->
     return reserved
 
 
+def check_compact_stage(stage: int) -> None:
+    """[Note: compact optimizer states] Compact states where several ranks train at ZeRO
+    ``stage``: at stage 0 each rank holds them whole; a stage that shards the states is a
+    ValueError (the sharded step moves fp32 states). Wrap's refusal once its process group is
+    known, and `offload plan --ranks`' in the same words; one process ignores the stage (with
+    Partition.from_environment's warning), so neither asks this there."""
+    if stage >= 1:
+        raise ValueError(f"optimizer_states: 'compact' is not available with ZeRO stage {stage} "
+                         "(the sharded step moves fp32 states); use stage=0 or optimizer_states='exact'")
+
+
 def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, device_is_host: bool) -> None:
     """[Note: compact optimizer states] The runs the homes hold compact states for so far:
     one process, or several ranks at ZeRO stage 0 (each holds whole compact states and steps
@@ -321,9 +332,8 @@ def _check_compact_layout(config: OffloadConfig, partition: Any, tiers: Any, dev
     (explicit or "auto"), or compute copies on the device where the device is the host (the
     step writes the high parts in place there). Else a ValueError naming the field and the
     reason."""
-    if partition is not None and partition.shards_state:  # stage >= 1: check_compact_config names the stage
-        raise ValueError(f"optimizer_states: 'compact' is not available with ZeRO stage {partition.stage} "
-                         "(the sharded step moves fp32 states); use stage=0 or optimizer_states='exact'")
+    if partition is not None:  # several ranks: the stage is theirs (one process ignores it)
+        check_compact_stage(partition.stage)
     compute_tiers = {"host", "nvme", "auto"} | ({"device"} if device_is_host else set())
     placed = set(tiers[0]) | {t for t in tiers[1] if t} if tiers is not None else set()
     if config.param_tier not in compute_tiers or placed - compute_tiers:

@@ -340,15 +340,13 @@ def check_compact_supported(config: Any, optimizer: torch.optim.Optimizer) -> No
 def check_compact_config(config: Any) -> None:
     """The refusals of optimizer_states="compact" that the config alone decides (wrap's,
     and offload plan's, which has no optimizer): a ValueError naming the field and the
-    reason."""
+    reason. Not the stage: one process ignores it, and several ranks are refused a sharding
+    stage once the process group is known (memory/layout.check_compact_stage)."""
     if config.optimizer_states != "compact":
         return
     if config.dtype != "bf16":
         raise ValueError(f"optimizer_states: 'compact' keeps the master as the bf16 compute copy plus an "
                          f"8-bit low part, so it needs dtype='bf16' (got dtype={config.dtype!r})")
-    if config.stage >= 1:
-        raise ValueError(f"optimizer_states: 'compact' is not available with ZeRO stage {config.stage} "
-                         "(the sharded step moves fp32 states); use stage=0 or optimizer_states='exact'")
     if config.delayed_update:
         raise ValueError("optimizer_states: 'compact' is not available with delayed_update=True; "
                          "use optimizer_states='exact' with it")
