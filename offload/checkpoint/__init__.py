@@ -27,7 +27,13 @@ fp32): a save reads a piece of the master, exp_avg and exp_avg_sq and writes the
 builds a piece of a home and writes it (a piece of a home that does not start or end on a
 page boundary has its edge pages read and patched first). The host holds about three fp32
 pieces, not a unit: the 3B model's embedding unit has 4.7 GB of fp32 master and moments,
-more than the host budget of a run that size. A unit file is a run of pieces, each
+more than the host budget of a run that size. Compact states ([Note: compact optimizer
+states]) go the same way: a save reads each parameter's piece of the high parts and of the
+compact home's five arrays (Homes.read_compact_range), a load writes the compute copy in
+pieces and the compact home in windows of compact_piece_numel(CHUNK_NUMEL) elements, each
+array's part whole pages (access._compact_windows; a packed home, at most 262,144
+elements, whole). The buffers they move through (Homes.buffer) are counted:
+stats()["checkpoint_buffer_peak_bytes"]. A unit file is a run of pieces, each
 parameter's elements in the pieces that cover them (format.py), written with O_DIRECT
 through 8 MiB staging buffers, each hashed and written on threads of its own while the next
 fills (save.py's _DirectWriter: the page cache's writeback throttles buffered writes). A

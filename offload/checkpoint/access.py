@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from offload.errors import CheckpointError, EngineFailedError
-from offload.memory.compact_codec import decode_master, encode_master
+from offload.memory.compact_codec import (COMPACT_ARRAYS, CompactHomeLayout, compact_piece_numel, compact_piece_regions,
+                                          compact_range_parts, decode_master, encode_master)
 
 # [Note: bounded checkpoint memory] The elements a save or load moves at once: 32 MiB of
 # fp32, a whole number of pages in any dtype.
@@ -389,41 +390,62 @@ class CheckpointAccess:
         codes, scales and high parts, never fp32 states."""
         return self._layout.compact_states
 
-    def read_compact(self, u: "UnitState") -> Any:
-        """u's CompactUnit as its homes hold it (the whole unit: a compact home moves whole,
-        as the step moves it); valid until the next call."""
-        return self._homes.read_compact(u)
+    def read_compact_range(self, u: "UnitState", k: int, lo: int, hi: int) -> Dict[str, torch.Tensor]:
+        """Elements [lo, hi) (``lo`` on a block) of u's trainable parameter k's compact states
+        as its homes hold them, by section (format.COMPACT_SECTIONS: the high parts, the low
+        parts, the codes and the scales of their blocks): [Note: bounded checkpoint memory]
+        the range alone is read, never the whole unit. Valid until the next call."""
+        return self._homes.read_compact_range(u, k, lo, hi)
 
     @torch.no_grad()
-    def write_compact_unit_state(self, u: "UnitState", fill: Callable[[int, Any], None],
+    def write_compact_unit_state(self, u: "UnitState", read_compact: Callable[[int, str, int, int, torch.Tensor], None],
                                  read: Callable[[str, int, int, torch.Tensor], None], steps: List[int]) -> None:
         """[Note: compact optimizer states] Replace u's compact states and compute copy by a
-        checkpoint's, and drop u's gradients: ``fill(k, states)`` writes trainable parameter
-        k's saved high parts, low parts, codes and scales into ``states`` (its CompactRange,
-        over a new compact home and compute copy), ``read("value", lo, hi, out)`` the frozen
-        tail's values; both homes are written whole. The bytes are the saved ones: nothing is
-        decoded and encoded again."""
+        checkpoint's, and drop u's gradients: ``read_compact(k, section, lo, hi, out)`` fills
+        ``out`` with elements [lo, hi) of trainable parameter k's saved ``section`` (a
+        COMPACT_SECTIONS name; a per-block one: the scales of the blocks holding [lo, hi),
+        ``lo`` on a block), ``read("value", lo, hi, out)`` with the frozen tail's values. The
+        bytes are the saved ones: nothing is decoded and encoded again. Both homes are written
+        whole, zeros between the parameters, as the wrap wrote them, [Note: bounded checkpoint
+        memory] a piece at a time: the compute copy in ``chunks``, the compact home in the
+        windows of _compact_windows."""
         on_device = self._layout.param_tier == "device"
         self._homes.forget_contents(u)
         if not on_device:
             self._residency.release(u)  # a device copy of this unit is stale from now on
-        dtype = self.compute_dtype
-        compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
-        tail = u.spec.frozen_start
-        for a, b in self.chunks(0, u.spec.total_numel - tail):
-            read("value", a, b, compute[tail + a:tail + b])
+        dtype, tail = self.compute_dtype, u.spec.frozen_start
+        for a, b in self.chunks(0, u.compute_numel):
+            compute = self._homes.buffer("ckpt.compute", (b - a) * dtype.itemsize).view(dtype).zero_()
+            for k, e in enumerate(u.trainable):
+                x, y = max(a, e.offset), min(b, e.offset + e.numel)
+                if x < y:
+                    read_compact(k, "high", x - e.offset, y - e.offset, compute[x - a:y - a])
+            x, y = max(a, tail), min(b, u.spec.total_numel)
+            if x < y:
+                read("value", x - tail, y - tail, compute[x - a:y - a])
+            if on_device:
+                self._homes.device_copy(u)[a:b].copy_(compute)
+            else:
+                self._homes.store_compute_range(u, a, compute)
         if u.trainable:
             home = u.compact_home
-            nbytes = home.numel() if isinstance(home, torch.Tensor) else home.nbytes
-            buffer = self._homes.buffer("ckpt.compact", nbytes).zero_()
-            states = self._homes.compact.over(u, buffer, compute)
-            for k in range(len(u.trainable)):
-                fill(k, states.param(k))
-            self._homes.store(home, buffer)
-        if on_device:
-            self._homes.device_copy(u).copy_(compute)
-        else:
-            self._homes.store_compute_range(u, 0, compute)
+            layout, starts = self._homes.compact_layout(u)
+            home_bytes = home.numel() if isinstance(home, torch.Tensor) else home.nbytes
+            for lo, hi, nbytes, regions in _compact_windows(layout, home_bytes):
+                window = self._homes.buffer("ckpt.compact", nbytes).zero_()
+                for k, e in enumerate(u.trainable):
+                    x, y = max(lo, starts[k]), min(hi, starts[k] + e.numel)
+                    if x >= y:
+                        continue
+                    for name, (start, size) in compact_range_parts(layout, x, y).items():
+                        at = regions[name][0] + start - regions[name][1]  # where the window holds it
+                        read_compact(k, name, x - starts[k], y - starts[k],
+                                     window[at:at + size].view(_ARRAY_DTYPES[name]))
+                if not layout.paged:  # one window: the whole home
+                    self._homes.store(home, window)
+                    continue
+                for at, start, size in regions.values():
+                    self._homes.store_range(home, start, window[at:at + size], "ckpt.bounce")
         u.steps = list(steps)
         u.has_grad = [False] * len(u.trainable)
 
@@ -454,6 +476,31 @@ class CheckpointAccess:
         the engine trains again."""
         self._training.forget_held_states()
         self._failures.set(None)
+
+
+_ARRAY_DTYPES = {name: dtype for name, dtype, _ in COMPACT_ARRAYS}
+
+
+def _compact_windows(layout: "CompactHomeLayout",
+                     home_bytes: int) -> List[Tuple[int, int, int, Dict[str, Tuple[int, int, int]]]]:
+    """[Note: bounded checkpoint memory] The windows a load writes a compact home of
+    ``home_bytes`` bytes (laid out by ``layout``) in: (lo, hi, bytes, regions) for compact
+    elements [lo, hi), ``regions`` as compact_piece_regions gives them (per array: start in
+    the window's buffer, start in the home, bytes). A packed home (at most SCALE_PAGE_NUMEL
+    elements) is one window, the whole home; a paged one is cut in windows of
+    compact_piece_numel(CHUNK_NUMEL) elements, each array's part whole pages ([Note: compact
+    pieces]), the last window running on to each array's padded end."""
+    if not layout.paged:
+        regions = {name: (getattr(layout, name), getattr(layout, name), layout.region_end(name) - getattr(layout, name))
+                   for name, _, _ in COMPACT_ARRAYS}
+        return [(0, layout.numel, home_bytes, regions)]
+    size = compact_piece_numel(CHUNK_NUMEL)
+    windows = []
+    for lo in range(0, layout.numel, size):
+        hi = min(lo + size, layout.numel)
+        regions = compact_piece_regions(layout, lo, hi)
+        windows.append((lo, hi, sum(n for _, _, n in regions.values()), regions))
+    return windows
 
 
 class Ranks:

@@ -16,6 +16,7 @@ from offload.checkpoint.format import (
     COMPACT_SECTIONS, DTYPES, MANIFEST, PieceReader, checked_path, numel_of, optimizer_states_of, read_manifest,
     read_range, state_dict_aliases)
 from offload.errors import CheckpointError, warn_at_caller
+from offload.memory.compact_codec import BLOCK_NUMEL, num_blocks
 from offload.optim.generic import step_from_json
 
 if TYPE_CHECKING:
@@ -205,13 +206,14 @@ def load_checkpoint(access: "CheckpointAccess", ckpt_dir: str) -> None:
 
     def load_states() -> None:
         reader = PieceReader(ckpt_dir, manifest["files"])
+        access.release_buffers()  # [Note: bounded checkpoint memory] the buffers it holds are this load's
         try:
             for u in access.units:               # 2. unit by unit into the tiers
                 read = _unit_reader(u, saved, reader)
                 steps = [step_from_json(saved[e.fqn]["step"], saved[e.fqn].get("optimizer_scalars"))
                          for e in u.trainable]
                 if access.compact:  # [Note: compact optimizer states] the saved bytes, as they are
-                    access.write_compact_unit_state(u, _compact_filler(u, saved, reader), read, steps)
+                    access.write_compact_unit_state(u, _compact_reader(u, saved, reader), read, steps)
                     continue
                 access.write_unit_state(u, read, steps)
                 if pending.get(u.name) and access.config.delayed_update:  # [Note: delayed updates]
@@ -245,16 +247,23 @@ def _unit_reader(u: "UnitState", saved: Dict[str, Dict[str, Any]],
     return read
 
 
-def _compact_filler(u: "UnitState", saved: Dict[str, Dict[str, Any]], reader: PieceReader) -> Callable[[int, Any], None]:
-    """``fill(k, states)`` for CheckpointAccess.write_compact_unit_state: every saved piece of
-    u's trainable parameter k read into the same elements of ``states`` (its CompactRange),
-    section by section (each piece starts on a block: format.py checks it)."""
-    def fill(k: int, states: Any) -> None:
+def _compact_reader(u: "UnitState", saved: Dict[str, Dict[str, Any]],
+                    reader: PieceReader) -> Callable[[int, str, int, int, torch.Tensor], None]:
+    """``read_compact(k, section, lo, hi, out)`` for CheckpointAccess.write_compact_unit_state:
+    elements [lo, hi) (``lo`` on a block) of u's trainable parameter k's saved ``section``
+    into ``out``, from the pieces that hold them (each starts on a block: format.py checks
+    it); a per-block section's part is the scales of the blocks holding them."""
+    def read_compact(k: int, section: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        dtype, per_block = COMPACT_SECTIONS[section]
         for piece in saved[u.trainable[k].fqn]["pieces"]:
-            view = states.range(piece["start"], piece["start"] + piece["numel"])
-            for key in COMPACT_SECTIONS:
-                reader.read(piece["file"], piece[key], getattr(view, key))
-    return fill
+            start = piece["start"]
+            a, b = max(start, lo), min(start + piece["numel"], hi)
+            if a >= b:
+                continue
+            first, at, n = (a - start, a - lo, b - a) if not per_block else \
+                ((a - start) // BLOCK_NUMEL, (a - lo) // BLOCK_NUMEL, num_blocks(b - a))
+            reader.read(piece["file"], piece[section] + first * dtype.itemsize, out[at:at + n])
+    return read_compact
 
 
 def _load_rest(access: "CheckpointAccess", manifest: Dict[str, Any], ckpt_dir: str, rng: Dict[str, Any]) -> None:

@@ -313,6 +313,7 @@ def _write_rank(access: "CheckpointAccess", tmp: str) -> Dict[str, Any]:
     suffix = f"-rank-{rank:05d}" if world_size > 1 else ""
     files: Dict[str, Dict[str, Any]] = {}
     pieces: Dict[str, List[Dict[str, Any]]] = {}
+    access.release_buffers()  # [Note: bounded checkpoint memory] the buffers it holds are this save's
     try:
         for u in access.units:
             for fqn, piece in _write_unit(access, u, tmp, suffix, files):
@@ -405,16 +406,17 @@ def _write_compact_states(access: "CheckpointAccess", u: "UnitState", writer: _H
                           file_name: str) -> List[Tuple[str, Dict[str, Any]]]:
     """[Note: compact optimizer states] u's compact states as the engine holds them, each
     trainable parameter in pieces of ``access.chunks`` of its own elements (so each starts
-    on a block): its COMPACT_SECTIONS one after the other."""
-    states = access.read_compact(u)
+    on a block): its COMPACT_SECTIONS one after the other. [Note: bounded checkpoint
+    memory] Each piece is read from the homes alone (views of host homes; from NVMe, a
+    piece of each array and of the high parts), never the whole unit."""
     pieces = []
     for k, e in enumerate(u.trainable):
-        param = states.param(k)
         for a, b in access.chunks(0, e.numel):
-            view = param.range(a, b)
+            sections = access.read_compact_range(u, k, a, b)
             piece = {"file": file_name, "start": a, "numel": b - a}
             for key in COMPACT_SECTIONS:
-                piece[key] = writer.write(getattr(view, key))
+                piece[key] = writer.write(sections[key])
+            del sections
             pieces.append((e.fqn, piece))
     return pieces
 

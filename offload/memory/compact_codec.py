@@ -46,7 +46,7 @@ bytes as they are, never fp32 states: re-encoding a decoded master may flip the 
 split at a tie."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -56,8 +56,9 @@ from offload._sizes import PAGE_BYTES
 if TYPE_CHECKING:
     from offload.memory.layout import UnitState
 
-__all__ = ["BLOCK_NUMEL", "CompactHomeLayout", "CompactPiece", "CompactStates", "NonFiniteStateError", "SCALE_PAGE_NUMEL",
-           "compact_home_layout", "compact_padded_numel", "compact_piece_bytes", "compact_piece_numel", "compact_pieces", "compact_state_bytes",
+__all__ = ["BLOCK_NUMEL", "COMPACT_ARRAYS", "CompactHomeLayout", "CompactPiece", "CompactStates", "NonFiniteStateError", "SCALE_PAGE_NUMEL",
+           "compact_home_layout", "compact_padded_numel", "compact_piece_bytes", "compact_piece_numel", "compact_piece_regions", "compact_pieces",
+           "compact_range_parts", "compact_state_bytes",
            "decode_exp_avg",
            "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
            "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
@@ -163,6 +164,36 @@ def compact_home_layout(numel: int) -> CompactHomeLayout:
         sizes = [_round_up(n, PAGE_BYTES) for n in sizes]
     starts = [sum(sizes[:i]) for i in range(5)]
     return CompactHomeLayout(numel, paged, *starts, sum(sizes))
+
+
+# a compact home's arrays in order: (name, dtype, whether it holds a value per block)
+COMPACT_ARRAYS = (("exp_avg_scales", torch.float32, True), ("exp_avg_sq_scales", torch.float32, True),
+                  ("low", torch.int8, False), ("exp_avg", torch.int8, False), ("exp_avg_sq", torch.uint8, False))
+
+
+def compact_range_parts(layout: CompactHomeLayout, lo: int, hi: int) -> Dict[str, Tuple[int, int]]:
+    """Compact elements [lo, hi) (``lo`` on a block) of a home laid out by ``layout``: per
+    array, (start in the home, bytes); a per-block array's part is the scales of the blocks
+    that hold [lo, hi)."""
+    assert lo % BLOCK_NUMEL == 0 and lo <= hi <= layout.numel
+    return {name: (getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo),
+                   4 * num_blocks(hi - lo) if per_block else hi - lo)
+            for name, _, per_block in COMPACT_ARRAYS}
+
+
+def compact_piece_regions(layout: CompactHomeLayout, lo: int, hi: int) -> Dict[str, Tuple[int, int, int]]:
+    """[Note: compact pieces] Per array of a paged home, piece [lo, hi)'s part: (start in a
+    staging slot, start in the home, bytes), each whole pages (the last piece runs on to
+    the array's padded end); the slot's parts follow one another in array order."""
+    assert layout.paged and lo % SCALE_PAGE_NUMEL == 0
+    out, at = {}, 0
+    for name, _, per_block in COMPACT_ARRAYS:
+        start = getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo)
+        end = layout.region_end(name) if hi == layout.numel else \
+            getattr(layout, name) + (hi // BLOCK_NUMEL * 4 if per_block else hi)
+        out[name] = (at, start, end - start)
+        at += end - start
+    return out
 
 
 def compact_piece_numel(piece_numel: int) -> int:

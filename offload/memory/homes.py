@@ -23,7 +23,8 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, compute_home_numel, gradient_spill,
                                    low_numel, unit_gradient_bytes)
-from offload.memory.compact_codec import CompactStates, decode_master
+from offload.memory.compact_codec import (BLOCK_NUMEL, COMPACT_ARRAYS, CompactHomeLayout, CompactStates, compact_home_layout,
+                                          compact_padded_numel, decode_master, num_blocks)
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.memory.state_slots import PackedHome
@@ -33,6 +34,10 @@ from offload.units import PAGE_BYTES, ParamEntry, Residency, round_up
 from offload.zero import Partition
 
 _ZEROS_BYTES = 4 << 20  # the zero buffer the initial moments are written from
+# [Note: compact optimizer states] what read_compact_range reads: the high parts, then the
+# compact home's arrays (those that hold a value per block: _PER_BLOCK)
+COMPACT_RANGE_NAMES = ("high",) + tuple(name for name, _, _ in COMPACT_ARRAYS)
+_PER_BLOCK = {name for name, _, per_block in COMPACT_ARRAYS if per_block}
 
 
 class Homes:
@@ -64,6 +69,11 @@ class Homes:
         # [Note: compact optimizer states] read only with compact states
         self.compact = compact
         self._buffers: Dict[str, torch.Tensor] = {}  # see buffer
+        # [Note: bounded checkpoint memory] the bytes those buffers hold now, the most they
+        # held at once since drop_buffers last let go of them, and that most as of that drop
+        self._buffer_bytes = 0
+        self._buffer_peak_bytes = 0
+        self.last_buffer_peak_bytes = 0
         self._num_written = 0
         # [Note: wrap scratch in the arena] write_initial_state's buffers in the device arena,
         # by name ("compute", "master", "low"); None until the first unit is written
@@ -267,14 +277,19 @@ class Homes:
 
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < nbytes:
-            self._buffers.pop(name, None)  # let go of the smaller one first
+            smaller = self._buffers.pop(name, None)  # let go of the smaller one first
+            self._buffer_bytes -= 0 if smaller is None else smaller.numel()
             buffer = self._buffers[name] = aligned_empty(nbytes)
+            self._buffer_bytes += nbytes
+            self._buffer_peak_bytes = max(self._buffer_peak_bytes, self._buffer_bytes)
         return buffer[:nbytes]
 
     def drop_buffers(self) -> None:
         """Let go of every buffer ``buffer`` keeps and of the arena borrowed for wrap (after
-        wrap's last unit, and after a checkpoint's save or load)."""
+        wrap's last unit, and before and after a checkpoint's save or load). The most bytes
+        they held at once since the drop before stays as ``last_buffer_peak_bytes``."""
         self._buffers.clear()
+        self.last_buffer_peak_bytes, self._buffer_peak_bytes, self._buffer_bytes = self._buffer_peak_bytes, 0, 0
         if self._scratch:  # [Note: wrap scratch in the arena] zeros again, as the arena starts
             if self._scratch_in_slot:
                 self._scratch["compute"].zero_()  # the root's slot (give_back zeroes what it lent)
@@ -349,6 +364,39 @@ class Homes:
             compute = self.compute_copy(u) if isinstance(u.compute_home, torch.Tensor) or u.compute_home is None \
                 else self.load(u.compute_home, u.spec.trainable_numel, self._layout.compute_dtype)
         return self.compact.over(u, buffer, compute)
+
+    def compact_layout(self, u: UnitState) -> Tuple[CompactHomeLayout, List[int]]:
+        """[Note: compact optimizer states] u's compact home layout and where each trainable
+        parameter's compact elements start in it (each on a block: CompactUnit)."""
+        numels = [e.numel for e in u.trainable]
+        return (compact_home_layout(compact_padded_numel(numels)),
+                [compact_padded_numel(numels[:k]) for k in range(len(numels))])
+
+    def read_compact_range(self, u: UnitState, k: int, lo: int, hi: int,
+                           names: Tuple[str, ...] = COMPACT_RANGE_NAMES) -> Dict[str, torch.Tensor]:
+        """[Note: bounded checkpoint memory] Elements [lo, hi) of u's trainable parameter k's
+        compact states as its homes hold them, by name: "high" (the compute copy's elements)
+        and the compact home's arrays (COMPACT_ARRAYS; a per-block one: the scales of the
+        blocks holding [lo, hi), ``lo`` on a block then). Views of homes in host memory, else
+        read from NVMe into the reused buffers "ckpt.<name>": valid until the next call."""
+        layout, starts = self.compact_layout(u)
+        arrays = {name: dtype for name, dtype, _ in COMPACT_ARRAYS}
+        out = {}
+        for name in names:
+            if name == "high":
+                e, dtype = u.trainable[k], self._layout.compute_dtype
+                if isinstance(u.compute_home, torch.Tensor) or u.compute_home is None:
+                    out[name] = self.compute_copy(u)[e.offset + lo:e.offset + hi]
+                else:
+                    out[name] = self.load_range(u.compute_home, e.offset + lo, hi - lo, dtype, "ckpt.high")
+                continue
+            a, b = starts[k] + lo, starts[k] + hi
+            if name in _PER_BLOCK:
+                a, b = a // BLOCK_NUMEL * 4, num_blocks(b) * 4
+            region = getattr(layout, name)
+            out[name] = self.load_range(u.compact_home, region + a, b - a, torch.uint8,
+                                        f"ckpt.{name}").view(arrays[name])
+        return out
 
     # ------------------------------------------------------------------ the master codec
     def store_master(self, u: UnitState, master: torch.Tensor, start: int, low: Optional[torch.Tensor]) -> None:

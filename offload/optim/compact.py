@@ -10,14 +10,15 @@ intrinsic, square roots correctly rounded). The kernel equals it bit for bit on 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from offload import _native
-from offload.memory.compact_codec import (BLOCK_NUMEL, SCALE_PAGE_NUMEL, CompactHomeLayout, NonFiniteStateError,
+from offload.memory.compact_codec import (BLOCK_NUMEL, COMPACT_ARRAYS, CompactHomeLayout, NonFiniteStateError,
                                           compact_home_layout, compact_padded_numel, compact_piece_numel,
+                                          compact_piece_regions, compact_range_parts,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
 from offload.memory.master_codec import check_flat
@@ -280,35 +281,14 @@ def compact_range_over(buffer: torch.Tensor, layout: CompactHomeLayout, lo: int,
     paged home (compact_piece_regions). ``high`` is None (the caller sets it)."""
     n = hi - lo
     regions = compact_piece_regions(layout, lo, hi) if staged_piece else None
+    parts = compact_range_parts(layout, lo, hi)
     states = CompactRange.__new__(CompactRange)
     states.numel = n
     states.high = None
-    for name, dtype, per_block in _ARRAYS:
-        first = regions[name][0] if regions is not None else \
-            getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo)
-        nbytes = 4 * num_blocks(n) if per_block else n
-        setattr(states, name, buffer[first:first + nbytes].view(dtype))
+    for name, dtype, _ in COMPACT_ARRAYS:
+        first = regions[name][0] if regions is not None else parts[name][0]
+        setattr(states, name, buffer[first:first + parts[name][1]].view(dtype))
     return states
-
-
-# a compact home's arrays in order: (name, dtype, whether it holds a value per block)
-_ARRAYS = (("exp_avg_scales", torch.float32, True), ("exp_avg_sq_scales", torch.float32, True),
-           ("low", torch.int8, False), ("exp_avg", torch.int8, False), ("exp_avg_sq", torch.uint8, False))
-
-
-def compact_piece_regions(layout: CompactHomeLayout, lo: int, hi: int) -> Dict[str, Tuple[int, int, int]]:
-    """[Note: compact pieces] Per array of a paged home, piece [lo, hi)'s part: (start in a
-    staging slot, start in the home, bytes), each whole pages (the last piece runs on to
-    the array's padded end); the slot's parts follow one another in array order."""
-    assert layout.paged and lo % SCALE_PAGE_NUMEL == 0
-    out, at = {}, 0
-    for name, _, per_block in _ARRAYS:
-        start = getattr(layout, name) + (lo // BLOCK_NUMEL * 4 if per_block else lo)
-        end = layout.region_end(name) if hi == layout.numel else \
-            getattr(layout, name) + (hi // BLOCK_NUMEL * 4 if per_block else hi)
-        out[name] = (at, start, end - start)
-        at += end - start
-    return out
 
 
 class UnitCompactStates:

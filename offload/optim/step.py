@@ -20,10 +20,10 @@ import torch
 from offload import faults
 from offload.config import format_size
 from offload._sizes import PAGE_BYTES
-from offload.memory.compact_codec import CompactPiece, compact_home_layout, compact_padded_numel
+from offload.memory.compact_codec import CompactPiece, compact_home_layout, compact_padded_numel, compact_piece_regions
 from offload.memory.layout import (FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, available_memory_bytes, slot_views,
                                    on_nvme, sub_extent)
-from offload.optim.compact import compact_piece_regions, compact_range_over
+from offload.optim.compact import compact_range_over
 from offload.memory.master_codec import join_master, split_master
 from offload.memory.state_slots import PackedHome, staged_parts, staged_views
 from offload.optim.adam_ranges import OutOfPlace, moment_views
