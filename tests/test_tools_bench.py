@@ -332,6 +332,26 @@ def test_bench_compact_prints_every_row_its_bytes_and_bound():
     assert re.search(r"^0.3M params on \S.*, 2 native threads, 2 torch threads; the triad: ", table, re.MULTILINE), table
 
 
+def test_bench_compact_pieces_times_each_piece_size_beside_the_whole_unit_baseline(tmp_path):
+    """[Note: compact pieces] The step, save and load rows of the small GPT: the pieces each
+    moves (a block of 1.77M parameters is 2 pieces of 1 Mi and 7 of 256 Ki; a save writes a
+    piece per parameter and CHUNK_NUMEL; a load a window per 256 Ki of a paged home), each
+    section's baseline first at 1.00, and the swap directory left as it was."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_compact_pieces.py"), "--swap-dir",
+                           str(tmp_path), "--quick", "--rounds", "1"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line[:28].strip(): line[28:].split() for line in proc.stdout.splitlines()[2:]}
+    pieces = {name: int(fields[0]) for name, fields in rows.items()}
+    assert pieces == {"step, whole units": 5, "step, pieces of 1024 Ki": 10, "step, pieces of 256 Ki": 35,
+                      "save, whole": 48, "save, pieces of 1024 Ki": 49, "save, pieces of 256 Ki": 73,
+                      "load, whole": 5, "load, pieces of 1024 Ki": 10, "load, pieces of 256 Ki": 35}, proc.stdout
+    for name in ("step, whole units", "save, whole", "load, whole"):
+        assert rows[name][2] == "1.00" and rows[name][3] == "-"
+    assert "8.7M params (d_model 384, 4 layers)" in proc.stdout and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("numel", [1, 3, 5, 4097, 2 * 2**16 + 77])
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_stream_triad_computes_b_plus_scalar_c_at_any_alignment(numel, offset):
@@ -646,6 +666,7 @@ TOOLS_IMPORTS = {
     "train_optimizers": {"train_harness"},
     "bench_scale": {"train_replay"},
     "bench_compact": {"bench_adam"},
+    "bench_compact_pieces": {"bench_adam"},
     "bench_optim": {"bench_adam"},
     "bench_zero": {"bench_train", "train_harness", "train_ranks"},
 }
