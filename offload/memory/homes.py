@@ -372,13 +372,13 @@ class Homes:
         return (compact_home_layout(compact_padded_numel(numels)),
                 [compact_padded_numel(numels[:k]) for k in range(len(numels))])
 
-    def read_compact_range(self, u: UnitState, k: int, lo: int, hi: int,
-                           names: Tuple[str, ...] = COMPACT_RANGE_NAMES) -> Dict[str, torch.Tensor]:
+    def read_compact_range(self, u: UnitState, k: int, lo: int, hi: int, names: Tuple[str, ...] = COMPACT_RANGE_NAMES,
+                           buffer: str = "ckpt") -> Dict[str, torch.Tensor]:
         """[Note: bounded checkpoint memory] Elements [lo, hi) of u's trainable parameter k's
         compact states as its homes hold them, by name: "high" (the compute copy's elements)
         and the compact home's arrays (COMPACT_ARRAYS; a per-block one: the scales of the
         blocks holding [lo, hi), ``lo`` on a block then). Views of homes in host memory, else
-        read from NVMe into the reused buffers "ckpt.<name>": valid until the next call."""
+        read from NVMe into the reused buffers "<buffer>.<name>": valid until those are used again."""
         layout, starts = self.compact_layout(u)
         arrays = {name: dtype for name, dtype, _ in COMPACT_ARRAYS}
         out = {}
@@ -388,14 +388,14 @@ class Homes:
                 if isinstance(u.compute_home, torch.Tensor) or u.compute_home is None:
                     out[name] = self.compute_copy(u)[e.offset + lo:e.offset + hi]
                 else:
-                    out[name] = self.load_range(u.compute_home, e.offset + lo, hi - lo, dtype, "ckpt.high")
+                    out[name] = self.load_range(u.compute_home, e.offset + lo, hi - lo, dtype, f"{buffer}.high")
                 continue
             a, b = starts[k] + lo, starts[k] + hi
             if name in _PER_BLOCK:
                 a, b = a // BLOCK_NUMEL * 4, num_blocks(b) * 4
             region = getattr(layout, name)
             out[name] = self.load_range(u.compact_home, region + a, b - a, torch.uint8,
-                                        f"ckpt.{name}").view(arrays[name])
+                                        f"{buffer}.{name}").view(arrays[name])
         return out
 
     # ------------------------------------------------------------------ the master codec
@@ -601,15 +601,13 @@ class Homes:
         as ``read_master`` gives them (uses the buffers "master", "high" and "low")."""
         layout, s = self._layout, u.shard
         base = 0 if u.param_shard is None else s.lo  # [zero] stage 3: the rank's chunk starts with its shard
-        if layout.compact_states:  # [Note: compact optimizer states] decoded from the whole unit's states
-            states = self.read_compact(u)
+        if layout.compact_states:  # [Note: compact optimizer states] high + low of [lo, hi) alone, decoded
             master = self.buffer("master", (hi - lo) * FP32_BYTES).view(torch.float32).zero_()
             for k, e in enumerate(u.trainable):
                 a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
                 if a < b:
-                    param = states.param(k)
-                    master[a - lo:b - lo].copy_(decode_master(param.high[a - e.offset:b - e.offset],
-                                                              param.low[a - e.offset:b - e.offset]))
+                    parts = self.read_compact_range(u, k, a - e.offset, b - e.offset, ("high", "low"), "master")
+                    master[a - lo:b - lo].copy_(decode_master(parts["high"], parts["low"]))
             return master
         if layout.merged:
             return self.load_range(u.compute_home, lo - base, hi - lo, torch.float32, "master")
