@@ -318,9 +318,9 @@ class OffloadConfig:
     ([Note: compact optimizer states] in offload/memory/compact_codec.py). Compact changes
     the numbers (a lossy store of the states) and is refused at wrap, with the reason, for
     what it does not cover: optimizers other than Adam/AdamW/CPUAdam, several ranks at ZeRO
-    stage >= 1 (one process ignores the stage, as everywhere), delayed_update, and today an accelerator's "device" param_tier
-    (and gathered(modify=True) with param_tier "device"). Host,
-    NVMe and "auto" tiers and checkpoints hold the compact states as they are; several ranks
+    stage >= 1 (one process ignores the stage, as everywhere), delayed_update, and today
+    an accelerator's "device" param_tier (and gathered(modify=True) with param_tier
+    "device"). Host, NVMe and "auto" tiers and checkpoints hold the compact states as they are; several ranks
     at stage 0 each hold them whole, as DDP would."""
 
     split_master: bool = True

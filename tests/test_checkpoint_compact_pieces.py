@@ -16,7 +16,8 @@ from torch import nn
 
 import offload
 import offload.checkpoint.access
-from offload.memory.compact_codec import compact_home_layout, compact_padded_numel, compact_piece_bytes, compact_piece_numel
+from offload.memory.compact_codec import (compact_home_layout, compact_padded_numel, compact_piece_bytes,
+                                          compact_piece_numel)
 from offload.units import PAGE_BYTES
 
 from support import train_offload

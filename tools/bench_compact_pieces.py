@@ -13,10 +13,11 @@ NVMe (--swap-dir, a temporary directory under it, removed at the end), on the CP
     checkpoint.access.CHUNK_NUMEL past every parameter ("whole", the baseline: one piece a
     parameter, one window a compact home) and at the piece sizes.
 Every round times each row once, rows interleaved, each round starting at the next row (load
-from other processes spreads over all rows); the median of --rounds after one warm-up. "pieces": pieces a step moves (summed
-over units), or pieces a checkpoint writes (sections of a parameter's piece) / windows a load
-writes; "x base" the row's time over its baseline's; "ms/extra piece" the time over the
-baseline divided by the pieces over the baseline's: the cost of one more piece.
+from other processes spreads over all rows); the median of --rounds after one warm-up.
+"pieces": pieces a step moves (summed over units), or pieces a checkpoint writes (a
+parameter's piece with its six sections) / windows a load writes; "x base" the row's time
+over its baseline's; "ms/extra piece" the time over the baseline divided by the pieces over
+the baseline's: the cost of one more piece.
 
     python tools/bench_compact_pieces.py --swap-dir /mnt/nvme/tmp            # d_model 1024, 8 layers
     python tools/bench_compact_pieces.py --swap-dir /tmp --quick             # d_model 384, 4 layers
@@ -122,7 +123,8 @@ def measure(cfg: GPTConfig, swap_dir: str, rounds: int, batch_size: int) -> list
                 seconds = timed_step(engine, batch)
                 if round_:
                     times.setdefault(("step", name), []).append(seconds)
-            ckpt_order = checkpoint_rows[round_ % len(checkpoint_rows):] + checkpoint_rows[:round_ % len(checkpoint_rows)]
+            first = round_ % len(checkpoint_rows)
+            ckpt_order = checkpoint_rows[first:] + checkpoint_rows[:first]
             for name, chunk in ckpt_order:
                 for verb in ("save", "load"):
                     seconds = timed_checkpoint(ckpt_engine, verb, ckpt, chunk)

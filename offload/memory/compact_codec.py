@@ -56,12 +56,12 @@ from offload._sizes import PAGE_BYTES
 if TYPE_CHECKING:
     from offload.memory.layout import UnitState
 
-__all__ = ["BLOCK_NUMEL", "COMPACT_ARRAYS", "CompactHomeLayout", "CompactPiece", "CompactStates", "NonFiniteStateError", "SCALE_PAGE_NUMEL",
-           "compact_home_layout", "compact_padded_numel", "compact_piece_bytes", "compact_piece_numel", "compact_piece_regions", "compact_pieces",
-           "compact_range_parts", "compact_state_bytes",
-           "decode_exp_avg",
-           "decode_exp_avg_sq", "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master",
-           "ieee_sqrt", "num_blocks", "ulp_of_bf16"]
+__all__ = ["BLOCK_NUMEL", "COMPACT_ARRAYS", "CompactHomeLayout", "CompactPiece", "CompactStates",
+           "NonFiniteStateError", "SCALE_PAGE_NUMEL", "compact_home_layout", "compact_padded_numel",
+           "compact_piece_bytes", "compact_piece_numel", "compact_piece_regions", "compact_pieces",
+           "compact_range_parts", "compact_state_bytes", "decode_exp_avg", "decode_exp_avg_sq",
+           "decode_master", "encode_exp_avg", "encode_exp_avg_sq", "encode_master", "ieee_sqrt", "num_blocks",
+           "ulp_of_bf16"]
 
 # 256: the scales cost 8/256 = 0.03 B per parameter for both moments; one outlier flattens
 # only its own 256 neighbours' resolution, as bitsandbytes' blockwise 8-bit Adam does

@@ -10,9 +10,9 @@ readers and writers that ``state_dict`` and the optimizer steps' failure paths g
 whole buffers (``load``, ``store``, ``read_master``, ``store_master``,
 ``split_master_into``), and those that checkpoints go through, ranges of a buffer
 (``load_range``, ``store_range``, ``read_master_range``, ``store_master_range``,
-``store_compute_range``: [Note: bounded checkpoint memory]). The per-step traffic
-(fetches, the staged and sharded optimizer steps) moves pieces of the same homes through
-buffers of its own and does not come here.
+``store_compute_range``, ``read_compact_range``: [Note: bounded checkpoint memory]). The
+per-step traffic (fetches, the staged and sharded optimizer steps) moves pieces of the same
+homes through buffers of its own and does not come here.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from torch import nn
 
 from offload.memory.budget import (SlotShape, UnitSizes, compact_home_bytes, compute_home_numel, gradient_spill,
                                    low_numel, unit_gradient_bytes)
-from offload.memory.compact_codec import (BLOCK_NUMEL, COMPACT_ARRAYS, CompactHomeLayout, CompactStates, compact_home_layout,
-                                          compact_padded_numel, decode_master, num_blocks)
+from offload.memory.compact_codec import (BLOCK_NUMEL, COMPACT_ARRAYS, CompactHomeLayout, CompactStates,
+                                          compact_home_layout, compact_padded_numel, decode_master, num_blocks)
 from offload.memory.layout import FP32_BYTES, Layout, SpareHomes, StagingSlot, UnitState, on_nvme, sub_extent
 from offload.memory.master_codec import join_master, split_master
 from offload.memory.state_slots import PackedHome
