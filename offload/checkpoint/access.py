@@ -300,43 +300,40 @@ class CheckpointAccess:
         """[Note: compact optimizer states] write_unit_weights of compact states: an element
         whose new master (``read("master", ...)``) differs from the one its high and low
         parts decode to gets them encoded from it; the others keep their bytes (re-encoding
-        a decoded master may flip the split at a tie). Codes and scales are left alone; the
-        compact home and the compute copy are written whole."""
+        a decoded master may flip the split at a tie). Codes and scales are left alone.
+        [Note: bounded checkpoint memory] A piece at a time: each of ``chunks`` of a
+        parameter's high and low parts is read (Homes.read_compact_range: views of host homes,
+        changed in place) and, on NVMe, written back where an element changed; then the
+        frozen tail's values in ``chunks``. Each range is read before it is changed and
+        never again, so ``read`` sees the weights from before the write."""
         on_device = self._layout.param_tier == "device"
         if not on_device:
             self._residency.release(u)  # a device copy of this unit is stale from now on
-        dtype, t = self.compute_dtype, u.spec.trainable_numel
-        compute = self._homes.buffer("ckpt.compute", u.compute_numel * dtype.itemsize).view(dtype).zero_()
-        tail = u.spec.frozen_start
-        for a, b in self.chunks(0, u.spec.total_numel - tail):
-            read("value", a, b, compute[tail + a:tail + b])
-        if u.trainable:
-            # the current high parts, and a copy of the compact home's bytes
-            current = self._homes.device_copy(u)[:t] if on_device else \
-                self._homes.load_range(u.compute_home, 0, t, dtype, "ckpt.high")
-            compute[:t].copy_(current)
-            home = u.compact_home
-            if isinstance(home, torch.Tensor):
-                buffer = self._homes.buffer("ckpt.compact", home.numel()).copy_(home)
+        layout, starts = self._homes.compact_layout(u) if u.trainable else (None, [])
+        for k, e in enumerate(u.trainable):
+            for a, b in self.chunks(0, e.numel):
+                parts = self._homes.read_compact_range(u, k, a, b, ("high", "low"))
+                high, low = parts["high"], parts["low"]
+                new = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
+                read("master", e.offset + a, e.offset + b, new)
+                changed = new.view(torch.int32) != decode_master(high, low).view(torch.int32)
+                if not bool(changed.any()):
+                    continue
+                new_high, new_low = encode_master(new.contiguous())
+                high.copy_(torch.where(changed, new_high, high))
+                low.copy_(torch.where(changed, new_low, low))
+                if u.compute_home is not None and not isinstance(u.compute_home, torch.Tensor):  # on NVMe
+                    self._homes.store_range(u.compute_home, e.offset + a, high, "ckpt.bounce")
+                if not isinstance(u.compact_home, torch.Tensor):  # on NVMe
+                    self._homes.store_range(u.compact_home, layout.low + starts[k] + a, low, "ckpt.bounce")
+        dtype, tail = self.compute_dtype, u.spec.frozen_start
+        for a, b in self.chunks(tail, u.spec.total_numel):
+            values = self._homes.buffer("ckpt.compute", (b - a) * dtype.itemsize).view(dtype).zero_()  # gaps: 0
+            read("value", a - tail, b - tail, values)
+            if on_device:
+                self._homes.device_copy(u)[a:b].copy_(values)
             else:
-                buffer = self._homes.load_range(home, 0, home.nbytes, torch.uint8, "ckpt.compact")
-            states = self._homes.compact.over(u, buffer, compute)
-            for k, e in enumerate(u.trainable):
-                param = states.param(k)
-                for a, b in self.chunks(0, e.numel):
-                    new = self._homes.buffer("ckpt.master", (b - a) * 4).view(torch.float32)
-                    read("master", e.offset + a, e.offset + b, new)
-                    high, low = param.high[a:b], param.low[a:b]
-                    changed = new.view(torch.int32) != decode_master(high, low).view(torch.int32)
-                    if bool(changed.any()):
-                        new_high, new_low = encode_master(new.contiguous())
-                        high.copy_(torch.where(changed, new_high, high))
-                        low.copy_(torch.where(changed, new_low, low))
-            self._homes.store(home, buffer)
-        if on_device:
-            self._homes.device_copy(u).copy_(compute)
-        else:
-            self._homes.store_compute_range(u, 0, compute)
+                self._homes.store_compute_range(u, a, values)
 
     @torch.no_grad()
     def write_edited_weights(self, u: "UnitState", edited: torch.Tensor) -> None:
