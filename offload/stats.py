@@ -200,8 +200,9 @@ def engine_stats(*, device: Any, host: Any, nvme: Any, counters: Stats, prefetch
         "cross_group_reduces": partition.num_cross_group_reduces if partition is not None else 0,
         "optimizer_state_bytes": homes.optimizer_state_bytes(),
         # [Note: bounded checkpoint memory] the most bytes the buffers that the last of wrap's
-        # initial writes, save_checkpoint, load_checkpoint or state_dict() moved pieces
-        # through held at once (beside the homes and host_budget)
+        # initial writes, save_checkpoint, load_checkpoint, load_state_dict or a
+        # gathered(modify=True) write-back moved pieces through held at once (beside the
+        # homes and host_budget)
         "checkpoint_buffer_peak_bytes": homes.last_buffer_peak_bytes,
         # [Note: whole-parameter optimizers] side state (Adafactor's row and column factors)
         # in host RAM beside each parameter's step count
