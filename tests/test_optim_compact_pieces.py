@@ -1,7 +1,6 @@
 """[Note: compact pieces] The staged compact step runs over pieces of a unit's compact
 states (whole blocks, page-aligned parts of a paged home, the compute copy's pages with a
 carry between pieces): the same bits as the whole-unit step, and less host staging."""
-import dataclasses
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ import torch
 import offload
 from offload import plan
 from offload.gpt import GPT, GPTConfig
-from offload.memory.budget import UnitSizes, host_bytes
+from offload.memory.budget import host_bytes
 from offload.tiers.streams import STANDIN_ENV
 
 CFG = GPTConfig(d_model=64, num_layers=3, num_heads=2, seq_len=32)

@@ -17,7 +17,7 @@ import torch
 
 from offload import _native
 from offload.memory.compact_codec import (BLOCK_NUMEL, COMPACT_ARRAYS, CompactHomeLayout, NonFiniteStateError,
-                                          compact_home_layout, compact_padded_numel, compact_piece_numel,
+                                          compact_home_layout, compact_padded_numel,
                                           compact_piece_regions, compact_range_parts,
                                           decode_exp_avg, decode_exp_avg_sq, decode_master, encode_exp_avg, encode_exp_avg_sq, encode_master,
                                           ieee_sqrt, num_blocks)
