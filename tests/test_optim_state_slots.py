@@ -371,3 +371,80 @@ def test_state_carried_from_optimizers_that_have_stepped_goes_into_per_entry_hom
             train_offload(engine, data[2:])
             got = engine.state_dict()
     assert all(torch.equal(got[k], v) for k, v in reference.state_dict().items())
+
+
+# Five pages: slot 0 keeps pages 0-3, slot 1 keeps pages 1, 3 and 4 (page 2 holds only a
+# parameter without slot 1); parameters cut pages and leave padding on kept pages.
+CARRY_ENTRIES = [(0, 1500, (0,)),             # pages 0-1, slot 0 only
+                 (1536, 400, (0, 1)),         # page 1
+                 (2304, 100, (0,)),           # page 2, slot 0 only
+                 (3072, 1024, (0, 1)),        # page 3, whole
+                 (4200, 500, (1,))]           # page 4, slot 1 only
+CARRY_KEPT = {0: [0, 1, 2, 3], 1: [1, 3, 4]}
+
+
+def carried_pair(s, lo, hi):
+    """Slot s of piece [lo, hi) in two distinct buffers: ``src`` numbered by master element
+    (x + 0.5 at master element x), ``dst`` all -1."""
+    slots = StateSlots(2, 5 * PAGE_NUMEL, CARRY_ENTRIES)
+    a, b = slots.span(s, lo, hi)
+    kept = [p for p in CARRY_KEPT[s] if lo // PAGE_NUMEL <= p < hi // PAGE_NUMEL]
+    assert b - a == len(kept) * PAGE_NUMEL  # the page rule, worked out by hand above
+    src = torch.empty(b - a)
+    for i, p in enumerate(kept):  # the i-th kept page of the piece is at i * PAGE_NUMEL
+        src[i * PAGE_NUMEL:(i + 1) * PAGE_NUMEL] = torch.arange(p * PAGE_NUMEL, (p + 1) * PAGE_NUMEL) + 0.5
+    dst = torch.full((b - a,), -1.0)
+    from offload.memory.state_slots import PackedSlot
+    return PackedSlot(slots, s, lo, src), PackedSlot(slots, s, lo, dst), kept
+
+
+def carried_values(dst, kept):
+    """{master element: value} of every element the destination buffer holds."""
+    return {p * PAGE_NUMEL + j: float(dst.buffer[i * PAGE_NUMEL + j])
+            for i, p in enumerate(kept) for j in range(PAGE_NUMEL)}
+
+
+def expected_carry(s, kept, ranges):
+    """What the destination holds after copying ``ranges`` (master elements) of slot s:
+    the source's values exactly at the elements of parameters using s inside them."""
+    owned = [(o, o + n) for o, n, used in CARRY_ENTRIES if s in used]
+    copied = {x for a, b in ranges for o, e in owned for x in range(max(a, o), min(b, e))}
+    return {x: (x + 0.5 if x in copied else -1.0) for p in kept for x in range(p * PAGE_NUMEL, (p + 1) * PAGE_NUMEL)}
+
+
+@pytest.mark.parametrize("s", [0, 1])
+def test_copy_owned_copies_exactly_the_owned_elements_of_its_range(s):
+    """[Note: per-entry state slots] PackedSlot.copy_owned(src, a, b) of a piece that starts at
+    page 1 (indices relative to it) copies the elements of parameters using the slot in
+    [a, b), at their physical places past a page the slot does not keep, and nothing else:
+    not the padding beside them on kept pages, not what lies outside [a, b)."""
+    lo, hi = PAGE_NUMEL, 5 * PAGE_NUMEL
+    # master ranges: cutting parameters, the whole piece, one parameter, padding and a
+    # parameter without slot 1, a few elements
+    for a, b in [(1700, 4300), (lo, hi), (1536, 1936), (2400, 3100), (lo + 10, lo + 12)]:
+        src, dst, kept = carried_pair(s, lo, hi)
+        dst.copy_owned(src, a - lo, b - lo)
+        assert carried_values(dst, kept) == expected_carry(s, kept, [(a, b)]), (a, b)
+
+
+@pytest.mark.parametrize("s", [0, 1])
+def test_out_of_place_carry_over_copies_a_packed_slots_gaps_only(s):
+    """[Note: out-of-place Adam] UnitAdam._carry_over, the path that calls copy_owned: a
+    speculative update of piece [1024, 5120) that updated only the fourth parameter carries
+    every other parameter's elements of the slot from the home to the spare home (what a
+    parameter without a gradient keeps), leaves the updated range as the kernel wrote it and
+    the padding alone; a plain master beside it gets every gap element."""
+    from offload.optim.adam_ranges import UnitAdam
+
+    lo, hi = PAGE_NUMEL, 5 * PAGE_NUMEL
+    src, dst, kept = carried_pair(s, lo, hi)
+    updated = (3072 - lo, 4096 - lo)
+    dst[updated[0]:updated[1]].fill_(7.0)  # what the kernel wrote
+    master_src, master_dst = torch.arange(float(hi - lo)), torch.zeros(hi - lo)
+    UnitAdam._carry_over(hi - lo, [updated], [(src, dst), (master_src, master_dst)])
+    expected = expected_carry(s, kept, [(lo, 3072), (4096, hi)])
+    expected.update({x: 7.0 for x in range(3072, 4096)})
+    assert carried_values(dst, kept) == expected
+    gaps = torch.ones(hi - lo, dtype=torch.bool)
+    gaps[updated[0]:updated[1]] = False
+    assert torch.equal(master_dst[gaps], master_src[gaps]) and not master_dst[~gaps].any()
