@@ -316,13 +316,17 @@ def optimizer_lines(layout: Optional[OptimizerLayout]) -> List[str]:
 
 def optimizer_json(layout: OptimizerLayout) -> dict:
     return {"name": layout.name, "description": describe(layout.name), "state_slots": layout.state_slots,
-            "slots": [list(s) for s in layout.slots], "side": [list(s) for s in layout.side],
-            "whole_step": layout.whole}
+            "classes": list(layout.classes), "slots": [list(s) for s in layout.slots],
+            "side": [list(s) for s in layout.side], "whole_step": layout.whole, "state_name": layout.state_name()}
 
 
-def optimizer_state_name(state_slots: int) -> str:
-    """The plan's name for the optimizer's per-parameter state: Adam's moments, or another
-    elementwise optimizer's ``state_slots`` fp32 tensors ([Note: elementwise optimizers])."""
+def optimizer_state_name(state_slots: int, optimizer: Optional[OptimizerLayout] = None) -> str:
+    """The plan's name for the optimizer's per-parameter state: with --optimizer what its
+    optimizers keep, as probed (``OptimizerLayout.state_name``); else Adam's moments, or
+    ``state_slots`` fp32 tensors of an optimizer the plan knows by that count alone
+    (--optimizer-state-tensors, [Note: elementwise optimizers])."""
+    if optimizer is not None:
+        return optimizer.state_name()
     return "Adam moments" if state_slots == 2 else f"optimizer state ({state_slots} x fp32)"
 
 
@@ -394,13 +398,16 @@ def place(shape: ModelShape, dtype: str, param_tier: str, optimizer_tier: str,
     host_parts = host.parts()
     if layout.device_is_host:  # reads from NVMe land in the slots: never any
         del host_parts["fetch staging buffers"]
+    if not compact:  # the moments under the name of what the optimizers keep (HostBytes says "Adam moments")
+        host_parts = {optimizer_state_name(state_slots, shape.optimizer) if k == "Adam moments" else k: v
+                      for k, v in host_parts.items()}
     nvme_bytes = swap_bytes(sizes, layout)
 
     if compact:
         master_name, moments = COMPACT_MASTER_NAME, COMPACT_MOMENTS_NAME
         master_tier = f"{optimizer_tier} (high part: compute copy)"
     else:
-        master_name, moments = "fp32 master", optimizer_state_name(state_slots)
+        master_name, moments = "fp32 master", optimizer_state_name(state_slots, shape.optimizer)
         master_tier = "merged with compute copy" if merged else \
             f"{optimizer_tier} (low half; high half: compute copy)" if split else optimizer_tier
     state_tier = {"compute copy": param_tier, grads: "host", master_name: master_tier, moments: optimizer_tier}
@@ -610,17 +617,19 @@ def _gradient_element_bytes(dtype: str, device: torch.device) -> int:
 
 def _bytes_per_param(element_bytes: int, state_slots: int, optimizer_states: str,
                      state_per_param: Optional[float] = None,
-                     gradient_bytes: Optional[int] = None) -> Dict[str, float]:
+                     gradient_bytes: Optional[int] = None,
+                     optimizer: Optional[OptimizerLayout] = None) -> Dict[str, float]:
     """Bytes of each state per trainable parameter, before padding (to pages; compact: each
     parameter to whole blocks). ``state_per_param``: the optimizer state's (default:
-    ``state_slots`` fp32 tensors); ``gradient_bytes``: a gradient element's (default: the
-    compute dtype's, ``_gradient_element_bytes`` of a CPU device)."""
+    ``state_slots`` fp32 tensors), named after ``optimizer`` where given; ``gradient_bytes``: a
+    gradient element's (default: the compute dtype's, ``_gradient_element_bytes`` of a CPU
+    device)."""
     grad = element_bytes if gradient_bytes is None else gradient_bytes
     if optimizer_states == "compact":  # [Note: compact optimizer states] two fp32 scales a block
         return {"compute copy": element_bytes, "gradients": grad, COMPACT_MASTER_NAME: 1,
                 COMPACT_MOMENTS_NAME: 2 + 2 * FP32_BYTES / BLOCK_NUMEL}
     return {"compute copy": element_bytes, "gradients": grad, "fp32 master": FP32_BYTES,
-            optimizer_state_name(state_slots): state_slots * FP32_BYTES if state_per_param is None
+            optimizer_state_name(state_slots, optimizer): state_slots * FP32_BYTES if state_per_param is None
             else state_per_param}
 
 
@@ -664,7 +673,7 @@ def as_json(shape: ModelShape, dtype: str, profile: dict, device_budget: Optiona
             "host_budget_default": host_budget_default,
             "bytes_per_param": _bytes_per_param(e, state_slots, optimizer_states,
                                                 state_bytes_per_param(shape, state_slots),
-                                                _gradient_element_bytes(dtype, device)),
+                                                _gradient_element_bytes(dtype, device), shape.optimizer),
             "optimizer": None if shape.optimizer is None else optimizer_json(shape.optimizer),
             "configurations": configurations,
             "any_fits": any(c["fits"] for c in configurations),
@@ -723,7 +732,7 @@ def report(shape: ModelShape, dtype: str, profile: dict, device_budget: Optional
         per_param = state_bytes_per_param(shape, state_slots)  # [Note: per-entry state slots]
         lines += [f"  fp32 master     4 B/param   {format_size(n * 4):>12}" +
                   ("   (2 B, its low half, with optimizer_tier nvme: split_master)" if dtype == "bf16" else ""),
-                  f"  {optimizer_state_name(state_slots) if state_slots == 2 else 'optimizer state':<15} "
+                  f"  {optimizer_state_name(state_slots, shape.optimizer) if shape.optimizer is not None or state_slots == 2 else 'optimizer state':<15} "
                   f"{per_param:g} B/param   {format_size(int(n * per_param)):>12}"
                   + ("   (each parameter's own optimizer's tensors)" if per_param != state_slots * 4 else "")]
     lines.append("")

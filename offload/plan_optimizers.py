@@ -100,6 +100,18 @@ class OptimizerLayout:
     # sequence of groups (which orders a unit's parameters) and the slots its optimizer keeps
     group_of: Dict[nn.Parameter, int] = field(default_factory=dict)
     param_slots: Dict[nn.Parameter, Tuple[int, ...]] = field(default_factory=dict)
+    classes: Tuple[str, ...] = ()         # per optimizer: its class's name
+    adam_kernel: Tuple[bool, ...] = ()    # per optimizer: stepped by the Adam kernel (a torch.optim.Adam)
+
+    def state_name(self) -> str:
+        """The plan's name for the state homes' contents: "Adam moments" where every optimizer
+        runs on the Adam kernel, else each optimizer's class and the per-element tensors it
+        keeps, as probed (Muon beside AdamW: "optimizer state (Muon momentum_buffer; AdamW
+        exp_avg, exp_avg_sq)")."""
+        if all(self.adam_kernel):
+            return "Adam moments"
+        kept = "; ".join(f"{cls} {', '.join(names) or 'none'}" for cls, names in zip(self.classes, self.slots))
+        return f"optimizer state ({kept})"
 
     def state_bytes_per_param(self) -> float:
         """fp32 state bytes per trainable parameter of the model, before page padding: what
@@ -141,4 +153,4 @@ def state_layout(name: str, model: nn.Module) -> OptimizerLayout:
         name, OptimizerSet.state_slots(rules),
         tuple(("exp_avg", "exp_avg_sq") if rule is None else rule.slots for rule in rules),
         tuple(() if rule is None else getattr(rule, "side_names", ()) for rule in rules), whole,
-        group_of, param_slots)
+        group_of, param_slots, tuple(type(opt).__name__ for opt in optimizers), tuple(rule is None for rule in rules))

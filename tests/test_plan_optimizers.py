@@ -11,7 +11,7 @@ import torch
 import offload
 from offload.cli import main
 from offload.gpt import GPT
-from offload.plan import optimizer_state_name, shape_from_module
+from offload.plan import shape_from_module
 from offload.plan_optimizers import OPTIMIZERS, build_optimizers
 from support import CFG, batches, gpt_loss
 
@@ -89,7 +89,7 @@ def test_nvme_bytes_per_step_are_what_the_plan_predicts_from_the_optimizers_stat
     assert (slots == 0 and dtype == "fp32") == (traffic["nvme_read"] == 0)  # plain SGD in fp32 moves nothing
     assert stats["nvme_bytes"] == planned["nvme_bytes"]
     assert stats["optimizer_state_bytes"] == planned["state_bytes"]["fp32 master"] + \
-        planned["state_bytes"][optimizer_state_name(slots)]
+        planned["state_bytes"][report["optimizer"]["state_name"]]
     assert stats["host_bytes"] <= planned["host_bytes"]
 
 
@@ -143,9 +143,47 @@ def test_the_plans_state_bytes_per_parameter_are_what_torch_keeps(name, tmp_path
     kept = sum(k * p.numel() * 4 for k, p in zip(tensors, params))
     per_param = kept / sum(p.numel() for p in params)
     slots = report["optimizer"]["state_slots"]
-    assert report["bytes_per_param"][optimizer_state_name(slots)] == pytest.approx(per_param, rel=1e-12)
+    assert report["bytes_per_param"][report["optimizer"]["state_name"]] == pytest.approx(per_param, rel=1e-12)
     if name in ("muon", "adafactor"):  # fewer than the most slots for every parameter
         assert per_param < slots * 4
     capsys.readouterr()
     assert main(["plan", "--model", "plan_optimizers_gpt:build", "--optimizer", name]) == 0
-    assert f" {report['bytes_per_param'][optimizer_state_name(slots)]:g} B/param" in capsys.readouterr().out
+    assert f" {report['bytes_per_param'][report['optimizer']['state_name']]:g} B/param" in capsys.readouterr().out
+
+
+# what each optimizer keeps per element, by class, as plain PyTorch's state names it
+KEPT = {"adamw": "Adam moments", "sgd": "optimizer state (SGD none)",
+        "sgd-momentum": "optimizer state (SGD momentum_buffer)", "adagrad": "optimizer state (Adagrad sum)",
+        "rmsprop": "optimizer state (RMSprop square_avg)", "adafactor": "optimizer state (Adafactor exp_avg_sq)",
+        "muon": "optimizer state (Muon momentum_buffer; AdamW exp_avg, exp_avg_sq)"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_plan_names_the_state_the_optimizers_keep(name, tmp_path, monkeypatch, capsys):
+    """The state homes' row of `offload plan --optimizer NAME` (text and JSON) is named after
+    what its optimizers keep per element in plain PyTorch (Muon beside AdamW is not "Adam
+    moments"), and no other name of the moments is left in the report."""
+    if name == "adafactor":
+        pytest.importorskip("transformers")
+    report, by_tiers = plan_json(tmp_path, monkeypatch, name, "fp32")
+    out = capsys.readouterr().out
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = build_optimizers(name, model)
+    gpt_loss(model, batches(1)[0]).backward()
+    for opt in opts:
+        opt.step()
+    kept = [sorted({k for p in opt.state for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)
+                    and v.shape == p.shape and v.dim() > 0}) for opt in opts]
+    assert report["optimizer"]["slots"] == kept
+    assert report["optimizer"]["classes"] == [type(opt).__name__ for opt in opts]
+    label = KEPT[name]
+    assert report["optimizer"]["state_name"] == label
+    assert label in report["bytes_per_param"]
+    for c in by_tiers.values():
+        assert c["state_tier"][label] == c["optimizer_tier"] and label in c["state_bytes"]
+        assert label in c["host_parts"]
+    if name != "adamw":
+        assert "Adam moments" not in json.dumps(report) and "Adam moments" not in out
+    assert f"  {label} " in out and f"{label}: nvme" in out
+
