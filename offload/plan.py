@@ -110,6 +110,9 @@ class ModelShape:
     units: Tuple[UnitShape, ...]
     exact: bool                  # False when synthesized from a parameter count
     optimizer: Optional[OptimizerLayout] = None  # --optimizer: its state, learned as wrap learns it
+    # synthesized with --optimizer: the fp32 state elements its assumed parameters keep, before
+    # page padding ([Note: per-entry state slots]; None: exact, or no optimizer given)
+    kept_state_numel: Optional[int] = None
 
     @property
     def num_params(self) -> int:
@@ -123,23 +126,80 @@ class ModelShape:
 def shape_from_count(num_params: int, num_units: int, optimizer: Optional[str] = None) -> ModelShape:
     """A transformer-like shape for a bare parameter count: ``num_units`` equal blocks plus a
     root unit of the same size (embeddings, head), the largest parameter a third of a unit
-    (a block's MLP matrix is 4d^2 of its 12d^2). ``optimizer``: a name of
-    plan_optimizers.OPTIMIZERS, probed over a stand-in of such a model (``_StandIn``); where
-    it steps whole parameters every unit is counted as holding one (the staging slots' bound)."""
+    (a block's MLP matrix is 4d^2 of its 12d^2). Without ``optimizer`` every parameter keeps
+    the optimizer's every state tensor. ``optimizer``: a name of plan_optimizers.OPTIMIZERS,
+    probed over a stand-in of such a model (``_StandIn``); each parameter of the units'
+    assumed composition (``_assumed_params``: the reference GPT's, offload/gpt.py) then keeps
+    the slots its own optimizer keeps for a parameter of its kind, and a unit holds a
+    whole-stepped parameter where one of its kinds is stepped whole ([Note: per-entry state
+    slots], as wrap counts each unit's entries)."""
     if num_params < 1:
         raise ValueError(f"--params: expected a positive parameter count, got {num_params}")
     if num_units < 1:
         raise ValueError(f"--num-units: expected an int >= 1, got {num_units}")
-    layout = None if optimizer is None else state_layout(optimizer, _StandIn())
+    stand_in = _StandIn()
+    layout = None if optimizer is None else state_layout(optimizer, stand_in)
     per_unit, rest = divmod(num_params, num_units + 1)
-    units = []
+    width = _block_width(per_unit)
+    units, kept = [], 0
     for i in range(num_units + 1):
         numel = per_unit + (rest if i == 0 else 0)
+        whole_step, moments_numel = False, None
+        if layout is not None:
+            params = _assumed_params(numel, width, root=i == 0, stand_in=stand_in)
+            whole_step = any(p in layout.whole_params for p, _ in params)
+            moments_numel = _moments_numel(layout, params)
+            kept += sum(len(layout.param_slots[p]) * n for p, n in params)
         units.append(UnitShape("<root>" if i == 0 else f"unit{i}", numel, numel, max(1, numel // 3),
-                               whole_step=layout is not None and layout.whole))
-    return ModelShape(f"{num_params:,} parameters (assumed: {num_units} equal units plus a root "
-                      f"unit of the same size; largest parameter a third of a unit)",
-                      tuple(units), exact=False, optimizer=layout)
+                               whole_step=whole_step, moments_numel=moments_numel))
+    if layout is None:
+        state = "every parameter keeps every optimizer state tensor"
+    else:
+        state = (f"each parameter keeps what {optimizer} keeps for its kind: a block is the reference GPT's of "
+                 f"width {width} (LayerNorm, qkv and proj, LayerNorm, fc and out: 12 d^2 in matrices inside an "
+                 "nn.ModuleList, 10 d in norms and biases, the rest of the unit in fc), the root unit embeddings "
+                 "and a final LayerNorm")
+    return ModelShape(f"{num_params:,} parameters (assumed: {num_units} equal units plus a root unit of the "
+                      f"same size; largest parameter a third of a unit; {state})",
+                      tuple(units), exact=False, optimizer=layout, kept_state_numel=None if layout is None else kept)
+
+
+def _block_width(numel: int) -> int:
+    """The largest width d whose reference GPT block (12 d^2 + 10 d elements) fits ``numel``."""
+    d = int((numel / 12) ** 0.5) + 1
+    while d > 0 and 12 * d * d + 10 * d > numel:
+        d -= 1
+    return d
+
+
+def _assumed_params(numel: int, width: int, root: bool, stand_in: "_StandIn"
+                    ) -> List[Tuple[torch.nn.Parameter, int]]:
+    """The parameters shape_from_count assumes a unit of ``numel`` elements holds, in model
+    order, each as (the stand-in parameter of its kind, its element count): a block is the
+    reference GPT's (offload/gpt.py, qkv without bias) of ``width``, its remainder in the fc
+    matrix; the root unit is the tied embeddings followed by the final LayerNorm."""
+    d = width
+    norm, matrix, bias = stand_in.blocks[0][0].weight, stand_in.blocks[0][1].weight, stand_in.blocks[0][1].bias
+    if root:
+        return [(stand_in.wte.weight, numel - 2 * d), (stand_in.ln_f.weight, d), (stand_in.ln_f.bias, d)]
+    rest = numel - (12 * d * d + 10 * d)
+    return [(norm, d), (norm, d), (matrix, 3 * d * d), (matrix, d * d), (bias, d), (norm, d), (norm, d),
+            (matrix, 4 * d * d + rest), (bias, 4 * d), (matrix, 4 * d * d), (bias, d)]
+
+
+def _moments_numel(layout: OptimizerLayout, params: List[Tuple[torch.nn.Parameter, int]]) -> Optional[int]:
+    """[Note: per-entry state slots] The moments home's fp32 elements of a unit of ``params``
+    (stand-ins of layout's model with their counts) as UnitState counts it: ordered by param
+    group as split_into_units orders them; None where every parameter keeps every slot."""
+    if not layout.state_slots:
+        return None
+    ordered = sorted(params, key=lambda pn: layout.group_of[pn[0]])  # stable: model order inside a group
+    entries, offset = [], 0
+    for p, n in ordered:
+        entries.append((offset, n, layout.param_slots[p]))
+        offset += n
+    pages = StateSlots.of(layout.state_slots, padded_numel(offset, FP32_BYTES), entries)
+    return None if pages is None else pages.numel
 
 
 class _StandIn(torch.nn.Module):
@@ -602,10 +662,13 @@ def _prefetch_room(shape: ModelShape, dtype: str) -> Optional[dict]:
 
 def state_bytes_per_param(shape: ModelShape, state_slots: int) -> float:
     """Optimizer state bytes per trainable parameter, before page padding: what its optimizer
-    keeps for each parameter of a model ([Note: per-entry state slots]), or ``state_slots``
-    fp32 tensors for every parameter where the plan has only a parameter count."""
+    keeps for each parameter of a model ([Note: per-entry state slots]) or of the composition
+    shape_from_count assumes, or ``state_slots`` fp32 tensors for every parameter where the
+    plan knows no optimizer."""
     if shape.optimizer is not None and shape.exact:
         return shape.optimizer.state_bytes_per_param()
+    if shape.kept_state_numel is not None:  # synthesized: its assumed parameters' (shape_from_count)
+        return shape.kept_state_numel * FP32_BYTES / shape.num_trainable
     return float(state_slots * FP32_BYTES)
 
 

@@ -10,7 +10,7 @@ import torch
 
 import offload
 from offload.cli import main
-from offload.gpt import GPT
+from offload.gpt import GPT, GPTConfig
 from offload.plan import shape_from_module
 from offload.plan_optimizers import OPTIMIZERS, build_optimizers
 from support import CFG, batches, gpt_loss
@@ -187,3 +187,55 @@ def test_the_plan_names_the_state_the_optimizers_keep(name, tmp_path, monkeypatc
         assert "Adam moments" not in json.dumps(report) and "Adam moments" not in out
     assert f"  {label} " in out and f"{label}: nvme" in out
 
+
+@pytest.mark.parametrize("name", ["muon", "adafactor", "sgd-momentum"])
+def test_a_plan_from_a_parameter_count_counts_each_parameters_own_slots(name, tmp_path, capsys):
+    """`offload plan --params N --optimizer NAME` (no model) says what it assumed (the
+    reference GPT's blocks, the root's embeddings and final norm) and counts each assumed
+    parameter's own optimizer's slots, as wrap does per entry: the state bytes and a step's
+    NVMe bytes it plans are those of wrapping that very GPT (tied embeddings, the root unit as
+    large as a block), which are below every parameter at the most slots for Muon and
+    Adafactor; without --optimizer every parameter keeps every slot, and it says so."""
+    if name == "adafactor":
+        pytest.importorskip("transformers")
+    d, layers, seq = 64, 4, 16
+    cfg = GPTConfig(vocab_size=12 * d + 8 - seq, seq_len=seq, d_model=d, num_heads=2, num_layers=layers)
+    block = 12 * d * d + 10 * d
+    assert cfg.num_params == (layers + 1) * block  # the root unit is the size of a block
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--params", str(cfg.num_params), "--num-units", str(layers), "--optimizer", name,
+                 "--dtype", "fp32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"each parameter keeps what {name} keeps for its kind: a block is the reference GPT's of width {d}" in text
+    report = json.loads(out.read_text())
+    assert "each parameter keeps what" in report["model"]
+    label = report["optimizer"]["state_name"]
+    planned = {(c["param_tier"], c["optimizer_tier"]): c for c in report["configurations"]}[("host", "nvme")]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier="nvme",
+                  swap_dir=str(tmp_path / "swap"), overlap_step_with_forward=False)
+    with offload.wrap(model, build_optimizers(name, model), config=config) as engine:
+        assert len(engine.units) == layers + 1
+        data = [torch.randint(0, cfg.vocab_size, (2, seq + 1)) for _ in range(3)]
+        moved = []
+        for i, b in enumerate(data):
+            before = engine.stats()
+            engine.backward(torch.nn.functional.cross_entropy(
+                engine(b[:, :-1]).view(-1, cfg.vocab_size), b[:, 1:].reshape(-1)))
+            engine.step()
+            after = engine.stats()
+            if i:
+                moved.append((after["bytes_read_nvme"] - before["bytes_read_nvme"],
+                              after["bytes_written_nvme"] - before["bytes_written_nvme"]))
+        stats = engine.stats()
+    assert stats["optimizer_state_bytes"] == planned["state_bytes"]["fp32 master"] + planned["state_bytes"][label]
+    traffic = planned["traffic_bytes_per_step"]
+    assert moved == [(traffic["nvme_read"], traffic["nvme_write"])] * 2
+    assert planned["nvme_bytes"] == stats["nvme_bytes"]
+    slots = report["optimizer"]["state_slots"]
+    if name != "sgd-momentum":  # fewer than every parameter at the most slots
+        assert planned["state_bytes"][label] < slots * 4 * cfg.num_params
+        assert report["bytes_per_param"][label] < slots * 4
+    assert main(["plan", "--params", str(cfg.num_params), "--num-units", str(layers), "--dtype", "fp32"]) == 0
+    assert "every parameter keeps every optimizer state tensor" in capsys.readouterr().out
