@@ -21,11 +21,14 @@ Per trainable parameter, with ``e`` the compute dtype's size (4 for fp32, 2 for 
                           device the host does not address (CUDA: pooled fp32 buffers)
 
 plus, whenever a tier is "nvme", ``optimizer_pipeline_depth`` host staging slots of
-3 x 4 B x (largest unit's master) (+ e x largest unit's compute copy when param_tier is
-"nvme" and not merged; on CUDA also with param_tier "device" and 16-bit compute), and on
-CUDA with param_tier "nvme" ``prefetch_units + 1`` pinned fetch staging buffers of the
-largest unit's compute copy at home (budget.fetch_buffer_numels, what wrap allocates).
-Every buffer is padded to whole 4 KiB pages. The device holds, with
+4 B x (largest piece of a master: a unit's, at most OPTIMIZER_PIECE_NUMEL unless it is
+updated whole) + 4 B x (the state slots the largest piece of an NVMe-homed moments home
+moves: the optimizer's slots per element, with per-entry slots their spans, [Note: per-entry
+state slots]) (+ e x largest piece of a compute copy when param_tier is "nvme" and not
+merged; on CUDA also with param_tier "device" and 16-bit compute), and on CUDA with
+param_tier "nvme" ``prefetch_units + 1`` pinned fetch staging buffers of the largest unit's
+compute copy at home (budget.fetch_buffer_numels, what wrap allocates). Every buffer is
+padded to whole 4 KiB pages. The device holds, with
 param_tier="device", every unit's compute copy; otherwise the root unit plus the largest
 other unit; in both cases plus one largest parameter's gradient on its way out.
 
@@ -70,6 +73,7 @@ from offload.memory.layout import DTYPE_NAMES, Layout
 from offload.memory.state_slots import StateSlots
 from offload.memory import placement as unit_placement
 from offload.plan_optimizers import OptimizerLayout, describe, state_layout
+from offload import units as unit_split
 from offload.units import padded_numel
 
 # The machine profile's schema lives with the placement that weighs tiers by it; offload
@@ -92,14 +96,17 @@ class UnitShape:
     compact_numel: Optional[int] = None  # [Note: compact optimizer states] None: parameter sizes unknown
     whole_step: bool = False  # it holds a parameter stepped whole ([Note: whole-parameter optimizers])
     # [Note: per-entry state slots] its moments home's fp32 elements where its parameters keep
-    # different slots (None: every one keeps all of them, or parameter sizes unknown)
+    # different slots (None: every one keeps all of them, or parameter sizes unknown), and the
+    # most of them one piece of the staged step moves (UnitSizes.moments_piece_numel)
     moments_numel: Optional[int] = None
+    moments_piece_numel: Optional[int] = None
 
     def sizes(self, element_bytes: int) -> UnitSizes:
         """The unit's sizes as wrap has them on one process."""
         sizes = UnitSizes.unsharded(self.name, self.total_numel, self.trainable_numel, self.largest_param_numel,
                                     element_bytes, self.shared_numel, self.compact_numel)
-        return dataclasses.replace(sizes, whole_step=self.whole_step, moments_numel=self.moments_numel)
+        return dataclasses.replace(sizes, whole_step=self.whole_step, moments_numel=self.moments_numel,
+                                   moments_piece_numel=self.moments_piece_numel)
 
 
 @dataclass(frozen=True)
@@ -144,14 +151,14 @@ def shape_from_count(num_params: int, num_units: int, optimizer: Optional[str] =
     units, kept = [], 0
     for i in range(num_units + 1):
         numel = per_unit + (rest if i == 0 else 0)
-        whole_step, moments_numel = False, None
+        whole_step, pages = False, None
         if layout is not None:
             params = _assumed_params(numel, width, root=i == 0, stand_in=stand_in)
             whole_step = any(p in layout.whole_params for p, _ in params)
-            moments_numel = _moments_numel(layout, params)
+            pages = _state_pages(layout, params)
             kept += sum(len(layout.param_slots[p]) * n for p, n in params)
         units.append(UnitShape("<root>" if i == 0 else f"unit{i}", numel, numel, max(1, numel // 3),
-                               whole_step=whole_step, moments_numel=moments_numel))
+                               whole_step=whole_step, **_moments_fields(pages, whole_step)))
     if layout is None:
         state = "every parameter keeps every optimizer state tensor"
     else:
@@ -187,10 +194,10 @@ def _assumed_params(numel: int, width: int, root: bool, stand_in: "_StandIn"
             (matrix, 4 * d * d + rest), (bias, 4 * d), (matrix, 4 * d * d), (bias, d)]
 
 
-def _moments_numel(layout: OptimizerLayout, params: List[Tuple[torch.nn.Parameter, int]]) -> Optional[int]:
-    """[Note: per-entry state slots] The moments home's fp32 elements of a unit of ``params``
-    (stand-ins of layout's model with their counts) as UnitState counts it: ordered by param
-    group as split_into_units orders them; None where every parameter keeps every slot."""
+def _state_pages(layout: OptimizerLayout, params: List[Tuple[torch.nn.Parameter, int]]) -> Optional[StateSlots]:
+    """[Note: per-entry state slots] The StateSlots of a unit of ``params`` (stand-ins of
+    layout's model with their counts) as UnitState makes them: ordered by param group as
+    split_into_units orders them; None where every parameter keeps every slot."""
     if not layout.state_slots:
         return None
     ordered = sorted(params, key=lambda pn: layout.group_of[pn[0]])  # stable: model order inside a group
@@ -198,8 +205,16 @@ def _moments_numel(layout: OptimizerLayout, params: List[Tuple[torch.nn.Paramete
     for p, n in ordered:
         entries.append((offset, n, layout.param_slots[p]))
         offset += n
-    pages = StateSlots.of(layout.state_slots, padded_numel(offset, FP32_BYTES), entries)
-    return None if pages is None else pages.numel
+    return StateSlots.of(layout.state_slots, padded_numel(offset, FP32_BYTES), entries)
+
+
+def _moments_fields(pages: Optional[StateSlots], whole_step: bool) -> Dict[str, Optional[int]]:
+    """UnitShape's moments_numel and moments_piece_numel of a unit whose StateSlots are
+    ``pages`` (None: the plain layout), as UnitSizes.of gives them."""
+    if pages is None:
+        return {"moments_numel": None, "moments_piece_numel": None}
+    return {"moments_numel": pages.numel,
+            "moments_piece_numel": pages.largest_piece_numel(unit_split.OPTIMIZER_PIECE_NUMEL, whole_step)}
 
 
 class _StandIn(torch.nn.Module):
@@ -269,19 +284,20 @@ def shape_from_module(model, name: str, unit_classes: Sequence[str] = (), optimi
     group_of = {p: 0 for p in model.parameters() if p.requires_grad} if layout is None else layout.group_of
     specs = split_into_units(model, group_of, 4, unit_classes)
 
-    def moments_numel(spec) -> Optional[int]:  # [Note: per-entry state slots] as UnitState counts it
+    def state_pages(spec) -> Optional[StateSlots]:  # [Note: per-entry state slots] as UnitState makes them
         if layout is None or not layout.state_slots:
             return None
-        pages = StateSlots.of(layout.state_slots, padded_numel(spec.trainable_numel, FP32_BYTES),
-                              [(e.offset, e.numel, layout.param_slots[e.param]) for e in spec.trainable_entries])
-        return None if pages is None else pages.numel
+        return StateSlots.of(layout.state_slots, padded_numel(spec.trainable_numel, FP32_BYTES),
+                             [(e.offset, e.numel, layout.param_slots[e.param]) for e in spec.trainable_entries])
 
-    units = tuple(UnitShape(s.name, s.total_numel, s.trainable_numel,
-                            max((e.numel for e in s.entries if e.trainable), default=0),
-                            s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]),
-                            whole_step=any(e.param in whole for e in s.entries if e.trainable),
-                            moments_numel=moments_numel(s))
-                  for s in specs)
+    units = []
+    for s in specs:
+        whole_step = any(e.param in whole for e in s.entries if e.trainable)
+        units.append(UnitShape(s.name, s.total_numel, s.trainable_numel,
+                               max((e.numel for e in s.entries if e.trainable), default=0),
+                               s.shared_numel, compact_padded_numel([e.numel for e in s.entries if e.trainable]),
+                               whole_step=whole_step, **_moments_fields(state_pages(s), whole_step)))
+    units = tuple(units)
     return ModelShape(f"{name} ({sum(u.total_numel for u in units):,} parameters, {len(units)} units)",
                       units, exact=True, optimizer=layout)
 

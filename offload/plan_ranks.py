@@ -79,7 +79,7 @@ def rank_unit_sizes(shape: ModelShape, dtype: str, stage: int, shard_rank: int, 
             grad_numel=shards.grad_numel, bucket_numel=shards.bucket_numel,
             reduce_out_numel=shards.shard.shard_numel if shards.bucket_numel else 0,
             # whole slots of the shard: stages >= 1 run Adam alone ([Note: per-entry state slots])
-            moments_numel=None))
+            moments_numel=None, moments_piece_numel=None))
     return sizes
 
 

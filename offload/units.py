@@ -43,6 +43,15 @@ def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def piece_ranges(numel: int, piece_numel: int, whole: bool) -> List[Tuple[int, int]]:
+    """The staged step's pieces of a trainable prefix of ``numel`` fp32 elements (whole
+    pages): ranges [lo, hi) of ``piece_numel`` elements, the last one the rest; one piece for a
+    unit updated whole ([Note: whole-parameter optimizers])."""
+    if whole:
+        return [(0, numel)] if numel else []
+    return [(lo, min(lo + piece_numel, numel)) for lo in range(0, numel, piece_numel)]
+
+
 def padded_numel(numel: int, element_bytes: int) -> int:
     """Elements in a buffer of at least ``numel`` elements that fills whole pages."""
     return round_up(numel * element_bytes, PAGE_BYTES) // element_bytes

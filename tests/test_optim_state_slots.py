@@ -448,3 +448,59 @@ def test_out_of_place_carry_over_copies_a_packed_slots_gaps_only(s):
     gaps = torch.ones(hi - lo, dtype=torch.bool)
     gaps[updated[0]:updated[1]] = False
     assert torch.equal(master_dst[gaps], master_src[gaps]) and not master_dst[~gaps].any()
+
+
+def run_staging(name, swap, whole_slots, monkeypatch):
+    """Two steps of ``name`` with the states on NVMe (fp32, compute copies at home in RAM):
+    the state_dict, the host tier's bytes once wrap is done (homes and staging slots: what
+    the host holds after a step depends on when the last gradients were let go), the units'
+    sizes and the layout. ``whole_slots``: every moments home in whole slots (StateSlots.of
+    taken away)."""
+    from offload.memory.budget import UnitSizes
+
+    with monkeypatch.context() as m:
+        if whole_slots:
+            m.setattr(StateSlots, "of", classmethod(lambda cls, *args: None))
+        torch.manual_seed(0)
+        model = GPT(WIDE)
+        config = dict(device="cpu", dtype="fp32", param_tier="host", optimizer_tier="nvme", swap_dir=str(swap),
+                      overlap_step_with_forward=False)
+        with offload.wrap(model, OPTIMIZERS[name](model), config=config) as engine:
+            assert any(u.state_pages is not None for u in engine.units) != whole_slots
+            at_wrap = engine.stats()["host_bytes"]
+            train_steps(engine, batches(2))
+            return (engine.state_dict(), at_wrap, [UnitSizes.of(u) for u in engine.units], engine.layout,
+                    engine.units)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_staging_slots_hold_the_state_slots_the_largest_piece_moves(name, tmp_path, monkeypatch):
+    """[Note: per-entry state slots] A staging slot's moments buffer holds what the largest
+    piece of an NVMe-homed moments home moves: each unit here is one piece (a whole-parameter
+    optimizer's, or smaller than a piece), so that is the largest unit's home by the page rule
+    over torch's tensors per parameter, not its optimizer's most slots over the largest master.
+    The host tier holds exactly that less than with whole-slot homes, host_budget's
+    arithmetic (host_bytes' optimizer staging) counts the same bytes, and the numbers are the
+    same bit for bit."""
+    from offload.memory.budget import host_bytes, slot_shape
+
+    with correctly_rounded_sqrt():
+        torch.manual_seed(0)
+        reference = GPT(WIDE)
+        tensors_of = torch_state(reference, OPTIMIZERS[name](reference), batches(1))
+        packed = run_staging(name, tmp_path / "packed", False, monkeypatch)
+        whole = run_staging(name, tmp_path / "whole", True, monkeypatch)
+    assert all(torch.equal(packed[0][k], whole[0][k]) for k in whole[0])
+    (_, host, sizes, layout, units), (_, whole_host, whole_sizes, _, _) = packed, whole
+    assert all(u.master_numel <= offload.units.OPTIMIZER_PIECE_NUMEL or u.whole_step for u in units)
+    # by hand: the page rule per unit, the largest one
+    expected = max(paged_bytes([u], tensors_of) for u in units if u.trainable) // 4
+    slots = max(u.state_slots for u in units)
+    master = max(u.master_numel for u in units)
+    assert expected < slots * master
+    depth = layout.optimizer_pipeline_depth
+    assert slot_shape(sizes, layout).moments_numel == expected
+    assert slot_shape(whole_sizes, layout).moments_numel == slots * master
+    assert host_bytes(sizes, layout).optimizer_staging == depth * (master + expected) * 4
+    assert host_bytes(whole_sizes, layout).optimizer_staging - host_bytes(sizes, layout).optimizer_staging \
+        == whole_host - host == depth * (slots * master - expected) * 4

@@ -11,6 +11,7 @@ import torch
 import offload
 from offload.cli import main
 from offload.gpt import GPT, GPTConfig
+from offload.memory.budget import UnitSizes, slot_shape
 from offload.plan import shape_from_module
 from offload.plan_optimizers import OPTIMIZERS, build_optimizers
 from support import CFG, batches, gpt_loss
@@ -65,7 +66,8 @@ def test_nvme_bytes_per_step_are_what_the_plan_predicts_from_the_optimizers_stat
     """States on NVMe, compute copies in RAM (so every NVMe byte is the optimizer's: its
     state slots, and with bf16 the master's low halves), updates finished inside step()
     (overlap_step_with_forward=False), so each step moves the same bytes: those the plan
-    predicts for host/nvme, from the layout it learned by probing the optimizer."""
+    predicts for host/nvme, from the layout it learned by probing the optimizer; its staging
+    buffers are the ones wrap allocates."""
     if name == "adafactor":
         pytest.importorskip("transformers")
     report, by_tiers = plan_json(tmp_path, monkeypatch, name, dtype)
@@ -82,6 +84,11 @@ def test_nvme_bytes_per_step_are_what_the_plan_predicts_from_the_optimizers_stat
         assert [u.state_slots for u in engine.units] == [slots] * len(engine.units)
         assert any(u.whole_step for u in engine.units) == report["optimizer"]["whole_step"]
         assert [u.whole_step for u in engine.units] == [u.whole_step for u in shape.units]
+        layout = engine.layout
+        # [Note: per-entry state slots] the staging slots wrap allocates, sized by what its
+        # largest piece moves
+        staging = layout.optimizer_pipeline_depth * slot_shape([UnitSizes.of(u) for u in engine.units],
+                                                               layout).num_bytes(layout.compute_element_bytes)
         moved = steps_traffic(engine, 2)
         stats = engine.stats()
     traffic = planned["traffic_bytes_per_step"]
@@ -91,6 +98,7 @@ def test_nvme_bytes_per_step_are_what_the_plan_predicts_from_the_optimizers_stat
     assert stats["optimizer_state_bytes"] == planned["state_bytes"]["fp32 master"] + \
         planned["state_bytes"][report["optimizer"]["state_name"]]
     assert stats["host_bytes"] <= planned["host_bytes"]
+    assert planned["host_parts"]["optimizer staging buffers"] == staging
 
 
 @pytest.mark.parametrize("name", NAMES)

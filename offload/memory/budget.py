@@ -56,13 +56,25 @@ class UnitSizes:
     bucket_numel: int = 0       # [zero] stage >= 2: its fp32 gradient bucket on the device (0: none)
     reduce_out_numel: int = 0   # [zero] stage >= 2: its shard of the bucket, the reduce-scatter's output (fp32)
     # [Note: per-entry state slots] fp32 elements of the moments home where its parameters keep
-    # different slots (None: state_slots whole slots)
+    # different slots (None: state_slots whole slots), and the most of them one piece of the
+    # staged step moves (StateSlots.largest_piece_numel at units.OPTIMIZER_PIECE_NUMEL)
     moments_numel: Optional[int] = None
+    moments_piece_numel: Optional[int] = None
 
     @property
     def moments_home_numel(self) -> int:
         """fp32 elements of the unit's moments home (one copy)."""
         return self.state_slots * self.state_numel if self.moments_numel is None else self.moments_numel
+
+    @property
+    def staged_moments_numel(self) -> int:
+        """fp32 moments elements the largest piece of its staged step moves through a staging
+        slot: ``state_slots`` per element of the piece, or with per-entry slots the piece's
+        spans of them ([Note: per-entry state slots])."""
+        if self.moments_piece_numel is not None:
+            return self.moments_piece_numel
+        piece = self.master_numel if self.whole_step else min(self.master_numel, unit_split.OPTIMIZER_PIECE_NUMEL)
+        return self.state_slots * piece
 
     @classmethod
     def of(cls, u: UnitState) -> "UnitSizes":
@@ -74,7 +86,9 @@ class UnitSizes:
                    u.spec.shared_numel, u.state_slots, u.whole_step,
                    compact_padded_numel([e.numel for e in u.trainable]), u.bucket_numel,
                    u.shard.shard_numel if u.bucket_numel else 0,
-                   None if u.state_pages is None else u.state_pages.numel)
+                   None if u.state_pages is None else u.state_pages.numel,
+                   None if u.state_pages is None else
+                   u.state_pages.largest_piece_numel(unit_split.OPTIMIZER_PIECE_NUMEL, u.whole_step))
 
     @classmethod
     def unsharded(cls, name: str, total_numel: int, trainable_numel: int, largest_param_numel: int,
@@ -386,9 +400,10 @@ class SlotShape:
     compute_numel: int    # 0: the slot has no compute buffer
     low_numel: int        # [Note: split master] 0 without a split master
     compact_bytes: int = 0  # [Note: compact optimizer states] the largest NVMe-homed compact home
+    moments_numel: int = 0  # fp32 state slots of the largest piece of an NVMe-homed moments home
 
     def num_bytes(self, compute_element_bytes: int) -> int:
-        return 3 * self.master_numel * FP32_BYTES + self.compute_numel * compute_element_bytes + \
+        return (self.master_numel + self.moments_numel) * FP32_BYTES + self.compute_numel * compute_element_bytes + \
             self.low_numel * 2 + self.compact_bytes
 
 
@@ -398,6 +413,10 @@ def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     master = min(max((u.master_numel for u in units), default=0), unit_split.OPTIMIZER_PIECE_NUMEL)
     # [Note: whole-parameter optimizers] such a unit's update is one piece, whatever its size
     master = max([master] + [u.master_numel for u in units if u.whole_step])
+    # the state slots a piece reads and writes through the slot: those of NVMe-homed moments
+    # (host-homed ones are updated at home), each unit's own ([Note: per-entry state slots])
+    moments = max((u.staged_moments_numel for i, u in enumerate(units)
+                   if u.trainable and layout.state_tier(i) == "nvme"), default=0)
     any_compute_on_nvme = any(layout.compute_tier(i) == "nvme" for i in range(len(units)))
     needs_compute = any_compute_on_nvme and not layout.merged or \
         (layout.param_tier == "device" and not layout.device_is_host and layout.compute_dtype != torch.float32)
@@ -405,7 +424,7 @@ def slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:
     compute = master + 2048 if needs_compute else 0
     # [Note: split master] low halves: a piece, padded as a 16-bit prefix is
     low = master + 2048 if layout.split_master else 0
-    return SlotShape(master, compute, low)
+    return SlotShape(master, compute, low, moments_numel=moments)
 
 
 def _compact_slot_shape(units: Sequence[UnitSizes], layout: Layout) -> SlotShape:

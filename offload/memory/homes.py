@@ -159,7 +159,7 @@ class Homes:
         if not self._layout.staged_step:
             return []
         return [StagingSlot(self._host, shape.master_numel, shape.compute_numel, self._layout.compute_dtype,
-                            shape.low_numel, shape.compact_bytes)
+                            shape.low_numel, shape.compact_bytes, shape.moments_numel)
                 for _ in range(self._layout.optimizer_pipeline_depth)]
 
     # ------------------------------------------------------------------ initial state

@@ -549,9 +549,12 @@ class StagingSlot:
     """Host buffers the optimizer pipeline reads one unit's states into."""
 
     def __init__(self, host: HostTier, master_numel: int, compute_numel: int,
-                 compute_dtype: torch.dtype, low_numel: int = 0, compact_bytes: int = 0) -> None:
+                 compute_dtype: torch.dtype, low_numel: int = 0, compact_bytes: int = 0,
+                 moments_numel: int = 0) -> None:
         self.master = host.allocate(master_numel, torch.float32)
-        self.moments = host.allocate(2 * master_numel, torch.float32)
+        # the state slots of a piece of NVMe-homed moments: state_slots x piece one after
+        # another, or a per-entry home's spans ([Note: per-entry state slots], staged_parts)
+        self.moments = host.allocate(moments_numel, torch.float32)
         self.compute = host.allocate(compute_numel, compute_dtype) if compute_numel else None
         # [Note: split master] the master's low halves, read and written in its place
         self.low = host.allocate(low_numel, torch.int16) if low_numel else None

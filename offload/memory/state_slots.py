@@ -13,7 +13,10 @@ home. So
 - the master range [lo, hi) of a piece whose bounds are on pages (every piece: the pieces cut
   at OPTIMIZER_PIECE_NUMEL, a whole unit ends on a page) is one contiguous, page-aligned range
   of each slot, and two pieces never share a page: the staged step reads and writes one
-  request per slot per piece, as with whole slots (optim/step.py ``_moment_parts``);
+  request per slot per piece, as with whole slots (optim/step.py ``_moment_parts``), into a
+  staging buffer that holds the piece's spans one after another (``staged_parts``), so a
+  staging slot needs only what the largest piece moves (``StateSlots.largest_piece_numel``,
+  ``UnitSizes.staged_moments_numel``, ``budget.slot_shape``);
 - a parameter's elements are contiguous in every slot it uses (all its pages are kept);
 - a page partly held by parameters that do not use the slot is kept whole: its other elements
   are never read as state; the virtual layout below reads zeros there and drops what is
@@ -36,6 +39,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from offload._sizes import FP32_BYTES, PAGE_BYTES
+from offload.units import piece_ranges
 
 __all__ = ["PAGE_NUMEL", "PackedHome", "PackedSlot", "StateSlots", "home_views", "slot_indices",
            "staged_parts", "staged_views"]
@@ -111,6 +115,16 @@ class StateSlots:
         are on pages (or hi the master's end): contiguous and page-aligned."""
         assert lo % PAGE_NUMEL == 0 and hi % PAGE_NUMEL == 0, "a piece starts and ends on pages"
         return self.physical(s, lo), self.physical(s, hi)
+
+    def piece_numel(self, lo: int, hi: int) -> int:
+        """Elements of the home that piece [lo, hi) moves: its span of every slot."""
+        return sum(b - a for a, b in (self.span(s, lo, hi) for s in range(self.num_slots)))
+
+    def largest_piece_numel(self, piece_numel: int, whole: bool) -> int:
+        """The most elements of the home one piece of the staged step moves, the unit's
+        pieces cut as ``units.piece_ranges`` cuts them (``whole``: one piece)."""
+        return max((self.piece_numel(lo, hi) for lo, hi in piece_ranges(self.state_numel, piece_numel, whole)),
+                   default=0)
 
     def pack(self, virtual: torch.Tensor) -> torch.Tensor:
         """The home's contents for ``virtual`` (every slot whole, ``state_numel`` apart)."""
@@ -193,8 +207,8 @@ def home_views(home: PackedHome, lo: int, hi: int) -> Tuple[Optional[PackedSlot]
 
 def staged_views(slots: StateSlots, buffer: torch.Tensor, lo: int, hi: int
                  ) -> Tuple[Optional[PackedSlot], Optional[PackedSlot]]:
-    """Slots 0 and 1 of piece [lo, hi) read into a staging buffer that holds slot s's span
-    from element ``s * (hi - lo)`` on (``staged_parts``)."""
+    """Slots 0 and 1 of piece [lo, hi) read into a staging buffer that holds the piece's span
+    of each slot, one after another (``staged_parts``)."""
     views: List[Optional[PackedSlot]] = []
     for s, (start, a, b) in enumerate(staged_parts(slots, lo, hi)):
         views.append(PackedSlot(slots, s, lo, buffer[start:start + b - a]))
@@ -203,5 +217,11 @@ def staged_views(slots: StateSlots, buffer: torch.Tensor, lo: int, hi: int
 
 
 def staged_parts(slots: StateSlots, lo: int, hi: int) -> List[Tuple[int, int, int]]:
-    """(start in the staging buffer, span in the home) of each slot of piece [lo, hi)."""
-    return [(s * (hi - lo),) + slots.span(s, lo, hi) for s in range(slots.num_slots)]
+    """(start in the staging buffer, span in the home) of each slot of piece [lo, hi): the
+    spans one after another, ``StateSlots.piece_numel`` elements in all."""
+    parts, start = [], 0
+    for s in range(slots.num_slots):
+        a, b = slots.span(s, lo, hi)
+        parts.append((start, a, b))
+        start += b - a
+    return parts

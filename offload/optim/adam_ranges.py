@@ -24,6 +24,7 @@ from offload.optim.several import GroupRule
 from offload.optim.gradients import Gradients
 from offload.stats import Timeline, profiled
 from offload.tiers import DeviceTier
+from offload.units import piece_ranges
 
 __all__ = ["OutOfPlace", "UnitAdam", "moment_views", "step_elementwise"]
 
@@ -140,9 +141,7 @@ class UnitAdam:
             pieces = self.compact_pieces(u)
             return [(p.compute_lo, n if j == len(pieces) - 1 else p.compute_hi) for j, p in enumerate(pieces)]
         # [Note: whole-parameter optimizers] never a piece that cuts a parameter
-        if u.whole_step:
-            return [(0, n)] if n else []
-        return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+        return piece_ranges(n, size, u.whole_step)
 
     def compact_pieces(self, u: UnitState) -> List[CompactPiece]:
         """[Note: compact pieces] u's pieces of the compact step, in order."""

@@ -296,8 +296,8 @@ class PipelinedStep:
         """(staging view, extent range) pairs that move exp_avg[lo:hi] and exp_avg_sq[lo:hi]
         (each of u's state_slots) of u's moments ``home`` (its own or its spare): one request
         when the piece is the whole unit (the slots are adjacent on disk); with per-entry slots
-        one per slot holding any of the piece ([Note: per-entry state slots]: slot s's span at
-        ``s * (hi - lo)`` in the staging buffer)."""
+        one per slot holding any of the piece ([Note: per-entry state slots]: the slots' spans
+        one after another in the staging buffer, staged_parts)."""
         n, k = hi - lo, u.state_slots
         if isinstance(home, PackedHome):  # [Note: per-entry state slots] each slot's span of the piece
             return [(slot.moments[start:start + b - a], sub_extent(home.home, a * FP32_BYTES, (b - a) * FP32_BYTES))
