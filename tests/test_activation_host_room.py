@@ -238,6 +238,19 @@ def _swap_files(tmp_path):
     return [p for p in (tmp_path / "swap").rglob("*") if p.is_file()]
 
 
+def _tight_run(mode, tmp_path):
+    """Activations offloaded (``mode``) at TIGHT_BUDGET beside the same run without offload:
+    (the plain run, offload plan's prediction, losses, stats, planned host bytes)."""
+    config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
+    if mode == "auto":
+        config["device_budget"] = 1_900_000  # moves groups off the device
+    plain = train(dict(host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap")))
+    predicted = plan_activations(gpt, config, CFG.seq_len, BATCH)
+    with pytest.warns(RuntimeWarning, match="activation_host_bytes") if mode == "auto" else _no_warning():
+        losses, stats, _, planned = train(config)
+    return plain, predicted, losses, stats, planned
+
+
 @pytest.mark.parametrize("mode", ["nvme", "auto"])
 def test_nvme_and_auto_without_a_share_train_where_auto_placement_fills_host_budget(mode, tmp_path):
     """[Note: activation host room] At TIGHT_BUDGET "auto" placement took all but 86,720
@@ -248,13 +261,7 @@ def test_nvme_and_auto_without_a_share_train_where_auto_placement_fills_host_bud
     is the one without offload."""
     from offload.memory.layout import ACTIVATION_PIECE_BYTES
 
-    config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
-    if mode == "auto":
-        config["device_budget"] = 1_900_000  # moves groups off the device
-    plain = train(dict(host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap")))
-    predicted = plan_activations(gpt, config, CFG.seq_len, BATCH)
-    with pytest.warns(RuntimeWarning, match="activation_host_bytes") if mode == "auto" else _no_warning():
-        losses, stats, _, planned = train(config)
+    plain, predicted, losses, stats, planned = _tight_run(mode, tmp_path)
     act = stats["activations"]
     assert losses == plain[0]
     assert ACTIVATION_PIECE_BYTES <= act["host_room_bytes"] == predicted.host_room_bytes
@@ -280,13 +287,7 @@ def test_a_group_larger_than_the_host_room_goes_to_nvme_in_pieces(mode, tmp_path
     import offload.memory.layout as layout_module
 
     monkeypatch.setattr(layout_module, "ACTIVATION_PIECE_BYTES", 64 << 10)
-    config = dict(activation_offload=mode, host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap"))
-    if mode == "auto":
-        config["device_budget"] = 1_900_000
-    plain = train(dict(host_budget=TIGHT_BUDGET, swap_dir=str(tmp_path / "swap")))
-    predicted = plan_activations(gpt, config, CFG.seq_len, BATCH)
-    with pytest.warns(RuntimeWarning, match="activation_host_bytes") if mode == "auto" else _no_warning():
-        losses, stats, _, planned = train(config)
+    plain, predicted, losses, stats, planned = _tight_run(mode, tmp_path)
     act = stats["activations"]
     assert losses == plain[0]
     room = act["host_room_bytes"]
