@@ -43,6 +43,18 @@ def plan_json(tmp_path, monkeypatch, name, dtype):
     return report, {(c["param_tier"], c["optimizer_tier"]): c for c in report["configurations"]}
 
 
+def _stepped_once(name):
+    """The seed-0 GPT and the optimizers ``name`` builds over it, after one step: the state
+    torch keeps."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = build_optimizers(name, model)
+    gpt_loss(model, batches(1)[0]).backward()
+    for opt in opts:
+        opt.step()
+    return model, opts
+
+
 def steps_traffic(engine, num_steps):
     """(bytes read, bytes written) on NVMe by each of ``num_steps`` steps after a first one."""
     data = batches(num_steps + 1)
@@ -138,12 +150,7 @@ def test_the_plans_state_bytes_per_parameter_are_what_torch_keeps(name, tmp_path
     if name == "adafactor":
         pytest.importorskip("transformers")
     report, _ = plan_json(tmp_path, monkeypatch, name, "fp32")
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opts = build_optimizers(name, model)
-    gpt_loss(model, batches(1)[0]).backward()
-    for opt in opts:
-        opt.step()
+    model, opts = _stepped_once(name)
     state = {p: s for opt in opts for p, s in opt.state.items()}
     params = list(model.parameters())
     tensors = [sum(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape for v in state.get(p, {}).values())
@@ -175,12 +182,7 @@ def test_the_plan_names_the_state_the_optimizers_keep(name, tmp_path, monkeypatc
         pytest.importorskip("transformers")
     report, by_tiers = plan_json(tmp_path, monkeypatch, name, "fp32")
     out = capsys.readouterr().out
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opts = build_optimizers(name, model)
-    gpt_loss(model, batches(1)[0]).backward()
-    for opt in opts:
-        opt.step()
+    model, opts = _stepped_once(name)
     kept = [sorted({k for p in opt.state for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)
                     and v.shape == p.shape and v.dim() > 0}) for opt in opts]
     assert report["optimizer"]["slots"] == kept
